@@ -1,0 +1,1 @@
+"""Hardware collectors (GPU, MPS, RDMA, ethtool, NCCL): one module per source."""

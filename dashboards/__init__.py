@@ -1,0 +1,1 @@
+"""Grafana dashboards as code, provisioning files and alert rules."""

@@ -1,0 +1,1 @@
+"""Where data leaves the process: ClickHouse and Prometheus exporters."""

@@ -1,0 +1,294 @@
+"""OpenTelemetry span exporter into ClickHouse's ``otel_traces``, with the Collector's column layout.
+
+One chdb or server insert costs about the same up to a few thousand rows, and many small inserts
+pile up parts, so the exporter coalesces the SDK's batches (512 spans under ``BatchSpanProcessor``)
+into large, infrequent inserts made by its own writer thread::
+
+    provider.add_span_processor(BatchSpanProcessor(ClickHouseSpanExporter(store="chdb:///var/lib/st")))
+
+Result contract: ``export`` returns ``SUCCESS`` once the spans are held by the exporter, which
+inserts them within ``max_delay_s`` (or sooner, at ``max_batch_rows``), retrying with back-off
+while the store is failing; it returns ``FAILURE`` when the spans were dropped: after
+``shutdown``, or when ``max_buffered_rows`` are already waiting for a store that keeps failing.
+``force_flush`` returns True only when everything accepted so far is in the store. ``shutdown``
+flushes what is held, within its timeout, then closes the store if the exporter opened it.
+
+Settings are arguments with environment fallbacks: ``STAGETRACE_STORE``,
+``STAGETRACE_EXPORT_MAX_ROWS`` (10000), ``STAGETRACE_EXPORT_MAX_DELAY`` (seconds, 1.0),
+``STAGETRACE_EXPORT_MAX_BUFFERED_ROWS`` (200000).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import SpanKind, StatusCode
+
+from stagetrace.store import Location, Store, StoreError, open_store
+
+logger = logging.getLogger(__name__)
+
+COLUMNS = (
+    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
+    "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration", "StatusCode",
+    "StatusMessage", "Events.Timestamp", "Events.Name", "Events.Attributes", "Links.TraceId", "Links.SpanId",
+    "Links.TraceState", "Links.Attributes",
+)  # fmt: skip
+
+# The Collector writes pdata's String() of kind and status code.
+_KIND = {
+    SpanKind.INTERNAL: "Internal",
+    SpanKind.SERVER: "Server",
+    SpanKind.CLIENT: "Client",
+    SpanKind.PRODUCER: "Producer",
+    SpanKind.CONSUMER: "Consumer",
+}
+_STATUS = {StatusCode.UNSET: "Unset", StatusCode.OK: "Ok", StatusCode.ERROR: "Error"}
+
+_MAX_BACKOFF_S = 30.0
+
+
+def attribute_text(value) -> str:
+    """An attribute value as the Collector stores it in a ``Map(String, String)``."""
+    if isinstance(value, str):
+        return value
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, Sequence):
+        return json.dumps([v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for v in value])
+    return str(value)
+
+
+def attribute_map(attributes) -> dict[str, str]:
+    if not attributes:
+        return {}
+    return {k: v if type(v) is str else attribute_text(v) for k, v in attributes.items()}
+
+
+def _env_number(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        logger.warning("ignoring %s=%r: not a number; using %s", name, raw, default)
+        return default
+
+
+class _Resources:
+    """Resource → (service name, attribute map), computed once per resource object."""
+
+    def __init__(self):
+        self._cache: dict[int, tuple] = {}
+
+    def get(self, resource) -> tuple[str, dict[str, str]]:
+        hit = self._cache.get(id(resource))
+        if hit is not None and hit[0] is resource:
+            return hit[1], hit[2]
+        attrs = attribute_map(resource.attributes) if resource is not None else {}
+        if len(self._cache) > 256:
+            self._cache.clear()
+        self._cache[id(resource)] = (resource, attrs.get("service.name", ""), attrs)
+        return attrs.get("service.name", ""), attrs
+
+
+def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
+    """One ``otel_traces`` row, in ``COLUMNS`` order."""
+    ctx = span.context
+    parent = span.parent
+    service, resource_attrs = resources.get(span.resource)
+    scope = span.instrumentation_scope
+    start = span.start_time or 0
+    status = span.status
+    events = span.events
+    links = span.links
+    return (
+        start,
+        f"{ctx.trace_id:032x}",
+        f"{ctx.span_id:016x}",
+        f"{parent.span_id:016x}" if parent is not None else "",
+        ctx.trace_state.to_header() if ctx.trace_state else "",
+        span.name,
+        _KIND.get(span.kind, "Unspecified"),
+        service,
+        resource_attrs,
+        scope.name if scope is not None else "",
+        (scope.version or "") if scope is not None else "",
+        attribute_map(span.attributes),
+        max(0, (span.end_time or start) - start),
+        _STATUS.get(status.status_code, "Unset"),
+        status.description or "",
+        [e.timestamp for e in events],
+        [e.name for e in events],
+        [attribute_map(e.attributes) for e in events],
+        [f"{link.context.trace_id:032x}" for link in links],
+        [f"{link.context.span_id:016x}" for link in links],
+        [link.context.trace_state.to_header() if link.context.trace_state else "" for link in links],
+        [attribute_map(link.attributes) for link in links],
+    )
+
+
+class ClickHouseSpanExporter(SpanExporter):
+    """Coalescing span exporter into ``otel_traces`` (see the module docstring for the contract)."""
+
+    def __init__(
+        self,
+        store: str | Location | Store | None = None,
+        *,
+        max_batch_rows: int | None = None,
+        max_delay_s: float | None = None,
+        max_buffered_rows: int | None = None,
+        create_schema: bool = True,
+    ):
+        self.max_batch_rows = int(max_batch_rows or _env_number("STAGETRACE_EXPORT_MAX_ROWS", 10_000))
+        self.max_delay_s = float(max_delay_s if max_delay_s is not None else _env_number("STAGETRACE_EXPORT_MAX_DELAY", 1.0))
+        self.max_buffered_rows = int(max_buffered_rows or _env_number("STAGETRACE_EXPORT_MAX_BUFFERED_ROWS", 200_000))
+        if isinstance(store, Store):
+            self._store, self._owns_store = store, False
+            if create_schema:
+                store.ensure_schema()
+        else:
+            self._store, self._owns_store = open_store(store, create_schema=create_schema), True
+        self._resources = _Resources()
+        self._pending: list[tuple] = []
+        self._oldest = 0.0  # monotonic time the oldest pending row arrived
+        self._accepted = 0  # rows ever accepted; with _written, tells force_flush when it is done
+        self._written = 0
+        self.dropped_spans = 0
+        self._failing_since: float | None = None
+        self._cond = threading.Condition()
+        self._flush_wanted = False
+        self._shutdown = False
+        self._writer: threading.Thread | None = None
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self._shutdown:
+            logger.warning("ClickHouseSpanExporter is shut down; dropping %d spans", len(spans))
+            return SpanExportResult.FAILURE
+        resources = self._resources
+        rows = [span_row(span, resources) for span in spans]
+        with self._cond:
+            if len(self._pending) + len(rows) > self.max_buffered_rows:
+                self.dropped_spans += len(rows)
+                logger.error(
+                    "dropping %d spans: %d are already waiting for %s, which keeps failing",
+                    len(rows), len(self._pending), self._store.location.redacted(),
+                )  # fmt: skip
+                return SpanExportResult.FAILURE
+            if not self._pending:
+                self._oldest = time.monotonic()
+            self._pending.extend(rows)
+            self._accepted += len(rows)
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="stagetrace-clickhouse-writer", daemon=True)
+                self._writer.start()
+            if len(self._pending) >= self.max_batch_rows:
+                self._cond.notify_all()
+        return SpanExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        deadline = time.monotonic() + timeout_millis / 1000
+        with self._cond:
+            target = self._accepted
+            if self._written >= target:
+                return True
+            self._flush_wanted = True
+            self._cond.notify_all()
+            while self._written < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._writer is None or not self._writer.is_alive():
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def shutdown(self, timeout_millis: int = 30_000) -> None:
+        if self._shutdown:
+            return
+        flushed = self.force_flush(timeout_millis)
+        with self._cond:
+            self._shutdown = True
+            lost = len(self._pending)
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=max(0.1, timeout_millis / 1000))
+        if not flushed and lost:
+            self.dropped_spans += lost
+            logger.error("shutdown: %d spans could not be written to %s", lost, self._store.location.redacted())
+        if self._owns_store:
+            self._store.close()
+
+    def _due(self) -> bool:
+        if not self._pending:
+            return False
+        return (
+            self._flush_wanted
+            or len(self._pending) >= self.max_batch_rows
+            or time.monotonic() - self._oldest >= self.max_delay_s
+        )
+
+    def _run(self) -> None:
+        backoff = 0.0
+        while True:
+            with self._cond:
+                while not self._shutdown and not self._due():
+                    wait = self.max_delay_s - (time.monotonic() - self._oldest) if self._pending else None
+                    self._cond.wait(wait)
+                if self._shutdown:
+                    return
+                batch = self._pending[: self.max_batch_rows]
+                del self._pending[: len(batch)]
+                if self._pending:
+                    self._oldest = time.monotonic()
+            if self._insert(batch):
+                backoff = 0.0
+                with self._cond:
+                    self._written += len(batch)
+                    if self._written >= self._accepted:
+                        self._flush_wanted = False
+                    self._cond.notify_all()
+            else:
+                with self._cond:
+                    self._pending[:0] = batch  # keep order: these go first on the next attempt
+                    self._oldest = time.monotonic()
+                    backoff = min(_MAX_BACKOFF_S, max(0.1, backoff * 2))
+                    self._cond.wait_for(lambda: self._shutdown, timeout=backoff)
+
+    def _insert(self, rows: list[tuple]) -> bool:
+        try:
+            self._store.client.insert(
+                "otel_traces", rows, column_names=COLUMNS, database=self._store.database
+            )
+        except Exception as exc:  # any driver or server error: keep the rows and retry
+            if self._failing_since is None:
+                self._failing_since = time.monotonic()
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                logger.error(
+                    "cannot insert %d spans into %s, will retry: %s", len(rows), self._store.location.redacted(), reason
+                )
+            return False
+        if self._failing_since is not None:
+            logger.warning(
+                "inserts into %s work again after %.1f s", self._store.location.redacted(),
+                time.monotonic() - self._failing_since,
+            )  # fmt: skip
+            self._failing_since = None
+        return True
+
+
+__all__ = ["ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map", "StoreError"]

@@ -1,0 +1,5 @@
+import sys
+
+from stagetrace.cli import main
+
+sys.exit(main())

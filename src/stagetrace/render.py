@@ -1,0 +1,84 @@
+"""Terminal rendering of a trace as a waterfall (rich)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from stagetrace.lookup import Trace
+from stagetrace.tracing import (
+    INPUT_DIGEST,
+    OUTPUT_DIGEST,
+    REQUEST_ID,
+    STAGE,
+    STAGE_INPUT_DIGEST,
+    STAGE_OUTPUT_DIGEST,
+)
+
+BAR_WIDTH = 20
+_SHOWN_ELSEWHERE = {REQUEST_ID, STAGE, INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST}
+_MAX_ATTRIBUTES = 4
+_STATUS_TEXT = {"Unset": Text(""), "Ok": Text("ok", style="green"), "Error": Text("error", style="bold red")}
+
+
+def _depths(trace: Trace) -> dict[str, int]:
+    parents = {s.span_id: s.parent_span_id for s in trace.spans}
+    depths: dict[str, int] = {}
+    for span in trace.spans:
+        depth, cursor, seen = 0, span.parent_span_id, set()
+        while cursor in parents and cursor not in seen:
+            seen.add(cursor)
+            depth += 1
+            cursor = parents[cursor]
+        depths[span.span_id] = depth
+    return depths
+
+
+def _bar(offset_ns: int, duration_ns: int, total_ns: int) -> Text:
+    total = max(total_ns, 1)
+    left = min(BAR_WIDTH - 1, int(offset_ns / total * BAR_WIDTH))
+    width = max(1, min(BAR_WIDTH - left, round(duration_ns / total * BAR_WIDTH)))
+    return Text(" " * left + "█" * width + " " * (BAR_WIDTH - left - width), style="cyan")
+
+
+def _digests(attrs: dict[str, str]) -> str:
+    din = attrs.get(STAGE_INPUT_DIGEST) or attrs.get(INPUT_DIGEST)
+    dout = attrs.get(STAGE_OUTPUT_DIGEST) or attrs.get(OUTPUT_DIGEST)
+    if not din and not dout:
+        return ""
+    return f"{(din or '-')[:6]}→{(dout or '-')[:6]}"
+
+
+def _key_attributes(attrs: dict[str, str]) -> str:
+    shown = [(k, v) for k, v in attrs.items() if k not in _SHOWN_ELSEWHERE and not k.startswith("stagetrace.")]
+    text = " ".join(f"{k}={v if len(v) <= 24 else v[:23] + '…'}" for k, v in shown[:_MAX_ATTRIBUTES])
+    if len(shown) > _MAX_ATTRIBUTES:
+        text += f" (+{len(shown) - _MAX_ATTRIBUTES})"
+    return text
+
+
+def waterfall(trace: Trace) -> Table:
+    title = f"request {trace.request_id or '-'} · trace {trace.trace_id} · {trace.service} · {trace.duration_ns / 1e6:.2f} ms"
+    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+    table.add_column("span", no_wrap=True)
+    table.add_column("start ms", justify="right", no_wrap=True)
+    table.add_column("dur ms", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("in→out", no_wrap=True)
+    table.add_column("attributes", overflow="fold", min_width=12)
+    depths = _depths(trace)
+    for span in trace.spans:
+        rank = span.attributes.get("parallel.tp_rank")
+        label = ("  " * depths[span.span_id]) + (span.stage or span.name) + (f"[{rank}]" if rank else "")
+        status = _STATUS_TEXT.get(span.status, Text(span.status))
+        table.add_row(
+            label,
+            f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
+            f"{span.duration_ns / 1e6:.2f}",
+            _bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns),
+            status,
+            _digests(span.attributes),
+            _key_attributes(span.attributes),
+        )
+    return table

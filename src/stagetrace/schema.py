@@ -1,0 +1,318 @@
+"""The ClickHouse schema: DDL for one node or a cluster, and its idempotent creation.
+
+The ``otel_*`` tables follow the column names and types of the OpenTelemetry Collector's
+``clickhouseexporter`` in its widely deployed generation (bloom-filter indexes, ``DateTime64(9)``
+metric timestamps), so the Collector and stagetrace's own exporters write the same tables and
+Grafana's ClickHouse data source reads either.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SCHEMA_VERSION = 1
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class SchemaError(ValueError):
+    """A database or cluster name that cannot be used as a ClickHouse identifier."""
+
+
+def identifier(name: str, what: str = "name") -> str:
+    """Back-quote a validated identifier; DDL cannot take identifiers as query parameters."""
+    if not _IDENTIFIER.match(name or ""):
+        raise SchemaError(f"invalid {what} {name!r}: use letters, digits and underscores, starting with a letter")
+    return f"`{name}`"
+
+
+_MAP = "Map(LowCardinality(String), String)"
+
+_ATTRIBUTE_INDEXES = """
+    INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_res_attr_value mapValues(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1"""
+
+_METRIC_COMMON = f"""
+    ResourceAttributes {_MAP} CODEC(ZSTD(1)),
+    ResourceSchemaUrl String CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion String CODEC(ZSTD(1)),
+    ScopeAttributes {_MAP} CODEC(ZSTD(1)),
+    ScopeDroppedAttrCount UInt32 CODEC(ZSTD(1)),
+    ScopeSchemaUrl String CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    MetricName String CODEC(ZSTD(1)),
+    MetricDescription String CODEC(ZSTD(1)),
+    MetricUnit String CODEC(ZSTD(1)),
+    Attributes {_MAP} CODEC(ZSTD(1)),
+    StartTimeUnix DateTime64(9) CODEC(Delta, ZSTD(1)),
+    TimeUnix DateTime64(9) CODEC(Delta, ZSTD(1)),
+    Value Float64 CODEC(ZSTD(1)),
+    Flags UInt32 CODEC(ZSTD(1)),
+    Exemplars Nested (
+        FilteredAttributes {_MAP},
+        TimeUnix DateTime64(9),
+        Value Float64,
+        SpanId String,
+        TraceId String
+    ) CODEC(ZSTD(1)),"""
+
+_METRIC_INDEXES = f"""{_ATTRIBUTE_INDEXES},
+    INDEX idx_scope_attr_key mapKeys(ScopeAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_scope_attr_value mapValues(ScopeAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_attr_key mapKeys(Attributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_attr_value mapValues(Attributes) TYPE bloom_filter(0.01) GRANULARITY 1"""
+
+_METRIC_LAYOUT = """PARTITION BY toDate(TimeUnix)
+ORDER BY (ServiceName, MetricName, Attributes, toUnixTimestamp64Nano(TimeUnix))
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    body: str  # columns and indexes
+    engine: str  # MergeTree family member, without the Replicated prefix
+    layout: str  # PARTITION BY / ORDER BY / SETTINGS
+    shard_by: str  # sharding key of the Distributed table in cluster mode
+
+
+@dataclass(frozen=True)
+class View:
+    name: str
+    target: str
+    select: str  # with {source} for the table it reads
+
+
+TABLES = (
+    Table(
+        "otel_traces",
+        f"""
+    Timestamp DateTime64(9) CODEC(Delta, ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    TraceState String CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
+    SpanKind LowCardinality(String) CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    ResourceAttributes {_MAP} CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion String CODEC(ZSTD(1)),
+    SpanAttributes {_MAP} CODEC(ZSTD(1)),
+    Duration UInt64 CODEC(ZSTD(1)),
+    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
+    StatusMessage String CODEC(ZSTD(1)),
+    Events Nested (
+        Timestamp DateTime64(9),
+        Name LowCardinality(String),
+        Attributes {_MAP}
+    ) CODEC(ZSTD(1)),
+    Links Nested (
+        TraceId String,
+        SpanId String,
+        TraceState String,
+        Attributes {_MAP}
+    ) CODEC(ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,{_ATTRIBUTE_INDEXES},
+    INDEX idx_span_attr_key mapKeys(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_duration Duration TYPE minmax GRANULARITY 1""",
+        "MergeTree()",
+        """PARTITION BY toDate(Timestamp)
+ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1""",
+        "cityHash64(TraceId)",
+    ),
+    Table(
+        "otel_traces_trace_id_ts",
+        """
+    TraceId String CODEC(ZSTD(1)),
+    Start DateTime CODEC(Delta, ZSTD(1)),
+    End DateTime CODEC(Delta, ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.01) GRANULARITY 1""",
+        "MergeTree()",
+        """PARTITION BY toDate(Start)
+ORDER BY (TraceId, Start)
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1""",
+        "cityHash64(TraceId)",
+    ),
+    Table(
+        "otel_metrics_gauge",
+        f"{_METRIC_COMMON}{_METRIC_INDEXES}",
+        "MergeTree()",
+        _METRIC_LAYOUT,
+        "rand()",
+    ),
+    Table(
+        "otel_metrics_sum",
+        f"""{_METRIC_COMMON}
+    AggregationTemporality Int32 CODEC(ZSTD(1)),
+    IsMonotonic Boolean CODEC(Delta, ZSTD(1)),{_METRIC_INDEXES}""",
+        "MergeTree()",
+        _METRIC_LAYOUT,
+        "rand()",
+    ),
+    # One row per request root span; small granules because every read is a point lookup.
+    Table(
+        "stagetrace_requests",
+        """
+    RequestId String CODEC(ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    Start DateTime64(9) CODEC(Delta, ZSTD(1)),
+    End DateTime64(9) CODEC(Delta, ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    HostName LowCardinality(String) CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
+    InputDigest String CODEC(ZSTD(1)),
+    OutputDigest String CODEC(ZSTD(1)),
+    StatusCode LowCardinality(String) CODEC(ZSTD(1))""",
+        "MergeTree()",
+        """PARTITION BY toYYYYMM(Start)
+ORDER BY (RequestId, Start)
+SETTINGS index_granularity = 2048""",
+        "cityHash64(RequestId)",
+    ),
+    Table(
+        "stagetrace_divergences",
+        """
+    DetectedAt DateTime64(3) CODEC(Delta, ZSTD(1)),
+    RequestId String CODEC(ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    RequestStart DateTime64(9) CODEC(Delta, ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    HostName LowCardinality(String) CODEC(ZSTD(1)),
+    InputDigest String CODEC(ZSTD(1)),
+    BaselineRequestId String CODEC(ZSTD(1)),
+    BaselineHow LowCardinality(String) CODEC(ZSTD(1)),
+    FirstDivergentStage LowCardinality(String) CODEC(ZSTD(1)),
+    TopCauseKind LowCardinality(String) CODEC(ZSTD(1)),
+    TopCauseName String CODEC(ZSTD(1)),
+    TopCauseValue String CODEC(ZSTD(1)),
+    TopCauseBaselineValue String CODEC(ZSTD(1)),
+    TopCauseScore Float64 CODEC(ZSTD(1)),
+    Causes String CODEC(ZSTD(3)),
+    Summary String CODEC(ZSTD(1))""",
+        "ReplacingMergeTree(DetectedAt)",
+        """PARTITION BY toYYYYMM(RequestStart)
+ORDER BY (RequestId)""",
+        "cityHash64(RequestId)",
+    ),
+    Table(
+        "stagetrace_schema_version",
+        """
+    Version UInt32,
+    AppliedAt DateTime DEFAULT now()""",
+        "ReplacingMergeTree(AppliedAt)",
+        "ORDER BY Version",
+        "Version",
+    ),
+)
+
+VIEWS = (
+    View(
+        "otel_traces_trace_id_ts_mv",
+        "otel_traces_trace_id_ts",
+        """SELECT
+    TraceId,
+    min(Timestamp) AS Start,
+    max(Timestamp) AS End
+FROM {source}
+WHERE TraceId != ''
+GROUP BY TraceId""",
+    ),
+    # vLLM names its request ID gen_ai.request.id; spans carrying stagetrace.stage are stages, not roots.
+    View(
+        "stagetrace_requests_mv",
+        "stagetrace_requests",
+        """SELECT
+    if(SpanAttributes['stagetrace.request.id'] != '',
+       SpanAttributes['stagetrace.request.id'],
+       SpanAttributes['gen_ai.request.id']) AS RequestId,
+    TraceId,
+    SpanId,
+    ParentSpanId,
+    Timestamp AS Start,
+    addNanoseconds(Timestamp, Duration) AS End,
+    ServiceName,
+    ResourceAttributes['host.name'] AS HostName,
+    SpanName,
+    SpanAttributes['stagetrace.input.digest'] AS InputDigest,
+    SpanAttributes['stagetrace.output.digest'] AS OutputDigest,
+    StatusCode
+FROM {source}
+WHERE (SpanAttributes['stagetrace.request.id'] != '' OR SpanAttributes['gen_ai.request.id'] != '')
+  AND NOT mapContains(SpanAttributes, 'stagetrace.stage')""",
+    ),
+)
+
+TABLE_NAMES = tuple(t.name for t in TABLES)
+
+
+def _replicated(engine: str) -> str:
+    kind, _, args = engine.partition("(")
+    args = args.rstrip(")")
+    params = "'/clickhouse/tables/{shard}/{database}/{table}', '{replica}'"
+    return f"Replicated{kind}({params}{', ' + args if args else ''})"
+
+
+def statements(database: str = "stagetrace", cluster: str | None = None) -> list[str]:
+    """Every DDL statement, in the order it must run.
+
+    With ``cluster``, each table is a ``<name>_local`` Replicated table on every node plus a
+    Distributed table under the canonical name, so readers and writers (the Collector included)
+    use the same names on one node and on a fleet; views read and write the local tables.
+    """
+    db = identifier(database, "database name")
+    on_cluster = f" ON CLUSTER {identifier(cluster, 'cluster name')}" if cluster else ""
+    local = "_local" if cluster else ""
+    out = [f"CREATE DATABASE IF NOT EXISTS {db}{on_cluster}"]
+    for table in TABLES:
+        engine = _replicated(table.engine) if cluster else table.engine
+        out.append(
+            f"CREATE TABLE IF NOT EXISTS {db}.`{table.name}{local}`{on_cluster} ({table.body}\n)"
+            f" ENGINE = {engine}\n{table.layout}"
+        )
+        if cluster:
+            out.append(
+                f"CREATE TABLE IF NOT EXISTS {db}.`{table.name}`{on_cluster}"
+                f" AS {db}.`{table.name}_local`"
+                f" ENGINE = Distributed({identifier(cluster)}, {db}, `{table.name}_local`, {table.shard_by})"
+            )
+    for view in VIEWS:
+        source = f"{db}.`otel_traces{local}`"
+        out.append(
+            f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.`{view.name}`{on_cluster}"
+            f" TO {db}.`{view.target}{local}`\nAS {view.select.format(source=source)}"
+        )
+    return out
+
+
+def installed_version(client, database: str) -> int:
+    """The schema version recorded in ``database``, 0 when there is none yet."""
+    exists = client.command(
+        "SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'stagetrace_schema_version'",
+        parameters={"db": database},
+    )
+    if not int(exists):
+        return 0
+    return int(
+        client.command("SELECT max(Version) FROM {db:Identifier}.stagetrace_schema_version", parameters={"db": database})
+        or 0
+    )
+
+
+def ensure_schema(client, database: str = "stagetrace", cluster: str | None = None) -> bool:
+    """Create whatever is missing and record the version. Returns True when anything was applied."""
+    if installed_version(client, database) >= SCHEMA_VERSION:
+        return False
+    for sql in statements(database, cluster):
+        client.command(sql)
+    client.command(
+        "INSERT INTO {db:Identifier}.stagetrace_schema_version (Version) VALUES ({v:UInt32})",
+        parameters={"db": database, "v": SCHEMA_VERSION},
+    )
+    return True

@@ -1,0 +1,254 @@
+"""One DSN selects the store: the embedded ClickHouse engine (chdb) or a ClickHouse server.
+
+``chdb:///path``                       embedded engine under ``path`` (the default, see ``config``)
+``chdb://memory``                      embedded engine in memory, gone when the process exits
+``http(s)://user:pass@host:port/db``   a ClickHouse server or cluster over HTTP
+
+The database is ``stagetrace`` unless the DSN names one (``/db`` for servers, ``?database=`` for chdb).
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import fcntl
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from stagetrace import config, schema
+
+SCHEMES = ("chdb", "http", "https")
+
+
+class StoreError(Exception):
+    """An expected failure to open or use the store; its message is one line a person can act on."""
+
+
+class StoreLockedError(StoreError):
+    """The embedded store is held by another process."""
+
+
+@dataclass(frozen=True)
+class Location:
+    scheme: str
+    database: str = config.DEFAULT_DATABASE
+    path: str = ""  # chdb only; "" means in memory
+    host: str = ""
+    port: int = 0
+    username: str = ""
+    password: str = field(default="", repr=False)
+
+    @property
+    def embedded(self) -> bool:
+        return self.scheme == "chdb"
+
+    def redacted(self) -> str:
+        """The DSN without its password, for messages and logs."""
+        if self.embedded:
+            return f"chdb://{self.path}" if self.path else "chdb://memory"
+        user = f"{self.username}@" if self.username else ""
+        return f"{self.scheme}://{user}{self.host}:{self.port}/{self.database}"
+
+
+def parse_dsn(dsn: str | None = None) -> Location:
+    """Parse a store DSN (``None``: ``$STAGETRACE_STORE``, else the default embedded store)."""
+    dsn = dsn or config.store_dsn()
+    parts = urlsplit(dsn)
+    scheme = parts.scheme.lower()
+    if scheme not in SCHEMES:
+        guess = difflib.get_close_matches(scheme, SCHEMES, n=1)
+        hint = f"did you mean {guess[0]}://? " if guess else ""
+        shown = f"scheme {scheme!r}" if scheme else "no scheme"
+        raise StoreError(
+            f"store DSN has {shown}: {hint}use chdb:///path for the embedded store "
+            "or http(s)://user:pass@host:8123/db for a ClickHouse server"
+        )
+    query = parse_qs(parts.query)
+    if scheme == "chdb":
+        database = query.get("database", [config.DEFAULT_DATABASE])[0]
+        if parts.netloc in ("memory", ":memory:"):
+            path = ""
+        elif parts.netloc:
+            raise StoreError(
+                f"store DSN chdb://{parts.netloc}{parts.path} is ambiguous: "
+                "write chdb:///absolute/path (three slashes) or chdb://memory"
+            )
+        elif not parts.path:
+            raise StoreError("store DSN chdb:// names no path: write chdb:///absolute/path or chdb://memory")
+        else:
+            path = os.path.abspath(os.path.expanduser(unquote(parts.path)))
+        _check_database(database)
+        return Location("chdb", database=database, path=path)
+    if not parts.hostname:
+        raise StoreError(f"store DSN {scheme}://... names no host: write {scheme}://user:pass@host:8123/db")
+    try:
+        port = parts.port or (8443 if scheme == "https" else 8123)
+    except ValueError:
+        raise StoreError(f"store DSN has an invalid port: write {scheme}://user:pass@host:8123/db") from None
+    database = unquote(parts.path.strip("/")) or config.DEFAULT_DATABASE
+    _check_database(database)
+    return Location(
+        scheme,
+        database=database,
+        host=parts.hostname,
+        port=port,
+        username=unquote(parts.username or "") or os.environ.get(config.ENV_STORE_USER, "default"),
+        password=unquote(parts.password or "") or _password_from_environment(),
+    )
+
+
+def _password_from_environment() -> str:
+    try:
+        return config.store_password()
+    except OSError as exc:
+        raise StoreError(
+            f"cannot read the store password file named by {config.ENV_STORE_PASSWORD_FILE}: {exc.strerror}"
+        ) from None
+
+
+def _check_database(name: str) -> None:
+    try:
+        schema.identifier(name, "database name")
+    except schema.SchemaError as exc:
+        raise StoreError(f"store DSN names an {exc}") from None
+
+
+class Store:
+    """An open store: a clickhouse-connect client and the database the tables live in."""
+
+    def __init__(self, client, location: Location):
+        self.client = client
+        self.location = location
+        self.database = location.database
+
+    def ensure_schema(self, cluster: str | None = None) -> bool:
+        try:
+            return schema.ensure_schema(self.client, self.database, cluster)
+        except Exception as exc:  # the server's own message names the statement and the reason
+            raise StoreError(f"cannot create the schema in {self.location.redacted()}: {_first_line(exc)}") from exc
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_store(dsn: str | Location | None = None, *, create_schema: bool = True) -> Store:
+    """Open the store ``dsn`` names, creating the database and tables unless told not to."""
+    location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
+    client = _open_embedded(location) if location.embedded else _open_server(location)
+    store = Store(client, location)
+    if create_schema:
+        try:
+            store.ensure_schema()
+        except StoreError:
+            store.close()
+            raise
+    return store
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _open_embedded(location: Location):
+    import clickhouse_connect
+
+    if location.path:
+        _check_writable(Path(location.path))
+        _check_not_locked(Path(location.path))
+    try:
+        return clickhouse_connect.get_client(interface="chdb", path=location.path or None)
+    except Exception as exc:
+        message = _first_line(exc)
+        if "already initialized with path" in message:
+            raise StoreError(
+                f"this process already has another embedded store open; chdb allows one per process: "
+                f"close it before opening {location.redacted()}"
+            ) from None
+        raise StoreError(f"cannot open the embedded store {location.redacted()}: {message}") from None
+
+
+def _check_writable(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(
+            f"store path {path} is not writable ({os.strerror(exc.errno or errno.EACCES)}): "
+            "choose another with --store chdb:///path or STAGETRACE_STORE"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StoreError(
+            f"store path {path} is not writable (permission denied): "
+            "choose another with --store chdb:///path or STAGETRACE_STORE"
+        )
+
+
+def _check_not_locked(path: Path) -> None:
+    """ClickHouse holds an exclusive flock on ``status`` (which records its PID) while the engine is open."""
+    status = path / "status"
+    try:
+        fd = os.open(status, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = _pid_from_status(status)
+            if pid == os.getpid():
+                return  # this process's own engine: chdb shares it between clients
+            raise StoreLockedError(
+                f"store {path} is in use by {_describe_process(pid)}; stop that process, "
+                "or use a different store with --store chdb:///other/path"
+            ) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _pid_from_status(status: Path) -> int | None:
+    try:
+        for line in status.read_text(errors="replace").splitlines():
+            if line.startswith("PID:"):
+                return int(line.split(":", 1)[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _describe_process(pid: int | None) -> str:
+    if pid is None:
+        return "another process"
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        command = " ".join(a.decode(errors="replace") for a in argv if a)[:120]
+    except OSError:
+        command = ""
+    return f"process {pid} ({command})" if command else f"process {pid}"
+
+
+def _open_server(location: Location):
+    import clickhouse_connect
+
+    try:
+        client = clickhouse_connect.get_client(
+            host=location.host,
+            port=location.port,
+            username=location.username,
+            password=location.password,
+            secure=location.scheme == "https",
+            connect_timeout=5,
+        )
+    except Exception as exc:
+        # The driver's message may quote the URL; never echo the password.
+        message = _first_line(exc).replace(location.password, "***") if location.password else _first_line(exc)
+        raise StoreError(f"cannot reach ClickHouse at {location.redacted()}: {message}") from None
+    return client

@@ -1,0 +1,46 @@
+import pytest
+
+from stagetrace import schema
+
+
+@pytest.mark.parametrize("cluster", [None, "gpu_fleet"])
+def test_every_statement_parses_in_clickhouse(store, cluster):
+    statements = schema.statements("stagetrace", cluster)
+    for sql in statements:
+        formatted = store.client.query("SELECT formatQuery({q:String})", parameters={"q": sql}).result_rows[0][0]
+        assert formatted.startswith("CREATE")
+    if cluster:
+        assert all("ON CLUSTER `gpu_fleet`" in sql for sql in statements)
+        engines = " ".join(statements)
+        assert "ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')" in engines
+        assert "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', DetectedAt)" in engines
+        for name in schema.TABLE_NAMES:
+            assert any(f"`{name}` ON CLUSTER" in s and "ENGINE = Distributed(" in s for s in statements), name
+        views = [s for s in statements if "MATERIALIZED VIEW" in s]
+        assert views and all("`otel_traces_local`" in v for v in views)
+
+
+def test_schema_creation_is_idempotent_and_versioned(store):
+    tables = set(store.client.query("SELECT name FROM system.tables WHERE database = 'stagetrace'").result_columns[0])
+    assert set(schema.TABLE_NAMES) <= tables
+    assert {"otel_traces_trace_id_ts_mv", "stagetrace_requests_mv"} <= tables
+    assert schema.installed_version(store.client, "stagetrace") == schema.SCHEMA_VERSION
+    assert schema.ensure_schema(store.client, "stagetrace") is False  # nothing left to do
+
+
+def test_otel_traces_has_the_collector_columns(store):
+    """The Collector's clickhouseexporter must be able to write the same table."""
+    described = {r["name"]: r["type"] for r in store.client.query("DESCRIBE TABLE stagetrace.otel_traces").named_results()}
+    assert described["Timestamp"] == "DateTime64(9)"
+    assert described["Duration"] == "UInt64"
+    assert described["SpanAttributes"] == "Map(LowCardinality(String), String)"
+    assert described["Events.Timestamp"] == "Array(DateTime64(9))"
+    assert described["Links.TraceId"] == "Array(String)"
+    gauge = {r["name"]: r["type"] for r in store.client.query("DESCRIBE TABLE stagetrace.otel_metrics_sum").named_results()}
+    assert gauge["TimeUnix"] == "DateTime64(9)" and gauge["IsMonotonic"] == "Bool"
+
+
+@pytest.mark.parametrize("bad", ["", "1abc", "db; DROP TABLE x", "a`b", "x" * 65])
+def test_identifiers_are_validated(bad):
+    with pytest.raises(schema.SchemaError, match="invalid"):
+        schema.statements(bad)
