@@ -66,7 +66,9 @@ def attribute_text(value) -> str:
     if isinstance(value, (bytes, bytearray)):
         return value.decode("utf-8", "replace")
     if isinstance(value, Sequence):
-        return json.dumps([v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for v in value])
+        # compact JSON, as the Collector's pcommon Slice.AsString writes arrays
+        items = [v if isinstance(v, (str, int, float, bool)) or v is None else str(v) for v in value]
+        return json.dumps(items, separators=(",", ":"))
     return str(value)
 
 

@@ -1,0 +1,137 @@
+"""Trace lookup by request ID, for spans from the stage-span API and from the plain OpenTelemetry SDK."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind, set_span_in_context
+
+import stagetrace
+from stagetrace import lookup
+from stagetrace.cli import main
+from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
+from stagetrace.store import open_store
+
+STAGES = ["retrieval", "cache", "context_assembly", "allreduce", "decode"]
+T0 = 1_764_000_000_000_000_000  # a fixed start, in ns
+
+
+def _trace_json(capsys, *argv):
+    assert main(["trace", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _write_with_plain_sdk(dsn, request_id):
+    """Spans made with the bare SDK that follow DESIGN.md's conventions; exact timestamps so durations are known."""
+    exporter = ClickHouseSpanExporter(store=dsn)
+    provider = TracerProvider(resource=Resource.create({"service.name": "plain-sdk", "host.name": "gpu-node-3"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("someone-elses-app")
+    root = tracer.start_span("llm", kind=SpanKind.SERVER, start_time=T0, attributes={
+        "stagetrace.request.id": request_id, "stagetrace.input.digest": "in-root", "gen_ai.request.seed": 1})
+    ctx = set_span_in_context(root)
+    for i, name in enumerate(STAGES):
+        start = T0 + (i * 10 + 1) * 1_000_000
+        span = tracer.start_span(f"do-{name}", context=ctx, start_time=start, attributes={
+            "stagetrace.stage": name, "stagetrace.stage.input_digest": f"in-{name}",
+            "stagetrace.stage.output_digest": f"out-{name}"})
+        span.end(end_time=start + (i + 1) * 1_000_000)  # stage i lasts i+1 ms
+    root.set_attribute("stagetrace.output.digest", "out-root")
+    root.end(end_time=T0 + 60_000_000)
+    provider.shutdown()
+
+
+def test_plain_sdk_spans_are_looked_up_like_our_own(store_dsn, capsys):
+    _write_with_plain_sdk(store_dsn, "plain-1")
+    doc = _trace_json(capsys, "plain-1", "--store", store_dsn)
+    assert doc["request_id"] == "plain-1" and doc["service"] == "plain-sdk"
+    assert doc["duration_ms"] == 60.0 and doc["start"] == "2025-11-24T16:00:00.000000000Z"
+    assert [s["stage"] for s in doc["spans"]] == [None, *STAGES]
+    for i, span in enumerate(doc["spans"][1:]):
+        assert span["duration_ms"] == i + 1
+        assert span["attributes"]["stagetrace.stage.input_digest"] == f"in-{STAGES[i]}"
+        assert span["attributes"]["stagetrace.stage.output_digest"] == f"out-{STAGES[i]}"
+        assert span["parent_span_id"] == doc["spans"][0]["span_id"]
+    assert doc["spans"][0]["attributes"]["stagetrace.output.digest"] == "out-root"
+    by_trace = _trace_json(capsys, "--trace-id", doc["trace_id"], "--store", store_dsn)
+    assert by_trace["request_id"] == "plain-1" and by_trace["spans"] == doc["spans"]
+
+
+def test_stage_api_spans_come_back_in_order_with_their_digests(store_dsn, capsys):
+    stagetrace.configure(service_name="api", store=store_dsn)
+    prompt = {"prompt": "why is the sky blue?", "seed": 7, "model": "m"}
+    with stagetrace.request("api-1", input=prompt) as req:
+        for name in STAGES:
+            with stagetrace.stage(name, input=f"{name}-in") as st:
+                time.sleep(0.002)
+                st.set_output(f"{name}-out")
+        req.set_output("the answer")
+    stagetrace.shutdown()
+    doc = _trace_json(capsys, "api-1", "--store", store_dsn)
+    root, *stages = doc["spans"]
+    assert root["attributes"]["stagetrace.input.digest"] == stagetrace.digest(prompt)
+    assert root["attributes"]["stagetrace.output.digest"] == stagetrace.digest("the answer")
+    assert [s["stage"] for s in stages] == STAGES
+    for name, span in zip(STAGES, stages):
+        assert span["attributes"]["stagetrace.stage.input_digest"] == stagetrace.digest(f"{name}-in")
+        assert span["attributes"]["stagetrace.stage.output_digest"] == stagetrace.digest(f"{name}-out")
+        assert 2.0 <= span["duration_ms"] < root["duration_ms"]
+    assert root["duration_ms"] >= sum(s["duration_ms"] for s in stages)
+    assert [s["start"] for s in doc["spans"]] == sorted(s["start"] for s in doc["spans"])
+
+
+def test_lookup_goes_through_the_request_index(store_dsn):
+    _write_with_plain_sdk(store_dsn, "indexed")
+    with open_store(store_dsn) as store:
+        assert lookup.by_request_id(store, "indexed").spans
+        store.client.command("TRUNCATE TABLE stagetrace.stagetrace_requests")
+        with pytest.raises(lookup.NotFound):  # the spans are still there, but lookups do not scan for them
+            lookup.by_request_id(store, "indexed")
+
+
+def test_vllm_request_id_alias_is_indexed(store_dsn):
+    exporter = ClickHouseSpanExporter(store=store_dsn)
+    provider = TracerProvider(resource=Resource.create({"service.name": "vllm"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.get_tracer("vllm").start_span("llm_request", attributes={"gen_ai.request.id": "cmpl-abc"}).end()
+    provider.shutdown()
+    with open_store(store_dsn) as store:
+        assert lookup.by_request_id(store, "cmpl-abc").spans[0].name == "llm_request"
+
+
+@pytest.mark.parametrize("request_id", ["it's", 'q"uote', "a\\b", "x'; DROP TABLE stagetrace.otel_traces; --", "nul\0byte", "{rid:String}"])
+def test_request_ids_with_quotes_or_sql_are_just_ids(store_dsn, request_id):
+    _write_with_plain_sdk(store_dsn, request_id)
+    with open_store(store_dsn) as store:
+        assert lookup.by_request_id(store, request_id).request_id == request_id
+        with pytest.raises(lookup.NotFound):
+            lookup.by_request_id(store, request_id + "'")
+        assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 6
+
+
+def test_unknown_ids_exit_1_with_a_clear_message(store_dsn):
+    _write_with_plain_sdk(store_dsn, "known")
+    for argv in (["no-such-request"], ["--trace-id", "0" * 32], ["x' OR '1'='1"]):
+        cli = subprocess.run([sys.executable, "-m", "stagetrace", "trace", *argv, "--store", store_dsn],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert cli.returncode == 1, cli.stderr
+        assert cli.stderr.startswith("stagetrace: no ") and "Traceback" not in cli.stderr
+    assert "no request with id 'no-such-request'" in subprocess.run(
+        [sys.executable, "-m", "stagetrace", "trace", "no-such-request", "--store", store_dsn],
+        capture_output=True, text=True, timeout=60).stderr  # fmt: skip
+
+
+def test_terminal_waterfall_shows_every_stage(store_dsn, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    _write_with_plain_sdk(store_dsn, "wf")
+    assert main(["trace", "wf", "--store", store_dsn]) == 0
+    out = capsys.readouterr().out
+    assert "request wf" in out
+    lines = [line for line in out.splitlines() if any(f" {s} " in line for s in STAGES)]
+    assert [next(s for s in STAGES if f" {s} " in line) for line in lines] == STAGES
+    assert "in-ret→out-re" in out  # digests, shortened
