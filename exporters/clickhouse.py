@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.sdk.util import BoundedList
 
 from stagetrace.store import Location, Store, StoreError, open_store
 
@@ -42,15 +42,9 @@ COLUMNS = (
     "Links.TraceState", "Links.Attributes",
 )  # fmt: skip
 
-# The Collector writes pdata's String() of kind and status code.
-_KIND = {
-    SpanKind.INTERNAL: "Internal",
-    SpanKind.SERVER: "Server",
-    SpanKind.CLIENT: "Client",
-    SpanKind.PRODUCER: "Producer",
-    SpanKind.CONSUMER: "Consumer",
-}
-_STATUS = {StatusCode.UNSET: "Unset", StatusCode.OK: "Ok", StatusCode.ERROR: "Error"}
+# The Collector writes pdata's String() of kind and status code; indexed by the enums' values.
+_KIND = ("Internal", "Server", "Client", "Producer", "Consumer")
+_STATUS = ("Unset", "Ok", "Error")
 
 _MAX_BACKOFF_S = 30.0
 
@@ -76,6 +70,18 @@ def attribute_map(attributes) -> dict[str, str]:
     if not attributes:
         return {}
     return {k: v if type(v) is str else attribute_text(v) for k, v in attributes.items()}
+
+
+# ReadableSpan's public views copy (events, links) or iterate through collections.abc (attributes),
+# several µs a span; read the SDK's own containers when it has them, the public views otherwise.
+def _span_attributes(span):
+    raw = getattr(getattr(span, "_attributes", None), "_dict", None)
+    return raw if isinstance(raw, dict) else span.attributes
+
+
+def _span_sequence(span, private: str, public: str):
+    raw = getattr(span, private, None)
+    return raw if isinstance(raw, (tuple, BoundedList)) else getattr(span, public)
 
 
 def _env_number(name: str, default: float) -> float:
@@ -114,31 +120,32 @@ def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
     scope = span.instrumentation_scope
     start = span.start_time or 0
     status = span.status
-    events = span.events
-    links = span.links
+    events = _span_sequence(span, "_events", "events")
+    links = _span_sequence(span, "_links", "links")
+    trace_state = ctx.trace_state
     return (
         start,
         f"{ctx.trace_id:032x}",
         f"{ctx.span_id:016x}",
         f"{parent.span_id:016x}" if parent is not None else "",
-        ctx.trace_state.to_header() if ctx.trace_state else "",
+        trace_state.to_header() if trace_state else "",
         span.name,
-        _KIND.get(span.kind, "Unspecified"),
+        _KIND[span.kind.value],
         service,
         resource_attrs,
         scope.name if scope is not None else "",
         (scope.version or "") if scope is not None else "",
-        attribute_map(span.attributes),
+        attribute_map(_span_attributes(span)),
         max(0, (span.end_time or start) - start),
-        _STATUS.get(status.status_code, "Unset"),
+        _STATUS[status.status_code.value],
         status.description or "",
-        [e.timestamp for e in events],
-        [e.name for e in events],
-        [attribute_map(e.attributes) for e in events],
-        [f"{link.context.trace_id:032x}" for link in links],
-        [f"{link.context.span_id:016x}" for link in links],
-        [link.context.trace_state.to_header() if link.context.trace_state else "" for link in links],
-        [attribute_map(link.attributes) for link in links],
+        [e.timestamp for e in events] if events else [],
+        [e.name for e in events] if events else [],
+        [attribute_map(e.attributes) for e in events] if events else [],
+        [f"{link.context.trace_id:032x}" for link in links] if links else [],
+        [f"{link.context.span_id:016x}" for link in links] if links else [],
+        [link.context.trace_state.to_header() if link.context.trace_state else "" for link in links] if links else [],
+        [attribute_map(link.attributes) for link in links] if links else [],
     )
 
 

@@ -142,3 +142,21 @@ def test_attribute_values_of_every_otel_type(store, value, stored):
     exporter.force_flush()
     assert store.client.query("SELECT SpanAttributes['k'] FROM stagetrace.otel_traces").result_rows == [(stored,)]
     provider.shutdown()
+
+
+def test_rows_from_sdk_spans_and_from_plain_readable_spans_agree():
+    """The exporter reads the SDK's containers directly when it can; a bare ReadableSpan takes the public path."""
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+
+    from stagetrace.exporters.clickhouse import _Resources, span_row
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
+    live = provider.get_tracer("t").start_span("s", attributes={"a": 1, "b": ["x"]})
+    live.add_event("ev", {"k": True}, timestamp=5)
+    live.end(end_time=live.start_time + 10)
+    plain = ReadableSpan(
+        "s", context=live.context, resource=live.resource, attributes={"a": 1, "b": ("x",)},
+        events=(Event("ev", {"k": True}, timestamp=5),), start_time=live.start_time, end_time=live.end_time,
+        instrumentation_scope=live.instrumentation_scope, kind=live.kind, status=live.status,
+    )  # fmt: skip
+    assert span_row(live, _Resources()) == span_row(plain, _Resources())

@@ -73,7 +73,8 @@ def _trace(args) -> int:
 
         from stagetrace.render import waterfall
 
-        Console().print(waterfall(found))
+        console = Console()
+        console.print(waterfall(found, console.width))
     return 0
 
 

@@ -15,7 +15,6 @@ from stagetrace.tracing import (
     STAGE_OUTPUT_DIGEST,
 )
 
-BAR_WIDTH = 20
 _SHOWN_ELSEWHERE = {REQUEST_ID, STAGE, INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST}
 _MAX_ATTRIBUTES = 4
 _STATUS_TEXT = {"Unset": Text(""), "Ok": Text("ok", style="green"), "Error": Text("error", style="bold red")}
@@ -34,11 +33,11 @@ def _depths(trace: Trace) -> dict[str, int]:
     return depths
 
 
-def _bar(offset_ns: int, duration_ns: int, total_ns: int) -> Text:
+def _bar(offset_ns: int, duration_ns: int, total_ns: int, width: int) -> Text:
     total = max(total_ns, 1)
-    left = min(BAR_WIDTH - 1, int(offset_ns / total * BAR_WIDTH))
-    width = max(1, min(BAR_WIDTH - left, round(duration_ns / total * BAR_WIDTH)))
-    return Text(" " * left + "█" * width + " " * (BAR_WIDTH - left - width), style="cyan")
+    left = min(width - 1, int(offset_ns / total * width))
+    filled = max(1, min(width - left, round(duration_ns / total * width)))
+    return Text(" " * left + "█" * filled + " " * (width - left - filled), style="cyan")
 
 
 def _digests(attrs: dict[str, str]) -> str:
@@ -57,28 +56,36 @@ def _key_attributes(attrs: dict[str, str]) -> str:
     return text
 
 
-def waterfall(trace: Trace) -> Table:
+def waterfall(trace: Trace, width: int = 160) -> Table:
+    """The trace as a table that fits ``width`` columns: attributes and a wide bar only where there is room."""
     title = f"request {trace.request_id or '-'} · trace {trace.trace_id} · {trace.service} · {trace.duration_ns / 1e6:.2f} ms"
+    bar_width = 20 if width >= 100 else 10
+    show_status = any(span.status != "Unset" for span in trace.spans)
+    show_attributes = width >= 110
     table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
     table.add_column("span", no_wrap=True)
     table.add_column("start ms", justify="right", no_wrap=True)
     table.add_column("dur ms", justify="right", no_wrap=True)
     table.add_column("", no_wrap=True)
-    table.add_column("status", no_wrap=True)
+    if show_status:
+        table.add_column("status", no_wrap=True)
     table.add_column("in→out", no_wrap=True)
-    table.add_column("attributes", overflow="fold", min_width=12)
+    if show_attributes:
+        table.add_column("attributes", overflow="fold", min_width=12)
     depths = _depths(trace)
     for span in trace.spans:
         rank = span.attributes.get("parallel.tp_rank")
         label = ("  " * depths[span.span_id]) + (span.stage or span.name) + (f"[{rank}]" if rank else "")
-        status = _STATUS_TEXT.get(span.status, Text(span.status))
-        table.add_row(
+        cells = [
             label,
             f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
             f"{span.duration_ns / 1e6:.2f}",
-            _bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns),
-            status,
-            _digests(span.attributes),
-            _key_attributes(span.attributes),
-        )
+            _bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns, bar_width),
+        ]
+        if show_status:
+            cells.append(_STATUS_TEXT.get(span.status, Text(span.status)))
+        cells.append(_digests(span.attributes))
+        if show_attributes:
+            cells.append(_key_attributes(span.attributes))
+        table.add_row(*cells)
     return table
