@@ -300,4 +300,4 @@ class ClickHouseSpanExporter(SpanExporter):
         return True
 
 
-__all__ = ["ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map", "StoreError"]
+__all__ = ["ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map"]
