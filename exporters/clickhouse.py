@@ -139,13 +139,13 @@ def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
         max(0, (span.end_time or start) - start),
         _STATUS[status.status_code.value],
         status.description or "",
-        [e.timestamp for e in events] if events else [],
-        [e.name for e in events] if events else [],
-        [attribute_map(e.attributes) for e in events] if events else [],
-        [f"{link.context.trace_id:032x}" for link in links] if links else [],
-        [f"{link.context.span_id:016x}" for link in links] if links else [],
-        [link.context.trace_state.to_header() if link.context.trace_state else "" for link in links] if links else [],
-        [attribute_map(link.attributes) for link in links] if links else [],
+        [e.timestamp for e in events],
+        [e.name for e in events],
+        [attribute_map(e.attributes) for e in events],
+        [f"{link.context.trace_id:032x}" for link in links],
+        [f"{link.context.span_id:016x}" for link in links],
+        [link.context.trace_state.to_header() if link.context.trace_state else "" for link in links],
+        [attribute_map(link.attributes) for link in links],
     )
 
 
