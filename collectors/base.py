@@ -65,8 +65,9 @@ class Options:
     # netdevs the ethtool collector reads (empty: those behind RDMA ports, else every non-loopback one)
     netdevs: tuple[str, ...] = field(default_factory=lambda: tuple(filter(None, os.environ.get("STAGETRACE_NETDEVS", "").split(","))))
     ethtool_include: str = field(default_factory=lambda: os.environ.get("STAGETRACE_ETHTOOL_INCLUDE", ""))
-    # NCCL Inspector's NCCL_INSPECTOR_PROM_DUMP directory
-    nccl_dir: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_NCCL_DIR") or _path_env("NCCL_INSPECTOR_PROM_DUMP"))
+    ethtool_fixture: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_ETHTOOL_FIXTURE"))
+    # the directory NCCL Inspector dumps into (NCCL_INSPECTOR_PROM_DUMP=1 with NCCL_INSPECTOR_DUMP_DIR)
+    nccl_dir: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_NCCL_DIR") or _path_env("NCCL_INSPECTOR_DUMP_DIR"))
 
 
 def _path_env(name: str) -> Path | None:

@@ -1,0 +1,261 @@
+"""RDMA port counters (mlx5 RoCE/InfiniBand and any verbs driver) from ``<sysfs>/class/infiniband``.
+
+Per port ``<device>/ports/<n>/``: the PMA counters in ``counters/`` (byte counters count 4-byte
+words, so they are multiplied by 4), every driver counter in ``hw_counters/`` as
+``rdma_<file>_total``, the link's ``rate``, ``state`` and ``phys_state``, and ``rdma_port_info``
+with the port's netdev (from ``gid_attrs/ndevs``), link layer and the device's firmware and HCA type.
+
+A file that is missing, reads ``N/A (no PMA)`` (i40iw and other drivers without a PMA) or that the
+driver refuses (EINVAL, EPERM, EOPNOTSUPP, ...) is skipped, never the whole device: procfs, which
+node_exporter uses, drops the device there instead, and an operator sees every counter vanish.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+
+from stagetrace.collectors.base import COUNTER, GAUGE, INFO, Collector, MetricSpec, Samples, SourceUnavailable, register
+
+LABELS = ("device", "port")
+
+
+def _counter(name: str, help: str, unit: str = "") -> MetricSpec:
+    return MetricSpec(name, COUNTER, help, LABELS, unit)
+
+
+# counters/<file> -> spec: the PMA PortCounters of the InfiniBand spec, named as issue 4 asks.
+PORT_COUNTERS: dict[str, MetricSpec] = {
+    "port_xmit_data": _counter("rdma_port_transmit_bytes_total", "Data bytes transmitted (port_xmit_data x 4).", "bytes"),
+    "port_rcv_data": _counter("rdma_port_receive_bytes_total", "Data bytes received (port_rcv_data x 4).", "bytes"),
+    "port_xmit_packets": _counter("rdma_port_transmit_packets_total", "Packets transmitted on all VLs."),
+    "port_rcv_packets": _counter("rdma_port_receive_packets_total", "Packets received on all VLs."),
+    "unicast_xmit_packets": _counter("rdma_port_unicast_transmit_packets_total", "Unicast packets transmitted."),
+    "unicast_rcv_packets": _counter("rdma_port_unicast_receive_packets_total", "Unicast packets received."),
+    "multicast_xmit_packets": _counter("rdma_port_multicast_transmit_packets_total", "Multicast packets transmitted."),
+    "multicast_rcv_packets": _counter("rdma_port_multicast_receive_packets_total", "Multicast packets received."),
+    "port_xmit_wait": _counter(
+        "rdma_port_transmit_wait_total", "Ticks during which the port had data to send but sent none (back-pressure)."
+    ),
+    "port_rcv_errors": _counter("rdma_port_receive_errors_total", "Packets received with an error."),
+    "port_xmit_discards": _counter(
+        "rdma_port_transmit_discards_total", "Outbound packets discarded because the port was down or congested."
+    ),
+    "port_rcv_remote_physical_errors": _counter(
+        "rdma_port_receive_remote_physical_errors_total", "Packets received marked with the EBP delimiter."
+    ),
+    "port_rcv_switch_relay_errors": _counter(
+        "rdma_port_receive_switch_relay_errors_total", "Packets discarded because they could not be forwarded."
+    ),
+    "port_xmit_constraint_errors": _counter(
+        "rdma_port_transmit_constraint_errors_total", "Packets not sent because of outbound partition or filtering."
+    ),
+    "port_rcv_constraint_errors": _counter(
+        "rdma_port_receive_constraint_errors_total", "Packets discarded because of inbound partition or filtering."
+    ),
+    "symbol_error": _counter("rdma_symbol_errors_total", "Minor link errors detected on one or more physical lanes."),
+    "link_downed": _counter("rdma_link_downed_total", "Times link error recovery failed and the link went down."),
+    "link_error_recovery": _counter("rdma_link_error_recovery_total", "Times link error recovery completed."),
+    "local_link_integrity_errors": _counter(
+        "rdma_local_link_integrity_errors_total", "Times local physical errors exceeded the threshold."
+    ),
+    "excessive_buffer_overrun_errors": _counter(
+        "rdma_excessive_buffer_overrun_errors_total", "Times consecutive receive buffer overruns exceeded the threshold."
+    ),
+    "VL15_dropped": _counter("rdma_vl15_dropped_total", "Incoming VL15 (subnet management) packets dropped for lack of buffers."),
+}
+# The data counters count 4-byte words ("divided by 4 (lanes)", sysfs-class-infiniband).
+WORD_COUNTERS = {"port_xmit_data", "port_rcv_data"}
+
+# hw_counters/<file> -> help, after NVIDIA's "Understanding mlx5 Linux Counters and Status Parameters".
+HW_COUNTER_HELP = {
+    "rx_write_requests": "RDMA write requests received.",
+    "rx_read_requests": "RDMA read requests received.",
+    "rx_atomic_requests": "Atomic requests received.",
+    "rx_dct_connect": "DCT connect requests received.",
+    "out_of_buffer": "Packets dropped because a receive queue had no receive WQE posted.",
+    "out_of_sequence": "Out-of-sequence packets received.",
+    "duplicate_request": "Duplicate requests received (the requester retransmitted).",
+    "rnr_nak_retry_err": "RNR NAKs received: the responder had no receive WQE posted.",
+    "packet_seq_err": "Packet sequence error NAKs received.",
+    "implied_nak_seq_err": "Responses that implied a lost packet (read or atomic response out of order).",
+    "local_ack_timeout_err": "Times a QP's ack timer expired before an ack arrived (recoverable by retransmission).",
+    "rp_cnp_ignored": "CNPs received and ignored by the reaction point (stays 0 when RoCE congestion control is on).",
+    "rp_cnp_handled": "CNPs handled by the reaction point to slow its transmission.",
+    "np_ecn_marked_roce_packets": "ECN-marked RoCE packets received by the notification point (congestion on the path).",
+    "np_cnp_sent": "CNPs sent by the notification point in answer to ECN-marked packets.",
+    "resp_local_length_error": "Responder local length errors.",
+    "resp_cqe_error": "Responder completions with an error.",
+    "req_cqe_error": "Requester completions with an error.",
+    "req_remote_invalid_request": "Remote invalid request errors seen by the requester.",
+    "req_remote_access_errors": "Remote access errors seen by the requester.",
+    "resp_remote_access_errors": "Remote access errors on the responder.",
+    "resp_cqe_flush_error": "Responder completions flushed with an error (QP in error state).",
+    "req_cqe_flush_error": "Requester completions flushed with an error (QP in error state).",
+    "req_transport_retries_exceeded": "Requests that exhausted their transport retries; the QP went to error.",
+    "req_rnr_retries_exceeded": "Requests that exhausted their RNR retries; the QP went to error.",
+    "roce_adp_retrans": "RoCE adaptive retransmissions.",
+    "roce_adp_retrans_to": "RoCE adaptive retransmission timeouts.",
+    "roce_slow_restart": "Times RoCE slow restart was used.",
+    "roce_slow_restart_cnps": "CNPs generated by RoCE slow restart.",
+    "roce_slow_restart_trans": "Times a QP entered the RoCE slow-restart state.",
+    "rx_icrc_encapsulated": "RoCE packets received with an ICRC error.",
+}
+
+# mlx5 reads its Q counters as 32-bit values (be32_to_cpu in counters.c): they wrap.
+_WRAPS_AT_32_BITS = {
+    "rx_write_requests", "rx_read_requests", "rx_atomic_requests", "rx_dct_connect", "out_of_buffer",
+    "out_of_sequence", "duplicate_request", "rnr_nak_retry_err", "packet_seq_err", "implied_nak_seq_err",
+    "local_ack_timeout_err",
+}  # fmt: skip
+
+# hw_counters/lifespan is the counters' refresh period in ms, a setting and not a counter.
+_NOT_COUNTERS = {"lifespan"}
+
+RATE = MetricSpec(
+    "rdma_port_rate_bytes_per_second", GAUGE, "Port data rate (active width x speed).", LABELS, "bytes_per_second"
+)
+STATE = MetricSpec("rdma_port_state", GAUGE, "Logical state: 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER.", LABELS)
+PHYSICAL_STATE = MetricSpec(
+    "rdma_port_physical_state", GAUGE, "Physical state: 2 Polling, 3 Disabled, 5 LinkUp, 6 LinkErrorRecovery, ...", LABELS
+)
+INFO_SPEC = MetricSpec("rdma_port_info", INFO, "RDMA port: its netdev, link layer, firmware and HCA type.", LABELS)
+
+_NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
+
+
+@lru_cache(maxsize=None)
+def hw_counter_spec(file: str) -> MetricSpec:
+    """The spec of ``hw_counters/<file>``: ``rdma_<file>_total``, described when the file is a known mlx5 counter."""
+    help = HW_COUNTER_HELP.get(file.removeprefix("vport_"), f"Driver counter hw_counters/{file}.")
+    if file.removeprefix("vport_") in _WRAPS_AT_32_BITS:
+        help += " 32-bit on mlx5: wraps."
+    return _counter(f"rdma_{_NAME_UNSAFE.sub('_', file)}_total", help)
+
+
+def _read(path: str) -> str | None:
+    """The file's text, or None for a file that is missing or that the driver refuses to read."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, 4096).decode("ascii", "replace").strip()
+    except OSError:  # EINVAL, EOPNOTSUPP, EIO: what a driver answers for a counter it cannot read
+        return None
+    finally:
+        os.close(fd)
+
+
+def _list(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []
+
+
+def _number(text: str | None) -> int | None:
+    """A counter value; None for ``N/A (no PMA)`` and anything else that is not a number."""
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _state_id(text: str | None) -> int | None:
+    """``4: ACTIVE`` -> 4."""
+    return _number(text.partition(":")[0]) if text else None
+
+
+def _rate_bytes_per_second(text: str | None) -> float | None:
+    """``400 Gb/sec (4X NDR)`` -> 5e10; procfs converts the same way (Gb/s x 125000000)."""
+    if not text:
+        return None
+    try:
+        return float(text.split()[0]) * 125_000_000
+    except ValueError:
+        return None
+
+
+def _port_netdev(port_dir: str, link_layer: str) -> str:
+    """The netdev of a RoCE port: the first GID that names one (unused GID indexes answer EINVAL)."""
+    if link_layer != "Ethernet":  # InfiniBand GIDs have no netdev: every index would answer EINVAL
+        return ""
+    ndevs = f"{port_dir}/gid_attrs/ndevs"
+    for index in sorted(_list(ndevs), key=lambda name: int(name) if name.isdigit() else 1 << 30):
+        netdev = _read(f"{ndevs}/{index}")
+        if netdev:
+            return netdev
+    return ""
+
+
+def _ports(root: str):
+    """Every (device, port, port directory) under ``<sysfs>/class/infiniband``."""
+    for device in _list(root):
+        ports = f"{root}/{device}/ports"
+        for port in _list(ports):
+            yield device, port, f"{ports}/{port}"
+
+
+def _infiniband_root(sysfs) -> str:
+    root = os.path.join(os.fspath(sysfs), "class", "infiniband")
+    if not os.path.isdir(root):
+        raise SourceUnavailable(
+            f"{root} does not exist: no RDMA device or driver on this host (--sysfs sets the sysfs root)"
+        )
+    return root
+
+
+def rdma_netdevs(sysfs="/sys") -> dict[tuple[str, str], str]:
+    """``{(device, port): netdev}`` of every RDMA port that has one (RoCE): ``{("mlx5_0", "1"): "ens1f0np0"}``."""
+    try:
+        root = _infiniband_root(sysfs)
+    except SourceUnavailable:
+        return {}
+    found = {}
+    for device, port, port_dir in _ports(root):
+        netdev = _port_netdev(port_dir, _read(f"{port_dir}/link_layer") or "")
+        if netdev:
+            found[(device, port)] = netdev
+    return found
+
+
+@register
+class RdmaCollector(Collector):
+    """RDMA NIC ports from sysfs, node_exporter's infiniband collector with the driver's hw_counters."""
+
+    name = "rdma"
+
+    def collect(self, out: Samples) -> None:
+        root = _infiniband_root(self.options.sysfs)
+        devices: dict[str, tuple[str, str]] = {}
+        for device, port, port_dir in _ports(root):
+            if device not in devices:
+                devices[device] = (_read(f"{root}/{device}/fw_ver") or "", _read(f"{root}/{device}/hca_type") or "")
+            self._collect_port(out, device, port, port_dir, *devices[device])
+
+    @staticmethod
+    def _collect_port(out: Samples, device: str, port: str, port_dir: str, fw_ver: str, hca_type: str) -> None:
+        counters = f"{port_dir}/counters"
+        for file in _list(counters):
+            spec = PORT_COUNTERS.get(file)
+            if spec is not None and (value := _number(_read(f"{counters}/{file}"))) is not None:
+                out.add(spec, value * 4 if file in WORD_COUNTERS else value, device=device, port=port)
+        hw_counters = f"{port_dir}/hw_counters"
+        for file in _list(hw_counters):
+            if file not in _NOT_COUNTERS and (value := _number(_read(f"{hw_counters}/{file}"))) is not None:
+                out.add(hw_counter_spec(file), value, device=device, port=port)
+        for spec, value in (
+            (RATE, _rate_bytes_per_second(_read(f"{port_dir}/rate"))),
+            (STATE, _state_id(_read(f"{port_dir}/state"))),
+            (PHYSICAL_STATE, _state_id(_read(f"{port_dir}/phys_state"))),
+        ):
+            if value is not None:
+                out.add(spec, value, device=device, port=port)
+        link_layer = _read(f"{port_dir}/link_layer") or ""
+        netdev = _port_netdev(port_dir, link_layer)
+        info = {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver, "hca_type": hca_type}
+        out.add(INFO_SPEC, info, device=device, port=port)
