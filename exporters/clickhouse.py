@@ -31,6 +31,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util import BoundedList
 
+from stagetrace import __version__
 from stagetrace.store import Location, Store, StoreError, open_store
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,43 @@ def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
     )
 
 
+def _store_arg(store: str | Location | Store | None, create_schema: bool) -> tuple[Store, bool]:
+    """The store to write to and whether the writer opened it (and so closes it)."""
+    if isinstance(store, Store):
+        if create_schema:
+            store.ensure_schema()
+        return store, False
+    return open_store(store, create_schema=create_schema), True
+
+
+class _Inserts:
+    """Inserts into one store that log one line when they start failing and one when they work again."""
+
+    def __init__(self, store: Store, what: str):
+        self.store = store
+        self.what = what  # what the rows are, for the log lines
+        self.failing_since: float | None = None
+
+    def __call__(self, table: str, rows: list[tuple], columns: tuple[str, ...]) -> bool:
+        try:
+            self.store.client.insert(table, rows, column_names=columns, database=self.store.database)
+        except Exception as exc:  # any driver or server error: the caller keeps the rows and retries
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                logger.error(
+                    "cannot insert %d %s into %s, will retry: %s", len(rows), self.what, self.store.location.redacted(), reason
+                )
+            return False
+        if self.failing_since is not None:
+            logger.warning(
+                "inserts into %s work again after %.1f s", self.store.location.redacted(),
+                time.monotonic() - self.failing_since,
+            )  # fmt: skip
+            self.failing_since = None
+        return True
+
+
 class ClickHouseSpanExporter(SpanExporter):
     """Coalescing span exporter into ``otel_traces`` (see the module docstring for the contract)."""
 
@@ -164,19 +202,14 @@ class ClickHouseSpanExporter(SpanExporter):
         self.max_batch_rows = int(max_batch_rows or _env_number("STAGETRACE_EXPORT_MAX_ROWS", 10_000))
         self.max_delay_s = float(max_delay_s if max_delay_s is not None else _env_number("STAGETRACE_EXPORT_MAX_DELAY", 1.0))
         self.max_buffered_rows = int(max_buffered_rows or _env_number("STAGETRACE_EXPORT_MAX_BUFFERED_ROWS", 200_000))
-        if isinstance(store, Store):
-            self._store, self._owns_store = store, False
-            if create_schema:
-                store.ensure_schema()
-        else:
-            self._store, self._owns_store = open_store(store, create_schema=create_schema), True
+        self._store, self._owns_store = _store_arg(store, create_schema)
+        self._inserts = _Inserts(self._store, "spans")
         self._resources = _Resources()
         self._pending: list[tuple] = []
         self._oldest = 0.0  # monotonic time the oldest pending row arrived
         self._accepted = 0  # rows ever accepted; with _written, tells force_flush when it is done
         self._written = 0
         self.dropped_spans = 0
-        self._failing_since: float | None = None
         self._cond = threading.Condition()
         self._flush_wanted = False
         self._shutdown = False
@@ -279,25 +312,112 @@ class ClickHouseSpanExporter(SpanExporter):
                     self._cond.wait_for(lambda: self._shutdown, timeout=backoff)
 
     def _insert(self, rows: list[tuple]) -> bool:
-        try:
-            self._store.client.insert(
-                "otel_traces", rows, column_names=COLUMNS, database=self._store.database
-            )
-        except Exception as exc:  # any driver or server error: keep the rows and retry
-            if self._failing_since is None:
-                self._failing_since = time.monotonic()
-                reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                logger.error(
-                    "cannot insert %d spans into %s, will retry: %s", len(rows), self._store.location.redacted(), reason
-                )
-            return False
-        if self._failing_since is not None:
-            logger.warning(
-                "inserts into %s work again after %.1f s", self._store.location.redacted(),
-                time.monotonic() - self._failing_since,
+        return self._inserts("otel_traces", rows, COLUMNS)
+
+
+# Hardware samples: the families of ``Node.collect()`` -> otel_metrics_gauge / otel_metrics_sum.
+
+AGENT_SERVICE = "stagetrace-agent"
+METRIC_SCOPE = "stagetrace.collectors"
+GAUGE_TABLE, SUM_TABLE = "otel_metrics_gauge", "otel_metrics_sum"
+METRIC_COLUMNS = (
+    "ResourceAttributes", "ServiceName", "ScopeName", "ScopeVersion", "MetricName", "MetricDescription", "MetricUnit",
+    "Attributes", "StartTimeUnix", "TimeUnix", "Value",
+)  # fmt: skip
+SUM_COLUMNS = (*METRIC_COLUMNS, "AggregationTemporality", "IsMonotonic")
+_CUMULATIVE = 2  # OTel AggregationTemporality: 1 delta, 2 cumulative
+
+
+def metric_rows(families, host: str, time_ns: int, start_ns: int | None = None) -> dict[str, list[tuple]]:
+    """``{table: rows}`` for client_python metric families (``Node.collect()``), sampled at ``time_ns``.
+
+    Counters become cumulative monotonic sums that started at ``start_ns`` (default ``time_ns``);
+    gauges and info metrics (value 1) become gauges. MetricName is the sample name as exposed
+    (``rdma_port_transmit_bytes_total``); every label but ``host`` is an attribute, and ``host``
+    is the resource's ``host.name``.
+    """
+    resource = {"host.name": host, "service.name": AGENT_SERVICE}
+    gauges: list[tuple] = []
+    sums: list[tuple] = []
+    for family in families:
+        counter = family.type == "counter"
+        for sample in family.samples:
+            if counter and sample.name.endswith("_created"):
+                continue
+            row = (
+                resource, AGENT_SERVICE, METRIC_SCOPE, __version__, sample.name, family.documentation, family.unit or "",
+                {k: v for k, v in sample.labels.items() if k != "host"},
             )  # fmt: skip
-            self._failing_since = None
-        return True
+            if counter:
+                sums.append((*row, start_ns or time_ns, time_ns, float(sample.value), _CUMULATIVE, True))
+            else:  # an OTel gauge point has no start time
+                gauges.append((*row, 0, time_ns, float(sample.value)))
+    return {GAUGE_TABLE: gauges, SUM_TABLE: sums}
 
 
-__all__ = ["ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map"]
+class ClickHouseMetricWriter:
+    """Writes samples into ``otel_metrics_gauge`` and ``otel_metrics_sum``, one insert per table per write.
+
+    Rows an insert could not take are held and go first on the next ``write`` (one log line when the
+    store starts failing, one when it works again); beyond ``max_held_rows`` the oldest are dropped.
+    ``close`` writes what is held, then closes the store if the writer opened it.
+    """
+
+    def __init__(
+        self, store: str | Location | Store | None = None, *, host: str, max_held_rows: int = 100_000,
+        create_schema: bool = True,
+    ):  # fmt: skip
+        self._store, self._owns_store = _store_arg(store, create_schema)
+        # per table, so a working gauge insert does not announce a failing sum insert as recovered
+        self._inserts = {table: _Inserts(self._store, f"{table} rows") for table in (GAUGE_TABLE, SUM_TABLE)}
+        self.host = host
+        self.max_held_rows = max_held_rows
+        self.dropped_rows = 0
+        self._held: dict[str, list[tuple]] = {GAUGE_TABLE: [], SUM_TABLE: []}
+        self._started_ns = time.time_ns()  # counters are cumulative from the writer's first sample
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    @property
+    def held_rows(self) -> int:
+        return sum(map(len, self._held.values()))
+
+    def write(self, families, time_ns: int | None = None) -> bool:
+        """Add one sample of ``families`` and insert everything held; False while the store is failing."""
+        for table, rows in metric_rows(families, self.host, time_ns or time.time_ns(), self._started_ns).items():
+            held = self._held[table]
+            held.extend(rows)
+            excess = len(held) - self.max_held_rows
+            if excess > 0:
+                del held[:excess]
+                self.dropped_rows += excess
+                logger.error("dropped the %d oldest metric samples held for %s, which keeps failing",
+                             excess, self._store.location.redacted())  # fmt: skip
+        return self.flush()
+
+    def flush(self) -> bool:
+        """Insert everything held; False when a table's insert failed (its rows stay held)."""
+        written = True
+        for table, rows in self._held.items():
+            if rows and self._inserts[table](table, rows, SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS):
+                rows.clear()
+            written = written and not rows
+        return written
+
+    def close(self) -> bool:
+        """Insert what is held and close the store if the writer opened it; False when samples were lost."""
+        written = self.flush()
+        if not written:
+            logger.error("closing: %d metric samples could not be written to %s", self.held_rows,
+                         self._store.location.redacted())  # fmt: skip
+        if self._owns_store:
+            self._store.close()
+        return written
+
+
+__all__ = [
+    "ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map",
+    "ClickHouseMetricWriter", "METRIC_COLUMNS", "SUM_COLUMNS", "metric_rows",
+]  # fmt: skip

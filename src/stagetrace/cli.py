@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shlex
+import shutil
 import sys
+from pathlib import Path
 
 from stagetrace import __version__, config, lookup, schema
 from stagetrace.store import StoreError, open_store, parse_dsn
@@ -24,6 +28,38 @@ def _store_option() -> argparse.ArgumentParser:
     return parent
 
 
+def _collector_options() -> argparse.ArgumentParser:
+    """Options shared by the commands that run collectors; each dest is an ``Options`` field."""
+    parent = argparse.ArgumentParser(add_help=False)
+    group = parent.add_argument_group("collectors")
+    group.add_argument("--collectors", metavar="LIST", help="comma-separated collectors to run (default: every default-enabled one)")
+    group.add_argument("--sysfs", metavar="DIR", type=Path, help="sysfs root the RDMA collector reads (default /sys, env STAGETRACE_SYSFS)")
+    group.add_argument("--nvml-fixture", metavar="DIR", type=Path, help="recorded NVML snapshots instead of the real library")
+    group.add_argument("--mps-fixture", metavar="DIR", type=Path, help="recorded nvidia-cuda-mps-control answers instead of the binary")
+    group.add_argument("--nccl-dir", metavar="DIR", type=Path, help="the directory NCCL Inspector dumps into (its NCCL_INSPECTOR_DUMP_DIR)")
+    group.add_argument("--ethtool-fixture", metavar="FILE", type=Path, help="recorded ethtool statistics instead of the ioctl")
+    return parent
+
+
+def _node(args):
+    """The Node of the collectors the command line names (ValueError for an unknown name)."""
+    from dataclasses import fields
+
+    from stagetrace.collectors import build_node
+    from stagetrace.collectors.base import Options
+
+    options = Options()
+    for option in fields(Options):
+        if getattr(args, option.name, None) is not None:
+            setattr(options, option.name, getattr(args, option.name))
+    return build_node(args.collectors, options)
+
+
+def _log_to_stderr(prefix: str) -> None:
+    logging.basicConfig(format=f"{prefix}: %(message)s")
+    logging.getLogger("stagetrace").setLevel(logging.INFO)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stagetrace", description="Tracing for stateless GPU inference pipelines.")
     parser.add_argument("--version", action="version", version=f"stagetrace {__version__}")
@@ -40,6 +76,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace-id", metavar="TRACE_ID", help="look the trace up by its trace ID instead")
     p.add_argument("--json", action="store_true", help="print the trace as JSON")
     p.set_defaults(run=_trace)
+
+    p = commands.add_parser("demo", parents=[store], help="run a simulated stateless GPU pipeline with injected faults")
+    p.add_argument("--requests", type=int, default=1000, metavar="N", help="requests to serve (default 1000)")
+    p.add_argument("--nodes", type=int, default=4, metavar="K", help="node processes, 2 to 16 (default 4)")
+    p.add_argument("--seed", type=int, default=7, metavar="S", help="the same seed gives the same requests, faults and outputs")
+    p.add_argument("--json", action="store_true", help="print {requests, deviating, truth} as JSON")
+    p.set_defaults(run=_demo)
+
+    collectors = _collector_options()
+    p = commands.add_parser("collect", parents=[collectors], help="print one snapshot of every collector")
+    p.add_argument("--once", action="store_true", help="one snapshot (the only mode; `agent` collects continuously)")
+    p.add_argument("--format", choices=("prometheus", "json"), default="prometheus", help="text exposition or JSON samples")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    p.set_defaults(run=_collect)
+
+    p = commands.add_parser("agent", parents=[store, collectors], help="serve /metrics and write samples to ClickHouse")
+    p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:9464", help="where /metrics is served (default 127.0.0.1:9464)")
+    p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are written, e.g. 500ms, 5s, 1m (default 5s)")
+    p.set_defaults(run=_agent)
     return parser
 
 
@@ -76,6 +131,78 @@ def _trace(args) -> int:
         console = Console()
         console.print(waterfall(found, console.width))
     return 0
+
+
+def _demo(args) -> int:
+    from stagetrace import demo
+    from stagetrace.render import demo_summary, progress_bar
+
+    with open_store(args.store) as store, progress_bar("serving requests", enabled=not args.json) as progress:
+        try:
+            result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress)
+        except demo.DemoError as exc:
+            print(f"stagetrace demo: {exc}", file=sys.stderr)
+            return 2
+        location = store.location
+    if args.json:
+        json.dump(result.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        store_flag = f" --store {location.redacted()}" if args.store else ""
+        demo_summary(result, _invocation(), store_flag)
+    return 0
+
+
+def _invocation() -> str:
+    """How this command was started, so printed next commands work when pasted (venv not activated)."""
+    program = sys.argv[0]
+    if os.path.basename(program) == "stagetrace":
+        on_path = shutil.which("stagetrace")
+        same = on_path is not None and os.path.realpath(on_path) == os.path.realpath(program)
+        return "stagetrace" if same else shlex.quote(program)
+    return f"{shlex.quote(sys.executable)} -m stagetrace"
+
+
+def _collect(args) -> int:
+    from stagetrace.agent import failed_collectors, samples_json
+    from stagetrace.exporters.prometheus import exposition
+
+    _log_to_stderr("stagetrace")
+    try:
+        node = _node(args)
+    except ValueError as exc:
+        print(f"stagetrace: {exc}", file=sys.stderr)
+        return 2
+    try:
+        families = list(node.collect())
+    finally:
+        node.close()
+    if args.format == "json":
+        json.dump(samples_json(families), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(exposition(families).decode())
+    # a collector asked for by name that could not collect is an error; an absent default one is not
+    return 1 if args.collectors and failed_collectors(families) else 0
+
+
+def _agent(args) -> int:
+    from stagetrace import agent
+    from stagetrace.exporters.prometheus import parse_listen
+
+    _log_to_stderr("stagetrace agent")
+    try:
+        interval = agent.parse_interval(args.interval)
+        parse_listen(args.listen)
+        node = _node(args)
+    except ValueError as exc:
+        print(f"stagetrace agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return agent.run(node, listen=args.listen, interval_s=interval, store=args.store)
+    except agent.AgentError as exc:
+        print(f"stagetrace agent: {exc}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,32 @@
+"""The benchmark runner works end to end in its quick mode (figures are not asserted: this is not a timed test)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_run_prints_and_writes_every_figure(tmp_path):
+    output = tmp_path / "RESULTS.md"
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--output", str(output)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    written = output.read_text()
+    for line in ("# Benchmark results", "- date: ", "- commit: ", "- machine: ", "| benchmark | figure | value |"):
+        assert line in written
+    rows = [line for line in written.splitlines() if line.startswith("| collection |")]
+    assert [r.split(" | ")[1].split(",")[0].split(" (")[0] for r in rows] == [
+        "RDMA collector", "RDMA collector", "whole-node snapshot in-process", "`stagetrace collect --once` process"
+    ]
+    assert all(line in result.stdout for line in rows)
+    rdma = rows[0].split(" | ")
+    assert rdma[2].endswith(" ms")
+    if shutil.which("prometheus-node-exporter"):  # the ratio against node_exporter's own timing
+        assert rdma[3].startswith("node_exporter ") and rdma[5].endswith("× |")
+
+
+def test_unknown_benchmark_is_a_usage_error():
+    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "nope"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown benchmark nope: choose from collection" in result.stderr
