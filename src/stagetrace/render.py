@@ -1,7 +1,11 @@
-"""Terminal rendering of a trace as a waterfall (rich)."""
+"""Terminal rendering (rich): a trace as a waterfall, the demo's progress and summary."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -89,3 +93,42 @@ def waterfall(trace: Trace, width: int = 160) -> Table:
             cells.append(_key_attributes(span.attributes))
         table.add_row(*cells)
     return table
+
+
+@contextmanager
+def progress_bar(description: str, enabled: bool = True):
+    """A ``progress(done, total)`` callback drawing a bar on stderr (nothing when disabled or not a terminal)."""
+    console = Console(stderr=True)
+    if not enabled or not console.is_terminal:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
+def demo_summary(result, command: str = "stagetrace", store_flag: str = "") -> None:
+    """What the demo did, what deviated and why, and the next commands to type."""
+    console = Console()
+    console.print(
+        f"served [bold]{result.requests}[/] requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
+        f"{result.spans} spans, {result.metric_samples} hardware samples"
+    )
+    console.print(
+        f"deviating outputs: [bold]{len(result.deviating)}[/] (same input, an output other than the majority's)"
+    )
+    causes: dict[tuple[str, str], list[str]] = {}
+    for t in result.truth:
+        causes.setdefault((t.stage, t.cause), []).append(t.request_id)
+    table = Table(title="injected faults that changed a stage's output (ground truth)", title_justify="left")
+    for column in ("stage", "cause", "requests", "e.g."):
+        table.add_column(column, no_wrap=True)
+    for (stage, cause), ids in sorted(causes.items(), key=lambda kv: -len(kv[1])):
+        table.add_row(stage, cause, str(len(ids)), ids[0])
+    console.print(table)
+    examples = [ids[0] for ids in causes.values()][:3]
+    if examples:
+        console.print("next, look one up:")
+        for request_id in examples:
+            console.print(f"  {command} trace {request_id}{store_flag}", highlight=False, soft_wrap=True)
