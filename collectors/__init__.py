@@ -6,26 +6,26 @@ import importlib
 
 from stagetrace.collectors.base import REGISTRY, Collector, Node, Options
 
-# Module names, in the order their series appear in a scrape.
+# Module names, which are the collectors' names, in the order their series appear in a scrape.
 MODULES = ("gpu", "mps", "rdma", "ethtool", "nccl")
 
 
-def available() -> dict[str, type[Collector]]:
-    """Every registered collector by name (importing the modules registers them)."""
-    for module in MODULES:
-        importlib.import_module(f"stagetrace.collectors.{module}")
-    return dict(REGISTRY)
+def available(names: tuple[str, ...] = MODULES) -> dict[str, type[Collector]]:
+    """The named collectors (default: all), importing only their modules."""
+    for name in names:
+        importlib.import_module(f"stagetrace.collectors.{name}")
+    return {name: REGISTRY[name] for name in names}
 
 
 def build_node(names: str | list[str] | None = None, options: Options | None = None) -> Node:
     """A :class:`Node` of the named collectors (``"gpu,rdma"``), or of every default-enabled one."""
     options = options or Options()
-    known = available()
     if names is None:
-        wanted = [n for n, cls in known.items() if cls.default_enabled]
+        wanted = [n for n, cls in available().items() if cls.default_enabled]
     else:
         wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
-        unknown = [n for n in wanted if n not in known]
+        unknown = [n for n in wanted if n not in MODULES]
         if unknown:
-            raise ValueError(f"unknown collector {', '.join(unknown)}: choose from {', '.join(known)}")
+            raise ValueError(f"unknown collector {', '.join(unknown)}: choose from {', '.join(MODULES)}")
+    known = available(tuple(wanted))
     return Node([known[n](options) for n in wanted], options.host)

@@ -44,6 +44,9 @@ class MetricSpec:
             raise ValueError(f"{self.name}: type must be counter, gauge or info")
         if (self.type == COUNTER) != self.name.endswith("_total"):
             raise ValueError(f"{self.name}: counters, and only counters, end in _total")
+        # client_python appends the unit to a name that does not end in it; the name must carry it already
+        if self.unit and not self.name.removesuffix("_total").endswith(f"_{self.unit}"):
+            raise ValueError(f"{self.name}: the name must end in its unit, _{self.unit}")
 
 
 class SourceUnavailable(Exception):
@@ -93,9 +96,9 @@ class Samples:
             if spec.type == INFO:
                 family = InfoMetricFamily(spec.name.removesuffix("_info"), spec.help, labels=names)
             elif spec.type == COUNTER:
-                family = CounterMetricFamily(spec.name, spec.help, labels=names)
+                family = CounterMetricFamily(spec.name, spec.help, labels=names, unit=spec.unit)
             else:
-                family = GaugeMetricFamily(spec.name, spec.help, labels=names)
+                family = GaugeMetricFamily(spec.name, spec.help, labels=names, unit=spec.unit)
             for values, value in series:
                 family.add_metric([host, *values], value)
             yield family

@@ -11,7 +11,8 @@ The mlx5 names (kernel ``mlx5/counters.rst``) map to:
   (global) pause frames ``rx|tx_global_pause`` as ``priority="global"``; ``rx|tx_pause_ctrl_phy`` are
   left out (include them by name): they count pause MAC control frames at the PHY, PFC ones too on
   mlx5 by field reports, so a sum over priorities would count those frames twice;
-- ``rx|tx_prio<N>_pause_duration`` and ``rx|tx_global_pause_duration`` -> ``nic_pfc_pause_duration_microseconds_total``;
+- ``rx|tx_prio<N>_pause_duration`` and ``rx|tx_global_pause_duration`` (µs) -> ``nic_pfc_pause_duration_seconds_total``
+  (seconds, Prometheus' base unit, which ``promtool check metrics`` insists on);
 - ``rx|tx_discards_phy`` -> ``nic_discards_total{direction}``; ``rx_out_of_buffer`` -> ``nic_out_of_buffer_total``;
 - ``tx_pause_storm_warning|error_events`` -> ``nic_pause_storm_events_total{level}``.
 
@@ -209,10 +210,10 @@ PFC_PAUSE_FRAMES = MetricSpec(
     PFC_LABELS,
 )  # fmt: skip
 PFC_PAUSE_DURATION = MetricSpec(
-    "nic_pfc_pause_duration_microseconds_total", COUNTER,
-    "Time paused per priority in microseconds (mlx5 rx|tx_prio<N>_pause_duration; "
+    "nic_pfc_pause_duration_seconds_total", COUNTER,
+    "Time paused per priority (mlx5 rx|tx_prio<N>_pause_duration, in microseconds there; "
     "priority=\"global\": rx|tx_global_pause_duration).",
-    PFC_LABELS, "microseconds",
+    PFC_LABELS, "seconds",
 )  # fmt: skip
 DISCARDS = MetricSpec(
     "nic_discards_total", COUNTER,
@@ -232,6 +233,9 @@ PAUSE_STORMS = MetricSpec(
 )  # fmt: skip
 
 # (full-match pattern of the driver's name, spec, constant labels); named groups fill the other labels.
+# The driver's durations are microseconds; the series are in seconds.
+SCALE = {PFC_PAUSE_DURATION: 1e-6}
+
 MAPPED: tuple[tuple[re.Pattern, MetricSpec, dict[str, str]], ...] = tuple(
     (re.compile(pattern), spec, constant)
     for pattern, spec, constant in (
@@ -296,7 +300,7 @@ class EthtoolCollector(Collector):
             for stat, value in stats.items():
                 planned = self._planned(stat)
                 if planned is not None:
-                    out.add(planned[0], value, netdev=netdev, **planned[1])
+                    out.add(planned[0], value * SCALE.get(planned[0], 1), netdev=netdev, **planned[1])
         previously_skipped, self._skipped = self._skipped, skipped
         if len(skipped) == len(netdevs):
             reasons = "; ".join(f"{netdev}: {why}" for netdev, why in skipped.items())

@@ -70,14 +70,14 @@ def test_mlx5_pfc_discards_and_pause_storms():
         for direction in ("rx", "tx"):
             pfc = {"netdev": netdev, "direction": direction}
             assert value(scraped, "nic_pfc_pause_frames_total", **pfc, priority="3") == stats[f"{direction}_prio3_pause"]
-            assert value(scraped, "nic_pfc_pause_duration_microseconds_total", **pfc, priority="3") == (
-                stats[f"{direction}_prio3_pause_duration"]
+            assert value(scraped, "nic_pfc_pause_duration_seconds_total", **pfc, priority="3") == pytest.approx(
+                stats[f"{direction}_prio3_pause_duration"] / 1e6
             )
             assert value(scraped, "nic_pfc_pause_frames_total", **pfc, priority="global") == (
                 stats[f"{direction}_global_pause"]
             )
-            assert value(scraped, "nic_pfc_pause_duration_microseconds_total", **pfc, priority="global") == (
-                stats[f"{direction}_global_pause_duration"]
+            assert value(scraped, "nic_pfc_pause_duration_seconds_total", **pfc, priority="global") == pytest.approx(
+                stats[f"{direction}_global_pause_duration"] / 1e6
             )
             assert value(scraped, "nic_discards_total", **pfc) == stats[f"{direction}_discards_phy"]
         assert value(scraped, "nic_out_of_buffer_total", netdev=netdev) == stats["rx_out_of_buffer"]

@@ -1,0 +1,56 @@
+"""End-to-end scrape of the committed fixture node, diffed against a committed expected file (node_exporter's e2e test).
+
+The fixture node has 8 GPUs (NVML snapshots recorded in NVML's own shapes: no GPU exists here), MPS
+control answers, 8 RDMA ports as a sysfs tree, 4 dual-port NICs' ethtool statistics and NCCL
+Inspector dumps. ``stagetrace collect --once`` runs as a real process over them; the series that
+cannot be deterministic (scrape durations, dump ages) are dropped before the diff. A change to a
+name, a help text or a label shows up here as a diff. Regenerate with
+``STAGETRACE_UPDATE_GOLDEN=1 bash scripts/test tests/test_e2e_scrape.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+FIXTURES = Path(__file__).parent / "fixtures" / "node"
+EXPECTED = FIXTURES / "expected.prom"
+NONDETERMINISTIC = ("stagetrace_collector_duration_seconds", "nccl_inspector_dump_age_seconds")
+
+
+def scrape(tmp_path: Path) -> str:
+    # NCCL dumps older than five minutes are stale by design: give copies a fresh mtime.
+    nccl = shutil.copytree(FIXTURES / "nccl", tmp_path / "nccl")
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "collect", "--once", "--collectors", "gpu,mps,rdma,ethtool,nccl",
+         "--sysfs", str(FIXTURES / "sys"), "--nvml-fixture", str(FIXTURES / "nvml"),
+         "--mps-fixture", str(FIXTURES / "mps"), "--ethtool-fixture", str(FIXTURES / "ethtool" / "statistics.json"),
+         "--nccl-dir", str(nccl)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "STAGETRACE_HOST": "fixture-node"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return "".join(
+        line + "\n" for line in done.stdout.splitlines() if not line.split("{")[0].split(" ")[0] in NONDETERMINISTIC
+    )
+
+
+def test_fixture_node_scrape_matches_expected(tmp_path):
+    scraped = scrape(tmp_path)
+    if os.environ.get("STAGETRACE_UPDATE_GOLDEN") == "1":
+        EXPECTED.write_text(scraped)
+    diff = "".join(difflib.unified_diff(EXPECTED.read_text().splitlines(True), scraped.splitlines(True),
+                                        "expected.prom", "scraped"))  # fmt: skip
+    assert not diff, diff
+    assert 'stagetrace_collector_success{collector="nccl",host="fixture-node"} 1.0' in scraped
+    assert 'stagetrace_collector_success{collector="gpu",host="fixture-node"} 1.0' in scraped
+
+
+def test_expected_scrape_passes_promtool_check_metrics(component):
+    promtool = component("promtool", package="prometheus")
+    checked = subprocess.run([promtool, "check", "metrics"], input=EXPECTED.read_text(), capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr
