@@ -160,10 +160,11 @@ def test_unversioned_cache_keys_serve_stale_documents_after_a_rebuild():
     edited = next(i for i, d in new.docs.items() if i in old.docs and d.revision != old.docs[i].revision)
     for key_has_version, served in ((True, new.docs[edited].text), (False, old.docs[edited].text)):
         cache = DocCache(capacity=8, ttl_s=60, key_has_version=key_has_version)
-        cache.fetch(edited, old.docs[edited].revision, old, now=0)
-        text, version, _ = cache.fetch(edited, new.docs[edited].revision, new, now=10)
+        cache.fetch(edited, old, now=0)
+        text, version, age = cache.fetch(edited, new, now=10)
         assert text == served
-    assert cache.fetch(edited, 2, new, now=100)[0] == new.docs[edited].text, "expired entries are fetched again"
+    assert (version, age) == (world.OLD_INDEX, 10), "the stale entry says when and under which index it was made"
+    assert cache.fetch(edited, new, now=100)[0] == new.docs[edited].text, "expired entries are fetched again"
 
 
 @pytest.mark.parametrize("args, message", [(["--nodes", "1"], "use 2 to 16 nodes"), (["--requests", "5"], "at least 20")])

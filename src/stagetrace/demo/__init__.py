@@ -72,7 +72,7 @@ def request_specs(requests: int, nodes: int, seed: int) -> dict[int, list[Reques
         node = plan[int(placed[i])]
         position = i / requests
         request_rng = np.random.default_rng([seed, 5, i])
-        batch = int(request_rng.integers(12, 33)) if node.in_burst(position) else int(request_rng.integers(1, 9))
+        batch = int(request_rng.integers(16, 49)) if node.in_burst(position) else int(request_rng.integers(1, 9))
         timeout = node.nic_timeouts is not None and node.nic_timeouts[0] <= position < node.nic_timeouts[1] and draws[i] < node.nic_timeouts[2]
         request_id = f"req-{digest([seed, i])[:12]}"
         out[node.index].append(RequestSpec(position, i, request_id, inputs[int(chosen[i])], batch, timeout))

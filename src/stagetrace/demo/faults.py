@@ -35,7 +35,7 @@ class NodeConfig:
     cache_key_has_version: bool = True
     small_context_from: float | None = None  # restarted with a smaller maximum context
     tree_algorithm_from: float | None = None  # NCCL_ALGO=Tree set on a restart
-    batch_burst: tuple[float, float] | None = None  # co-batched load spike: batch sizes 12-32
+    batch_burst: tuple[float, float] | None = None  # co-batched load spike: batch sizes 16-48
     nic_timeouts: tuple[float, float, float] | None = None  # (from, to, probability per request)
     xid_at: float | None = None  # XID 48 (double-bit ECC) on GPU 0; weights corrupted until the GPU is reset
     xid_corrupts_requests: int = 6

@@ -45,8 +45,8 @@ class RequestSpec:
 class DocCache:
     """A TTL + LRU cache of document texts in front of the document store.
 
-    Entries remember the index version they were fetched under. Keyed by (document, revision) they
-    are never stale; keyed by document alone, as the faulty node does, a rebuild that edits a
+    Entries remember the index version they were fetched under. Keyed by (index version, document)
+    they are never stale; keyed by document alone, as the faulty node does, a rebuild that edits a
     document leaves the old text to be served until the entry expires or is evicted.
     """
 
@@ -54,9 +54,9 @@ class DocCache:
         self.capacity, self.ttl_s, self.key_has_version = capacity, ttl_s, key_has_version
         self._entries: OrderedDict = OrderedDict()  # key → (text, index version, stored at)
 
-    def fetch(self, doc_id: int, revision: int, index: world.VectorIndex, now: float) -> tuple[str, str, float | None]:
+    def fetch(self, doc_id: int, index: world.VectorIndex, now: float) -> tuple[str, str, float | None]:
         """(text, index version of the entry, its age or None on a miss)."""
-        key = (doc_id, revision) if self.key_has_version else doc_id
+        key = (index.version, doc_id) if self.key_has_version else doc_id
         entry = self._entries.get(key)
         if entry is not None and now - entry[2] <= self.ttl_s:
             self._entries.move_to_end(key)
@@ -168,7 +168,7 @@ class Node:
                         lambda: reference_index.search(inp["prompt"], inp["top_k"]))  # fmt: skip
 
             with stagetrace.stage("cache", input=hits) as st:
-                fetched = [self.cache.fetch(doc_id, rev, index, now) for doc_id, rev in hits]
+                fetched = [self.cache.fetch(doc_id, index, now) for doc_id, _ in hits]
                 texts = [f[0] for f in fetched]
                 ages = [f[2] for f in fetched if f[2] is not None]
                 st.set_attributes({"cache.hit": len(ages) == len(hits), "cache.hits": len(ages),
