@@ -233,14 +233,16 @@ class ClickHouseSpanExporter(SpanExporter):
                     len(rows), len(self._pending), self._store.location.redacted(),
                 )  # fmt: skip
                 return SpanExportResult.FAILURE
-            if not self._pending:
+            was_idle = not self._pending
+            if was_idle:
                 self._oldest = time.monotonic()
             self._pending.extend(rows)
             self._accepted += len(rows)
             if self._writer is None:
                 self._writer = threading.Thread(target=self._run, name="stagetrace-clickhouse-writer", daemon=True)
                 self._writer.start()
-            if len(self._pending) >= self.max_batch_rows:
+            # an idle writer waits without a deadline: wake it to start the max_delay_s clock, or to write a full batch
+            if was_idle or len(self._pending) >= self.max_batch_rows:
                 self._cond.notify_all()
         return SpanExportResult.SUCCESS
 
