@@ -1,7 +1,10 @@
 """``stagetrace agent`` and ``stagetrace collect``: the node's collectors on ``/metrics`` and in ClickHouse.
 
 The agent serves ``/metrics`` (collected at scrape time) and, every interval, collects once more and
-writes the samples to the store. SIGTERM or SIGINT stops it: it writes what it holds and exits 0.
+writes the samples to the store. It also receives OTLP/HTTP (``exporters.otlp``) into the same store and,
+when that is an embedded store on disk, which only this process can then open, shares it read-only with the
+other commands through a query endpoint (``hub``). SIGTERM or SIGINT stops it: it writes what it holds and
+exits 0.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ import signal
 import threading
 import time
 
+from stagetrace import httpd, hub
 from stagetrace.collectors.base import Node
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
-from stagetrace.exporters.prometheus import serve
+from stagetrace.exporters.otlp import OtlpReceiver
+from stagetrace.exporters.prometheus import parse_listen, serve
+from stagetrace.store import open_store
 
 logger = logging.getLogger("stagetrace.agent")
 
@@ -69,25 +75,68 @@ def samples_json(families) -> list[dict]:
     ]
 
 
-def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None) -> int:
-    """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0)."""
+def _bind(start, listen: str, flag: str, what: str = ""):
+    """``start()``, or AgentError naming the address and the option that chooses another."""
+    try:
+        return start()
+    except OSError as exc:
+        off = f", or {flag} none" if what else ""
+        raise AgentError(
+            f"cannot listen on {listen}{what}: {exc.strerror or exc} (choose another with {flag}{off})"
+        ) from None
+
+
+def _exposed(listen: str, what: str, token: str | None) -> None:
+    if token is None and not httpd.is_loopback(parse_listen(listen)[0]):
+        logger.warning("%s listens on %s without a token: anyone who can reach it can use it "
+                       "(set one with --token-file or %s)", what, listen, httpd.ENV_TOKEN)  # fmt: skip
+
+
+def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
+        otlp: str | None = None, query_listen: str | None = None, token: str | None = None) -> int:  # fmt: skip
+    """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
+
+    ``otlp`` and ``query_listen`` are the addresses of the OTLP receiver and the query endpoint (None: off);
+    ``token``, when given, is required by both.
+    """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
-    with contextlib.ExitStack() as cleanup:  # undone in reverse: signals, server, writer (flushes), node
+    with contextlib.ExitStack() as cleanup:  # undone in reverse: signals, listeners, writers (flush), store, node
         cleanup.callback(node.close)
-        writer = ClickHouseMetricWriter(store, host=node.host)
+        # Never through another agent's query endpoint: this agent must hold the store it writes.
+        opened = open_store(store, agent_fallback=False)
+        cleanup.callback(opened.close)
+        writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False)
         cleanup.callback(writer.close)
-        try:
-            server = serve(shared, listen)
-        except OSError as exc:
-            raise AgentError(f"cannot listen on {listen}: {exc.strerror or exc} (choose another with --listen)") from None
+        server = _bind(lambda: serve(shared, listen), listen, "--listen")
         cleanup.callback(server.close)
+        endpoints = {"metrics": server.url, "database": opened.database, "token": token is not None}
+        if otlp:
+            _exposed(otlp, "the OTLP receiver", token)
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token), otlp, "--otlp", " for OTLP")
+            cleanup.callback(receiver.close)  # before the store closes: it writes the spans still queued
+            endpoints["otlp"] = receiver.url
+        location = opened.location
+        if query_listen and location.embedded and location.path:
+            _exposed(query_listen, "the query endpoint", token)
+            endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, token=token), query_listen,
+                             "--query-listen", " for queries")  # fmt: skip
+            cleanup.callback(endpoint.close)
+            endpoints["query"] = endpoint.url
+            cleanup.callback(hub.withdraw, hub.advertise(location.path, **endpoints))
         for sig in (signal.SIGTERM, signal.SIGINT):
             cleanup.callback(signal.signal, sig, signal.signal(sig, lambda *_: stop.set()))
         logger.info(
             "serving %s, writing every %gs to %s (collectors: %s)", server.url, interval_s,
-            writer.store.location.redacted(), ", ".join(c.name for c in node.collectors) or "none",
+            location.redacted(), ", ".join(c.name for c in node.collectors) or "none",
         )  # fmt: skip
+        if "otlp" in endpoints:
+            logger.info("receiving OTLP/HTTP at %s/v1/traces and /v1/metrics", endpoints["otlp"])
+        if "query" in endpoints:
+            logger.info("sharing the store read-only at %s (ClickHouse HTTP interface)", endpoints["query"])
+        elif query_listen:
+            why = "an in-memory store cannot be shared" if location.embedded else "other commands reach the server directly"
+            logger.info("no query endpoint: %s", why)
         due = time.monotonic()
         while True:
             writer.write(shared.collect())

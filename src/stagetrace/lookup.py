@@ -15,6 +15,10 @@ from stagetrace.tracing import REQUEST_ID, STAGE
 # Spans of one request may come from other hosts (TP ranks) whose clocks differ a little.
 WINDOW_MARGIN_NS = 60 * 1_000_000_000
 
+# Serving engines' own per-request timings, in seconds, on their request span (vLLM's llm_request):
+# time_in_queue, time_to_first_token, time_in_model_prefill, time_in_model_decode, e2e, ...
+ENGINE_LATENCY_PREFIX = "gen_ai.latency."
+
 
 class NotFound(LookupError):
     """No request or trace with that ID."""
@@ -38,7 +42,20 @@ class Span:
     def stage(self) -> str | None:
         return self.attributes.get(STAGE)
 
+    @property
+    def engine_ms(self) -> dict[str, float]:
+        """The engine's timings in milliseconds, by the name after ``gen_ai.latency.``; empty for other spans."""
+        timings = {}
+        for key, value in self.attributes.items():
+            if key.startswith(ENGINE_LATENCY_PREFIX):
+                try:
+                    timings[key[len(ENGINE_LATENCY_PREFIX):]] = round(float(value) * 1000, 6)  # to the ns
+                except ValueError:
+                    pass  # not a number: it stays among the attributes
+        return timings
+
     def to_json(self) -> dict:
+        engine = {"engine_ms": self.engine_ms} if self.engine_ms else {}
         return {
             "span_id": self.span_id,
             "parent_span_id": self.parent_span_id,
@@ -50,6 +67,7 @@ class Span:
             "start": iso_ns(self.start_ns),
             "duration_ms": self.duration_ns / 1e6,
             "status": self.status,
+            **engine,
             "attributes": self.attributes,
         }
 
@@ -99,6 +117,9 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     start = min(r[1] for r in trace_rows)
     end = max(r[2] for r in trace_rows)
     spans = _spans(store, latest_trace, start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
+    # An engine's request span (found by gen_ai.request.id) may sit inside a pipeline's trace: span it all.
+    start = min([start, *(s.start_ns for s in spans)])
+    end = max([end, *(s.start_ns + s.duration_ns for s in spans)])
     return Trace(request_id, latest_trace, trace_rows[0][3], start, end - start, spans)
 
 

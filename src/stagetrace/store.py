@@ -27,7 +27,11 @@ class StoreError(Exception):
 
 
 class StoreLockedError(StoreError):
-    """The embedded store is held by another process."""
+    """The embedded store is held by another process (``pid``, when its status file names it)."""
+
+    def __init__(self, message: str, pid: int | None = None):
+        super().__init__(message)
+        self.pid = pid
 
 
 @dataclass(frozen=True)
@@ -116,12 +120,16 @@ def _check_database(name: str) -> None:
 
 
 class Store:
-    """An open store: a clickhouse-connect client and the database the tables live in."""
+    """An open store: a clickhouse-connect client and the database the tables live in.
 
-    def __init__(self, client, location: Location):
+    ``read_only`` when it is an embedded store read through the query endpoint of the agent that holds it.
+    """
+
+    def __init__(self, client, location: Location, read_only: bool = False):
         self.client = client
         self.location = location
         self.database = location.database
+        self.read_only = read_only
 
     def ensure_schema(self, cluster: str | None = None) -> bool:
         try:
@@ -139,11 +147,22 @@ class Store:
         self.close()
 
 
-def open_store(dsn: str | Location | None = None, *, create_schema: bool = True) -> Store:
-    """Open the store ``dsn`` names, creating the database and tables unless told not to."""
+def open_store(dsn: str | Location | None = None, *, create_schema: bool = True, agent_fallback: bool = True) -> Store:
+    """Open the store ``dsn`` names, creating the database and tables unless told not to.
+
+    An embedded store held by ``stagetrace agent`` is opened read-only through the agent's query endpoint
+    (``stagetrace.hub``), unless ``agent_fallback`` is False: then StoreLockedError, as for any other holder.
+    """
     location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
-    client = _open_embedded(location) if location.embedded else _open_server(location)
-    store = Store(client, location)
+    try:
+        client = _open_embedded(location) if location.embedded else _open_server(location)
+        store = Store(client, location)
+    except StoreLockedError as locked:
+        if not agent_fallback:
+            raise
+        from stagetrace import hub  # imported here: the hub builds on this module
+
+        store = hub.store_through_agent(location, locked)  # raises ``locked`` when no agent serves this store
     if create_schema:
         try:
             store.ensure_schema()
@@ -207,7 +226,8 @@ def _check_not_locked(path: Path) -> None:
                 return  # this process's own engine: chdb shares it between clients
             raise StoreLockedError(
                 f"store {path} is in use by {_describe_process(pid)}; stop that process, "
-                "or use a different store with --store chdb:///other/path"
+                "or use a different store with --store chdb:///other/path",
+                pid,
             ) from None
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:

@@ -1,0 +1,394 @@
+"""OTLP/HTTP receiver: ``POST /v1/traces`` and ``/v1/metrics`` into the tables the Python exporters write.
+
+Whatever speaks OTLP/HTTP can send to ``stagetrace agent --otlp 127.0.0.1:4318``: an OpenTelemetry SDK's
+``OTLPSpanExporter``, vLLM (``--otlp-traces-endpoint`` with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``),
+SGLang, a Collector's ``otlphttp`` exporter. Binary protobuf (``application/x-protobuf``) and OTLP/JSON
+(``application/json``: hex trace and span IDs, lowerCamelCase keys, enums as integers) are decoded with the
+official ``opentelemetry-proto`` messages; ``Content-Encoding: gzip`` or ``deflate`` bodies are inflated
+within the size limit.
+
+Each OTLP span is read through a view that ``span_row`` takes like an SDK span, so it gets exactly the
+columns the in-process ``ClickHouseSpanExporter`` writes, and the views are queued in that exporter, which
+coalesces inserts and retries. Gauge and sum points go to ``otel_metrics_gauge``/``otel_metrics_sum`` in the
+Collector's layout, one insert per request. Answers, as the OTLP/HTTP specification has them:
+
+* 200, with ``partial_success`` counting the spans or points that were not taken (invalid IDs, histograms);
+  the sender must not retry those.
+* 400 a body that does not decode · 401 no or wrong token · 404/405 other paths or methods ·
+  411 no Content-Length · 413 body over the limit, compressed or inflated · 415 another content type.
+* 503 with ``Retry-After`` when the span queue is full or the store refuses inserts: the sender retries later,
+  so memory stays bounded while the store is slow or down.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import logging
+import time
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.trace import SpanKind, StatusCode
+
+from stagetrace import httpd
+from stagetrace.exporters.clickhouse import (
+    GAUGE_TABLE,
+    METRIC_COLUMNS,
+    SUM_COLUMNS,
+    SUM_TABLE,
+    ClickHouseSpanExporter,
+    _Inserts,  # one log line when inserts start failing and one when they recover, as the writers do
+    attribute_map,
+)
+from stagetrace.store import Store
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:4318"
+MAX_BODY_BYTES = 20 * 1024 * 1024  # the Collector's otlp receiver default (confighttp max_request_body_size)
+MAX_QUEUED_SPANS = 50_000
+RETRY_AFTER_S = 2
+PROTOBUF, JSON = "application/x-protobuf", "application/json"
+
+# Columns the Collector writes that client_python samples have no value for.
+_METRIC_EXTRA = ("ResourceSchemaUrl", "ScopeAttributes", "ScopeDroppedAttrCount", "ScopeSchemaUrl", "Flags")
+GAUGE_COLUMNS = (*METRIC_COLUMNS, *_METRIC_EXTRA)
+OTLP_SUM_COLUMNS = (*SUM_COLUMNS, *_METRIC_EXTRA)
+
+
+class OtlpError(httpd.HttpError):
+    """A request the receiver answers with an HTTP error; ``message`` goes back in a google.rpc.Status."""
+
+    def __init__(self, status: int, message: str, *, retry: bool = False, body_read: bool = True):
+        super().__init__(status, message, body_read=body_read)
+        self.retry = retry  # answer with Retry-After: the sender tries again later
+
+
+def _status_class():
+    """``google.rpc.Status`` (code, message), the body of OTLP error answers, built in a private pool:
+    opentelemetry-proto does not ship it, and a sender's googleapis-common-protos may hold the same name."""
+    fdp = descriptor_pb2.FileDescriptorProto(name="stagetrace/rpc_status.proto", package="google.rpc", syntax="proto3")
+    message = fdp.message_type.add(name="Status")
+    message.field.add(name="code", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT32, json_name="code")
+    message.field.add(name="message", number=2, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING, json_name="message")
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fdp)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName("google.rpc.Status"))
+
+
+_RpcStatus = _status_class()
+# google.rpc.Code for each HTTP status the receiver sends
+_RPC_CODE = {400: 3, 401: 16, 404: 5, 405: 12, 411: 3, 413: 8, 415: 3, 503: 14}
+
+
+# --- bodies -----------------------------------------------------------------------------------------------
+
+
+def media_type(header: str | None) -> str:
+    return (header or "").split(";", 1)[0].strip().lower()
+
+
+# OTLP/JSON writes these bytes fields as hex, while protobuf's JSON mapping expects base64.
+_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
+_BAD_ID = base64.b64encode(b"\xff").decode()  # decodes, then fails the length check: that span alone is rejected
+
+
+def _hex_ids_to_base64(node) -> None:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in _ID_KEYS and isinstance(value, str):
+                try:
+                    node[key] = base64.b64encode(bytes.fromhex(value)).decode()
+                except ValueError:
+                    node[key] = _BAD_ID
+            else:
+                _hex_ids_to_base64(value)
+    elif isinstance(node, list):
+        for item in node:
+            _hex_ids_to_base64(item)
+
+
+def decode(message, body: bytes, media: str):
+    """Fill ``message`` from an OTLP body in ``media`` encoding; OtlpError(400) when it does not decode."""
+    try:
+        if media == PROTOBUF:
+            message.ParseFromString(body)
+        else:
+            data = json.loads(body)
+            if not isinstance(data, dict):
+                raise ValueError("the body is not a JSON object")
+            _hex_ids_to_base64(data)
+            json_format.ParseDict(data, message, ignore_unknown_fields=True)
+    except (DecodeError, ValueError, json_format.ParseError, RecursionError) as exc:
+        what = "protobuf" if media == PROTOBUF else "OTLP/JSON"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise OtlpError(400, f"body is not a valid {type(message).__name__} in {what}: {reason}") from None
+    return message
+
+
+def encode(message, media: str) -> bytes:
+    if media == JSON:
+        return json_format.MessageToJson(message, indent=None).encode()
+    return message.SerializeToString()
+
+
+# --- spans ------------------------------------------------------------------------------------------------
+
+
+class _TraceState(str):
+    """OTLP carries the W3C tracestate header text; span_row asks the SDK's TraceState for ``to_header()``."""
+
+    def to_header(self) -> str:
+        return str(self)
+
+
+def _value(any_value):
+    """An OTLP AnyValue as the Python value the SDK would hold; what the SDK cannot hold as the Collector writes it."""
+    kind = any_value.WhichOneof("value")
+    if kind is None:
+        return ""
+    if kind == "array_value":
+        return tuple(_value(v) for v in any_value.array_value.values)
+    if kind == "kvlist_value":
+        return json.dumps({kv.key: _value(kv.value) for kv in any_value.kvlist_value.values}, separators=(",", ":"))
+    if kind == "bytes_value":
+        return base64.b64encode(any_value.bytes_value).decode()
+    return getattr(any_value, kind)
+
+
+def _attributes(key_values) -> dict:
+    return {kv.key: _value(kv.value) for kv in key_values}
+
+
+def _context(trace_id: bytes, span_id: bytes, trace_state: str) -> SimpleNamespace:
+    return SimpleNamespace(trace_id=int.from_bytes(trace_id, "big"), span_id=int.from_bytes(span_id, "big"),
+                           trace_state=_TraceState(trace_state))  # fmt: skip
+
+
+def _valid_ids(trace_id: bytes, span_id: bytes) -> bool:
+    return len(trace_id) == 16 and len(span_id) == 8 and any(trace_id) and any(span_id)
+
+
+# The spec lets a receiver read SPAN_KIND_UNSPECIFIED (0) as INTERNAL; OTLP kinds are the SDK's plus one.
+_KINDS = {0: SpanKind.INTERNAL, **{kind.value + 1: kind for kind in SpanKind}}
+_STATUS_CODES = {code.value: code for code in StatusCode}
+
+
+def span_views(request: ExportTraceServiceRequest) -> tuple[list[SimpleNamespace], int]:
+    """What ``span_row`` reads of each span, and how many spans were rejected for invalid IDs."""
+    views, rejected = [], 0
+    for resource_spans in request.resource_spans:
+        # one object per resource: span_row caches the resource's attribute map by identity
+        resource = SimpleNamespace(attributes=_attributes(resource_spans.resource.attributes))
+        for scope_spans in resource_spans.scope_spans:
+            scope = SimpleNamespace(name=scope_spans.scope.name, version=scope_spans.scope.version)
+            for span in scope_spans.spans:
+                parent = span.parent_span_id
+                if not _valid_ids(span.trace_id, span.span_id) or len(parent) not in (0, 8):
+                    rejected += 1
+                    continue
+                views.append(SimpleNamespace(
+                    name=span.name,
+                    context=_context(span.trace_id, span.span_id, span.trace_state),
+                    parent=SimpleNamespace(span_id=int.from_bytes(parent, "big")) if any(parent) else None,
+                    resource=resource,
+                    instrumentation_scope=scope,
+                    start_time=span.start_time_unix_nano,
+                    end_time=span.end_time_unix_nano,
+                    kind=_KINDS.get(span.kind, SpanKind.INTERNAL),
+                    status=SimpleNamespace(status_code=_STATUS_CODES.get(span.status.code, StatusCode.UNSET),
+                                           description=span.status.message),
+                    attributes=_attributes(span.attributes),
+                    events=[SimpleNamespace(timestamp=e.time_unix_nano, name=e.name, attributes=_attributes(e.attributes))
+                            for e in span.events],
+                    links=[SimpleNamespace(context=_context(link.trace_id, link.span_id, link.trace_state),
+                                           attributes=_attributes(link.attributes))
+                           for link in span.links if _valid_ids(link.trace_id, link.span_id)],
+                ))  # fmt: skip
+    return views, rejected
+
+
+class SpanQueue(ClickHouseSpanExporter):
+    """The exporter's coalescing buffer, offered OTLP span views; a full buffer refuses instead of dropping."""
+
+    def offer(self, views: list) -> bool:
+        """Queue ``views`` (True), or take none of them (False) while the buffer is full."""
+        with self._cond:
+            held = self._accepted - self._written  # waiting, and being inserted right now
+            if self._shutdown or held + len(views) > self.max_buffered_rows:
+                return False
+        accepted = self.export(views) is SpanExportResult.SUCCESS
+        with self._cond:
+            # export() wakes the writer only for a full batch, and an idle writer waits without a timeout:
+            # wake it so these spans are written within max_delay_s, not at the next full batch or flush
+            self._cond.notify_all()
+        return accepted
+
+
+# --- metrics ----------------------------------------------------------------------------------------------
+
+
+def metric_rows(request: ExportMetricsServiceRequest) -> tuple[dict[str, list[tuple]], int, str]:
+    """``{table: rows}`` for the gauge and sum points, how many other points were rejected, and why."""
+    tables: dict[str, list[tuple]] = {GAUGE_TABLE: [], SUM_TABLE: []}
+    rejected, kinds = 0, set()
+    for resource_metrics in request.resource_metrics:
+        resource = attribute_map(_attributes(resource_metrics.resource.attributes))
+        service = resource.get("service.name", "")
+        for scope_metrics in resource_metrics.scope_metrics:
+            scope = scope_metrics.scope
+            extra = (resource_metrics.schema_url, attribute_map(_attributes(scope.attributes)),
+                     scope.dropped_attributes_count, scope_metrics.schema_url)  # fmt: skip
+            for metric in scope_metrics.metrics:
+                kind = metric.WhichOneof("data")
+                if kind not in ("gauge", "sum"):
+                    points = getattr(metric, kind).data_points if kind else ()
+                    rejected += len(points)
+                    kinds.add(kind or "empty")
+                    continue
+                data = getattr(metric, kind)
+                head = (resource, service, scope.name, scope.version, metric.name, metric.description, metric.unit)
+                for point in data.data_points:
+                    value = float(getattr(point, point.WhichOneof("value") or "as_double"))
+                    row = (*head, attribute_map(_attributes(point.attributes)), point.start_time_unix_nano,
+                           point.time_unix_nano, value)  # fmt: skip
+                    if kind == "sum":
+                        row = (*row, int(data.aggregation_temporality), data.is_monotonic)
+                    tables[GAUGE_TABLE if kind == "gauge" else SUM_TABLE].append((*row, *extra, point.flags))
+    why = f"{', '.join(sorted(kinds))} points are not stored: stagetrace keeps gauges and sums" if rejected else ""
+    return tables, rejected, why
+
+
+# --- the receiver -----------------------------------------------------------------------------------------
+
+
+class _Every:
+    """True at most once per ``seconds``: a misbehaving sender must not flood the agent's log."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._last = float("-inf")
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True
+
+
+class OtlpReceiver:
+    """OTLP/HTTP on ``listen`` into ``store`` until ``close`` (which writes what is queued)."""
+
+    def __init__(self, store: Store, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, max_queued_spans: int = MAX_QUEUED_SPANS,
+                 max_delay_s: float | None = None):  # fmt: skip
+        self.token = token
+        self.max_body_bytes = max_body_bytes
+        self.spans = SpanQueue(store, max_buffered_rows=max_queued_spans, max_delay_s=max_delay_s, create_schema=False)
+        self._metric_inserts = {table: _Inserts(store, f"OTLP {table} rows") for table in (GAUGE_TABLE, SUM_TABLE)}
+        self._warn_rejected = _Every(60.0)
+        handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
+        try:
+            self.listener = httpd.start(handler, listen, "stagetrace-otlp")
+        except BaseException:
+            self.spans.shutdown()
+            raise
+
+    @property
+    def url(self) -> str:
+        return self.listener.url
+
+    def close(self) -> None:
+        self.listener.close()
+        self.spans.shutdown()
+
+    def traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceResponse:
+        views, rejected = span_views(request)
+        if len(views) > self.spans.max_buffered_rows:
+            raise OtlpError(413, f"{len(views)} spans in one request are more than the receiver queues "
+                                 f"({self.spans.max_buffered_rows}): send smaller batches")  # fmt: skip
+        if views and not self.spans.offer(views):
+            raise OtlpError(503, "the span queue is full while the store catches up: retry later", retry=True)
+        response = ExportTraceServiceResponse()
+        if rejected:
+            response.partial_success.rejected_spans = rejected
+            response.partial_success.error_message = (
+                f"{rejected} spans have an invalid trace or span ID (16 and 8 bytes, not all zero)"
+            )
+            if self._warn_rejected():
+                logger.warning("OTLP: rejected %s", response.partial_success.error_message)
+        return response
+
+    def metrics(self, request: ExportMetricsServiceRequest) -> ExportMetricsServiceResponse:
+        tables, rejected, why = metric_rows(request)
+        for table, rows in tables.items():
+            columns = GAUGE_COLUMNS if table == GAUGE_TABLE else OTLP_SUM_COLUMNS
+            if rows and not self._metric_inserts[table](table, rows, columns):
+                raise OtlpError(503, "the store is not taking inserts now: retry later", retry=True)
+        response = ExportMetricsServiceResponse()
+        if rejected:
+            response.partial_success.rejected_data_points = rejected
+            response.partial_success.error_message = why
+            if self._warn_rejected():
+                logger.warning("OTLP: rejected %d metric points: %s", rejected, why)
+        return response
+
+
+_ROUTES = {
+    "/v1/traces": (ExportTraceServiceRequest, OtlpReceiver.traces),
+    "/v1/metrics": (ExportMetricsServiceRequest, OtlpReceiver.metrics),
+}
+
+
+class _OtlpHandler(httpd.Handler):
+    receiver: OtlpReceiver
+
+    def do_POST(self):  # noqa: N802 - the stdlib's name
+        media = media_type(self.headers.get("Content-Type"))
+        answer_as = JSON if media == JSON else PROTOBUF
+        try:
+            route = _ROUTES.get(urlsplit(self.path).path.rstrip("/"))
+            if route is None:
+                raise OtlpError(404, f"no OTLP endpoint at {urlsplit(self.path).path}: use /v1/traces or /v1/metrics",
+                                body_read=False)  # fmt: skip
+            if not httpd.authorized(self.headers.get("Authorization"), self.receiver.token):
+                raise OtlpError(401, "missing or wrong bearer token", body_read=False)
+            if media not in (PROTOBUF, JSON):
+                raise OtlpError(415, f"Content-Type {media or '(none)'} is not OTLP: use {PROTOBUF} or {JSON}",
+                                body_read=False)  # fmt: skip
+            request_class, accept = route
+            body = httpd.read_body(self.headers, self.rfile, self.receiver.max_body_bytes)
+            response = accept(self.receiver, decode(request_class(), body, media))
+        except httpd.HttpError as exc:
+            self._error(exc, answer_as)
+            return
+        self.reply(200, encode(response, answer_as), answer_as)
+
+    def _not_allowed(self):
+        self._error(OtlpError(405, f"{self.command} is not allowed: OTLP/HTTP uses POST", body_read=False), PROTOBUF)
+
+    do_GET = do_PUT = do_DELETE = do_PATCH = _not_allowed
+
+    def _error(self, exc: httpd.HttpError, media: str) -> None:
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if getattr(exc, "retry", False) else {}
+        if exc.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        elif exc.status == 405:
+            headers["Allow"] = "POST"
+        status = _RpcStatus(code=_RPC_CODE.get(exc.status, 2), message=exc.message)
+        self.reply(exc.status, encode(status, media), media, headers, close=not exc.body_read)
+
+
+__all__ = ["DEFAULT_LISTEN", "GAUGE_COLUMNS", "MAX_BODY_BYTES", "OTLP_SUM_COLUMNS", "OtlpError", "OtlpReceiver",
+           "SpanQueue", "decode", "encode", "metric_rows", "span_views"]  # fmt: skip

@@ -1,0 +1,216 @@
+"""What the agent's HTTP listeners share: a threaded stdlib server on one address, and the optional bearer token.
+
+The token guards the OTLP receiver and the query endpoint alike. It comes from a file (``--token-file``,
+``$STAGETRACE_AGENT_TOKEN_FILE``) or ``$STAGETRACE_AGENT_TOKEN``, never from the command line, where ``ps``
+would show it, and is never logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import os
+import socket
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from stagetrace.exporters.prometheus import parse_listen
+
+ENV_TOKEN = "STAGETRACE_AGENT_TOKEN"
+ENV_TOKEN_FILE = "STAGETRACE_AGENT_TOKEN_FILE"
+
+_LINGER_S = 2.0
+_LINGER_BYTES = 64 * 1024 * 1024
+
+
+class HttpError(Exception):
+    """A request answered with an HTTP error status and a one-line message."""
+
+    def __init__(self, status: int, message: str, *, body_read: bool = True):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.body_read = body_read  # False: the body is still on the connection, which must not be reused
+
+
+def read_body(headers, rfile, limit: int) -> bytes:
+    """The request body, inflated (gzip, deflate); HttpError for a missing length, an oversized or truncated body."""
+    if (headers.get("Transfer-Encoding") or "").strip().lower() == "chunked":
+        body = _read_chunked(rfile, limit)
+    else:
+        length = (headers.get("Content-Length") or "").strip()
+        if not length.isdigit():
+            raise HttpError(411, "send the body with a Content-Length", body_read=False)
+        if int(length) > limit:
+            raise HttpError(413, f"body of {length} bytes is over the limit of {limit}", body_read=False)
+        body = rfile.read(int(length))
+        if len(body) < int(length):
+            raise HttpError(400, "body ended before Content-Length bytes", body_read=False)
+    encoding = (headers.get("Content-Encoding") or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise HttpError(415, f"Content-Encoding {encoding} is not supported: use gzip, deflate or none")
+    # gzip: with header and trailer; deflate: zlib-wrapped, as HTTP and the OTLP exporters have it
+    inflater = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    try:
+        data = inflater.decompress(body, limit + 1)  # stop early: a small bomb must not inflate to gigabytes
+    except zlib.error as exc:
+        raise HttpError(400, f"body is not valid {encoding}: {exc}") from None
+    if len(data) > limit:
+        raise HttpError(413, f"body inflates to over the limit of {limit} bytes")
+    if not inflater.eof:
+        raise HttpError(400, f"{encoding} body is truncated")
+    return data
+
+
+def _read_chunked(rfile, limit: int) -> bytes:
+    """A ``Transfer-Encoding: chunked`` body (clickhouse-connect streams inserts this way), at most ``limit`` bytes."""
+    chunks, total = [], 0
+    while True:
+        line = rfile.readline(1024)
+        try:
+            size = int(line.split(b";", 1)[0].strip(), 16)
+        except ValueError:
+            raise HttpError(400, "malformed chunked body", body_read=False) from None
+        if size == 0:
+            while rfile.readline(1024).strip():  # trailer fields, up to the blank line
+                pass
+            return b"".join(chunks)
+        total += size
+        if total > limit:
+            raise HttpError(413, f"body is over the limit of {limit} bytes", body_read=False)
+        chunk = rfile.read(size)
+        if len(chunk) < size or rfile.readline(3).strip():
+            raise HttpError(400, "chunked body ended early", body_read=False)
+        chunks.append(chunk)
+
+
+class TokenError(Exception):
+    """The token file cannot be read or is empty; the message is one line a person can act on."""
+
+
+def load_token(path: str | Path | None = None) -> str | None:
+    """The token from ``path``, else ``$STAGETRACE_AGENT_TOKEN_FILE``, else ``$STAGETRACE_AGENT_TOKEN``; None if unset."""
+    path = path or os.environ.get(ENV_TOKEN_FILE)
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise TokenError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+        if not token:
+            raise TokenError(f"the token file {path} is empty: write the token into it, or leave the option out")
+        return token
+    return os.environ.get(ENV_TOKEN, "").strip() or None
+
+
+def authorized(header: str | None, token: str | None) -> bool:
+    """Whether an ``Authorization`` header carries ``token``: ``Bearer <token>``, or Basic with the token as the
+    password (what Grafana's ClickHouse data source sends when the token is entered as its password)."""
+    if token is None:
+        return True
+    scheme, _, credentials = (header or "").strip().partition(" ")
+    offered = credentials.strip()
+    if scheme.lower() == "basic":
+        try:
+            offered = base64.b64decode(offered, validate=True).decode().partition(":")[2]
+        except (ValueError, UnicodeDecodeError):
+            return False
+    elif scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(offered.encode(), token.encode())
+
+
+class Handler(BaseHTTPRequestHandler):
+    """Keep-alive HTTP/1.1, without the stdlib's line on stderr for every request."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "stagetrace"
+    sys_version = ""
+
+    def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
+        pass
+
+    def reply(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None,
+              close: bool = False) -> None:  # fmt: skip
+        """Send a complete response; ``close`` when the request body was not read, so the connection is not reused."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+        if close:
+            self._linger()
+
+    def _linger(self) -> None:
+        """Half-close, then read what the client is still sending: closing a socket with unread input resets the
+        connection, and the client would see the reset instead of the answer. Bounded in bytes and time."""
+        try:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(_LINGER_S)
+            deadline = time.monotonic() + _LINGER_S
+            drained = 0
+            while drained < _LINGER_BYTES and time.monotonic() < deadline:
+                chunk = self.rfile.read1(65536)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:
+            pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a stuck client must not keep the agent from exiting
+    block_on_close = False
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+@dataclass
+class Listener:
+    """A running server; ``port`` is the bound one (useful with port 0)."""
+
+    server: ThreadingHTTPServer
+    thread: threading.Thread
+    address: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+def start(handler: type[Handler], listen: str, name: str) -> Listener:
+    """Serve ``handler`` on ``listen`` in a thread; OSError when the address cannot be bound."""
+    address, port = parse_listen(listen)
+    server = (_Server6 if ":" in address else _Server)((address, port), handler)
+    thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
+    thread.start()
+    return Listener(server, thread, address, server.server_address[1])
+
+
+def is_loopback(address: str) -> bool:
+    return address in ("localhost", "::1") or address.startswith("127.")
+
+
+__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized", "is_loopback",
+           "load_token", "start"]  # fmt: skip

@@ -1,0 +1,331 @@
+"""`stagetrace agent` as the single-node hub: OTLP in, and its embedded store shared read-only with other processes.
+
+Each agent here is a real `stagetrace agent` process on free loopback ports holding a real embedded store; the
+senders are the plain OpenTelemetry SDK with the official OTLP exporter, the readers the `stagetrace` CLI and
+clickhouse-connect's ordinary HTTP client.
+"""
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import clickhouse_connect
+import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
+from opentelemetry.exporter.otlp.proto.http import Compression
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind
+
+from stagetrace.hub import Refused, read_only_format
+from stagetrace.store import StoreError, StoreLockedError, open_store
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SYSFS = FIXTURES / "node" / "sys"
+VLLM = FIXTURES / "vllm" / "llm_request.json"
+VLLM_ID = "chatcmpl-9f1c2e7a4b5d4e3f8a6b1c2d3e4f5a6b"
+BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STAGETRACE_AGENT_TOKEN")}
+ENV = {**BASE_ENV, "STAGETRACE_HOST": "node-a", "COLUMNS": "200"}
+
+
+class Agent:
+    """A running `stagetrace agent` and the endpoints it advertises in ``<store>/agent.json``."""
+
+    def __init__(self, directory: Path, *extra: str, env: dict | None = None):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.store = directory / "store"
+        self.dsn = f"chdb://{self.store}"
+        self.log = directory / "agent.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
+             "--store", self.dsn, "--listen", "127.0.0.1:0", "--otlp", "127.0.0.1:0",
+             "--query-listen", "127.0.0.1:0", "--interval", "1s", *extra],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env={**ENV, **(env or {})},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (self.store / "agent.json").exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the agent did not start: {self.log.read_text()}")
+            time.sleep(0.2)
+        self.endpoints = json.loads((self.store / "agent.json").read_text())
+        self.query_port = urllib.parse.urlsplit(self.endpoints["query"]).port
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=60) == 0, self.log.read_text()
+        log = self.log.read_text()
+        assert "Traceback" not in log, log
+        return log
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    running = Agent(tmp_path_factory.mktemp("hub"))
+    yield running
+    running.stop()
+    assert not (running.store / "agent.json").exists()  # withdrawn on exit
+
+
+def stagetrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, timeout=120)  # fmt: skip
+
+
+def send_request(otlp: str, request_id: str, compression=Compression.NoCompression, headers=None) -> tuple[str, str]:
+    """One pipeline request from the plain SDK through the official OTLP/HTTP exporter; (trace ID, root span ID)."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "rag-api", "host.name": "node-a"}))
+    exporter = OTLPSpanExporter(f"{otlp}/v1/traces", compression=compression, headers=headers, timeout=10)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("rag-api")
+    with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER,
+                                      attributes={"stagetrace.request.id": request_id}) as root:  # fmt: skip
+        for stage in ("retrieval", "decode"):
+            with tracer.start_as_current_span(stage, attributes={"stagetrace.stage": stage}):
+                time.sleep(0.002)
+    provider.shutdown()
+    context = root.get_span_context()
+    return f"{context.trace_id:032x}", f"{context.span_id:016x}"
+
+
+def trace_json(request_id: str, dsn: str, env: dict | None = None, attempts: int = 40) -> dict:
+    """`stagetrace trace --json` from another process, retried while the agent's writer catches up."""
+    for _ in range(attempts):
+        result = stagetrace("trace", request_id, "--json", "--store", dsn, env=env)
+        if result.returncode == 0:
+            return json.loads(result.stdout)
+        assert "no request with id" in result.stderr, result.stderr
+        time.sleep(0.5)
+    raise AssertionError(f"stagetrace trace {request_id} never found it: {result.stderr}")
+
+
+@pytest.mark.parametrize("compression", [Compression.NoCompression, Compression.Gzip])
+def test_sdk_spans_sent_to_the_agent_are_found_by_trace_from_another_process(agent, compression):
+    request_id = f"req-{compression.value}"
+    trace_id, _ = send_request(agent.endpoints["otlp"], request_id, compression)
+    found = trace_json(request_id, agent.dsn)
+    assert found["trace_id"] == trace_id and found["service"] == "rag-api"
+    assert [s["stage"] or s["name"] for s in found["spans"]] == ["inference.request", "retrieval", "decode"]
+
+
+def test_otlp_json_posted_raw_is_found_by_request_id(agent):
+    document = json.loads(VLLM.read_text())
+    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["traceId"], span["spanId"] = "5" * 32, "6" * 16
+    span["attributes"] = [a for a in span["attributes"] if a["key"] != "gen_ai.request.id"]
+    span["attributes"].append({"key": "stagetrace.request.id", "value": {"stringValue": "json-1"}})
+    request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=json.dumps(document).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert (response.status, json.load(response)) == (200, {})
+    assert trace_json("json-1", agent.dsn)["trace_id"] == "5" * 32
+
+
+def test_a_vllm_llm_request_span_is_found_by_its_request_id_with_its_engine_timings(agent):
+    request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=VLLM.read_bytes(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    urllib.request.urlopen(request, timeout=10).close()
+    found = trace_json(VLLM_ID, agent.dsn)
+    (span,) = found["spans"]
+    assert (found["request_id"], found["service"], span["name"], span["kind"]) == (VLLM_ID, "vllm", "llm_request", "Server")
+    assert span["engine_ms"] == pytest.approx({"time_in_queue": 12.3, "time_to_first_token": 87.1,
+                                               "time_in_model_prefill": 74.8, "time_in_model_decode": 1203.4,
+                                               "time_in_model_inference": 1278.2, "e2e": 1292.1})  # fmt: skip
+    assert span["attributes"]["gen_ai.usage.completion_tokens"] == "128" and span["duration_ms"] == pytest.approx(1292.1)
+    shown = stagetrace("trace", VLLM_ID, "--store", agent.dsn)
+    assert shown.returncode == 0, shown.stderr
+    assert f"request {VLLM_ID}" in shown.stdout and "llm_request" in shown.stdout
+    assert "llm_request (vllm): queue 12.3 · ttft 87.1 · prefill 74.8 · decode 1203.4 · inference 1278.2 · e2e 1292.1 ms" in shown.stdout
+
+
+def test_with_a_propagated_traceparent_the_engine_span_joins_the_pipeline_trace(agent):
+    trace_id, root_span = send_request(agent.endpoints["otlp"], "pipeline-7")
+    document = json.loads(VLLM.read_text())
+    span = document["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    # what vLLM does with the traceparent header the app sent: same trace, the app's span as parent
+    engine_id = "chatcmpl-joined"
+    span.update(traceId=trace_id, parentSpanId=root_span, spanId="7" * 16)
+    for attribute in span["attributes"]:
+        if attribute["key"] == "gen_ai.request.id":
+            attribute["value"]["stringValue"] = engine_id
+    now = time.time_ns()
+    span.update(startTimeUnixNano=str(now - 2_000_000_000), endTimeUnixNano=str(now - 700_000_000))
+    request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=json.dumps(document).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    urllib.request.urlopen(request, timeout=10).close()
+    for _ in range(40):  # by the app's request ID: the engine span is in the pipeline's trace, under its root
+        joined = trace_json("pipeline-7", agent.dsn)
+        if len(joined["spans"]) == 4:
+            break
+        time.sleep(0.5)
+    engine = next(s for s in joined["spans"] if s["name"] == "llm_request")
+    assert engine["parent_span_id"] == root_span and engine["engine_ms"]["time_to_first_token"] == pytest.approx(87.1)
+    by_engine_id = trace_json(engine_id, agent.dsn)  # and by the engine's: the whole pipeline around it
+    assert by_engine_id["trace_id"] == trace_id and len(by_engine_id["spans"]) == 4
+    assert min(s["start"] for s in by_engine_id["spans"]) == by_engine_id["start"]
+
+
+def test_clickhouse_connect_reads_through_the_agent_and_writes_are_refused(agent):
+    send_request(agent.endpoints["otlp"], "cc-1")
+    client = clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port)
+    for _ in range(40):
+        rows = client.query("SELECT SpanName, SpanKind, SpanAttributes FROM stagetrace.otel_traces "
+                            "WHERE SpanAttributes['stagetrace.request.id'] = {rid:String}",
+                            parameters={"rid": "cc-1"}).result_rows  # fmt: skip
+        if rows:
+            break
+        time.sleep(0.5)
+    assert rows == [("inference.request", "Server", {"stagetrace.request.id": "cc-1"})]
+    assert client.command("SELECT count() FROM stagetrace.stagetrace_requests WHERE RequestId = 'cc-1'") == 1
+    for write in (
+        lambda: client.command("INSERT INTO stagetrace.otel_traces (SpanName) VALUES ('x')"),
+        lambda: client.insert("otel_traces", [("x",)], column_names=["SpanName"], database="stagetrace"),
+        lambda: client.command("DROP TABLE stagetrace.otel_traces"),
+        lambda: client.query("SELECT 1; DROP TABLE stagetrace.otel_traces"),
+        lambda: client.query("SELECT 1 INTO OUTFILE '/tmp/stagetrace-hub-outfile'"),
+        lambda: client.query("SELECT * FROM file('/etc/passwd', 'LineAsString')"),  # readonly=1 in the engine
+        lambda: client.query("SELECT 1 SETTINGS readonly = 0"),
+    ):
+        with pytest.raises(DatabaseError) as refused:
+            write()
+        assert refused.value.code == 164, refused.value  # READONLY
+    assert client.command("SELECT count() FROM stagetrace.otel_traces WHERE SpanName = 'x'") == 0
+    assert urllib.request.urlopen(f"{agent.endpoints['query']}/ping", timeout=5).read() == b"Ok.\n"
+
+
+def test_the_endpoint_speaks_plain_clickhouse_http(agent):
+    query = urllib.parse.urlencode({"query": "SELECT {n:UInt8} + 1 AS x, {s:String} AS s FORMAT JSONEachRow",
+                                    "param_n": "41", "param_s": "it's"})  # fmt: skip
+    with urllib.request.urlopen(f"{agent.endpoints['query']}/?{query}", timeout=10) as response:
+        assert json.loads(response.read()) == {"x": 42, "s": "it's"}
+        assert response.headers["X-ClickHouse-Format"] == "JSONEachRow"
+    request = urllib.request.Request(f"{agent.endpoints['query']}/?database=stagetrace",
+                                     data=b"SELECT count() > 0 FROM otel_metrics_sum")  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:  # a POST body, the default format
+        assert response.read() == b"1\n" and response.headers["X-ClickHouse-Format"] == "TabSeparated"
+
+
+def test_trace_and_schema_work_while_the_agent_holds_the_store(agent):
+    send_request(agent.endpoints["otlp"], "schema-1")
+    printed = stagetrace("schema", "--print", "--store", agent.dsn)
+    assert printed.returncode == 0 and "CREATE TABLE IF NOT EXISTS `stagetrace`.`otel_traces`" in printed.stdout
+    applied = stagetrace("schema", "--store", agent.dsn)
+    assert (applied.returncode, applied.stdout.strip()) == (0, f"schema version 1 already up to date in {agent.dsn}")
+    assert trace_json("schema-1", agent.dsn)["request_id"] == "schema-1"
+    missing = stagetrace("trace", "no-such-request", "--store", agent.dsn)
+    assert missing.returncode == 1 and missing.stderr == f"stagetrace: no request with id 'no-such-request' in {agent.dsn}\n"
+
+
+def test_open_store_falls_back_read_only_and_refuses_writes_in_one_line(agent):
+    with pytest.raises(StoreLockedError, match="is in use by process"):
+        open_store(agent.dsn, agent_fallback=False)
+    with open_store(agent.dsn) as store:
+        assert store.read_only and store.client.command("SELECT 1") == 1
+        with pytest.raises(StoreError) as refused:
+            store.client.insert("otel_traces", [("x",)], column_names=["SpanName"], database="stagetrace")
+    message = str(refused.value)
+    assert message == (f"store {agent.dsn} is held by the stagetrace agent (pid {agent.process.pid}), which shares it "
+                       f"read-only: stop the agent to write to it, or send spans over OTLP to "
+                       f"{agent.endpoints['otlp']}/v1/traces")  # fmt: skip
+    demo = stagetrace("demo", "--requests", "20", "--nodes", "2", "--store", agent.dsn)
+    assert demo.returncode == 2 and demo.stderr == f"stagetrace: {message}\n"
+
+
+def test_a_stale_agent_file_is_ignored(tmp_path):
+    """An agent.json left by an agent that is gone must not redirect readers to whatever listens on its port."""
+    other = Agent(tmp_path / "a")
+    try:
+        record = json.loads((other.store / "agent.json").read_text())
+        (other.store / "agent.json").write_text(json.dumps({**record, "pid": 1}))
+        result = stagetrace("trace", "x", "--store", other.dsn)
+        assert result.returncode == 2 and "is in use by process" in result.stderr
+    finally:
+        (other.store / "agent.json").write_text(json.dumps(record))
+        other.stop()
+
+
+def test_a_token_guards_otlp_and_queries(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    guarded = Agent(tmp_path, "--token-file", str(token_file))
+    try:
+        assert json.loads((guarded.store / "agent.json").read_text())["token"] is True
+        assert "s3cret" not in (guarded.store / "agent.json").read_text()
+        bare = urllib.request.Request(f"{guarded.endpoints['otlp']}/v1/traces", data=b"",
+                                      headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:
+            urllib.request.urlopen(bare, timeout=10)
+        assert unauthorized.value.code == 401
+        send_request(guarded.endpoints["otlp"], "tok-1", headers={"Authorization": "Bearer s3cret-token"})
+        without = stagetrace("trace", "tok-1", "--store", guarded.dsn)
+        assert without.returncode == 2 and without.stderr.strip().endswith(
+            "whose query endpoint needs a token: set STAGETRACE_AGENT_TOKEN or STAGETRACE_AGENT_TOKEN_FILE")
+        assert trace_json("tok-1", guarded.dsn, env={"STAGETRACE_AGENT_TOKEN_FILE": str(token_file)})["request_id"] == "tok-1"
+        with pytest.raises(DatabaseError) as denied:
+            clickhouse_connect.get_client(host="127.0.0.1", port=guarded.query_port)
+        assert denied.value.code == 516
+        client = clickhouse_connect.get_client(host="127.0.0.1", port=guarded.query_port, access_token="s3cret-token")
+        assert client.command("SELECT 1") == 1
+    finally:
+        log = guarded.stop()
+    assert "s3cret" not in log
+
+
+def test_a_taken_otlp_or_query_address_exits_2_with_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        for flag, what in (("--otlp", "OTLP"), ("--query-listen", "queries")):
+            free = {"--otlp": "127.0.0.1:0", "--query-listen": "127.0.0.1:0", flag: address}
+            result = stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", "127.0.0.1:0",
+                                "--store", f"chdb://{tmp_path / 'store'}", *(a for f in free.items() for a in f))  # fmt: skip
+            assert (result.returncode, result.stderr.strip().splitlines()) == (2, [
+                f"stagetrace agent: cannot listen on {address} for {what}: Address already in use "
+                f"(choose another with {flag}, or {flag} none)"])  # fmt: skip
+    assert not (tmp_path / "store" / "agent.json").exists()
+
+
+@pytest.mark.parametrize("sql, fmt", [
+    ("SELECT 1", None),
+    ("  select 1 format JSONEachRow ;  ", "JSONEachRow"),
+    ("WITH 1 AS x SELECT x\n FORMAT Native", "Native"),
+    ("(SELECT 1) UNION ALL (SELECT 2)", None),
+    ("SHOW TABLES FROM stagetrace", None),
+    ("DESCRIBE TABLE stagetrace.otel_traces", None),
+    ("EXISTS TABLE stagetrace.otel_traces", None),
+    ("-- a comment; with a semicolon\nSELECT ';', 'INTO OUTFILE', `a;b` FROM t /* ; DROP */", None),
+    ("SELECT 'it''s; \\' ; still a string'", None),
+])  # fmt: skip
+def test_read_statements_are_admitted(sql, fmt):
+    assert read_only_format(sql) == fmt
+
+
+@pytest.mark.parametrize("sql", [
+    "INSERT INTO t VALUES (1)",
+    "/* SELECT */ DROP TABLE t",
+    "SELECT 1; DROP TABLE t",
+    "SELECT 1;; SELECT 2",
+    "SELECT 1 INTO OUTFILE '/tmp/x'",
+    "SELECT 1 /* unterminated ; DROP TABLE t",
+    "SELECT 'unterminated ; DROP TABLE t",
+    "ALTER TABLE t DELETE WHERE 1",
+    "SET readonly = 0",
+    "OPTIMIZE TABLE t",
+    "SYSTEM FLUSH LOGS",
+    "",
+    " ; ",
+])  # fmt: skip
+def test_everything_else_is_refused(sql):
+    with pytest.raises(Refused):
+        read_only_format(sql)
