@@ -1,0 +1,167 @@
+"""SQL the dashboards and the Grafana-managed alert rules share, written for the ClickHouse data source.
+
+Table names are unqualified: the data source's ``defaultDatabase`` (the store's database) is the
+connection's database, so one set of dashboards serves any database name. Values typed by a user reach
+SQL only through Grafana variables with an escaping format; the request ID is percent-encoded by
+Grafana and decoded by ClickHouse, so no character a user types can end the string literal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+# -- span columns and conditions (DESIGN.md "Span conventions")
+HOST = "ResourceAttributes['host.name']"
+STAGE = "SpanAttributes['stagetrace.stage']"
+IS_STAGE = "mapContains(SpanAttributes, 'stagetrace.stage')"
+# the same test as the stagetrace_requests materialized view: a request ID, and not a stage
+IS_REQUEST_ROOT = (
+    "(SpanAttributes['stagetrace.request.id'] != '' OR SpanAttributes['gen_ai.request.id'] != '') "
+    "AND NOT mapContains(SpanAttributes, 'stagetrace.stage')"
+)
+PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decode")
+PIPELINE_ORDER = "[" + ", ".join(f"'{stage}'" for stage in PIPELINE_STAGES) + "]"
+DURATION_MS = "Duration / 1e6"
+
+# -- per-stage ratios, as fractions of the stage's spans; NULL (Grafana's "No data") rather than NaN without spans
+CACHE_HIT_RATIO = "countIf(SpanAttributes['cache.hit'] = 'true') / nullIf(count(), 0)"
+TRUNCATED_RATIO = "countIf(SpanAttributes['context.truncated'] = 'true') / nullIf(count(), 0)"
+ALLREDUCE_TIME_SHARE = (
+    f"sumIf(Duration, {STAGE} = 'allreduce') / nullIf(sumIf(Duration, {IS_REQUEST_ROOT}), 0)"
+)
+
+# the request ID a user typed into the trace-lookup dashboard's text box
+REQUEST_ID = "decodeURLComponent('${request_id:percentencode}')"
+
+
+def any_selected(column: str, variable: str) -> str:
+    """``column`` is one of the variable's values; no condition when All (or nothing) is selected."""
+    return f"$__conditionalAll({column} IN (${{{variable}:singlequote}}), ${variable})"
+
+
+def majority_outputs(where: str) -> str:
+    """Per input digest seen at least twice, the output most requests with that input produced.
+
+    DESIGN.md's baseline for "this output deviates": the majority output among requests with the
+    same ``stagetrace.input.digest``. A tie picks one of the tied outputs.
+    """
+    return (
+        "SELECT InputDigest, argMax(OutputDigest, requests) AS majority FROM ("
+        "SELECT InputDigest, OutputDigest, count() AS requests FROM stagetrace_requests "
+        f"WHERE {where} AND InputDigest != '' AND OutputDigest != '' GROUP BY InputDigest, OutputDigest"
+        ") GROUP BY InputDigest HAVING sum(requests) >= 2"
+    )
+
+
+# requests joined with the majority output of their input (alias r, m), for deviating-output ratios
+REQUESTS_WITH_MAJORITY = (
+    "stagetrace_requests AS r INNER JOIN ("
+    + majority_outputs("$__timeFilter(Start)")
+    + ") AS m ON r.InputDigest = m.InputDigest"
+)
+DEVIATING_RATIO = "countIf(r.OutputDigest != m.majority) / nullIf(count(), 0)"
+
+
+def _select(labels: Mapping[str, str], values: Mapping[str, str]) -> str:
+    return ", ".join(f"{expression} AS {alias}" for alias, expression in {**labels, **values}.items())
+
+
+def _where(conditions: Iterable[str]) -> str:
+    return " AND ".join(f"({c})" if " OR " in c else c for c in conditions)
+
+
+def aggregate(
+    source: str,
+    time_column: str,
+    values: Mapping[str, str],
+    *,
+    labels: Mapping[str, str] | None = None,
+    where: Iterable[str] = (),
+    having: str = "",
+    over_time: bool = True,
+) -> str:
+    """``values`` aggregated by ``labels`` over the dashboard's time range, per interval when ``over_time``.
+
+    Over time, the first column is ``time`` (what a time-series panel needs) and rows are in time order.
+    """
+    labels = dict(labels or {})
+    grouping = list(labels)
+    if over_time:
+        labels = {"time": f"$__timeInterval({time_column})", **labels}
+        grouping = ["time", *grouping]
+    sql = f"SELECT {_select(labels, values)} FROM {source} WHERE {_where([f'$__timeFilter({time_column})', *where])}"
+    if grouping:
+        sql += f" GROUP BY {', '.join(grouping)}"
+    if having:
+        sql += f" HAVING {having}"
+    if grouping:
+        sql += f" ORDER BY {', '.join(grouping)}"
+    return sql
+
+
+# -- hardware metrics: otel_metrics_gauge / otel_metrics_sum as the metric writer fills them
+
+GPU = "concat(ResourceAttributes['host.name'], ' GPU ', Attributes['gpu'])"
+NIC_PORT = "concat(ResourceAttributes['host.name'], ' ', Attributes['device'], '/', Attributes['port'])"
+NETDEV = "concat(ResourceAttributes['host.name'], ' ', Attributes['netdev'])"
+
+
+def _metric_names(metrics: str | Iterable[str]) -> str:
+    names = [metrics] if isinstance(metrics, str) else list(metrics)
+    if len(names) == 1:
+        return f"MetricName = '{names[0]}'"
+    return "MetricName IN (" + ", ".join(f"'{name}'" for name in names) + ")"
+
+
+def gauge(
+    metrics: str | Iterable[str],
+    labels: Mapping[str, str],
+    value: str,
+    *,
+    where: Iterable[str] = (),
+    function: str = "avg",
+    scale: str = "",
+) -> str:
+    """A gauge per interval and series: ``function(Value)`` (``avg`` smooths, ``max`` keeps short spikes)."""
+    return aggregate(
+        "otel_metrics_gauge", "TimeUnix", {value: f"{function}(Value){scale}"},
+        labels=labels, where=[_metric_names(metrics), *where],
+    )  # fmt: skip
+
+
+def counter(
+    metrics: str | Iterable[str],
+    labels: Mapping[str, str],
+    value: str,
+    *,
+    where: Iterable[str] = (),
+    per_second: bool = True,
+    from_series_start: bool = False,
+    scale: str = "",
+) -> str:
+    """A counter's increase per interval (or per second), reset-safe, per series.
+
+    Increases are taken between consecutive samples of one series (metric, host, labels). A value
+    below the previous one, or a new start time, is a reset (a driver reload, a 32-bit mlx5 counter
+    wrapping): the new value is the increase, never a negative difference. The first sample in the
+    range only sets the base, as Prometheus' ``increase()`` does, unless ``from_series_start``: for
+    series that appear at their first event (``gpu_xid_errors_total{xid}`` starts at 1), the whole
+    history up to the range's end is read so that a series' first sample counts from zero.
+    """
+    labels = dict(labels)
+    inner_where = [_metric_names(metrics), *where]
+    inner_where.append("TimeUnix <= $__toTime" if from_series_start else "$__timeFilter(TimeUnix)")
+    samples = (
+        f"SELECT TimeUnix, {_select(labels, {})}, "
+        "if(Value < previous OR StartTimeUnix != previous_start, Value, Value - previous) AS increase, sample "
+        "FROM (SELECT TimeUnix, StartTimeUnix, Value, MetricName, ResourceAttributes, Attributes, "
+        "lagInFrame(Value) OVER series AS previous, lagInFrame(StartTimeUnix) OVER series AS previous_start, "
+        "row_number() OVER series AS sample "
+        f"FROM otel_metrics_sum WHERE {_where(inner_where)} "
+        "WINDOW series AS (PARTITION BY MetricName, ResourceAttributes['host.name'], Attributes ORDER BY TimeUnix "
+        "ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW))"
+    )
+    if not from_series_start:
+        samples += " WHERE sample > 1"
+    total = "sum(increase) / $__interval_s" if per_second else "sum(increase)"
+    return aggregate(f"({samples})", "TimeUnix", {value: total + scale}, labels={k: k for k in labels})

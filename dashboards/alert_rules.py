@@ -1,0 +1,161 @@
+"""Grafana-managed alert rules for the pipeline, evaluated by Grafana over ClickHouse.
+
+Hardware alerts live with Prometheus (``prometheus/hardware.rules.yml``), next to the samples they
+read; these read spans and requests, which only ClickHouse holds. Each rule is one ClickHouse query
+returning one numeric column per label set (``service``, ``stage``) plus a threshold expression, the
+shape Grafana turns into one alert instance per row. The same rules are rendered in both of Grafana's
+shapes: the file-provisioning format and the HTTP API's rule-group body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stagetrace.dashboards import _panels as p
+from stagetrace.dashboards import overview
+from stagetrace.dashboards._sql import (
+    DEVIATING_RATIO, DURATION_MS, IS_STAGE, REQUESTS_WITH_MAJORITY, STAGE, TRUNCATED_RATIO, aggregate,
+)  # fmt: skip
+
+FOLDER_TITLE = FOLDER_UID = "stagetrace"
+GROUP = "stagetrace-pipeline"
+INTERVAL_S = 60
+ORG_ID = 1
+# Too few requests make a ratio or a percentile noise: groups below this are left out of evaluation.
+MIN_SAMPLES = 20
+ENOUGH = f"count() >= {MIN_SAMPLES}"
+
+
+@dataclass(frozen=True)
+class PipelineRule:
+    uid: str
+    title: str
+    sql: str
+    threshold: float  # the alert fires when the query's value is above it
+    window_s: int  # the query's time range: now - window_s .. now
+    pending: str  # how long the condition must hold ("for")
+    summary: str
+    description: str
+    panel: str  # title of the overview panel the alert links to
+
+
+RULES = (
+    PipelineRule(
+        "stagetrace-deviating-outputs", "Deviating outputs",
+        aggregate(REQUESTS_WITH_MAJORITY, "r.Start", {"deviating": DEVIATING_RATIO},
+                  labels={"service": "r.ServiceName"}, having=ENOUGH, over_time=False),
+        0.05, 900, "5m",
+        "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of outputs deviate",
+        "More than 5% of requests in the last 15 minutes produced an output different from the majority output "
+        "for the same input. Open the divergence explorer, or run `stagetrace divergences --since 15m`.",
+        "Deviating-output rate",
+    ),
+    PipelineRule(
+        "stagetrace-stage-p99-latency", "Stage p99 latency",
+        aggregate("otel_traces", "Timestamp", {"p99_ms": f"quantile(0.99)({DURATION_MS})"},
+                  labels={"service": "ServiceName", "stage": STAGE}, where=[IS_STAGE], having=ENOUGH, over_time=False),
+        5000, 900, "10m",
+        "{{ $labels.service }} stage {{ $labels.stage }}: p99 latency {{ $values.A.Value | printf \"%.0f\" }} ms",
+        "The 99th percentile duration of a pipeline stage over the last 15 minutes is above 5 s.",
+        "Latency of $stage (p50, p95, p99)",
+    ),
+    PipelineRule(
+        "stagetrace-cache-staleness", "Stale cache entries",
+        aggregate("otel_traces", "Timestamp",
+                  {"p99_entry_age_s": "quantile(0.99)(toFloat64OrZero(SpanAttributes['cache.entry.age_s']))"},
+                  labels={"service": "ServiceName"},
+                  where=[f"{STAGE} = 'cache'", "SpanAttributes['cache.hit'] = 'true'"], having=ENOUGH, over_time=False),
+        300, 900, "10m",
+        "{{ $labels.service }}: cache hits serve entries {{ $values.A.Value | printf \"%.0f\" }} s old (p99)",
+        "The 99th percentile age of cache entries served on a hit (cache.entry.age_s) is above 5 minutes: "
+        "answers may be built from documents the index has since replaced.",
+        "Cache hit ratio",
+    ),
+    PipelineRule(
+        "stagetrace-context-truncation", "Context truncation",
+        aggregate("otel_traces", "Timestamp", {"truncated": TRUNCATED_RATIO}, labels={"service": "ServiceName"},
+                  where=[f"{STAGE} = 'context_assembly'"], having=ENOUGH, over_time=False),
+        0.05, 900, "10m",
+        "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of contexts truncated",
+        "More than 5% of assembled contexts were cut to fit the token budget (context.truncated): the model saw "
+        "less than retrieval found, and outputs change with it.",
+        "Context truncation rate",
+    ),
+)  # fmt: skip
+
+
+def _data(rule: PipelineRule) -> list[dict]:
+    query = {
+        "refId": "A",
+        "queryType": "",
+        "relativeTimeRange": {"from": rule.window_s, "to": 0},
+        "datasourceUid": p.DATASOURCE_UID,
+        "model": {
+            "refId": "A",
+            "datasource": {"type": p.DATASOURCE_TYPE, "uid": p.DATASOURCE_UID},
+            "editorType": "sql",
+            "format": p.TABLE,  # a table with string label columns and one number: one alert instance per row
+            "queryType": "table",
+            "rawSql": rule.sql,
+            "intervalMs": 1000,
+            "maxDataPoints": 43200,
+        },
+    }
+    threshold = {
+        "refId": "C",
+        "queryType": "",
+        "relativeTimeRange": {"from": 0, "to": 0},  # expressions take no time range
+        "datasourceUid": "__expr__",
+        "model": {
+            "refId": "C",
+            "datasource": {"type": "__expr__", "uid": "__expr__"},
+            "type": "threshold",
+            "expression": "A",
+            "conditions": [{"evaluator": {"type": "gt", "params": [rule.threshold]}}],
+        },
+    }
+    return [query, threshold]
+
+
+def _panel_id(title: str) -> int:
+    for panel in overview.build()["panels"]:
+        if panel["title"] == title:
+            return panel["id"]
+    raise LookupError(f"the overview dashboard has no panel titled {title!r}")
+
+
+def _rule(rule: PipelineRule) -> dict:
+    """The fields both formats share."""
+    return {
+        "uid": rule.uid,
+        "title": rule.title,
+        "condition": "C",
+        "data": _data(rule),
+        "noDataState": "OK",  # no traffic is not an incident
+        "execErrState": "Error",
+        "for": rule.pending,
+        "annotations": {"summary": rule.summary, "description": rule.description},
+        "labels": {"severity": "warning", "source": "stagetrace"},
+        "isPaused": False,
+    }
+
+
+def file_provisioning() -> dict:
+    """``provisioning/alerting/stagetrace.yaml``: the rule group, in Grafana's file format."""
+    rules = [{**_rule(r), "dashboardUid": overview.UID, "panelId": _panel_id(r.panel)} for r in RULES]
+    return {
+        "apiVersion": 1,
+        "groups": [{"orgId": ORG_ID, "name": GROUP, "folder": FOLDER_TITLE, "interval": f"{INTERVAL_S}s",
+                    "rules": rules}],
+    }  # fmt: skip
+
+
+def api_rule_group() -> dict:
+    """The body of ``PUT /api/v1/provisioning/folder/{folder}/rule-groups/{group}``."""
+    rules = []
+    for rule in RULES:
+        body = _rule(rule)
+        body["annotations"] = {**body["annotations"], "__dashboardUid__": overview.UID,
+                               "__panelId__": str(_panel_id(rule.panel))}  # fmt: skip
+        rules.append({**body, "orgID": ORG_ID, "folderUID": FOLDER_UID, "ruleGroup": GROUP})
+    return {"title": GROUP, "folderUid": FOLDER_UID, "interval": INTERVAL_S, "rules": rules}

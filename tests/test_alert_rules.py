@@ -1,0 +1,202 @@
+"""Alert rules: Prometheus rules under promtool, Grafana-managed rules on the demo's data, metric names.
+
+The Prometheus rules are checked and unit-tested by Debian's promtool; the Grafana-managed rules run
+against ClickHouse after the data source's macro expansion, as Grafana's alerting backend sends them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from datetime import timedelta, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stagetrace.collectors import MODULES as COLLECTOR_MODULES
+from stagetrace.collectors.base import MetricSpec
+from stagetrace.dashboards import alert_rules, build_all
+from stagetrace.dashboards.macros import QueryContext, expand
+from stagetrace.store import open_store
+
+RULES_DIR = Path(alert_rules.__file__).parent / "prometheus"
+RULES = RULES_DIR / "hardware.rules.yml"
+RULE_TESTS = RULES_DIR / "hardware.rules.test.yml"
+EXPECTED_SCRAPE = Path(__file__).parent / "fixtures" / "node" / "expected.prom"
+NUMERIC = re.compile(r"^(Nullable\()?(U?Int\d+|Float\d+)\)?$")
+STRING = re.compile(r"^(LowCardinality\()?String\)?$")
+
+
+def _alerts() -> dict[str, dict]:
+    return {rule["alert"]: rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus rules
+
+
+def test_promtool_checks_the_rules(component):
+    promtool = component("promtool", package="prometheus")
+    done = subprocess.run([promtool, "check", "rules", RULES], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(_alerts())} rules found" in done.stdout
+
+
+def test_promtool_unit_tests_pass(component):
+    promtool = component("promtool", package="prometheus")
+    done = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=RULES_DIR, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_rule_has_a_firing_and_a_non_firing_case():
+    asked = {"StagetraceGpuLost", "StagetraceGpuXidError", "StagetraceGpuEccUncorrected", "StagetraceGpuThermalThrottling",
+             "StagetraceRdmaAckTimeouts", "StagetraceRdmaRetransmitRate", "StagetraceRdmaPortDown",
+             "StagetraceRdmaLinkDowned", "StagetraceNicPauseStorm", "StagetraceNicPfcPaused", "StagetraceMpsClientsHigh",
+             "StagetraceCollectorFailing"}  # fmt: skip
+    assert set(_alerts()) == asked
+    cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
+    for alert in asked:
+        outcomes = {bool(case["exp_alerts"]) for case in cases if case["alertname"] == alert}
+        assert outcomes == {True, False}, f"{alert} needs a case where it fires and one where it does not"
+
+
+def test_the_xid_case_fails_with_a_rule_that_only_uses_increase(component, tmp_path):
+    """gpu_xid_errors_total series appear at their first event (value 1): increase() alone misses it."""
+    promtool = component("promtool", package="prometheus")
+    shutil.copy(RULE_TESTS, tmp_path)
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule["alert"] == "StagetraceGpuXidError":
+                rule["expr"] = "increase(gpu_xid_errors_total[10m]) > 0"
+    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules))
+    done = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert "alertname: StagetraceGpuXidError, time: 20m" in done.stdout + done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric names: every name a rule or a dashboard uses is one the collectors expose
+
+
+def collector_metric_names() -> set[str]:
+    """Names of every MetricSpec in the collector modules' tables (dicts and tuples of specs included)."""
+    names: set[str] = set()
+
+    def walk(value, depth: int = 0) -> None:
+        if isinstance(value, MetricSpec):
+            names.add(value.name)
+        elif depth < 3 and isinstance(value, dict):
+            for item in value.values():
+                walk(item, depth + 1)
+        elif depth < 3 and isinstance(value, (tuple, list)):
+            for item in value:
+                walk(item, depth + 1)
+
+    modules = [importlib.import_module(f"stagetrace.collectors.{m}") for m in ("base", *COLLECTOR_MODULES)]
+    for module in modules:
+        for value in vars(module).values():
+            walk(value)
+    rdma = importlib.import_module("stagetrace.collectors.rdma")
+    # hw_counters/<file> specs are made per file the driver has; the known mlx5 ones are described
+    names |= {rdma.hw_counter_spec(file).name for file in rdma.HW_COUNTER_HELP}
+    return names
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
+    expr = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    expr = re.sub(r"\boffset\s+\w+", " ", expr)
+    words = set(re.findall(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\b(?!\s*\()", expr))
+    return words - {"and", "or", "unless", "bool"}
+
+
+def sql_metric_names(sql: str) -> set[str]:
+    found = set()
+    for single, listed in re.findall(r"MetricName (?:= '([a-z0-9_]+)'|IN \(([^)]*)\))", sql):
+        found |= {single} if single else set(re.findall(r"'([a-z0-9_]+)'", listed))
+    return found
+
+
+def test_promql_name_extraction():
+    expr = ('(gpu_xid_errors_total unless gpu_xid_errors_total offset 10m) or '
+            'max by (host, gpu) (rate(rdma_x_total{device=~"a|b"}[5m])) / on(host) y_total > 0.5')  # fmt: skip
+    assert promql_metric_names(expr) == {"gpu_xid_errors_total", "rdma_x_total", "y_total"}
+
+
+def _names_used() -> dict[str, set[str]]:
+    used = {f"rule {name}": promql_metric_names(rule["expr"]) for name, rule in _alerts().items()}
+    for uid, dashboard in build_all().items():
+        sql = [v["query"]["rawSql"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
+        sql += [t["rawSql"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        used[f"dashboard {uid}"] = set().union(*map(sql_metric_names, sql))
+    return used
+
+
+def test_every_metric_name_used_exists_in_the_collectors_specs():
+    specs = collector_metric_names()
+    used = _names_used()
+    assert sum(map(len, used.values())) > 40  # the extraction found the names
+    missing = {where: sorted(names - specs) for where, names in used.items() if names - specs}
+    assert not missing, f"metric names no collector exposes: {missing}"
+
+
+def test_every_metric_name_used_is_in_the_expected_scrape():
+    if not EXPECTED_SCRAPE.exists():
+        pytest.skip(f"{EXPECTED_SCRAPE} does not exist yet")
+    scraped = {line.split("{")[0].split(" ")[0] for line in EXPECTED_SCRAPE.read_text().splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    # Scrape durations are left out of the expected file as non-deterministic; their spec is checked above.
+    scraped.add("stagetrace_collector_duration_seconds")
+    missing = {where: sorted(names - scraped) for where, names in _names_used().items() if names - scraped}
+    assert not missing, f"metric names missing from {EXPECTED_SCRAPE.name}: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Grafana-managed rules on the demo's data
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demo") / "store"
+    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", f"chdb://{path}",
+                           "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with open_store(f"chdb://{path}") as store:
+        store.client.database = store.database  # what the data source's defaultDatabase does
+        yield store
+
+
+def _evaluate(store, rule: alert_rules.PipelineRule) -> tuple[list[str], list[str], list[list]]:
+    """The rule's query as Grafana's alerting sends it: its relative range ending now (the demo's end)."""
+    ((last,),) = store.client.query("SELECT max(Timestamp) FROM otel_traces").result_rows
+    now = last.replace(tzinfo=timezone.utc) + timedelta(seconds=1)
+    sql = expand(rule.sql, QueryContext(now - timedelta(seconds=rule.window_s), now, interval_ms=1000))
+    result = json.loads(store.client.raw_query(sql, fmt="JSONCompact"))
+    return [c["name"] for c in result["meta"]], [c["type"] for c in result["meta"]], result["data"]
+
+
+@pytest.mark.parametrize("rule", alert_rules.RULES, ids=lambda r: r.uid)
+def test_grafana_rule_returns_labels_and_one_number(rule, demo_store):
+    assert not re.search(r"\$(?!__)\w|\$__conditionalAll", rule.sql), "alerting expands no dashboard variables"
+    names, types, rows = _evaluate(demo_store, rule)
+    numeric = [n for n, t in zip(names, types) if NUMERIC.match(t)]
+    labels = [n for n, t in zip(names, types) if STRING.match(t)]
+    assert len(numeric) == 1 and len(labels) == len(names) - 1, dict(zip(names, types))
+    assert rows, "the demo's traffic is enough to evaluate every rule"
+
+
+def test_deviating_output_rule_fires_on_the_demos_injected_faults(demo_store):
+    (rule,) = [r for r in alert_rules.RULES if r.uid == "stagetrace-deviating-outputs"]
+    names, _, rows = _evaluate(demo_store, rule)
+    (row,) = rows
+    assert row[names.index("service")] == "rag-demo"
+    assert float(row[names.index("deviating")]) > rule.threshold
