@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MODULES = ("collection",)
+MODULES = ("collection", "divergence")
 
 
 @dataclass(frozen=True)

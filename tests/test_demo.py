@@ -182,9 +182,11 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "stagetrace" / "store").is_dir()
     assert "served 1000 requests" in done.stdout
-    commands = [line.strip() for line in done.stdout.splitlines() if " trace req-" in line]
-    assert len(commands) == 3
+    commands = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ") and "stagetrace " in line]
+    assert sum(" trace req-" in c for c in commands) == sum(" explain req-" in c for c in commands) == 3
+    assert any(c.endswith(" divergences") for c in commands)
     for command in commands:
-        pasted = subprocess.run(command, shell=True, capture_output=True, text=True, env=env, timeout=60)
+        pasted = subprocess.run(command, shell=True, capture_output=True, text=True, env=env, timeout=120)
         assert pasted.returncode == 0, f"{command}: {pasted.stderr}"
-        assert "retrieval" in pasted.stdout and "decode" in pasted.stdout
+        assert "diverged" in pasted.stdout if " explain " in command else True
+        assert "retrieval" in pasted.stdout and "decode" in pasted.stdout if " trace " in command else True

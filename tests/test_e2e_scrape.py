@@ -23,8 +23,8 @@ NONDETERMINISTIC = ("stagetrace_collector_duration_seconds", "nccl_inspector_dum
 
 
 def scrape(tmp_path: Path) -> str:
-    # NCCL dumps older than five minutes are stale by design: give copies a fresh mtime.
-    nccl = shutil.copytree(FIXTURES / "nccl", tmp_path / "nccl")
+    # NCCL dumps older than five minutes are stale by design: copies with a fresh mtime (not copy2's old one).
+    nccl = shutil.copytree(FIXTURES / "nccl", tmp_path / "nccl", copy_function=shutil.copy)
     done = subprocess.run(
         [sys.executable, "-m", "stagetrace", "collect", "--once", "--collectors", "gpu,mps,rdma,ethtool,nccl",
          "--sysfs", str(FIXTURES / "sys"), "--nvml-fixture", str(FIXTURES / "nvml"),

@@ -77,6 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the trace as JSON")
     p.set_defaults(run=_trace)
 
+    p = commands.add_parser("explain", parents=[store], help="why a request's output deviates: stage, change, hardware")
+    p.add_argument("request_id", metavar="REQUEST_ID")
+    p.add_argument("--against", metavar="OTHER_ID", help="compare with this request instead of the majority output")
+    p.add_argument("--window", metavar="DURATION", default="24h",
+                   help="peers: requests with the same input this close in time (default 24h)")
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.set_defaults(run=_explain)
+
+    p = commands.add_parser("divergences", parents=[store], help="every group of same-input requests whose outputs disagree")
+    p.add_argument("--since", metavar="DURATION", default="1h", help="requests that started this long ago (default 1h)")
+    p.add_argument("--limit", metavar="N", type=int, default=100,
+                   help="analyse the latest N deviating requests in full (default 100; 0 for all)")
+    p.add_argument("--json", action="store_true", help="print the groups as JSON")
+    p.set_defaults(run=_divergences)
+
     p = commands.add_parser("demo", parents=[store], help="run a simulated stateless GPU pipeline with injected faults")
     p.add_argument("--requests", type=int, default=1000, metavar="N", help="requests to serve (default 1000)")
     p.add_argument("--nodes", type=int, default=4, metavar="K", help="node processes, 2 to 16 (default 4)")
@@ -91,10 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     p.set_defaults(run=_collect)
 
-    p = commands.add_parser("agent", parents=[store, collectors], help="serve /metrics and write samples to ClickHouse")
+    p = commands.add_parser("agent", parents=[store, collectors], help="serve /metrics, receive OTLP, write to ClickHouse, share an embedded store read-only")
     p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:9464", help="where /metrics is served (default 127.0.0.1:9464)")
     p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are written, e.g. 500ms, 5s, 1m (default 5s)")
+    p.add_argument("--otlp", metavar="HOST:PORT", default="127.0.0.1:4318",
+                   help="OTLP/HTTP receiver for spans and metrics, or 'none' (default 127.0.0.1:4318)")
+    p.add_argument("--query-listen", metavar="HOST:PORT", default="127.0.0.1:8123",
+                   help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands, or 'none' "
+                        "(default 127.0.0.1:8123)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="bearer token required by the OTLP receiver and the query endpoint "
+                        "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")
     p.set_defaults(run=_agent)
+
+    from stagetrace.dashboards.command import add_provision_parser  # its options live with the provisioner
+
+    add_provision_parser(commands, parents=[store])
     return parser
 
 
@@ -130,6 +157,57 @@ def _trace(args) -> int:
 
         console = Console()
         console.print(waterfall(found, console.width))
+    return 0
+
+
+def _duration_ns(text: str, option: str) -> int:
+    from stagetrace.agent import parse_interval
+
+    try:
+        return int(parse_interval(text) * 1e9)
+    except ValueError as exc:
+        raise _UsageError(f"{option}: {exc}") from None
+
+
+class _UsageError(Exception):
+    """A bad option value; the message is one line."""
+
+
+def _explain(args) -> int:
+    from stagetrace.analysis.explain import Explainer
+
+    window = _duration_ns(args.window, "--window")
+    with open_store(args.store) as store:
+        try:
+            report = Explainer(store, window_ns=window).explain(args.request_id, args.against)
+        except lookup.NotFound as exc:
+            print(f"stagetrace: {exc} in {store.location.redacted()}", file=sys.stderr)
+            return 1
+    if args.json:
+        json.dump(report, sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+    else:
+        from stagetrace.render import explanation
+
+        explanation(report)
+    return 0
+
+
+def _divergences(args) -> int:
+    from stagetrace.analysis import divergences
+
+    since = _duration_ns(args.since, "--since")
+    if args.limit < 0:
+        raise _UsageError("--limit: give 0 (all) or a positive number")
+    with open_store(args.store) as store:
+        found = divergences.find(store, since, limit=args.limit or None)
+    if args.json:
+        json.dump(found, sys.stdout, indent=2, ensure_ascii=False)
+        sys.stdout.write("\n")
+    else:
+        from stagetrace.render import divergence_groups
+
+        divergence_groups(found, args.since)
     return 0
 
 
@@ -187,19 +265,23 @@ def _collect(args) -> int:
 
 
 def _agent(args) -> int:
-    from stagetrace import agent
+    from stagetrace import agent, httpd
     from stagetrace.exporters.prometheus import parse_listen
 
     _log_to_stderr("stagetrace agent")
+    otlp, query_listen = (None if a.lower() in ("none", "off") else a for a in (args.otlp, args.query_listen))
     try:
         interval = agent.parse_interval(args.interval)
-        parse_listen(args.listen)
+        for address in filter(None, (args.listen, otlp, query_listen)):
+            parse_listen(address)
+        token = httpd.load_token(args.token_file)
         node = _node(args)
-    except ValueError as exc:
+    except (ValueError, httpd.TokenError) as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
     try:
-        return agent.run(node, listen=args.listen, interval_s=interval, store=args.store)
+        return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
+                         query_listen=query_listen, token=token)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
@@ -209,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (StoreError, schema.SchemaError) as exc:
+    except (StoreError, schema.SchemaError, _UsageError) as exc:
         print(f"stagetrace: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

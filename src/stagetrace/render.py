@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from stagetrace.lookup import Trace
+from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace
 from stagetrace.tracing import (
     INPUT_DIGEST,
     OUTPUT_DIGEST,
@@ -52,8 +52,22 @@ def _digests(attrs: dict[str, str]) -> str:
     return f"{(din or '-')[:6]}→{(dout or '-')[:6]}"
 
 
+# vLLM's gen_ai.latency.* names, shortened, in the order a request goes through the engine; others follow.
+_ENGINE_LABELS = {"time_in_queue": "queue", "time_to_first_token": "ttft", "time_in_model_prefill": "prefill",
+                  "time_in_model_decode": "decode", "time_in_model_inference": "inference", "e2e": "e2e"}  # fmt: skip
+
+
+def engine_timings(span: Span) -> str:
+    """``queue 12.0 · ttft 85.3 · prefill 80.1 · decode 1203.4 ms`` for an engine's request span, else ''."""
+    timings = span.engine_ms
+    order = [k for k in _ENGINE_LABELS if k in timings] + sorted(k for k in timings if k not in _ENGINE_LABELS)
+    text = " · ".join(f"{_ENGINE_LABELS.get(k, k)} {timings[k]:.1f}" for k in order)
+    return f"{text} ms" if text else ""
+
+
 def _key_attributes(attrs: dict[str, str]) -> str:
-    shown = [(k, v) for k, v in attrs.items() if k not in _SHOWN_ELSEWHERE and not k.startswith("stagetrace.")]
+    shown = [(k, v) for k, v in attrs.items()
+             if k not in _SHOWN_ELSEWHERE and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX))]  # fmt: skip
     text = " ".join(f"{k}={v if len(v) <= 24 else v[:23] + '…'}" for k, v in shown[:_MAX_ATTRIBUTES])
     if len(shown) > _MAX_ATTRIBUTES:
         text += f" (+{len(shown) - _MAX_ATTRIBUTES})"
@@ -66,7 +80,11 @@ def waterfall(trace: Trace, width: int = 160) -> Table:
     bar_width = 20 if width >= 100 else 10
     show_status = any(span.status != "Unset" for span in trace.spans)
     show_attributes = width >= 110
-    table = Table(title=title, title_justify="left", expand=False, pad_edge=False)
+    # engine timings below the table, so they show however narrow the terminal is
+    engines = [f"{span.name} ({span.service}): {engine_timings(span)}" for span in trace.spans if span.engine_ms]
+    caption = "\n".join(engines) or None
+    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", expand=False,
+                  pad_edge=False)  # fmt: skip
     table.add_column("span", no_wrap=True)
     table.add_column("start ms", justify="right", no_wrap=True)
     table.add_column("dur ms", justify="right", no_wrap=True)
@@ -129,6 +147,64 @@ def demo_summary(result, command: str = "stagetrace", store_flag: str = "") -> N
     console.print(table)
     examples = [ids[0] for ids in causes.values()][:3]
     if examples:
-        console.print("next, look one up:")
+        console.print("next, look one up and ask why it deviates:")
         for request_id in examples:
-            console.print(f"  {command} trace {request_id}{store_flag}", highlight=False, soft_wrap=True)
+            for verb in ("trace", "explain"):
+                console.print(f"  {command} {verb} {request_id}{store_flag}", highlight=False, soft_wrap=True)
+        console.print(f"  {command} divergences{store_flag}", highlight=False, soft_wrap=True)
+
+
+def _cause_row(cause: dict) -> list[str]:
+    evidence = cause.get("device") or ""
+    if "requests_with_value" in cause:
+        evidence = (f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
+                    f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the baseline's")
+    elif cause["kind"] == "hardware":
+        evidence = f"on {cause['device']} ({cause['host']})"
+    return [cause["kind"], cause["name"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
+            f"{cause['score']:.2f}", evidence]  # fmt: skip
+
+
+def explanation(report: dict, causes_shown: int = 8) -> None:
+    """``stagetrace explain``: the verdict, the stage comparison, the ranked causes."""
+    console = Console()
+    verdict = "[bold red]diverged[/]" if report["diverged"] else "[bold green]agrees[/]"
+    console.print(f"request {report['request_id']} · trace {report['trace_id']} · {verdict}")
+    console.print(report["summary"], style="bold", highlight=False)
+    if report.get("stages"):
+        table = Table(title="stages against the baseline", title_justify="left")
+        for column in ("stage", "input", "output"):
+            table.add_column(column, no_wrap=True)
+        for stage in report["stages"]:
+            name = stage["stage"] + (f"[{stage['rank']}]" if stage["rank"] else "")
+            if not stage["present"]:
+                table.add_row(name, "missing", "missing", style="red")
+                continue
+            table.add_row(name, "same" if stage["input_matches"] else "[red]differs[/]",
+                          "same" if stage["output_matches"] else "[red]differs[/]")  # fmt: skip
+        console.print(table)
+    if report.get("causes"):
+        table = Table(title="causes, best first", title_justify="left")
+        for column in ("kind", "name", "value", "baseline", "score", "evidence"):
+            table.add_column(column, overflow="fold")
+        for cause in report["causes"][:causes_shown]:
+            table.add_row(*_cause_row(cause))
+        console.print(table)
+
+
+def divergence_groups(found: dict, since: str) -> None:
+    """``stagetrace divergences``: deviating requests by input group, with their first divergent stage and top cause."""
+    console = Console()
+    console.print(f"{found['deviating']} deviating requests in the last {since}"
+                  + (f"; the latest {found['analysed']} analysed" if found["analysed"] < found["deviating"] else ""))
+    table = Table(title_justify="left")
+    for column in ("input", "majority", "request", "stage", "top cause", "value vs baseline"):
+        table.add_column(column, overflow="fold")
+    for group in found["groups"]:
+        for i, item in enumerate(group["deviating"]):
+            top = item["top_cause"] or {}
+            table.add_row(group["input_digest"][:8] if i == 0 else "", f"{group['support']}/{group['requests']}" if i == 0 else "",
+                          item["request_id"], item["first_divergent_stage"] or "after the last stage", top.get("name", "-"),
+                          f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "")  # fmt: skip
+    if found["groups"]:
+        console.print(table)

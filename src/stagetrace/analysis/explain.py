@@ -8,8 +8,8 @@ hardware comparison sets other devices against the request's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections import Counter
+from dataclasses import dataclass
 
 from stagetrace import lookup
 from stagetrace.analysis import causes as causes_module
@@ -177,7 +177,8 @@ class Explainer:
             return None
         peers = self.store.client.query(
             """
-            SELECT RequestId, argMax(OutputDigest, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start)
+            SELECT RequestId, argMax(TraceId, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start),
+                   argMax(OutputDigest, Start)
             FROM {db:Identifier}.stagetrace_requests
             WHERE InputDigest = {input:String}
               AND Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
@@ -186,23 +187,21 @@ class Explainer:
             parameters={"db": self.store.database, "input": input_digest, "t0": start_ns - self.window_ns,
                         "t1": start_ns + self.window_ns},  # fmt: skip
         ).result_rows
-        counts = Counter(out for _, out, _, _ in peers)
+        outputs = {rid: out for rid, _, _, _, out in peers}
+        others = [population.Member(rid, tid, int(start), host) for rid, tid, start, host, _ in peers if rid != request_id]
+        host = next((h for rid, _, _, h, _ in peers if rid == request_id), "")
+        counts = Counter(outputs.values())
         ranking = counts.most_common(2)
-        group = len(peers)
-        me = next((p for p in peers if p[0] == request_id), None)
-        others = [p for p in peers if p[0] != request_id]
         if ranking and ranking[0][1] >= 2 and (len(ranking) == 1 or ranking[0][1] > ranking[1][1]):
-            majority = ranking[0][0]
-            members = [p for p in others if p[1] == majority]
-            if members:
-                host = me[3] if me else ""
-                chosen = min(members, key=lambda p: (p[3] == host, abs(p[2] - start_ns)))
-                return Baseline(chosen[0], "majority", ranking[0][1], group, lookup.by_request_id(self.store, chosen[0]))
-        earlier = [p for p in others if p[2] < start_ns]
+            chosen = population.nearest([m for m in others if outputs[m.request_id] == ranking[0][0]], start_ns, host)
+            if chosen:
+                return Baseline(chosen.request_id, "majority", ranking[0][1], len(peers), lookup.by_request_id(self.store, chosen.request_id))
+        earlier = [m for m in others if m.start_ns < start_ns]
         if not earlier:
             return None
-        chosen = max(earlier, key=lambda p: p[2])
-        return Baseline(chosen[0], "nearest_earlier", counts[chosen[1]], group, lookup.by_request_id(self.store, chosen[0]))
+        chosen = max(earlier, key=lambda m: m.start_ns)
+        return Baseline(chosen.request_id, "nearest_earlier", counts[outputs[chosen.request_id]], len(peers),
+                        lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
 
     def _contrast(self, stage: str, rank: str, trace: lookup.Trace, baseline: lookup.Trace):
         mine = stage_spans(trace).get((stage, rank))

@@ -81,7 +81,7 @@ ORDER BY l.Start
 """
 
 AGREEING_SQL = f"""
-SELECT InputDigest, groupArray((RequestId, toUnixTimestamp64Nano(Start), HostName))
+SELECT InputDigest, groupArray((RequestId, TraceId, toUnixTimestamp64Nano(Start), HostName))
 FROM ({_LABELLED}) WHERE Agrees AND InputDigest IN {{inputs:Array(String)}}
 GROUP BY InputDigest
 """
@@ -118,11 +118,24 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, margin_ns: int = 60_000_000
     ]
 
 
-def agreeing(store: Store, inputs: list[str], t0_ns: int, t1_ns: int) -> dict[str, list[tuple[str, int, str]]]:
-    """For each input digest, its agreeing requests as (request ID, start ns, host)."""
+@dataclass
+class Member:
+    request_id: str
+    trace_id: str
+    start_ns: int
+    host: str
+
+
+def agreeing(store: Store, inputs: list[str], t0_ns: int, t1_ns: int) -> dict[str, list[Member]]:
+    """For each input digest, its requests with the majority output."""
     params = {**_window(store, t0_ns, t1_ns, 0), "inputs": inputs}
     rows = store.client.query(AGREEING_SQL, parameters=params).result_rows
-    return {digest: [(rid, int(start), host) for rid, start, host in members] for digest, members in rows}
+    return {digest: [Member(rid, tid, int(start), host) for rid, tid, start, host in members] for digest, members in rows}
+
+
+def nearest(members: list[Member], start_ns: int, host: str) -> Member | None:
+    """The baseline among agreeing requests: on another host if one exists (to tell hardware apart), nearest in time."""
+    return min(members, key=lambda m: (m.host == host, abs(m.start_ns - start_ns)), default=None)
 
 
 def stage_order(stage: str | None) -> int:

@@ -1,0 +1,45 @@
+"""Divergence analysis at scale: ``divergences`` over a store of a million requests, and ``explain`` of one.
+
+The store is synthetic (``benchmarks.synthetic``: five stages per request, 5% deviating at a random
+stage). Aims from the benchmarks issue: ``divergences`` under 10 s, ``explain`` under 1 s. There is
+no outside baseline to run beside these; the figures are absolute, with the generation time shown
+for scale.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from benchmarks import Figure, benchmark, median_seconds, synthetic
+from stagetrace.analysis import divergences
+from stagetrace.analysis.explain import Explainer
+from stagetrace.store import open_store
+
+
+@benchmark("divergence")
+def divergence(quick: bool) -> list[Figure]:
+    requests = 20_000 if quick else 1_000_000
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+        now = time.time_ns()
+        started = time.perf_counter()
+        synthetic.fill(store, requests, now - 3600 * 10**9)
+        generated = time.perf_counter() - started
+        found = {}
+
+        def run() -> None:
+            found["result"] = divergences.find(store, 2 * 3600 * 10**9, until_ns=now + 10**9)
+
+        scan = median_seconds(run, runs=1, warmup=0)
+        deviating = found["result"]["deviating"]
+        some = found["result"]["groups"][0]["deviating"][0]["request_id"]
+        explainer = Explainer(store)
+        explain = median_seconds(lambda: explainer.explain(some), runs=3 if not quick else 1)
+        report = explainer.explain(some)
+        assert report["diverged"] and report["causes"][0]["name"].startswith("setting."), report["summary"]
+    return [
+        Figure(f"generate {requests:,} requests ({requests * 6:,} spans) in-engine", generated, "s"),
+        Figure(f"`divergences` over {requests:,} requests ({deviating:,} deviating, latest 100 analysed)", scan, "s",
+               "aim", 10.0),
+        Figure("`explain` of one deviating request in that store", explain, "s", "aim", 1.0),
+    ]  # fmt: skip
