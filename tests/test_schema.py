@@ -44,3 +44,23 @@ def test_otel_traces_has_the_collector_columns(store):
 def test_identifiers_are_validated(bad):
     with pytest.raises(schema.SchemaError, match="invalid"):
         schema.statements(bad)
+
+
+def test_upgrade_from_version_1_fills_the_stage_table_from_stored_spans(store):
+    """A store made by version 1 has spans but no stagetrace_stages: the upgrade creates and backfills it."""
+    import stagetrace
+
+    stagetrace.configure(store=store, service_name="rag")
+    with stagetrace.request("r-1", input="q"):
+        for name in ("retrieval", "decode"):
+            with stagetrace.stage(name, input=name) as st:
+                st.set_output(name + "!")
+    stagetrace.flush()
+    store.client.command("DROP VIEW stagetrace.stagetrace_stages_mv")
+    store.client.command("DROP TABLE stagetrace.stagetrace_stages")
+    store.client.command("TRUNCATE TABLE stagetrace.stagetrace_schema_version")
+    store.client.command("INSERT INTO stagetrace.stagetrace_schema_version (Version) VALUES (1)")
+    assert schema.ensure_schema(store.client, "stagetrace") is True
+    rows = store.client.query("SELECT Stage, OutputDigest != '' FROM stagetrace.stagetrace_stages ORDER BY Start").result_rows
+    assert rows == [("retrieval", True), ("decode", True)]
+    assert schema.installed_version(store.client, "stagetrace") == schema.SCHEMA_VERSION

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 3  # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -28,6 +28,11 @@ def identifier(name: str, what: str = "name") -> str:
 
 
 _MAP = "Map(LowCardinality(String), String)"
+
+# A replayed batch carries its insert_deduplication_token; a non-replicated MergeTree drops a repeat only
+# within this many recent blocks. Views' target tables need it too: the token reaches them, and without it
+# a deduplicated insert into otel_traces would still add its rows to the views' tables.
+_DEDUP = "non_replicated_deduplication_window = 1000"
 
 _ATTRIBUTE_INDEXES = """
     INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
@@ -64,9 +69,9 @@ _METRIC_INDEXES = f"""{_ATTRIBUTE_INDEXES},
     INDEX idx_attr_key mapKeys(Attributes) TYPE bloom_filter(0.01) GRANULARITY 1,
     INDEX idx_attr_value mapValues(Attributes) TYPE bloom_filter(0.01) GRANULARITY 1"""
 
-_METRIC_LAYOUT = """PARTITION BY toDate(TimeUnix)
+_METRIC_LAYOUT = f"""PARTITION BY toDate(TimeUnix)
 ORDER BY (ServiceName, MetricName, Attributes, toUnixTimestamp64Nano(TimeUnix))
-SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1"""
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}"""
 
 
 @dataclass(frozen=True)
@@ -120,9 +125,9 @@ TABLES = (
     INDEX idx_span_attr_value mapValues(SpanAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
     INDEX idx_duration Duration TYPE minmax GRANULARITY 1""",
         "MergeTree()",
-        """PARTITION BY toDate(Timestamp)
+        f"""PARTITION BY toDate(Timestamp)
 ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
-SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1""",
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
         "cityHash64(TraceId)",
     ),
     Table(
@@ -133,9 +138,9 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1""",
     End DateTime CODEC(Delta, ZSTD(1)),
     INDEX idx_trace_id TraceId TYPE bloom_filter(0.01) GRANULARITY 1""",
         "MergeTree()",
-        """PARTITION BY toDate(Start)
+        f"""PARTITION BY toDate(Start)
 ORDER BY (TraceId, Start)
-SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1""",
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
         "cityHash64(TraceId)",
     ),
     Table(
@@ -171,10 +176,33 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1""",
     OutputDigest String CODEC(ZSTD(1)),
     StatusCode LowCardinality(String) CODEC(ZSTD(1))""",
         "MergeTree()",
-        """PARTITION BY toYYYYMM(Start)
+        f"""PARTITION BY toYYYYMM(Start)
 ORDER BY (RequestId, Start)
-SETTINGS index_granularity = 2048""",
+SETTINGS index_granularity = 2048, {_DEDUP}""",
         "cityHash64(RequestId)",
+    ),
+    # One row per stage span, narrow columns first: divergence analysis reads stage digests by time
+    # without decoding every span's attribute map, and the attributes of one stage without the others.
+    Table(
+        "stagetrace_stages",
+        f"""
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    Start DateTime64(9) CODEC(Delta, ZSTD(1)),
+    Duration UInt64 CODEC(ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    HostName LowCardinality(String) CODEC(ZSTD(1)),
+    Stage LowCardinality(String) CODEC(ZSTD(1)),
+    Rank LowCardinality(String) CODEC(ZSTD(1)),
+    InputDigest String CODEC(ZSTD(1)),
+    OutputDigest String CODEC(ZSTD(1)),
+    Attributes {_MAP} CODEC(ZSTD(1)),
+    ResourceAttributes {_MAP} CODEC(ZSTD(1))""",
+        "MergeTree()",
+        f"""PARTITION BY toDate(Start)
+ORDER BY (Stage, Start)
+SETTINGS index_granularity = 8192, {_DEDUP}""",
+        "cityHash64(TraceId)",
     ),
     Table(
         "stagetrace_divergences",
@@ -247,7 +275,35 @@ FROM {source}
 WHERE (SpanAttributes['stagetrace.request.id'] != '' OR SpanAttributes['gen_ai.request.id'] != '')
   AND NOT mapContains(SpanAttributes, 'stagetrace.stage')""",
     ),
+    View(
+        "stagetrace_stages_mv",
+        "stagetrace_stages",
+        """SELECT
+    TraceId,
+    SpanId,
+    Timestamp AS Start,
+    Duration,
+    ServiceName,
+    ResourceAttributes['host.name'] AS HostName,
+    SpanAttributes['stagetrace.stage'] AS Stage,
+    SpanAttributes['parallel.tp_rank'] AS Rank,
+    SpanAttributes['stagetrace.stage.input_digest'] AS InputDigest,
+    SpanAttributes['stagetrace.stage.output_digest'] AS OutputDigest,
+    SpanAttributes AS Attributes,
+    ResourceAttributes
+FROM {source}
+WHERE mapContains(SpanAttributes, 'stagetrace.stage')""",
+    ),
 )
+
+# Tables added by a version are filled from the spans already stored when a store is upgraded to it.
+BACKFILLS = {2: ("stagetrace_stages_mv",)}
+
+# Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.
+SETTING_CHANGES = {
+    3: (_DEDUP, ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum",
+                 "stagetrace_requests", "stagetrace_stages")),
+}  # fmt: skip
 
 TABLE_NAMES = tuple(t.name for t in TABLES)
 
@@ -306,11 +362,28 @@ def installed_version(client, database: str) -> int:
 
 
 def ensure_schema(client, database: str = "stagetrace", cluster: str | None = None) -> bool:
-    """Create whatever is missing and record the version. Returns True when anything was applied."""
-    if installed_version(client, database) >= SCHEMA_VERSION:
+    """Create whatever is missing, fill tables new since the installed version, and record the version.
+
+    Returns True when anything was applied.
+    """
+    installed = installed_version(client, database)
+    if installed >= SCHEMA_VERSION:
         return False
     for sql in statements(database, cluster):
         client.command(sql)
+    if installed:
+        db = identifier(database, "database name")
+        on_cluster = f" ON CLUSTER {identifier(cluster, 'cluster name')}" if cluster else ""
+        local = "_local" if cluster else ""
+        for version in range(installed + 1, SCHEMA_VERSION + 1):
+            setting, tables = SETTING_CHANGES.get(version, ("", ()))
+            for name in tables:
+                client.command(f"ALTER TABLE {db}.`{name}{local}`{on_cluster} MODIFY SETTING {setting}")
+        views = {v.name: v for v in VIEWS}
+        for version in range(installed + 1, SCHEMA_VERSION + 1):
+            for name in BACKFILLS.get(version, ()):
+                view = views[name]
+                client.command(f"INSERT INTO {db}.`{view.target}` {view.select.format(source=f'{db}.`otel_traces`')}")
     client.command(
         "INSERT INTO {db:Identifier}.stagetrace_schema_version (Version) VALUES ({v:UInt32})",
         parameters={"db": database, "v": SCHEMA_VERSION},

@@ -25,7 +25,7 @@ _SPANS_SQL = """
 SELECT TraceId, SpanId, ParentSpanId, SpanName, SpanKind, ServiceName, toUnixTimestamp64Nano(Timestamp),
        Duration, StatusCode, StatusMessage, SpanAttributes, ResourceAttributes
 FROM {db:Identifier}.otel_traces
-WHERE TraceId IN {traces:Array(String)}
+WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
   AND Timestamp >= fromUnixTimestamp64Nano({t0:Int64}) AND Timestamp < fromUnixTimestamp64Nano({t1:Int64})
 ORDER BY Timestamp, SpanId
 """
@@ -57,18 +57,16 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     t0 = until_ns - since_ns
     deviations = population.deviations(store, t0, until_ns, MARGIN_NS)
     analysed = deviations[-limit:] if limit else deviations
-    members = population.agreeing(store, sorted({d.input_digest for d in analysed}), t0, until_ns)
-    baselines = {d.request_id: population.nearest(members.get(d.input_digest, []), d.start_ns, d.host) for d in analysed}
-    trace_ids = [d.trace_id for d in analysed] + [b.trace_id for b in baselines.values() if b]
-    traces = _traces(store, trace_ids, t0 - MARGIN_NS, until_ns + MARGIN_NS)
+    traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], t0 - MARGIN_NS,
+                     until_ns + MARGIN_NS)  # fmt: skip
 
     keys: dict[str, set[str]] = defaultdict(set)
     for d in analysed:
-        base = baselines[d.request_id]
-        mine = stage_spans(traces[d.trace_id]).get((d.stage, d.rank)) if d.trace_id in traces else None
-        theirs = stage_spans(traces[base.trace_id]).get((d.stage, d.rank)) if base and base.trace_id in traces else None
-        if d.stage and mine is not None:
-            keys[d.stage].update(key for key, _, _ in differences(mine, theirs))
+        if d.stage and d.trace_id in traces and d.baseline_trace_id in traces:
+            mine = stage_spans(traces[d.trace_id]).get((d.stage, d.rank))
+            if mine is not None:
+                theirs = stage_spans(traces[d.baseline_trace_id]).get((d.stage, d.rank))
+                keys[d.stage].update(key for key, _, _ in differences(mine, theirs))
     contrasts = {stage: population.contrast(store, stage, sorted(k), deviations, t0, until_ns, MARGIN_NS)
                  for stage, k in keys.items()}  # fmt: skip
     samples = Samples(store, sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans}), t0, until_ns)
@@ -77,14 +75,14 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     rows = []
     detected = time.time_ns() // 1_000_000
     for d in analysed:
-        base = baselines[d.request_id]
         group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
                                                    "majority_output": d.majority_output, "support": d.support,
                                                    "deviating": []})  # fmt: skip
-        baseline = Baseline(base.request_id if base else "", "majority", d.support, d.group_size)
+        baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)
         found = []
-        if d.stage and d.trace_id in traces and base and base.trace_id in traces:
-            found = rank_causes(store, d.stage, d.rank, traces[d.trace_id], traces[base.trace_id], contrasts.get(d.stage), samples)
+        if d.stage and d.trace_id in traces and d.baseline_trace_id in traces:
+            found = rank_causes(store, d.stage, d.rank, traces[d.trace_id], traces[d.baseline_trace_id],
+                                contrasts.get(d.stage), samples)  # fmt: skip
         top = found[0] if found else None
         line = summary(d.stage, top, baseline, d.input_differed)
         group["deviating"].append({

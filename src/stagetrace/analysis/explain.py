@@ -21,7 +21,8 @@ from stagetrace.tracing import INPUT_DIGEST, OUTPUT_DIGEST, PIPELINE_STAGES, REQ
 
 HOUR_NS = 3600 * 1_000_000_000
 DEFAULT_WINDOW_NS = 24 * HOUR_NS  # peers: requests with the same input this close in time
-CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute differences
+CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute differences...
+CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
 
 
 @dataclass
@@ -209,5 +210,13 @@ class Explainer:
             return None
         theirs = stage_spans(baseline).get((stage, rank))
         keys = [key for key, _, _ in causes_module.differences(mine, theirs)]
-        t0, t1 = trace.start_ns - self.contrast_window_ns, trace.start_ns + self.contrast_window_ns
+        half = self.contrast_window_ns
+        count = int(self.store.client.command(
+            "SELECT count() FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) "
+            "AND Start < fromUnixTimestamp64Nano({t1:Int64})",
+            parameters={"db": self.store.database, "t0": trace.start_ns - half, "t1": trace.start_ns + half},
+        ))  # fmt: skip
+        if count > CONTRAST_REQUESTS:  # busy hours: the nearest requests weigh as well, and explain stays fast
+            half = half * CONTRAST_REQUESTS // count
+        t0, t1 = trace.start_ns - half, trace.start_ns + half
         return population.contrast(self.store, stage, keys, population.deviations(self.store, t0, t1), t0, t1)

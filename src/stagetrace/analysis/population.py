@@ -2,10 +2,11 @@
 
 Requests are grouped by ``InputDigest``; a group's majority output is its most common output when
 at least two requests share it and no other output is as common. A request deviates when its
-output differs from its group's majority. Its first divergent stage is the first stage, in pipeline
-order, whose output digest differs from the one most agreeing requests of its group produced there
-(a stage the group ran and the request did not also counts). Grouping, majorities and the stage
-comparison run as SQL; only the deviating requests come back.
+output differs from its group's majority. Its baseline is the agreeing request of its group nearest
+in time, on another host when there is one (so that the hardware differs), and its first divergent
+stage is the first stage, in pipeline order, whose output digest differs from the baseline's (a
+stage the baseline ran and the request did not also counts), as ``explain`` compares two requests.
+Grouping, majorities, baselines and the stage comparison run as SQL; only deviating requests come back.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from stagetrace.store import Store
 from stagetrace.tracing import PIPELINE_STAGES
 
-# Stages outside the pipeline's named five come after them, in the order the group ran them.
+# Stages outside the pipeline's named five come after them, in the order the baseline ran them.
 _ORDER = "if(indexOf({pipeline:Array(String)}, Stage) = 0, 100, indexOf({pipeline:Array(String)}, Stage))"
 
 # Requests in the window, latest trace per request ID (a retry reuses the ID).
@@ -28,68 +29,56 @@ _REQUESTS = """
     GROUP BY RequestId
     HAVING InputDigest != ''"""
 
-_MAJORITIES = f"""
-    SELECT InputDigest, argMax(OutputDigest, n) AS Majority, max(n) AS Support, sum(n) AS GroupSize
-    FROM (SELECT InputDigest, OutputDigest, count() AS n FROM ({_REQUESTS}) GROUP BY InputDigest, OutputDigest)
-    GROUP BY InputDigest
-    HAVING Support >= 2 AND arrayCount(x -> x = Support, groupArray(n)) = 1"""
-
-_LABELLED = f"""
-    SELECT r.RequestId AS RequestId, r.TraceId AS TraceId, r.InputDigest AS InputDigest, r.OutputDigest AS OutputDigest,
-           r.Start AS Start, r.HostName AS HostName, m.Majority AS Majority, m.Support AS Support,
-           m.GroupSize AS GroupSize, r.OutputDigest = m.Majority AS Agrees
-    FROM ({_REQUESTS}) AS r INNER JOIN ({_MAJORITIES}) AS m ON r.InputDigest = m.InputDigest"""
-
-# Stage spans of the labelled requests. Spans may start a little before or after their root (ranks on other hosts).
-_STAGES = f"""
-    SELECT TraceId, SpanAttributes['stagetrace.stage'] AS Stage, SpanAttributes['parallel.tp_rank'] AS Rank,
-           SpanAttributes['stagetrace.stage.input_digest'] AS StageIn, SpanAttributes['stagetrace.stage.output_digest'] AS StageOut,
-           toUnixTimestamp64Nano(Timestamp) AS SpanStart
-    FROM {{db:Identifier}}.otel_traces
-    WHERE Timestamp >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
-      AND Timestamp < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}})
-      AND mapContains(SpanAttributes, 'stagetrace.stage')
-      AND TraceId IN (SELECT TraceId FROM ({_LABELLED}))"""
-
-DEVIATIONS_SQL = f"""
-WITH
-    labelled AS ({_LABELLED}),
-    stages AS (
-        SELECT s.*, l.InputDigest AS InputDigest, l.Agrees AS Agrees, s.SpanStart - toUnixTimestamp64Nano(l.Start) AS Offset
-        FROM ({_STAGES}) AS s INNER JOIN labelled AS l ON s.TraceId = l.TraceId),
-    expected AS (
-        SELECT InputDigest, Stage, Rank, argMax(StageOut, n) AS ExpectedOut, argMax(StageIn, n) AS ExpectedIn,
-               min(FirstOffset) AS Offset
-        FROM (SELECT InputDigest, Stage, Rank, StageOut, any(StageIn) AS StageIn, count() AS n, min(Offset) AS FirstOffset
-              FROM stages WHERE Agrees GROUP BY InputDigest, Stage, Rank, StageOut)
-        GROUP BY InputDigest, Stage, Rank),
-    compared AS (
-        SELECT d.RequestId AS RequestId, e.Stage AS Stage, e.Rank AS Rank, e.Offset AS Offset,
-               e.ExpectedOut AS ExpectedOut, e.ExpectedIn AS ExpectedIn, d.TraceId AS TraceId
-        FROM (SELECT * FROM labelled WHERE NOT Agrees) AS d INNER JOIN expected AS e ON d.InputDigest = e.InputDigest),
-    diverged AS (
-        SELECT c.RequestId AS RequestId,
-               argMin((c.Stage, c.Rank, s.StageIn != c.ExpectedIn), ({_ORDER.replace('Stage', 'c.Stage')}, c.Offset)) AS First
-        FROM compared AS c LEFT JOIN stages AS s ON s.TraceId = c.TraceId AND s.Stage = c.Stage AND s.Rank = c.Rank
-        WHERE s.StageOut != c.ExpectedOut OR s.TraceId = ''
-        GROUP BY c.RequestId)
-SELECT l.RequestId, l.TraceId, l.InputDigest, l.OutputDigest, l.Majority, l.Support, l.GroupSize,
-       toUnixTimestamp64Nano(l.Start), l.HostName, d.First.1, d.First.2, d.First.3
-FROM labelled AS l LEFT JOIN diverged AS d ON l.RequestId = d.RequestId
-WHERE NOT l.Agrees
-ORDER BY l.Start
+# Each deviating request with its baseline, in one pass over the window's requests: the members of an
+# input group are gathered into an array, and its majority and the baselines found with array functions.
+PAIRS_SQL = f"""
+SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
+       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2)
+FROM (
+    SELECT InputDigest, members, Majority, Support,
+           arrayFilter(m -> tupleElement(m, 3) = Majority, members) AS agreeing,
+           arrayFilter(m -> tupleElement(m, 3) != Majority, members) AS deviating
+    FROM (
+        SELECT InputDigest, members, arrayMap(m -> tupleElement(m, 3), members) AS outs, arrayDistinct(outs) AS outputs,
+               arrayMap(o -> countEqual(outs, o), outputs) AS counts,
+               arrayMax(counts) AS Support, outputs[indexOf(counts, Support)] AS Majority
+        FROM (SELECT InputDigest, groupArray((RequestId, TraceId, OutputDigest, toUnixTimestamp64Nano(Start), HostName)) AS members
+              FROM ({_REQUESTS}) GROUP BY InputDigest)
+        WHERE Support >= 2 AND countEqual(counts, Support) = 1)
+    WHERE notEmpty(deviating))
+ARRAY JOIN deviating AS d
+ARRAY JOIN [arraySort(a -> (tupleElement(a, 5) = tupleElement(d, 5), abs(tupleElement(a, 4) - tupleElement(d, 4))), agreeing)[1]] AS b
+ORDER BY tupleElement(d, 4)
 """
 
-AGREEING_SQL = f"""
-SELECT InputDigest, groupArray((RequestId, TraceId, toUnixTimestamp64Nano(Start), HostName))
-FROM ({_LABELLED}) WHERE Agrees AND InputDigest IN {{inputs:Array(String)}}
-GROUP BY InputDigest
+# Per pair, the first stage where the request's output differs from the baseline's. One scan: each
+# stage span of either trace is tagged with its pair, then both sides meet per (pair, stage, rank).
+# Spans may start a little before or after their root (ranks on other hosts), hence the margin.
+FIRST_STAGES_SQL = f"""
+SELECT Dev, argMin((Stage, Rank, HasOwn AND OwnIn != BaseIn), ({_ORDER}, BaseStart))
+FROM (
+    SELECT Dev, Stage, Rank, countIf(Own) > 0 AS HasOwn, countIf(NOT Own) > 0 AS HasBase,
+           anyIf(StageIn, Own) AS OwnIn, anyIf(StageOut, Own) AS OwnOut,
+           anyIf(StageIn, NOT Own) AS BaseIn, anyIf(StageOut, NOT Own) AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
+    FROM (
+        SELECT s.Stage AS Stage, s.Rank AS Rank, s.InputDigest AS StageIn, s.OutputDigest AS StageOut,
+               toUnixTimestamp64Nano(s.Start) AS SpanStart, t.Dev AS Dev, t.Own AS Own
+        FROM {{db:Identifier}}.stagetrace_stages AS s
+        INNER JOIN (SELECT tupleElement(x, 1) AS TraceId, tupleElement(x, 2) AS Dev, tupleElement(x, 3) AS Own
+                    FROM (SELECT arrayJoin([(tupleElement(p, 1), tupleElement(p, 1), true), (tupleElement(p, 2), tupleElement(p, 1), false)]) AS x
+                          FROM (SELECT arrayJoin(arrayZip({{devs:Array(String)}}, {{bases:Array(String)}})) AS p))) AS t
+            ON s.TraceId = t.TraceId
+        WHERE s.Start >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
+          AND s.Start < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}}))
+    GROUP BY Dev, Stage, Rank)
+WHERE HasBase AND (NOT HasOwn OR OwnOut != BaseOut)
+GROUP BY Dev
 """
 
 
 @dataclass
 class Deviation:
-    """A request whose output differs from its group's majority, and the stage where it first differed."""
+    """A request whose output differs from its group's majority, its baseline, and the stage where it first differed."""
 
     request_id: str
     trace_id: str
@@ -100,6 +89,8 @@ class Deviation:
     group_size: int  # requests with this input
     start_ns: int
     host: str
+    baseline_request_id: str
+    baseline_trace_id: str
     stage: str | None  # None: every stage agreed, the difference came after the last one
     rank: str
     input_differed: bool  # the stage's input already differed (blame lies upstream of the recorded stages)
@@ -110,12 +101,19 @@ def _window(store: Store, t0_ns: int, t1_ns: int, margin_ns: int) -> dict:
 
 
 def deviations(store: Store, t0_ns: int, t1_ns: int, margin_ns: int = 60_000_000_000) -> list[Deviation]:
-    """Every deviating request that started in [t0, t1), oldest first."""
-    rows = store.client.query(DEVIATIONS_SQL, parameters=_window(store, t0_ns, t1_ns, margin_ns)).result_rows
-    return [
-        Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, stage or None, rank, bool(moved))
-        for rid, tid, din, dout, maj, sup, size, start, host, stage, rank, moved in rows
-    ]
+    """Every deviating request that started in [t0, t1), oldest first, with its baseline and first divergent stage."""
+    params = _window(store, t0_ns, t1_ns, margin_ns)
+    pairs = store.client.query(PAIRS_SQL, parameters=params).result_rows
+    if not pairs:
+        return []
+    devs, bases = [row[1] for row in pairs], [row[10] for row in pairs]
+    first = dict(store.client.query(FIRST_STAGES_SQL, parameters={**params, "devs": devs, "bases": bases}).result_rows)
+    out = []
+    for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in pairs:
+        stage, rank, moved = first.get(tid, ("", "", False))
+        out.append(Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid,
+                             stage or None, rank, bool(moved)))  # fmt: skip
+    return out
 
 
 @dataclass
@@ -124,13 +122,6 @@ class Member:
     trace_id: str
     start_ns: int
     host: str
-
-
-def agreeing(store: Store, inputs: list[str], t0_ns: int, t1_ns: int) -> dict[str, list[Member]]:
-    """For each input digest, its requests with the majority output."""
-    params = {**_window(store, t0_ns, t1_ns, 0), "inputs": inputs}
-    rows = store.client.query(AGREEING_SQL, parameters=params).result_rows
-    return {digest: [Member(rid, tid, int(start), host) for rid, tid, start, host in members] for digest, members in rows}
 
 
 def nearest(members: list[Member], start_ns: int, host: str) -> Member | None:
@@ -147,7 +138,7 @@ def stage_order(stage: str | None) -> int:
 
 def contrast(store: Store, stage: str, keys: list[str], deviations_: list[Deviation], t0_ns: int, t1_ns: int,
              margin_ns: int = 60_000_000_000):  # fmt: skip
-    """Counts for :class:`~stagetrace.analysis.causes.Contrast` over the stage's spans of the labelled requests.
+    """Counts for :class:`~stagetrace.analysis.causes.Contrast` over the stage's spans in the window.
 
     Requests that diverged upstream of the stage are left out: the stage saw another input there, so
     its attribute values say nothing about whether the stage itself diverges.
@@ -156,16 +147,15 @@ def contrast(store: Store, stage: str, keys: list[str], deviations_: list[Deviat
 
     if not keys:
         return None
-    value = f"if(startsWith(key, '{RESOURCE}'), ResourceAttributes[substring(key, {len(RESOURCE) + 1})], SpanAttributes[key])"
+    value = f"if(startsWith(key, '{RESOURCE}'), ResourceAttributes[substring(key, {len(RESOURCE) + 1})], Attributes[key])"
     sql = f"""
-    SELECT key, {BUCKET_SQL.replace('{v}', 'value')} AS bucketed, count(), countIf(TraceId IN {{diverged:Array(String)}})
+    SELECT key, {BUCKET_SQL.replace('{v}', 'value')} AS bucketed, count(), countIf(TraceId IN (SELECT arrayJoin({{diverged:Array(String)}})))
     FROM (SELECT TraceId, key, {value} AS value
-          FROM {{db:Identifier}}.otel_traces ARRAY JOIN {{keys:Array(String)}} AS key
-          WHERE Timestamp >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
-            AND Timestamp < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}})
-            AND SpanAttributes['stagetrace.stage'] = {{stage:String}}
-            AND TraceId IN (SELECT TraceId FROM ({_LABELLED}))
-            AND TraceId NOT IN {{upstream:Array(String)}})
+          FROM {{db:Identifier}}.stagetrace_stages ARRAY JOIN {{keys:Array(String)}} AS key
+          WHERE Stage = {{stage:String}}
+            AND Start >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
+            AND Start < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}})
+            AND TraceId NOT IN (SELECT arrayJoin({{upstream:Array(String)}})))
     GROUP BY key, bucketed"""
     order = stage_order(stage)
     params = {**_window(store, t0_ns, t1_ns, margin_ns), "stage": stage, "keys": keys,
