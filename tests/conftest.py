@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 
@@ -69,3 +70,21 @@ def store(store_dsn):
 def _reset_tracing():
     yield
     stagetrace.shutdown()
+
+
+@pytest.fixture(scope="session")
+def demo_dsn(tmp_path_factory):
+    """A store filled once per test session by ``stagetrace demo --requests 300`` (the dashboards' and rules' data)."""
+    dsn = f"chdb://{tmp_path_factory.mktemp('demo') / 'store'}"
+    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return dsn
+
+
+@pytest.fixture(scope="module")
+def demo_store(demo_dsn):
+    """The demo's store, open for one test module, with the data source's default database set."""
+    with open_store(demo_dsn) as store:
+        store.client.database = store.database
+        yield store

@@ -11,7 +11,6 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from datetime import timedelta, timezone
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from stagetrace.collectors import MODULES as COLLECTOR_MODULES
 from stagetrace.collectors.base import MetricSpec
 from stagetrace.dashboards import alert_rules, build_all
 from stagetrace.dashboards.macros import QueryContext, expand
-from stagetrace.store import open_store
 
 RULES_DIR = Path(alert_rules.__file__).parent / "prometheus"
 RULES = RULES_DIR / "hardware.rules.yml"
@@ -162,17 +160,6 @@ def test_every_metric_name_used_is_in_the_expected_scrape():
 
 # ---------------------------------------------------------------------------------------------
 # Grafana-managed rules on the demo's data
-
-
-@pytest.fixture(scope="module")
-def demo_store(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "store"
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", f"chdb://{path}",
-                           "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    with open_store(f"chdb://{path}") as store:
-        store.client.database = store.database  # what the data source's defaultDatabase does
-        yield store
 
 
 def _evaluate(store, rule: alert_rules.PipelineRule) -> tuple[list[str], list[str], list[list]]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -20,7 +18,6 @@ from stagetrace import dashboards
 from stagetrace.dashboards import _panels, build_all, render
 from stagetrace.dashboards.__main__ import main as regenerate
 from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
-from stagetrace.store import open_store
 
 DASHBOARDS = build_all()
 NUMERIC = re.compile(r"^(Nullable\()?(U?Int\d+|Float\d+|Decimal.*)\)?$")
@@ -130,17 +127,6 @@ def test_divergence_explorer_links_each_request_to_the_trace_lookup_dashboard():
 
 # ---------------------------------------------------------------------------------------------
 # Every query, on the demo's data
-
-
-@pytest.fixture(scope="module")
-def demo_store(tmp_path_factory):
-    path = tmp_path_factory.mktemp("demo") / "store"
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", f"chdb://{path}",
-                           "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    with open_store(f"chdb://{path}") as store:
-        store.client.database = store.database  # what the data source's defaultDatabase does
-        yield store
 
 
 def run(store, sql: str) -> tuple[list[str], list[str], list[list]]:

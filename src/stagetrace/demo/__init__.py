@@ -21,7 +21,7 @@ import numpy as np
 from stagetrace.demo import faults, world
 from stagetrace.demo.pipeline import RequestSpec, node_main
 from stagetrace.digest import digest
-from stagetrace.exporters.clickhouse import COLUMNS, GAUGE_TABLE, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
+from stagetrace.exporters.clickhouse import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
 from stagetrace.store import Store
 
 TRUTH_TABLE = "stagetrace_demo_truth"
