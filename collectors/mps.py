@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -39,7 +40,7 @@ from statistics import fmean
 from typing import Protocol
 
 from stagetrace.collectors.base import GAUGE, Collector, MetricSpec, Options, Samples, SourceUnavailable, register
-from stagetrace.collectors.gpu import NVML_ERRORS, CachedReads, NvmlSource, error_name, nvml_source, write_json_atomic
+from stagetrace.collectors.nvml import NVML_ERRORS, CachedReads, NvmlSource, error_name, nvml_source, write_json_atomic
 
 logger = logging.getLogger("stagetrace.collectors.mps")
 
@@ -121,6 +122,7 @@ class BinaryControl:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            errors="replace",  # a garbled answer is reported as unexpected, not raised as UnicodeDecodeError
             env=env,
             start_new_session=True,
         ) as proc:
@@ -167,12 +169,16 @@ def mps_control(options: Options) -> MpsControl:
 
 
 def _pids(output: str) -> list[int]:
-    return [int(token) for token in output.split() if token.isdigit()]
+    # isdigit() alone takes "²" and other Unicode digits, which int() refuses
+    return [int(token) for token in output.split() if token.isascii() and token.isdigit()]
 
 
 def _number(output: str) -> float:
     try:
-        return float(output.split()[0])
+        value = float(output.split()[0])
+        if not math.isfinite(value):  # "nan", "inf": float() takes them, a percentage is neither
+            raise ValueError(value)
+        return value
     except (IndexError, ValueError):
         raise ControlUnanswered(
             f"unexpected answer {output.strip()!r} to get_default_active_thread_percentage"

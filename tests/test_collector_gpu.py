@@ -18,15 +18,8 @@ from pathlib import Path
 import pynvml
 import pytest
 from stagetrace.collectors.base import Node, Options, Samples, SourceUnavailable
-from stagetrace.collectors.gpu import (
-    FixtureSource,
-    GpuCollector,
-    PynvmlSource,
-    gpu_snapshot,
-    record_nvml_fixture,
-    write_nvml_fixture,
-    xid_event,
-)
+from stagetrace.collectors.gpu import GpuCollector, record_nvml_fixture
+from stagetrace.collectors.nvml import FixtureSource, PynvmlSource, gpu_snapshot, write_nvml_fixture, xid_event
 
 FIXTURES = Path(__file__).parent / "fixtures" / "node"
 NODE_NVML = FIXTURES / "nvml"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Options
-from stagetrace.collectors.gpu import gpu_snapshot, write_nvml_fixture, xid_event
+from stagetrace.collectors.nvml import gpu_snapshot, write_nvml_fixture, xid_event
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import metric_rows
 
