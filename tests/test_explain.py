@@ -18,6 +18,7 @@ import stagetrace
 from stagetrace import lookup
 from stagetrace.analysis import divergences
 from stagetrace.analysis.explain import Explainer
+from stagetrace.analysis.hardware import context
 from stagetrace.exporters.clickhouse import SUM_COLUMNS
 from stagetrace.tracing import PIPELINE_STAGES
 
@@ -86,6 +87,11 @@ def test_hardware_only_cause_on_the_same_device(store):
     top = report["causes"][0]
     assert (top["name"], top["value"], top["baseline_value"], top["device"]) == ("gpu_xid_errors_total", "+1", "+0", "GPU-a")
     assert report["summary"].startswith("decode diverged: gpu_xid_errors_total rose by 1 on GPU-a (node-a)")
+    # the trace lookup shows the same hardware context, and none for a request before the XID
+    [rise] = context(store, lookup.by_request_id(store, "odd"))
+    assert (rise["stage"], rise["device"], rise["metric"], rise["labels"]["xid"], rise["increase"]) == (
+        "decode", "GPU-a", "gpu_xid_errors_total", "48", 1.0)
+    assert context(store, lookup.by_request_id(store, "ok-0")) == []
 
 
 def test_counter_reset_inside_the_window_is_not_a_negative_increase(store):

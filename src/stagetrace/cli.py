@@ -141,22 +141,27 @@ def _trace(args) -> int:
     if bool(args.request_id) == bool(args.trace_id):
         print("stagetrace trace: give a REQUEST_ID or --trace-id TRACE_ID", file=sys.stderr)
         return 2
+    from stagetrace.analysis.hardware import context
+
     with open_store(args.store) as store:
         try:
             found = lookup.by_trace_id(store, args.trace_id) if args.trace_id else lookup.by_request_id(store, args.request_id)
         except lookup.NotFound as exc:
             print(f"stagetrace: {exc} in {store.location.redacted()}", file=sys.stderr)
             return 1
+        hardware = context(store, found)
     if args.json:
-        json.dump(found.to_json(), sys.stdout, indent=2, ensure_ascii=False)
+        json.dump({**found.to_json(), "hardware": hardware}, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         from rich.console import Console
 
-        from stagetrace.render import waterfall
+        from stagetrace.render import hardware_rises, waterfall
 
         console = Console()
         console.print(waterfall(found, console.width))
+        if hardware:
+            console.print(hardware_rises(hardware))
     return 0
 
 

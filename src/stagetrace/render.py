@@ -208,3 +208,15 @@ def divergence_groups(found: dict, since: str) -> None:
                           f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "")  # fmt: skip
     if found["groups"]:
         console.print(table)
+
+
+def hardware_rises(rises: list[dict]) -> Table:
+    """Error counters that rose on the request's GPUs and NICs while its stages ran."""
+    table = Table(title="hardware while it ran: error counters that rose", title_justify="left")
+    for column in ("stage", "host", "device", "counter", "labels", "increase"):
+        table.add_column(column, overflow="fold")
+    for rise in rises:
+        labels = " ".join(f"{k}={v}" for k, v in rise["labels"].items() if k not in ("uuid", "device", "gpu", "model"))
+        table.add_row(rise["stage"] or "", rise["host"], rise["device"], rise["metric"], labels, f"+{rise['increase']:g}",
+                      style="red")  # fmt: skip
+    return table

@@ -170,3 +170,24 @@ def _names(text: str) -> list[str]:
         except ValueError:
             pass
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def context(store: Store, trace) -> list[dict]:
+    """Error-class counters that rose on the GPUs and NICs a trace's spans name, while each span ran.
+
+    What ``stagetrace trace`` shows beside the waterfall; largest increase per device and series.
+    """
+    spans = [s for s in trace.spans if any(devices(s.attributes))]
+    if not spans:
+        return []
+    samples = Samples(store, sorted({s.resource.get("host.name", "") for s in spans}), trace.start_ns,
+                      trace.start_ns + trace.duration_ns)  # fmt: skip
+    found: dict[tuple, dict] = {}
+    for span in spans:
+        host = span.resource.get("host.name", "")
+        for rise in samples.rises(host, *devices(span.attributes), span.start_ns, span.start_ns + span.duration_ns):
+            key = (host, rise.device, rise.metric, tuple(sorted(rise.labels.items())))
+            entry = found.setdefault(key, {"stage": span.stage, "host": host, "device": rise.device, "metric": rise.metric,
+                                           "labels": rise.labels, "increase": 0.0})  # fmt: skip
+            entry["increase"] = max(entry["increase"], rise.delta)
+    return sorted(found.values(), key=lambda e: (-next(s.severity for s in SIGNALS if s.accepts(e["metric"], e["labels"])), e["device"]))
