@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind
 
+from stagetrace import schema
 from stagetrace.hub import Refused, read_only_format
 from stagetrace.store import StoreError, StoreLockedError, open_store
 
@@ -220,7 +221,7 @@ def test_trace_and_schema_work_while_the_agent_holds_the_store(agent):
     printed = stagetrace("schema", "--print", "--store", agent.dsn)
     assert printed.returncode == 0 and "CREATE TABLE IF NOT EXISTS `stagetrace`.`otel_traces`" in printed.stdout
     applied = stagetrace("schema", "--store", agent.dsn)
-    assert (applied.returncode, applied.stdout.strip()) == (0, f"schema version 1 already up to date in {agent.dsn}")
+    assert (applied.returncode, applied.stdout.strip()) == (0, f"schema version {schema.SCHEMA_VERSION} already up to date in {agent.dsn}")
     assert trace_json("schema-1", agent.dsn)["request_id"] == "schema-1"
     missing = stagetrace("trace", "no-such-request", "--store", agent.dsn)
     assert missing.returncode == 1 and missing.stderr == f"stagetrace: no request with id 'no-such-request' in {agent.dsn}\n"
