@@ -81,7 +81,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)
         found = []
         if d.stage and d.trace_id in traces and d.baseline_trace_id in traces:
-            found = rank_causes(store, d.stage, d.rank, traces[d.trace_id], traces[d.baseline_trace_id],
+            found = rank_causes(d.stage, d.rank, traces[d.trace_id], traces[d.baseline_trace_id],
                                 contrasts.get(d.stage), samples)  # fmt: skip
         top = found[0] if found else None
         line = summary(d.stage, top, baseline, d.input_differed)

@@ -90,8 +90,8 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
     return out
 
 
-def rank_causes(store: Store, stage: str, rank: str, request: lookup.Trace, baseline: lookup.Trace,
-                contrast, samples: Samples | None) -> list[Cause]:  # fmt: skip
+def rank_causes(stage: str, rank: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
+                samples: Samples | None) -> list[Cause]:  # fmt: skip
     """Attribute and hardware causes for one divergent stage, best first."""
     mine = stage_spans(request).get((stage, rank))
     theirs = stage_spans(baseline).get((stage, rank))
@@ -142,7 +142,7 @@ class Explainer:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
         else:
-            baseline = self._baseline(request_id, trace.start_ns, input_digest, output_digest)
+            baseline = self._baseline(request_id, trace.start_ns, input_digest)
         if baseline is None:
             return {**report, "baseline": None, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": "no other request with the same input in the window: nothing to compare against"}  # fmt: skip
@@ -160,7 +160,7 @@ class Explainer:
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
             samples = Samples(self.store, sorted(hosts), t0, t1)
-            found = rank_causes(self.store, first.stage, first.rank, trace, baseline.trace, contrast, samples)
+            found = rank_causes(first.stage, first.rank, trace, baseline.trace, contrast, samples)
         stage = first.stage if first else None
         input_differed = bool(first and first.present and not first.input_matches)
         return {
@@ -173,7 +173,7 @@ class Explainer:
             "summary": summary(stage, found[0] if found else None, baseline, input_differed),
         }
 
-    def _baseline(self, request_id: str, start_ns: int, input_digest: str, output_digest: str) -> Baseline | None:
+    def _baseline(self, request_id: str, start_ns: int, input_digest: str) -> Baseline | None:
         if not input_digest:
             return None
         peers = self.store.client.query(
