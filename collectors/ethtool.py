@@ -129,9 +129,7 @@ class IoctlSource:
         GSTRINGS_HEADER.pack_into(buffer, 0, ETHTOOL_GSTRINGS, ETH_SS_STATS, count)
         self._ioctl(sock, name, buffer)
         length = min(GSTRINGS_HEADER.unpack_from(buffer)[2], room)
-        raw = buffer.raw[GSTRINGS_HEADER.size : GSTRINGS_HEADER.size + length * ETH_GSTRING_LEN]
-        entries = (raw[i : i + ETH_GSTRING_LEN] for i in range(0, len(raw), ETH_GSTRING_LEN))
-        return [entry.split(b"\0", 1)[0].decode("ascii", "replace") for entry in entries]
+        return gstrings(buffer.raw[GSTRINGS_HEADER.size : GSTRINGS_HEADER.size + length * ETH_GSTRING_LEN])
 
     def _values(self, sock: socket.socket, name: bytes, count: int) -> list[int]:
         room = _room(count)  # as for the names
@@ -140,6 +138,12 @@ class IoctlSource:
         self._ioctl(sock, name, buffer)
         n_stats = min(GSTATS_HEADER.unpack_from(buffer)[1], room)
         return list(struct.unpack_from(f"={n_stats}Q", buffer, GSTATS_HEADER.size))
+
+
+def gstrings(raw: bytes) -> list[str]:
+    """The names in an ``ETHTOOL_GSTRINGS`` answer: fixed ``ETH_GSTRING_LEN`` slots, each NUL-padded ASCII."""
+    entries = (raw[i : i + ETH_GSTRING_LEN] for i in range(0, len(raw), ETH_GSTRING_LEN))
+    return [entry.split(b"\0", 1)[0].decode("ascii", "replace") for entry in entries]
 
 
 class FixtureSource:

@@ -12,6 +12,7 @@ node_exporter uses, drops the device there instead, and an operator sees every c
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from functools import lru_cache
@@ -155,14 +156,19 @@ def _list(path: str) -> list[str]:
         return []
 
 
+_U64 = re.compile(r"[0-9]{1,20}")
+
+
 def _number(text: str | None) -> int | None:
-    """A counter value; None for ``N/A (no PMA)`` and anything else that is not a number."""
-    if not text:
+    """A counter value; None for ``N/A (no PMA)`` and anything else that is not an unsigned 64-bit number.
+
+    The kernel prints counters as plain decimal u64: ``int()`` alone would also take ``-5``, ``1_000`` and
+    thousands of digits (a float overflow in the exposition), none of which a counter file holds.
+    """
+    if not text or not _U64.fullmatch(text):
         return None
-    try:
-        return int(text)
-    except ValueError:
-        return None
+    value = int(text)
+    return value if value < 1 << 64 else None
 
 
 def _state_id(text: str | None) -> int | None:
@@ -175,9 +181,10 @@ def _rate_bytes_per_second(text: str | None) -> float | None:
     if not text:
         return None
     try:
-        return float(text.split()[0]) * 125_000_000
+        rate = float(text.split()[0]) * 125_000_000
     except ValueError:
         return None
+    return rate if math.isfinite(rate) and rate >= 0 else None  # float() also takes "nan", "inf", "-1"
 
 
 def _port_netdev(port_dir: str, link_layer: str) -> str:

@@ -179,4 +179,14 @@ class Provisioner:
 
 def provision(url: str, settings: ClickHouseSettings, report: Callable[[str], None] = print) -> None:
     """Provision the Grafana at ``url`` with the token from the environment."""
-    Provisioner(connect(url, token_from_environment()), url, settings, report).run()
+    token = token_from_environment()
+    try:
+        Provisioner(connect(url, token), url, settings, report).run()
+    except ProvisionError as exc:
+        # Grafana, or a proxy in front of it, may quote the request (its Authorization header, the data
+        # source's password) in an error detail: never pass a credential on into the message
+        message = str(exc)
+        for secret in (token, settings.password):
+            if secret:
+                message = message.replace(secret, "***")
+        raise ProvisionError(message) from None

@@ -10,12 +10,17 @@ Result contract: ``export`` returns ``SUCCESS`` once the spans are held by the e
 inserts them within ``max_delay_s`` (or sooner, at ``max_batch_rows``), retrying with back-off
 while the store is failing; it returns ``FAILURE`` when the spans were dropped: after
 ``shutdown``, or when ``max_buffered_rows`` are already waiting for a store that keeps failing.
-``force_flush`` returns True only when everything accepted so far is in the store. ``shutdown``
-flushes what is held, within its timeout, then closes the store if the exporter opened it.
+A batch the store does not take goes to the durable spool (``exporters.spool``), and later batches
+behind it, so memory stays bounded through an outage and nothing is lost to a crash once spooled;
+the spool is replayed in order, exactly once, when the store takes inserts again, also by the next
+process after a kill. ``force_flush`` returns True only when everything accepted so far is in the
+store (or was dropped, and counted, from a full spool). ``shutdown`` flushes what is held, within its
+timeout, spools what the store did not take, then closes the store if the exporter opened it.
 
 Settings are arguments with environment fallbacks: ``STAGETRACE_STORE``,
 ``STAGETRACE_EXPORT_MAX_ROWS`` (10000), ``STAGETRACE_EXPORT_MAX_DELAY`` (seconds, 1.0),
-``STAGETRACE_EXPORT_MAX_BUFFERED_ROWS`` (200000).
+``STAGETRACE_EXPORT_MAX_BUFFERED_ROWS`` (200000), ``STAGETRACE_SPOOL_DIR`` and
+``STAGETRACE_SPOOL_MAX_BYTES`` (see ``exporters.spool``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.util import BoundedList
 
 from stagetrace import __version__
+from stagetrace.exporters import spool
 from stagetrace.store import Location, Store, StoreError, open_store
 
 logger = logging.getLogger(__name__)
@@ -159,21 +165,48 @@ def _store_arg(store: str | Location | Store | None, create_schema: bool) -> tup
     return open_store(store, create_schema=create_schema), True
 
 
+def _scrubbed(value):
+    """``value`` with lone surrogates (a Python str may hold them, UTF-8 cannot) replaced, in rows of any shape."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_scrubbed(k): _scrubbed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_scrubbed(v) for v in value]
+    return value
+
+
 class _Inserts:
-    """Inserts into one store that log one line when they start failing and one when they work again."""
+    """Inserts into one store that log one line when they start failing and one when they work again.
+
+    Every insert carries an ``insert_deduplication_token`` (the batch's own when it may be a repeat, from
+    the spool, else a fresh one): the store drops a block it has already taken under the same token, and
+    never drops distinct batches that merely hold equal rows.
+    """
 
     def __init__(self, store: Store, what: str):
         self.store = store
         self.what = what  # what the rows are, for the log lines
         self.failing_since: float | None = None
 
-    def __call__(self, table: str, rows: list[tuple], columns: tuple[str, ...]) -> bool:
+    def __call__(self, table: str, rows: list[tuple], columns: tuple[str, ...], token: str | None = None) -> bool:
+        settings = {"insert_deduplication_token": token or spool.new_token()}
         try:
-            self.store.client.insert(table, rows, column_names=columns, database=self.store.database)
+            try:
+                self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
+                                         settings=settings)  # fmt: skip
+            except UnicodeEncodeError:
+                # Checking every string on the hot path costs more than this rare retry; a batch that can
+                # never be encoded would otherwise block everything queued behind it.
+                rows = _scrubbed(rows)
+                self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
+                                         settings=settings)  # fmt: skip
         except Exception as exc:  # any driver or server error: the caller keeps the rows and retries
             if self.failing_since is None:
                 self.failing_since = time.monotonic()
                 reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                if self.store.location.password:  # a driver's message may quote the URL it used
+                    reason = reason.replace(self.store.location.password, "***")
                 logger.error(
                     "cannot insert %d %s into %s, will retry: %s", len(rows), self.what, self.store.location.redacted(), reason
                 )
@@ -198,6 +231,8 @@ class ClickHouseSpanExporter(SpanExporter):
         max_delay_s: float | None = None,
         max_buffered_rows: int | None = None,
         create_schema: bool = True,
+        spool_dir: str | os.PathLike | bool | None = None,
+        spool_max_bytes: int | None = None,
     ):
         self.max_batch_rows = int(max_batch_rows or _env_number("STAGETRACE_EXPORT_MAX_ROWS", 10_000))
         self.max_delay_s = float(max_delay_s if max_delay_s is not None else _env_number("STAGETRACE_EXPORT_MAX_DELAY", 1.0))
@@ -207,17 +242,40 @@ class ClickHouseSpanExporter(SpanExporter):
         self._resources = _Resources()
         self._pending: list[tuple] = []
         self._oldest = 0.0  # monotonic time the oldest pending row arrived
-        self._accepted = 0  # rows ever accepted; with _written, tells force_flush when it is done
-        self._written = 0
-        self.dropped_spans = 0
+        # rows ever accepted / inserted / out of memory (inserted or spooled) / spooled by us, then dropped:
+        # force_flush is done when _written + _lost reaches _accepted, shutdown when _durable does
+        self._accepted = self._written = self._durable = self._lost = 0
+        self._dropped = 0  # refused by export() while the buffer was full
         self._cond = threading.Condition()
         self._flush_wanted = False
         self._shutdown = False
+        self._retry_at = 0.0  # monotonic time of the next attempt while the store is failing
         self._writer: threading.Thread | None = None
+        self._spool = _spool_arg(spool_dir, spool_max_bytes, self._store, "spans")
+        self._mine: dict = {}  # segments this exporter spooled -> rows, so their replay counts as written
+        if self._spool is not None:
+            self._spool.on_drop = self._spooled_rows_lost
+            if len(self._spool):
+                with self._cond:  # what an earlier process left: replay it now, not at the first export
+                    self._start_writer()
 
     @property
     def store(self) -> Store:
         return self._store
+
+    @property
+    def spool(self) -> spool.Spool | None:
+        return self._spool
+
+    @property
+    def dropped_spans(self) -> int:
+        """Spans lost: refused while the buffer was full, or dropped from a full spool."""
+        return self._dropped + (self._spool.dropped_rows if self._spool is not None else 0)
+
+    @property
+    def held_rows(self) -> int:
+        """Rows accepted and still in memory (neither in the store nor in the spool)."""
+        return self._accepted - self._durable
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._shutdown:
@@ -227,7 +285,8 @@ class ClickHouseSpanExporter(SpanExporter):
         rows = [span_row(span, resources) for span in spans]
         with self._cond:
             if len(self._pending) + len(rows) > self.max_buffered_rows:
-                self.dropped_spans += len(rows)
+                self._dropped += len(rows)
+                spool.DROPPED.add("spans", len(rows))
                 logger.error(
                     "dropping %d spans: %d are already waiting for %s, which keeps failing",
                     len(rows), len(self._pending), self._store.location.redacted(),
@@ -238,47 +297,73 @@ class ClickHouseSpanExporter(SpanExporter):
                 self._oldest = time.monotonic()
             self._pending.extend(rows)
             self._accepted += len(rows)
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._run, name="stagetrace-clickhouse-writer", daemon=True)
-                self._writer.start()
+            self._start_writer()
             # an idle writer waits without a deadline: wake it to start the max_delay_s clock, or to write a full batch
             if was_idle or len(self._pending) >= self.max_batch_rows:
                 self._cond.notify_all()
         return SpanExportResult.SUCCESS
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._wait(lambda: self._written + self._lost, timeout_millis)
+
+    def shutdown(self, timeout_millis: int = 30_000) -> None:
+        if self._shutdown:
+            return
+        deadline = time.monotonic() + timeout_millis / 1000
+        # with a spool, what is on disk is safe: do not wait out a store outage
+        self._wait(lambda: self._durable if self._spool is not None else self._written, timeout_millis)
+        with self._cond:
+            self._shutdown = True
+            self._cond.notify_all()
+        if self._writer is not None:
+            self._writer.join(timeout=max(0.1, deadline - time.monotonic()))
+        with self._cond:
+            leftover, self._pending = self._pending, []
+        if leftover and self._spool is not None:
+            if self._spool.put("otel_traces", COLUMNS, leftover, spool.new_token()):  # else dropped and counted there
+                logger.warning("shutdown: %d spans spooled in %s for the next run", len(leftover), self._spool.directory)
+        elif leftover:
+            self._dropped += len(leftover)
+            spool.DROPPED.add("spans", len(leftover))
+            logger.error("shutdown: %d spans could not be written to %s", len(leftover),
+                         self._store.location.redacted())  # fmt: skip
+        if self._spool is not None and len(self._spool):
+            logger.warning("shutdown: %d spans wait in the spool %s for the next run", self._spool.rows(),
+                           self._spool.directory)  # fmt: skip
+        if self._spool is not None:
+            self._spool.close()
+        if self._owns_store:
+            self._store.close()
+
+    def _wait(self, done, timeout_millis: int) -> bool:
+        """Ask the writer to write what is pending now and wait until ``done()`` reaches what was accepted."""
         deadline = time.monotonic() + timeout_millis / 1000
         with self._cond:
             target = self._accepted
-            if self._written >= target:
+            if done() >= target:
                 return True
             self._flush_wanted = True
+            self._retry_at = 0.0  # one attempt now rather than at the end of the back-off
             self._cond.notify_all()
-            while self._written < target:
+            while done() < target:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._writer is None or not self._writer.is_alive():
                     return False
                 self._cond.wait(remaining)
             return True
 
-    def shutdown(self, timeout_millis: int = 30_000) -> None:
-        if self._shutdown:
-            return
-        flushed = self.force_flush(timeout_millis)
+    def _start_writer(self) -> None:  # called with self._cond held
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._run, name="stagetrace-clickhouse-writer", daemon=True)
+            self._writer.start()
+
+    def _spooled_rows_lost(self, segment) -> None:
         with self._cond:
-            self._shutdown = True
-            lost = len(self._pending)
+            self._lost += self._mine.pop(segment.path, 0)
             self._cond.notify_all()
-        if self._writer is not None:
-            self._writer.join(timeout=max(0.1, timeout_millis / 1000))
-        if not flushed and lost:
-            self.dropped_spans += lost
-            logger.error("shutdown: %d spans could not be written to %s", lost, self._store.location.redacted())
-        if self._owns_store:
-            self._store.close()
 
     def _due(self) -> bool:
-        if not self._pending:
+        if not self._pending or (self._spool is None and time.monotonic() < self._retry_at):
             return False
         return (
             self._flush_wanted
@@ -286,35 +371,89 @@ class ClickHouseSpanExporter(SpanExporter):
             or time.monotonic() - self._oldest >= self.max_delay_s
         )
 
+    def _replay_due(self) -> bool:
+        return self._spool is not None and len(self._spool) > 0 and time.monotonic() >= self._retry_at
+
+    def _next_wakeup(self) -> float | None:
+        """Seconds until the writer has something to do, None when only an export or a flush can give it work."""
+        times = []
+        if self._pending:  # without a spool, a failed batch waits in _pending for the back-off
+            due = self._oldest + self.max_delay_s
+            times.append(due if self._spool is not None else max(due, self._retry_at))
+        if self._spool is not None and len(self._spool):
+            times.append(self._retry_at)
+        return min(times) - time.monotonic() if times else None
+
     def _run(self) -> None:
+        """The writer: inserts due batches; while the store fails, spools them and replays the spool in order."""
         backoff = 0.0
         while True:
             with self._cond:
-                while not self._shutdown and not self._due():
-                    wait = self.max_delay_s - (time.monotonic() - self._oldest) if self._pending else None
-                    self._cond.wait(wait)
+                while not self._shutdown and not self._due() and not self._replay_due():
+                    wakeup = self._next_wakeup()
+                    self._cond.wait(None if wakeup is None else max(0.01, wakeup))
                 if self._shutdown:
                     return
-                batch = self._pending[: self.max_batch_rows]
+                batch = self._pending[: self.max_batch_rows] if self._due() else []
                 del self._pending[: len(batch)]
                 if self._pending:
                     self._oldest = time.monotonic()
-            if self._insert(batch):
-                backoff = 0.0
-                with self._cond:
-                    self._written += len(batch)
-                    if self._written >= self._accepted:
-                        self._flush_wanted = False
-                    self._cond.notify_all()
-            else:
-                with self._cond:
-                    self._pending[:0] = batch  # keep order: these go first on the next attempt
-                    self._oldest = time.monotonic()
+            worked = self._write(batch) if batch else None  # None: the store was not tried
+            if worked is not False and self._replay_due():
+                worked = self._replay_one()
+            with self._cond:
+                if worked:
+                    backoff = self._retry_at = 0.0
+                elif worked is False:
                     backoff = min(_MAX_BACKOFF_S, max(0.1, backoff * 2))
-                    self._cond.wait_for(lambda: self._shutdown, timeout=backoff)
+                    self._retry_at = time.monotonic() + backoff
+                if self._written + self._lost >= self._accepted:
+                    self._flush_wanted = False
+                self._cond.notify_all()
 
-    def _insert(self, rows: list[tuple]) -> bool:
-        return self._inserts("otel_traces", rows, COLUMNS)
+    def _write(self, batch: list[tuple]) -> bool | None:
+        """Insert ``batch`` (True), or spool it when the insert fails (False) or behind a backlog (None)."""
+        token = spool.new_token()  # before the first attempt: a replay of a batch the store took adds nothing
+        backlog = self._spool is not None and len(self._spool) > 0
+        if not backlog and self._inserts("otel_traces", batch, COLUMNS, token):
+            with self._cond:
+                self._written += len(batch)
+                self._durable += len(batch)
+            return True
+        if self._spool is None:
+            with self._cond:
+                self._pending[:0] = batch  # keep order: these go first on the next attempt
+                self._oldest = time.monotonic()
+            return False
+        segment = self._spool.put("otel_traces", COLUMNS, batch, token)
+        with self._cond:
+            self._durable += len(batch)
+            if segment is None:
+                self._lost += len(batch)
+            else:
+                self._mine[segment.path] = len(batch)
+        return None if backlog else False
+
+    def _replay_one(self) -> bool:
+        segment = self._spool.oldest()
+        if segment is None:
+            return True
+        batch = self._spool.load(segment)
+        if batch is None:  # unreadable: dropped and counted by the spool
+            return True
+        if not self._inserts(batch.table, batch.rows, batch.columns, batch.token):
+            return False
+        self._spool.remove(segment)
+        with self._cond:
+            self._written += self._mine.pop(segment.path, 0)
+        return True
+
+
+def _spool_arg(directory, max_bytes: int | None, store: Store, kind: str) -> spool.Spool | None:
+    """The writer's spool: ``directory`` (False: none; None: ``STAGETRACE_SPOOL_DIR`` or beside the store)."""
+    if directory is False or store.read_only:
+        return None
+    return spool.open_spool(store.location, kind, None if directory is True else directory, max_bytes)
 
 
 # Hardware samples: the families of ``Node.collect()`` -> otel_metrics_gauge / otel_metrics_sum.
@@ -360,49 +499,81 @@ def metric_rows(families, host: str, time_ns: int, start_ns: int | None = None) 
 class ClickHouseMetricWriter:
     """Writes samples into ``otel_metrics_gauge`` and ``otel_metrics_sum``, one insert per table per write.
 
-    Rows an insert could not take are held and go first on the next ``write`` (one log line when the
-    store starts failing, one when it works again); beyond ``max_held_rows`` the oldest are dropped.
-    ``close`` writes what is held, then closes the store if the writer opened it.
+    Rows an insert could not take go to the spool (``exporters.spool``), and later samples of that table
+    behind them, until the store takes inserts again: then they are replayed in order, each batch under
+    its deduplication token. Without a spool (in-memory store, or ``spool_dir=False``) they are held in
+    memory and go first on the next ``write``; beyond ``max_held_rows`` the oldest are dropped. One log
+    line when the store starts failing, one when it works again. ``close`` writes what it can, then closes
+    the store if the writer opened it.
     """
 
     def __init__(
         self, store: str | Location | Store | None = None, *, host: str, max_held_rows: int = 100_000,
-        create_schema: bool = True,
+        create_schema: bool = True, spool_dir: str | os.PathLike | bool | None = None,
+        spool_max_bytes: int | None = None,
     ):  # fmt: skip
         self._store, self._owns_store = _store_arg(store, create_schema)
         # per table, so a working gauge insert does not announce a failing sum insert as recovered
         self._inserts = {table: _Inserts(self._store, f"{table} rows") for table in (GAUGE_TABLE, SUM_TABLE)}
         self.host = host
         self.max_held_rows = max_held_rows
-        self.dropped_rows = 0
+        self._dropped = 0
         self._held: dict[str, list[tuple]] = {GAUGE_TABLE: [], SUM_TABLE: []}
         self._started_ns = time.time_ns()  # counters are cumulative from the writer's first sample
+        self._spool = _spool_arg(spool_dir, spool_max_bytes, self._store, "metrics")
 
     @property
     def store(self) -> Store:
         return self._store
 
     @property
+    def spool(self) -> spool.Spool | None:
+        return self._spool
+
+    @property
+    def dropped_rows(self) -> int:
+        return self._dropped + (self._spool.dropped_rows if self._spool is not None else 0)
+
+    @property
     def held_rows(self) -> int:
-        return sum(map(len, self._held.values()))
+        """Rows not in the store yet: held in memory or in the spool."""
+        return sum(map(len, self._held.values())) + (self._spool.rows() if self._spool is not None else 0)
 
     def write(self, families, time_ns: int | None = None) -> bool:
         """Add one sample of ``families`` and insert everything held; False while the store is failing."""
         for table, rows in metric_rows(families, self.host, time_ns or time.time_ns(), self._started_ns).items():
+            if not rows:
+                continue
+            if self._spool is not None:
+                self._write_spooled(table, rows)
+                continue
             held = self._held[table]
             held.extend(rows)
             excess = len(held) - self.max_held_rows
             if excess > 0:
                 del held[:excess]
-                self.dropped_rows += excess
+                self._dropped += excess
+                spool.DROPPED.add("metric_samples", excess)
                 logger.error("dropped the %d oldest metric samples held for %s, which keeps failing",
                              excess, self._store.location.redacted())  # fmt: skip
         return self.flush()
 
+    def _write_spooled(self, table: str, rows: list[tuple]) -> None:
+        token = spool.new_token()
+        columns = SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS
+        # behind a backlog of this table, in order; flush() replays it
+        if self._spool.rows(table) or not self._inserts[table](table, rows, columns, token):
+            self._spool.put(table, columns, rows, token)
+
     def flush(self) -> bool:
-        """Insert everything held; False when a table's insert failed (its rows stay held)."""
+        """Insert everything held; False when a table's insert failed (its rows stay held or spooled)."""
         written = True
         for table, rows in self._held.items():
+            if self._spool is not None:
+                insert = self._inserts[table]
+                replayed = self._spool.replay(lambda b, insert=insert: insert(b.table, b.rows, b.columns, b.token), table)
+                written = replayed and written
+                continue
             if rows and self._inserts[table](table, rows, SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS):
                 rows.clear()
             written = written and not rows
@@ -411,12 +582,18 @@ class ClickHouseMetricWriter:
     def close(self) -> bool:
         """Insert what is held and close the store if the writer opened it; False when samples were lost."""
         written = self.flush()
-        if not written:
+        lost = not written and self._spool is None
+        if lost:
             logger.error("closing: %d metric samples could not be written to %s", self.held_rows,
                          self._store.location.redacted())  # fmt: skip
+        elif not written:
+            logger.warning("closing: %d metric samples wait in the spool %s for the next run", self.held_rows,
+                           self._spool.directory)  # fmt: skip
+        if self._spool is not None:
+            self._spool.close()
         if self._owns_store:
             self._store.close()
-        return written
+        return not lost
 
 
 __all__ = [

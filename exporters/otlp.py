@@ -224,8 +224,8 @@ class SpanQueue(ClickHouseSpanExporter):
     def offer(self, views: list) -> bool:
         """Queue ``views`` (True), or take none of them (False) while the buffer is full."""
         with self._cond:
-            held = self._accepted - self._written  # waiting, and being inserted right now
-            if self._shutdown or held + len(views) > self.max_buffered_rows:
+            # in memory: waiting, and being inserted right now (spooled rows are on disk, bounded there)
+            if self._shutdown or self.held_rows + len(views) > self.max_buffered_rows:
                 return False
         accepted = self.export(views) is SpanExportResult.SUCCESS
         with self._cond:
@@ -292,10 +292,13 @@ class OtlpReceiver:
 
     def __init__(self, store: Store, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_queued_spans: int = MAX_QUEUED_SPANS,
-                 max_delay_s: float | None = None):  # fmt: skip
+                 max_delay_s: float | None = None, spool_dir=None):  # fmt: skip
         self.token = token
         self.max_body_bytes = max_body_bytes
-        self.spans = SpanQueue(store, max_buffered_rows=max_queued_spans, max_delay_s=max_delay_s, create_schema=False)
+        # spans the store does not take go to the spool (spool_dir: see ClickHouseSpanExporter), so the
+        # queue fills, and senders get 503, only when the spool cannot keep up or there is none
+        self.spans = SpanQueue(store, max_buffered_rows=max_queued_spans, max_delay_s=max_delay_s, create_schema=False,
+                               spool_dir=spool_dir)  # fmt: skip
         self._metric_inserts = {table: _Inserts(store, f"OTLP {table} rows") for table in (GAUGE_TABLE, SUM_TABLE)}
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})

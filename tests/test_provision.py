@@ -346,9 +346,9 @@ def test_cli_provisions_with_the_token_from_a_file_and_never_prints_secrets(graf
     ("args", "env", "error"),
     [
         (["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"], {}, "no Grafana token: set GRAFANA_TOKEN"),
-        (["--grafana-url", "http://admin:admin@grafana:3000", "--clickhouse-host", "ch"], {"GRAFANA_TOKEN": "t"},
+        (["--grafana-url", "http://admin:admin@grafana:3000", "--clickhouse-host", "ch"], {"GRAFANA_TOKEN": "glsa_example_token"},
          "carries credentials"),
-        (["--grafana-url", "http://grafana:3000"], {"GRAFANA_TOKEN": "t"}, "--clickhouse-host"),
+        (["--grafana-url", "http://grafana:3000"], {"GRAFANA_TOKEN": "glsa_example_token"}, "--clickhouse-host"),
         (["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"],
          {"GRAFANA_TOKEN_FILE": "/nonexistent/token"}, "cannot read the token file"),
     ],

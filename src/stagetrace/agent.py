@@ -18,6 +18,7 @@ import time
 
 from stagetrace import httpd, hub
 from stagetrace.collectors.base import Node
+from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
@@ -51,7 +52,8 @@ class SerializedNode:
 
     def collect(self) -> list:
         with self._lock:
-            return list(self.node.collect())
+            # with what the exporters dropped, so /metrics and the store show losses, not only the collectors
+            return [*self.node.collect(), *spool.DROPPED.families(self.node.host)]
 
 
 def failed_collectors(families) -> list[str]:

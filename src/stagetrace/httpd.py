@@ -131,6 +131,9 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "stagetrace"
     sys_version = ""
+    # Seconds a connection may stay silent (idle keep-alive, or a body that stops short of its length):
+    # without it each such client holds a thread forever. The stdlib closes the connection quietly.
+    timeout = 120
 
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         pass

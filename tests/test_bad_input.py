@@ -1,0 +1,117 @@
+"""Hostile request IDs and attribute values of every OpenTelemetry type, against the real embedded store."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue, KeyValueList
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind
+
+from stagetrace import lookup
+from stagetrace.analysis.explain import Explainer
+from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
+from stagetrace.exporters.otlp import OtlpReceiver
+from stagetrace.store import open_store
+
+STORED_EVIL = "a'b\\c\"d; DROP TABLE stagetrace.otel_traces; --"
+EVIL = ["'", "\\", '"', "\0", "r1\0", "r1'", "x' OR '1'='1", "r1' --", "'; DROP TABLE stagetrace.otel_traces; --",
+        "%", "r%", "_1", "{id:String}", "r1\\'", STORED_EVIL[:-1]]  # fmt: skip
+
+
+def write_requests(store, *request_ids: str) -> None:
+    exporter = ClickHouseSpanExporter(store=store, spool_dir=False)
+    provider = TracerProvider(resource=Resource.create({"service.name": "svc", "host.name": "node-a"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("t")
+    for request_id in request_ids:
+        with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER,
+                                          attributes={"stagetrace.request.id": request_id,
+                                                      "stagetrace.input.digest": "in", "stagetrace.output.digest": "out"}):  # fmt: skip
+            with tracer.start_as_current_span("decode", attributes={"stagetrace.stage": "decode"}):
+                pass
+    assert exporter.force_flush()
+    provider.shutdown()
+
+
+@pytest.mark.parametrize("request_id", EVIL)
+def test_hostile_request_ids_are_a_clean_not_found(store, request_id):
+    write_requests(store, "r1", STORED_EVIL)
+    with pytest.raises(lookup.NotFound, match="no request with id"):
+        lookup.by_request_id(store, request_id)
+    with pytest.raises(lookup.NotFound, match="no request with id"):
+        Explainer(store).explain(request_id)
+    with pytest.raises(lookup.NotFound):
+        lookup.by_trace_id(store, request_id)
+    # nothing was executed as SQL: the tables and the requests are all there
+    assert lookup.by_request_id(store, "r1").trace_id
+    assert lookup.by_request_id(store, STORED_EVIL).trace_id  # and a hostile ID that exists is found as itself
+    assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 4
+
+
+def test_the_cli_answers_hostile_ids_with_one_line(tmp_path):
+    dsn = f"chdb://{tmp_path / 'store'}"
+    with open_store(dsn) as store:
+        write_requests(store, "r1")
+    for command in ("trace", "explain"):
+        result = subprocess.run([sys.executable, "-m", "stagetrace", command, "x' OR '1'='1", "--store", dsn],
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 1
+        assert result.stderr.startswith("stagetrace: no request with id \"x' OR '1'='1\"") and result.stderr.count("\n") == 1
+
+
+def test_sdk_attributes_of_every_type_are_stored(store):
+    exporter = ClickHouseSpanExporter(store=store, spool_dir=False)
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    attributes = {
+        "str": "plain", "nul": "a\0b", "surrogate": "a\udc80b",  # what os.fsdecode makes of non-UTF-8 bytes
+        "bool": False, "int": 2**63 - 1, "neg": -(2**63), "float": 1.5, "nan": math.nan, "inf": -math.inf,
+        "strs": ["x", "\ud800", ""], "ints": [1, 2], "floats": [0.5], "bools": [True, False], "empty": [],
+        "big": "v" * 100_000,
+    }  # fmt: skip
+    provider.get_tracer("t").start_span("typed", attributes=attributes).end()
+    assert exporter.force_flush(10_000)
+    stored = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'").result_rows[0][0]
+    assert stored["str"] == "plain" and stored["nul"] == "a\0b" and stored["surrogate"] == "a?b"
+    assert (stored["bool"], stored["int"], stored["neg"]) == ("false", str(2**63 - 1), str(-(2**63)))
+    assert (stored["nan"], stored["inf"]) == ("nan", "-inf")
+    assert stored["strs"] == '["x","\\ud800",""]' and stored["bools"] == "[true,false]" and stored["empty"] == "[]"
+    assert len(stored["big"]) == 100_000
+    provider.shutdown()
+
+
+def _kv(key: str, value: AnyValue) -> KeyValue:
+    return KeyValue(key=key, value=value)
+
+
+def test_otlp_attributes_of_every_type_including_non_utf8_bytes_are_stored(store):
+    nested = ArrayValue(values=[AnyValue(int_value=1), AnyValue(array_value=ArrayValue(values=[AnyValue(string_value="in")]))])
+    request = ExportTraceServiceRequest()
+    span = request.resource_spans.add().scope_spans.add().spans.add(
+        trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)), name="typed", start_time_unix_nano=1, end_time_unix_nano=2,
+    )  # fmt: skip
+    span.attributes.extend([
+        _kv("bytes", AnyValue(bytes_value=b"\xff\xfe\x00raw")),
+        _kv("kvlist", AnyValue(kvlist_value=KeyValueList(values=[_kv("k", AnyValue(double_value=2.5))]))),
+        _kv("nested", AnyValue(array_value=nested)),
+        _kv("unset", AnyValue()),
+        _kv("double", AnyValue(double_value=float("nan"))),
+        _kv("int", AnyValue(int_value=-(2**63))),
+        _kv("bool", AnyValue(bool_value=True)),
+    ])  # fmt: skip
+    receiver = OtlpReceiver(store, "127.0.0.1:0", max_delay_s=0.01)
+    try:
+        receiver.traces(request)
+        assert receiver.spans.force_flush(10_000)
+    finally:
+        receiver.close()
+    stored = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'").result_rows[0][0]
+    assert stored["bytes"] == "//4AcmF3"  # base64, as the Collector writes bytes
+    assert stored["kvlist"] == '{"k":2.5}' and stored["nested"] == "[1,\"('in',)\"]"
+    assert stored["unset"] == "" and stored["double"] == "nan" and stored["int"] == str(-(2**63))
+    assert stored["bool"] == "true"
