@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MODULES = ("collection", "divergence")
+MODULES = ("collection", "divergence", "instrumentation", "export", "lookup", "footprint", "storage", "soak")
 
 
 @dataclass(frozen=True)

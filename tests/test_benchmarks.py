@@ -25,6 +25,18 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
     assert rdma[2].endswith(" ms")
     if shutil.which("prometheus-node-exporter"):  # the ratio against node_exporter's own timing
         assert rdma[3].startswith("node_exporter ") and rdma[5].endswith("× |")
+    # every other benchmark's rows, with their baselines where they have one
+    for name, count, baselines in (
+        ("instrumentation", 2, ["bare OpenTelemetry SDK"] * 2),
+        ("export", 2, ["raw columnar client.insert"] * 2),
+        ("lookup", 5, ["", "full scan", "full scan", "same filter through the bloom-filter", "full scan"]),
+        ("footprint", 5, ["aim", "aim", "aim", "", ""]),
+        ("storage", 4, [""] * 4),  # and one row per table a view fills from otel_traces
+    ):
+        cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
+        assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)
+        assert [c[3].startswith(b) if b else c[3] == "—" for c, b in zip(cells, baselines)] == [True] * count, cells
+        assert all(c[2] != "—" for c in cells), cells  # every figure has a value
 
 
 def test_unknown_benchmark_is_a_usage_error():

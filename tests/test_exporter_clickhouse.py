@@ -62,7 +62,7 @@ def test_spans_land_with_the_collector_column_values(store):
 def test_small_sdk_batches_are_coalesced_into_few_inserts(store):
     counter = CountingInserts(store.client)
     exporter = ClickHouseSpanExporter(store=store, max_batch_rows=5000, max_delay_s=30)
-    provider = _provider(exporter, max_export_batch_size=100, schedule_delay_millis=5)
+    provider = _provider(exporter, max_queue_size=4096, max_export_batch_size=100, schedule_delay_millis=5)  # no SDK drops
     tracer = provider.get_tracer("t")
     for i in range(2500):
         tracer.start_span(f"s{i % 7}").end()

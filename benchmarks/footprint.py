@@ -1,0 +1,107 @@
+"""Agent footprint: CPU share and resident memory of ``stagetrace agent`` at a 1 s interval over the fixture node.
+
+The agent runs as its own process with the fixture node's collectors (gpu, mps, rdma, ethtool), writing
+every second into an embedded store in a temporary directory, serving ``/metrics`` on a free port, with
+the OTLP receiver and the query endpoint off. Once ``/metrics`` answers and two more intervals have
+passed, its user + system CPU time (``/proc/<pid>/stat``) is read at both ends of the window, and its
+``VmRSS`` (``/proc/<pid>/status``) every second; ``VmHWM`` is the peak since start, start-up included.
+Aims from the benchmarks issue: < 2% of one core, < 150 MB.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from benchmarks import Figure, benchmark
+from stagetrace.store import open_store
+
+FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "node"
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_seconds(pid: int) -> float:
+    # the command may hold spaces and parentheses: fields count from the last ')'
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14 and 15 of stat)
+
+
+def _status_mb(pid: int, key: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"no {key} in /proc/{pid}/status")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@benchmark("footprint")
+def footprint(quick: bool) -> list[Figure]:
+    seconds = 5 if quick else 60
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory:
+        command = [
+            sys.executable, "-m", "stagetrace", "agent", "--store", f"chdb://{directory}/store",
+            "--collectors", "gpu,mps,rdma,ethtool", "--sysfs", str(FIXTURE / "sys"),
+            "--nvml-fixture", str(FIXTURE / "nvml"), "--mps-fixture", str(FIXTURE / "mps"),
+            "--ethtool-fixture", str(FIXTURE / "ethtool" / "statistics.json"),
+            "--interval", "1s", "--listen", f"127.0.0.1:{port}", "--otlp", "none", "--query-listen", "none",
+        ]  # fmt: skip
+        log = Path(directory, "agent.log")
+        with log.open("w") as stderr:
+            agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            started = time.monotonic()
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+                        if b"gpu_" in response.read():
+                            break
+                except OSError:
+                    pass
+                if agent.poll() is not None or time.monotonic() - started > 60:
+                    raise RuntimeError(f"the agent did not start: {log.read_text()[-500:]}")
+                time.sleep(0.2)
+            ready = time.monotonic() - started
+            time.sleep(2)  # two intervals: the first writes create the store's parts
+            cpu0, t0 = _cpu_seconds(agent.pid), time.monotonic()
+            rss = []
+            while time.monotonic() - t0 < seconds:
+                time.sleep(1)
+                rss.append(_status_mb(agent.pid, "VmRSS"))
+            cpu1, t1 = _cpu_seconds(agent.pid), time.monotonic()
+            peak = _status_mb(agent.pid, "VmHWM")
+            if agent.poll() is not None:
+                raise RuntimeError(f"the agent exited: {log.read_text()[-500:]}")
+        finally:
+            agent.terminate()
+            try:
+                agent.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+                agent.wait()
+        with open_store(f"chdb://{directory}/store", create_schema=False) as store:
+            rows, intervals = store.client.query(
+                "SELECT count(), uniqExact(TimeUnix) FROM (SELECT TimeUnix FROM {db:Identifier}.otel_metrics_gauge "
+                "UNION ALL SELECT TimeUnix FROM {db:Identifier}.otel_metrics_sum)", parameters={"db": store.database},
+            ).result_rows[0]  # fmt: skip
+        if intervals < seconds:
+            raise RuntimeError(f"the agent wrote {intervals} samples in {seconds + ready + 2:.0f} s")
+    share = (cpu1 - cpu0) / (t1 - t0) * 100
+    return [
+        Figure(f"agent CPU, 1 s interval, 4 collectors, {seconds} s window", share, "% of a core", "aim", 2.0),
+        Figure("agent resident memory (VmRSS), largest in the window", max(rss), "MB", "aim", 150.0),
+        Figure("agent peak resident memory since start (VmHWM)", peak, "MB", "aim", 150.0),
+        Figure("agent start-up until /metrics answers", ready, "s"),
+        Figure("metric samples the agent wrote per interval", rows / intervals, "rows"),
+    ]  # fmt: skip

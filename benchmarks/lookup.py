@@ -1,0 +1,118 @@
+"""Trace lookup by request ID in a store of 10,000,000 spans, against a scan of the span attributes.
+
+The store is synthetic (``benchmarks.synthetic``: 1,666,667 requests of six spans, generated in the
+engine). Every timed lookup asks for a request ID not asked for before: ClickHouse's query condition
+cache remembers which granules a filter matched, and a repeated filter looks about 100× faster than
+it is. Indexed lookups (``lookup.by_request_id``: ``stagetrace_requests`` ordered by request ID, then
+the trace's spans in its time window) and scans (``SpanAttributes['stagetrace.request.id'] = ID`` over
+``otel_traces``, then the same span read) are interleaved; the scan runs both as a true scan
+(``use_skip_indexes=0``) and through the Collector schema's bloom filter on ``mapValues(SpanAttributes)``. ``stagetrace trace --json`` is also timed
+as a process of its own, interpreter start-up and opening the store included, once the benchmark has
+closed the store (one process at a time may hold it). Timing starts once the background merges that
+the generation started have finished.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import Figure, benchmark, synthetic
+from stagetrace import lookup
+from stagetrace.store import open_store
+
+SCAN_SQL = """
+SELECT TraceId, toUnixTimestamp64Nano(min(Timestamp)), toUnixTimestamp64Nano(max(Timestamp))
+FROM {db:Identifier}.otel_traces
+WHERE SpanAttributes['stagetrace.request.id'] = {rid:String}
+GROUP BY TraceId
+"""
+
+
+def _scan(store, request_id: str, skip_indexes: bool) -> int:
+    """The lookup a store without the request index needs: find the trace by its attribute, then read its spans.
+
+    With ``skip_indexes`` the filter uses the Collector schema's bloom filter on ``mapValues(SpanAttributes)``;
+    without, it reads the column for every span (a true scan).
+    """
+    rows = store.client.query(SCAN_SQL, parameters={"db": store.database, "rid": request_id},
+                              settings={"use_skip_indexes": int(skip_indexes)}).result_rows  # fmt: skip
+    if not rows:
+        raise lookup.NotFound(request_id)
+    trace_id, start, end = rows[-1]
+    return len(lookup._spans(store, trace_id, start - lookup.WINDOW_MARGIN_NS, end + lookup.WINDOW_MARGIN_NS))
+
+
+def _settle(store, limit_s: float = 180.0) -> None:
+    """Wait until the merges the generation started are done: lookups are timed on a store at rest."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        merges = store.client.query("SELECT count() FROM system.merges WHERE database = {db:String}",
+                                    parameters={"db": store.database}).result_rows[0][0]  # fmt: skip
+        if not merges:
+            return
+        time.sleep(1)
+
+
+def _ms(function, *args) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = function(*args)
+    return (time.perf_counter() - started) * 1e3, result
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+@benchmark("lookup")
+def lookup_benchmark(quick: bool) -> list[Figure]:
+    requests, lookups, scans, processes = (20_000, 30, 3, 1) if quick else (1_666_667, 500, 15, 5)
+    rng = random.Random(8)
+    fresh = iter(rng.sample(range(requests), lookups + 2 * scans + processes + 1))
+    indexed: list[float] = []
+    scanned: dict[bool, list[float]] = {True: [], False: []}
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory:
+        dsn = f"chdb://{directory}"
+        with open_store(dsn) as store:
+            started = time.perf_counter()
+            spans = synthetic.fill(store, requests, time.time_ns() - 3600 * 10**9)
+            generated = time.perf_counter() - started
+            _settle(store)
+            _ms(lookup.by_request_id, store, f"req-{next(fresh)}")  # warm-up: first query opens the parts
+            every = max(1, lookups // scans)
+            for i in range(lookups):
+                ms, trace = _ms(lookup.by_request_id, store, f"req-{next(fresh)}")
+                indexed.append(ms)
+                if len(trace.spans) != 6:
+                    raise RuntimeError(f"lookup found {len(trace.spans)} spans, not 6")
+                if i % every == 0 and len(scanned[False]) < scans:
+                    for skip_indexes in (False, True):
+                        ms, found = _ms(_scan, store, f"req-{next(fresh)}", skip_indexes)
+                        scanned[skip_indexes].append(ms)
+                        if found != 6:
+                            raise RuntimeError(f"scan found {found} spans, not 6")
+        command = [sys.executable, "-m", "stagetrace", "trace", "--json", "--store", dsn]
+        process: list[float] = []
+        for _ in range(processes):
+            request_id = f"req-{next(fresh)}"
+            started = time.perf_counter()
+            result = subprocess.run([*command, request_id], capture_output=True, text=True, check=False)
+            process.append((time.perf_counter() - started) * 1e3)
+            if result.returncode != 0 or request_id not in result.stdout:
+                raise RuntimeError(f"stagetrace trace {request_id} failed: {result.stderr.strip()[-300:]}")
+    scan_ms, bloom_ms = statistics.median(scanned[False]), statistics.median(scanned[True])
+    scan = f"full scan of SpanAttributes['stagetrace.request.id'], median of {len(scanned[False])}"
+    bloom = f"same filter through the bloom-filter skip index, median of {len(scanned[True])}"
+    return [
+        Figure(f"generate {requests:,} requests ({spans:,} spans) in-engine", generated, "s"),
+        Figure(f"lookup.by_request_id, median of {lookups} fresh IDs", statistics.median(indexed), "ms", scan, scan_ms),
+        Figure(f"lookup.by_request_id, p99 of {lookups} fresh IDs", _p99(indexed), "ms", scan, scan_ms),
+        Figure("lookup.by_request_id, median (as above)", statistics.median(indexed), "ms", bloom, bloom_ms),
+        Figure(f"`stagetrace trace --json` process, incl. start-up, median of {processes}", statistics.median(process),
+               "ms", scan, scan_ms),
+    ]  # fmt: skip
