@@ -38,7 +38,7 @@ from opentelemetry.sdk.util import BoundedList
 
 from stagetrace import __version__
 from stagetrace.exporters import spool
-from stagetrace.store import Location, Store, StoreError, open_store
+from stagetrace.store import Location, Store, open_store
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,6 @@ Collector's layout, one insert per request. Answers, as the OTLP/HTTP specificat
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import logging
 import time

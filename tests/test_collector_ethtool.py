@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from stagetrace.collectors.base import REGISTRY, Node, Options, SourceUnavailable
-from stagetrace.collectors.ethtool import EthtoolCollector, FixtureSource, IoctlSource
+from stagetrace.collectors.ethtool import EthtoolCollector, FixtureSource
 
 FIXTURES = Path(__file__).parent / "fixtures" / "node"
 STATISTICS = FIXTURES / "ethtool" / "statistics.json"

@@ -5,7 +5,6 @@ senders are the plain OpenTelemetry SDK with the official OTLP exporter, the rea
 clickhouse-connect's ordinary HTTP client.
 """
 
-import copy
 import json
 import os
 import signal
