@@ -2,6 +2,8 @@
 
 Both first find the trace's time window in a small table ordered by the ID, then read
 ``otel_traces`` for that trace inside the window, so a lookup never scans the span table's attributes.
+What the conventions derive (a span's stage and digests, the request's ID and digests) is read from
+``stagetrace_stages`` and ``stagetrace_requests``, where the store derived it, never re-derived here.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from stagetrace import conventions
 from stagetrace.store import Store
-from stagetrace.tracing import REQUEST_ID, STAGE
 
 # Spans of one request may come from other hosts (TP ranks) whose clocks differ a little.
 WINDOW_MARGIN_NS = 60 * 1_000_000_000
@@ -37,10 +39,15 @@ class Span:
     status_message: str
     attributes: dict[str, str]
     resource: dict[str, str]
+    # from stagetrace_stages: empty for spans that are no stage
+    stage_name: str = ""
+    rank: str = ""
+    input_digest: str = ""
+    output_digest: str = ""
 
     @property
     def stage(self) -> str | None:
-        return self.attributes.get(STAGE)
+        return self.stage_name or None
 
     @property
     def engine_ms(self) -> dict[str, float]:
@@ -80,6 +87,9 @@ class Trace:
     start_ns: int
     duration_ns: int
     spans: list[Span] = field(default_factory=list)
+    input_digest: str = ""
+    output_digest: str = ""
+    root_span_id: str = ""  # the span that stands for the request (conventions' root rule)
 
     def to_json(self) -> dict:
         return {
@@ -88,14 +98,33 @@ class Trace:
             "service": self.service,
             "start": iso_ns(self.start_ns),
             "duration_ms": self.duration_ns / 1e6,
+            "input_digest": self.input_digest,
+            "output_digest": self.output_digest,
             "spans": [s.to_json() for s in self.spans],
         }
+
+    @property
+    def root(self) -> Span:
+        """The span that stands for the request: the root row's span, else the trace's root span."""
+        by_id = next((s for s in self.spans if self.root_span_id and s.span_id == self.root_span_id), None)
+        return by_id or next((s for s in self.spans if not s.parent_span_id), self.spans[0])
 
 
 def iso_ns(ns: int) -> str:
     """RFC 3339 UTC with nanoseconds, e.g. ``2026-12-02T10:30:00.123456789Z``."""
     seconds, frac = divmod(ns, 1_000_000_000)
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") + f".{frac:09d}Z"
+
+
+_REQUEST_SQL = f"""
+SELECT RequestId, InputDigest, OutputDigest, SpanId FROM ({conventions.requests_sql(
+    "TraceId = {tid:String}", "{db:Identifier}.stagetrace_requests")})"""
+
+
+def _request(store: Store, trace_id: str) -> tuple[str | None, str, str, str]:
+    """The request a trace stands for, by the conventions' root rule: (its ID, input and output digest, root span)."""
+    rows = store.client.query(_REQUEST_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows
+    return tuple(rows[0]) if rows else (None, "", "", "")
 
 
 def by_request_id(store: Store, request_id: str) -> Trace:
@@ -120,7 +149,8 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     # An engine's request span (found by gen_ai.request.id) may sit inside a pipeline's trace: span it all.
     start = min([start, *(s.start_ns for s in spans)])
     end = max([end, *(s.start_ns + s.duration_ns for s in spans)])
-    return Trace(request_id, latest_trace, trace_rows[0][3], start, end - start, spans)
+    _, *request = _request(store, latest_trace)
+    return Trace(request_id, latest_trace, trace_rows[0][3], start, end - start, spans, *request)
 
 
 def by_trace_id(store: Store, trace_id: str) -> Trace:
@@ -136,25 +166,39 @@ def by_trace_id(store: Store, trace_id: str) -> Trace:
     spans = _spans(store, trace_id, start * 1_000_000_000, end * 1_000_000_000) if end > 1 else []
     if not spans:
         raise NotFound(f"no trace with id {trace_id!r}")
-    roots = [s for s in spans if REQUEST_ID in s.attributes or "gen_ai.request.id" in s.attributes]
-    root = roots[0] if roots else spans[0]
-    request_id = root.attributes.get(REQUEST_ID) or root.attributes.get("gen_ai.request.id")
+    request_id, *request = _request(store, trace_id)
+    service = next((s.service for s in spans if not s.parent_span_id), spans[0].service)
     end_ns = max(s.start_ns + s.duration_ns for s in spans)
-    return Trace(request_id, trace_id, root.service, spans[0].start_ns, end_ns - spans[0].start_ns, spans)
+    return Trace(request_id, trace_id, service, spans[0].start_ns, end_ns - spans[0].start_ns, spans, *request)
+
+
+# Spans with what the store derived for them as stages. {traces}: the trace IDs; the window bounds both tables.
+SPANS_SQL = """
+SELECT t.TraceId, t.SpanId, t.ParentSpanId, t.SpanName, t.SpanKind, t.ServiceName, toUnixTimestamp64Nano(t.Timestamp),
+       t.Duration, t.StatusCode, t.StatusMessage, t.SpanAttributes, t.ResourceAttributes,
+       s.Stage, s.Rank, s.InputDigest, s.OutputDigest
+FROM {db:Identifier}.otel_traces AS t
+LEFT JOIN (SELECT TraceId, SpanId, any(Stage) AS Stage, any(Rank) AS Rank, any(InputDigest) AS InputDigest,
+                  any(OutputDigest) AS OutputDigest
+           FROM {db:Identifier}.stagetrace_stages
+           WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
+             AND Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
+           GROUP BY TraceId, SpanId) AS s
+    ON t.TraceId = s.TraceId AND t.SpanId = s.SpanId
+WHERE t.TraceId IN (SELECT arrayJoin({traces:Array(String)}))
+  AND t.Timestamp >= fromUnixTimestamp64Nano({t0:Int64}) AND t.Timestamp <= fromUnixTimestamp64Nano({t1:Int64})
+ORDER BY t.Timestamp, t.SpanId
+"""
+
+
+def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int) -> dict[str, list[Span]]:
+    """The spans of these traces within the window, by trace ID, in start order."""
+    out: dict[str, list[Span]] = {}
+    params = {"db": store.database, "traces": trace_ids, "t0": start_ns, "t1": end_ns}
+    for trace_id, *row in store.client.query(SPANS_SQL, parameters=params).result_rows:
+        out.setdefault(trace_id, []).append(Span(*row))
+    return out
 
 
 def _spans(store: Store, trace_id: str, start_ns: int, end_ns: int) -> list[Span]:
-    result = store.client.query(
-        """
-        SELECT SpanId, ParentSpanId, SpanName, SpanKind, ServiceName, toUnixTimestamp64Nano(Timestamp),
-               Duration, StatusCode, StatusMessage, SpanAttributes, ResourceAttributes
-        FROM {db:Identifier}.otel_traces
-        WHERE TraceId = {tid:String}
-          AND Timestamp >= fromUnixTimestamp64Nano({start:Int64})
-          AND Timestamp <= fromUnixTimestamp64Nano({end:Int64})
-        ORDER BY Timestamp, SpanId
-        """,
-        parameters={"db": store.database, "tid": trace_id, "start": start_ns, "end": end_ns},
-    )
-    return [Span(*row) for row in result.result_rows]
-
+    return spans_of(store, [trace_id], start_ns, end_ns).get(trace_id, [])

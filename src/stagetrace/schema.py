@@ -11,7 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SCHEMA_VERSION = 3  # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts
+from stagetrace import conventions as cv
+
+# 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
+# 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store
+SCHEMA_VERSION = 4
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -174,7 +178,8 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     SpanName LowCardinality(String) CODEC(ZSTD(1)),
     InputDigest String CODEC(ZSTD(1)),
     OutputDigest String CODEC(ZSTD(1)),
-    StatusCode LowCardinality(String) CODEC(ZSTD(1))""",
+    StatusCode LowCardinality(String) CODEC(ZSTD(1)),
+    Source LowCardinality(String) CODEC(ZSTD(1))""",
         "MergeTree()",
         f"""PARTITION BY toYYYYMM(Start)
 ORDER BY (RequestId, Start)
@@ -188,6 +193,8 @@ SETTINGS index_granularity = 2048, {_DEDUP}""",
         f"""
     TraceId String CODEC(ZSTD(1)),
     SpanId String CODEC(ZSTD(1)),
+    ParentSpanId String CODEC(ZSTD(1)),
+    SpanName LowCardinality(String) CODEC(ZSTD(1)),
     Start DateTime64(9) CODEC(Delta, ZSTD(1)),
     Duration UInt64 CODEC(ZSTD(1)),
     ServiceName LowCardinality(String) CODEC(ZSTD(1)),
@@ -252,52 +259,60 @@ FROM {source}
 WHERE TraceId != ''
 GROUP BY TraceId""",
     ),
-    # vLLM names its request ID gen_ai.request.id; spans carrying stagetrace.stage are stages, not roots.
+    # The rules of both views live in stagetrace.conventions, so spans written by the Collector are read alike.
     View(
         "stagetrace_requests_mv",
         "stagetrace_requests",
-        """SELECT
-    if(SpanAttributes['stagetrace.request.id'] != '',
-       SpanAttributes['stagetrace.request.id'],
-       SpanAttributes['gen_ai.request.id']) AS RequestId,
+        f"""SELECT
+    {cv.REQUEST_ID_SQL} AS RequestId,
     TraceId,
     SpanId,
     ParentSpanId,
     Timestamp AS Start,
     addNanoseconds(Timestamp, Duration) AS End,
     ServiceName,
-    ResourceAttributes['host.name'] AS HostName,
+    ResourceAttributes['{cv.HOST}'] AS HostName,
     SpanName,
-    SpanAttributes['stagetrace.input.digest'] AS InputDigest,
-    SpanAttributes['stagetrace.output.digest'] AS OutputDigest,
-    StatusCode
-FROM {source}
-WHERE (SpanAttributes['stagetrace.request.id'] != '' OR SpanAttributes['gen_ai.request.id'] != '')
-  AND NOT mapContains(SpanAttributes, 'stagetrace.stage')""",
+    {cv.REQUEST_INPUT_DIGEST_SQL} AS InputDigest,
+    {cv.REQUEST_OUTPUT_DIGEST_SQL} AS OutputDigest,
+    StatusCode,
+    {cv.REQUEST_ID_SOURCE_SQL} AS Source
+FROM {{source}}
+WHERE {cv.IS_REQUEST_ROOT_SQL}""",
     ),
     View(
         "stagetrace_stages_mv",
         "stagetrace_stages",
-        """SELECT
+        f"""SELECT * FROM (SELECT
     TraceId,
     SpanId,
+    ParentSpanId,
+    SpanName,
     Timestamp AS Start,
     Duration,
     ServiceName,
-    ResourceAttributes['host.name'] AS HostName,
-    SpanAttributes['stagetrace.stage'] AS Stage,
-    SpanAttributes['parallel.tp_rank'] AS Rank,
-    SpanAttributes['stagetrace.stage.input_digest'] AS InputDigest,
-    SpanAttributes['stagetrace.stage.output_digest'] AS OutputDigest,
-    SpanAttributes AS Attributes,
+    ResourceAttributes['{cv.HOST}'] AS HostName,
+    {cv.STAGE_SQL} AS Stage,
+    {cv.RANK_SQL} AS Rank,
+    {cv.STAGE_INPUT_DIGEST_SQL} AS InputDigest,
+    {cv.STAGE_OUTPUT_DIGEST_SQL} AS OutputDigest,
+    {cv.STAGE_ATTRIBUTES_SQL} AS Attributes,
     ResourceAttributes
-FROM {source}
-WHERE mapContains(SpanAttributes, 'stagetrace.stage')""",
+FROM {{source}})
+WHERE Stage != ''""",
     ),
 )
 
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
+# Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
+REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
+# Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
+NEW_COLUMNS = {
+    4: (("stagetrace_requests", "Source LowCardinality(String) CODEC(ZSTD(1))"),
+        ("stagetrace_stages", "ParentSpanId String CODEC(ZSTD(1)) AFTER SpanId"),
+        ("stagetrace_stages", "SpanName LowCardinality(String) CODEC(ZSTD(1)) AFTER ParentSpanId")),
+}  # fmt: skip
 
 # Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.
 SETTING_CHANGES = {
@@ -315,8 +330,9 @@ def _replicated(engine: str) -> str:
     return f"Replicated{kind}({params}{', ' + args if args else ''})"
 
 
-def statements(database: str = "stagetrace", cluster: str | None = None) -> list[str]:
-    """Every DDL statement, in the order it must run.
+def statements(database: str = "stagetrace", cluster: str | None = None, *, views: bool = True,
+               tables: bool = True) -> list[str]:  # fmt: skip
+    """Every DDL statement (or only those of the tables, or of the views), in the order it must run.
 
     With ``cluster``, each table is a ``<name>_local`` Replicated table on every node plus a
     Distributed table under the canonical name, so readers and writers (the Collector included)
@@ -325,8 +341,8 @@ def statements(database: str = "stagetrace", cluster: str | None = None) -> list
     db = identifier(database, "database name")
     on_cluster = f" ON CLUSTER {identifier(cluster, 'cluster name')}" if cluster else ""
     local = "_local" if cluster else ""
-    out = [f"CREATE DATABASE IF NOT EXISTS {db}{on_cluster}"]
-    for table in TABLES:
+    out = [f"CREATE DATABASE IF NOT EXISTS {db}{on_cluster}"] if tables else []
+    for table in TABLES if tables else ():
         engine = _replicated(table.engine) if cluster else table.engine
         out.append(
             f"CREATE TABLE IF NOT EXISTS {db}.`{table.name}{local}`{on_cluster} ({table.body}\n)"
@@ -338,7 +354,7 @@ def statements(database: str = "stagetrace", cluster: str | None = None) -> list
                 f" AS {db}.`{table.name}_local`"
                 f" ENGINE = Distributed({identifier(cluster)}, {db}, `{table.name}_local`, {table.shard_by})"
             )
-    for view in VIEWS:
+    for view in VIEWS if views else ():
         source = f"{db}.`otel_traces{local}`"
         out.append(
             f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.`{view.name}`{on_cluster}"
@@ -369,21 +385,30 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
     installed = installed_version(client, database)
     if installed >= SCHEMA_VERSION:
         return False
-    for sql in statements(database, cluster):
+    db = identifier(database, "database name")
+    on_cluster = f" ON CLUSTER {identifier(cluster, 'cluster name')}" if cluster else ""
+    local = "_local" if cluster else ""
+    upgrades = range(installed + 1, SCHEMA_VERSION + 1) if installed else range(0)
+    for sql in statements(database, cluster, views=False):
         client.command(sql)
-    if installed:
-        db = identifier(database, "database name")
-        on_cluster = f" ON CLUSTER {identifier(cluster, 'cluster name')}" if cluster else ""
-        local = "_local" if cluster else ""
-        for version in range(installed + 1, SCHEMA_VERSION + 1):
-            setting, tables = SETTING_CHANGES.get(version, ("", ()))
-            for name in tables:
-                client.command(f"ALTER TABLE {db}.`{name}{local}`{on_cluster} MODIFY SETTING {setting}")
-        views = {v.name: v for v in VIEWS}
-        for version in range(installed + 1, SCHEMA_VERSION + 1):
-            for name in BACKFILLS.get(version, ()):
-                view = views[name]
-                client.command(f"INSERT INTO {db}.`{view.target}` {view.select.format(source=f'{db}.`otel_traces`')}")
+    for version in upgrades:  # before the views are made anew, the columns they write must exist
+        for name, column in NEW_COLUMNS.get(version, ()):
+            for table in {f"{name}{local}", name}:  # the local table and, on a cluster, its Distributed twin
+                client.command(f"ALTER TABLE {db}.`{table}`{on_cluster} ADD COLUMN IF NOT EXISTS {column}")
+    for name in (name for version in upgrades for name in REBUILDS.get(version, ())):
+        client.command(f"DROP VIEW IF EXISTS {db}.`{name}`{on_cluster}")
+    for sql in statements(database, cluster, tables=False):
+        client.command(sql)
+    views = {v.name: v for v in VIEWS}
+    for version in upgrades:
+        setting, tables = SETTING_CHANGES.get(version, ("", ()))
+        for name in tables:
+            client.command(f"ALTER TABLE {db}.`{name}{local}`{on_cluster} MODIFY SETTING {setting}")
+        for name in BACKFILLS.get(version, ()) + REBUILDS.get(version, ()):
+            view = views[name]
+            if name in REBUILDS.get(version, ()):
+                client.command(f"TRUNCATE TABLE {db}.`{view.target}{local}`{on_cluster}")
+            client.command(f"INSERT INTO {db}.`{view.target}` {view.select.format(source=f'{db}.`otel_traces`')}")
     client.command(
         "INSERT INTO {db:Identifier}.stagetrace_schema_version (Version) VALUES ({v:UInt32})",
         parameters={"db": database, "v": SCHEMA_VERSION},

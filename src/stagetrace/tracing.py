@@ -33,20 +33,20 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from stagetrace import config
+from stagetrace.conventions import (  # re-exported: the span API writes the conventions' names
+    INPUT_CONTENT,
+    INPUT_DIGEST,
+    OUTPUT_CONTENT,
+    OUTPUT_DIGEST,
+    PIPELINE_STAGES,
+    REQUEST_ID,
+    STAGE,
+    STAGE_INPUT_CONTENT,
+    STAGE_INPUT_DIGEST,
+    STAGE_OUTPUT_CONTENT,
+    STAGE_OUTPUT_DIGEST,
+)
 from stagetrace.digest import digest
-
-REQUEST_ID = "stagetrace.request.id"
-INPUT_DIGEST = "stagetrace.input.digest"
-OUTPUT_DIGEST = "stagetrace.output.digest"
-STAGE = "stagetrace.stage"
-STAGE_INPUT_DIGEST = "stagetrace.stage.input_digest"
-STAGE_OUTPUT_DIGEST = "stagetrace.stage.output_digest"
-INPUT_CONTENT = "stagetrace.input.content"
-OUTPUT_CONTENT = "stagetrace.output.content"
-STAGE_INPUT_CONTENT = "stagetrace.stage.input_content"
-STAGE_OUTPUT_CONTENT = "stagetrace.stage.output_content"
-
-PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decode")
 
 _SCOPE = "stagetrace"
 

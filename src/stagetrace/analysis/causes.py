@@ -17,19 +17,11 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from stagetrace import conventions
 from stagetrace.analysis.hardware import Rise
 from stagetrace.lookup import Span
 
-SYMPTOMS = frozenset({
-    "retrieval.doc_ids", "cache.hit", "cache.hits", "cache.misses", "cache.entry.age_s", "context.tokens",
-    "context.truncated", "allreduce.time_ms", "allreduce.max_ms", "allreduce.count", "allreduce.bytes",
-    "decode.tokens", "decode.ttft_ms",
-})  # fmt: skip
-SYMPTOM_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.")
-SYMPTOM_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
 UNSCORED = 0.1  # an attribute difference with no population to weigh it against
-IGNORED_PREFIXES = ("stagetrace.", "telemetry.sdk.", "process.", "service.instance.")
-IGNORED = frozenset({"parallel.tp_rank"})
 RESOURCE = "resource:"  # contrast keys of resource attributes
 _NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 BOTH_ROSE_WEIGHT = 0.2
@@ -68,12 +60,8 @@ BUCKET_SQL = (
 )
 
 
-def is_symptom(name: str) -> bool:
-    return name in SYMPTOMS or name.startswith(SYMPTOM_PREFIXES) or name.endswith(SYMPTOM_SUFFIXES)
-
-
-def _ignored(name: str) -> bool:
-    return name in IGNORED or name.startswith(IGNORED_PREFIXES)
+# Measurements are what a stage did (effects, symptoms); the conventions say which attributes are measurements.
+is_symptom = conventions.is_measurement
 
 
 def differences(request: Span, baseline: Span | None) -> list[tuple[str, str, str]]:
@@ -83,7 +71,7 @@ def differences(request: Span, baseline: Span | None) -> list[tuple[str, str, st
     out = []
     for prefix, mine, theirs in (("", request.attributes, base_attrs), (RESOURCE, request.resource, base_resource)):
         for name in sorted(set(mine) | set(theirs)):
-            if not _ignored(name) and mine.get(name, "") != theirs.get(name, ""):
+            if conventions.is_comparable(name) and mine.get(name, "") != theirs.get(name, ""):
                 out.append((prefix + name, mine.get(name, ""), theirs.get(name, "")))
     return out
 

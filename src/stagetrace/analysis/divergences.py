@@ -21,15 +21,6 @@ from stagetrace.store import Store
 
 MARGIN_NS = 60 * 1_000_000_000
 
-_SPANS_SQL = """
-SELECT TraceId, SpanId, ParentSpanId, SpanName, SpanKind, ServiceName, toUnixTimestamp64Nano(Timestamp),
-       Duration, StatusCode, StatusMessage, SpanAttributes, ResourceAttributes
-FROM {db:Identifier}.otel_traces
-WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
-  AND Timestamp >= fromUnixTimestamp64Nano({t0:Int64}) AND Timestamp < fromUnixTimestamp64Nano({t1:Int64})
-ORDER BY Timestamp, SpanId
-"""
-
 COLUMNS = (
     "DetectedAt", "RequestId", "TraceId", "RequestStart", "ServiceName", "HostName", "InputDigest",
     "BaselineRequestId", "BaselineHow", "FirstDivergentStage", "TopCauseKind", "TopCauseName", "TopCauseValue",
@@ -39,12 +30,8 @@ KEPT_CAUSES = 5
 
 
 def _traces(store: Store, trace_ids: list[str], t0_ns: int, t1_ns: int) -> dict[str, lookup.Trace]:
-    spans: dict[str, list[lookup.Span]] = defaultdict(list)
-    params = {"db": store.database, "traces": trace_ids, "t0": t0_ns, "t1": t1_ns}
-    for trace_id, *row in store.client.query(_SPANS_SQL, parameters=params).result_rows:
-        spans[trace_id].append(lookup.Span(*row))
     out = {}
-    for trace_id, members in spans.items():
+    for trace_id, members in lookup.spans_of(store, trace_ids, t0_ns, t1_ns).items():
         start = min(s.start_ns for s in members)
         end = max(s.start_ns + s.duration_ns for s in members)
         out[trace_id] = lookup.Trace(None, trace_id, members[0].service, start, end - start, members)

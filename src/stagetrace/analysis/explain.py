@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from stagetrace import lookup
+from stagetrace import conventions, lookup
 from stagetrace.analysis import causes as causes_module
 from stagetrace.analysis import population
 from stagetrace.analysis.causes import Cause, attribute_causes, hardware_causes, ranked
 from stagetrace.analysis.hardware import Samples, devices
+from stagetrace.conventions import PIPELINE_STAGES
 from stagetrace.store import Store
-from stagetrace.tracing import INPUT_DIGEST, OUTPUT_DIGEST, PIPELINE_STAGES, REQUEST_ID, STAGE, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST
 
 HOUR_NS = 3600 * 1_000_000_000
 DEFAULT_WINDOW_NS = 24 * HOUR_NS  # peers: requests with the same input this close in time
@@ -45,21 +45,23 @@ class Baseline:
 
 
 def root(trace: lookup.Trace) -> lookup.Span:
+    return trace.root
+
+
+def stages(trace: lookup.Trace) -> dict[tuple[str, str], list[lookup.Span]]:
+    """Each stage's passes by (stage, TP rank), in pipeline order, then the other stages by start time."""
+    by_key: dict[tuple[str, str], list[lookup.Span]] = {}
     for span in trace.spans:
-        if STAGE not in span.attributes and (REQUEST_ID in span.attributes or "gen_ai.request.id" in span.attributes):
-            return span
-    return trace.spans[0]
+        if span.stage:
+            by_key.setdefault((span.stage, span.rank), []).append(span)
+    passes = {key: conventions.stage_passes(spans) for key, spans in by_key.items()}
+    order = {name: i for i, name in enumerate(PIPELINE_STAGES)}
+    return dict(sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns)))
 
 
 def stage_spans(trace: lookup.Trace) -> dict[tuple[str, str], lookup.Span]:
-    """Stage spans by (stage, TP rank), in pipeline order, then the others by start time."""
-    spans = [s for s in trace.spans if s.stage]
-    order = {name: i for i, name in enumerate(PIPELINE_STAGES)}
-    spans.sort(key=lambda s: (order.get(s.stage, len(order)), s.start_ns - trace.start_ns))
-    out: dict[tuple[str, str], lookup.Span] = {}
-    for span in spans:
-        out.setdefault((span.stage, span.attributes.get("parallel.tp_rank", "")), span)
-    return out
+    """Each stage's first pass by (stage, TP rank): the span whose attributes describe how the stage ran."""
+    return {key: passes[0] for key, passes in stages(trace).items()}
 
 
 @dataclass
@@ -76,7 +78,7 @@ class StageComparison:
 
 
 def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageComparison]:
-    mine, theirs = stage_spans(request), stage_spans(baseline)
+    mine, theirs = stages(request), stages(baseline)
     keys = list(theirs) + [k for k in mine if k not in theirs]
     out = []
     for key in keys:
@@ -84,8 +86,9 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
         if a is None or b is None:
             out.append(StageComparison(key[0], key[1], False, False, a is not None))
             continue
-        same_in = a.attributes.get(STAGE_INPUT_DIGEST, "") == b.attributes.get(STAGE_INPUT_DIGEST, "")
-        same_out = a.attributes.get(STAGE_OUTPUT_DIGEST, "") == b.attributes.get(STAGE_OUTPUT_DIGEST, "")
+        same_in = a[0].input_digest == b[0].input_digest
+        same_out = conventions.combined_output(s.output_digest for s in a) == conventions.combined_output(
+            s.output_digest for s in b)
         out.append(StageComparison(key[0], key[1], same_in, same_out, True))
     return out
 
@@ -122,6 +125,19 @@ def summary(stage: str | None, top: Cause | None, baseline: Baseline, input_diff
     return f"{lead}: {top.name} {top.value or '(unset)'} vs {top.baseline_value or '(unset)'} {tail}"
 
 
+_WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
+# Requests with this input in the window, latest trace per request ID. The traces are found by their root rows'
+# digests first, so only they are grouped into requests.
+_PEERS_SQL = f"""
+SELECT RequestId, argMax(TraceId, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start),
+       argMax(OutputDigest, Start)
+FROM ({conventions.requests_sql(
+    f"{_WINDOW} AND TraceId IN (SELECT TraceId FROM {{db:Identifier}}.stagetrace_requests "
+    f"WHERE InputDigest = {{input:String}} AND {_WINDOW})", "{db:Identifier}.stagetrace_requests")})
+WHERE InputDigest = {{input:String}}
+GROUP BY RequestId"""
+
+
 class Explainer:
     def __init__(self, store: Store, window_ns: int = DEFAULT_WINDOW_NS, contrast_window_ns: int = CONTRAST_WINDOW_NS):
         self.store = store
@@ -130,9 +146,7 @@ class Explainer:
 
     def explain(self, request_id: str, against: str | None = None) -> dict:
         trace = lookup.by_request_id(self.store, request_id)
-        own = root(trace)
-        input_digest = own.attributes.get(INPUT_DIGEST, "")
-        output_digest = own.attributes.get(OUTPUT_DIGEST, "")
+        input_digest, output_digest = trace.input_digest, trace.output_digest
         report = {"request_id": request_id, "trace_id": trace.trace_id, "input_digest": input_digest,
                   "output_digest": output_digest}  # fmt: skip
         if against is not None:
@@ -146,7 +160,7 @@ class Explainer:
         if baseline is None:
             return {**report, "baseline": None, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": "no other request with the same input in the window: nothing to compare against"}  # fmt: skip
-        base_output = root(baseline.trace).attributes.get(OUTPUT_DIGEST, "")
+        base_output = baseline.trace.output_digest
         report["baseline"] = baseline.to_json()
         if base_output == output_digest:
             return {**report, "diverged": False, "first_divergent_stage": None, "causes": [],
@@ -177,14 +191,7 @@ class Explainer:
         if not input_digest:
             return None
         peers = self.store.client.query(
-            """
-            SELECT RequestId, argMax(TraceId, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start),
-                   argMax(OutputDigest, Start)
-            FROM {db:Identifier}.stagetrace_requests
-            WHERE InputDigest = {input:String}
-              AND Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
-            GROUP BY RequestId
-            """,
+            _PEERS_SQL,
             parameters={"db": self.store.database, "input": input_digest, "t0": start_ns - self.window_ns,
                         "t1": start_ns + self.window_ns},  # fmt: skip
         ).result_rows

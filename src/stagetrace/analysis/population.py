@@ -13,19 +13,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from stagetrace import conventions
+from stagetrace.conventions import PIPELINE_STAGES
 from stagetrace.store import Store
-from stagetrace.tracing import PIPELINE_STAGES
 
 # Stages outside the pipeline's named five come after them, in the order the baseline ran them.
 _ORDER = "if(indexOf({pipeline:Array(String)}, Stage) = 0, 100, indexOf({pipeline:Array(String)}, Stage))"
 
-# Requests in the window, latest trace per request ID (a retry reuses the ID).
-_REQUESTS = """
+# Requests in the window (one per trace, by the conventions' root rule), latest trace per request ID (a retry
+# reuses the ID).
+_REQUESTS = f"""
     SELECT RequestId, argMax(TraceId, S) AS TraceId, argMax(InputDigest, S) AS InputDigest,
            argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName
     FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName
-          FROM {db:Identifier}.stagetrace_requests
-          WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64}))
+          FROM ({conventions.requests_sql(
+              "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64})",
+              "{db:Identifier}.stagetrace_requests")}))
     GROUP BY RequestId
     HAVING InputDigest != ''"""
 
@@ -53,23 +56,31 @@ ORDER BY tupleElement(d, 4)
 
 # Per pair, the first stage where the request's output differs from the baseline's. One scan: each
 # stage span of either trace is tagged with its pair, then both sides meet per (pair, stage, rank).
+# A stage's passes are its spans not nested in one of the same stage (conventions.stage_passes): its
+# input is the first pass's, its output all passes' outputs in start order (conventions.combined_output).
 # Spans may start a little before or after their root (ranks on other hosts), hence the margin.
+_TAGGED_STAGES = """
+        SELECT s.Stage AS Stage, s.Rank AS Rank, s.InputDigest AS StageIn, s.OutputDigest AS StageOut,
+               toUnixTimestamp64Nano(s.Start) AS SpanStart, t.Dev AS Dev, t.Own AS Own, s.TraceId AS TraceId,
+               s.SpanId AS SpanId, s.ParentSpanId AS ParentSpanId
+        FROM {db:Identifier}.stagetrace_stages AS s
+        INNER JOIN (SELECT tupleElement(x, 1) AS TraceId, tupleElement(x, 2) AS Dev, tupleElement(x, 3) AS Own
+                    FROM (SELECT arrayJoin([(tupleElement(p, 1), tupleElement(p, 1), true), (tupleElement(p, 2), tupleElement(p, 1), false)]) AS x
+                          FROM (SELECT arrayJoin(arrayZip({devs:Array(String)}, {bases:Array(String)})) AS p))) AS t
+            ON s.TraceId = t.TraceId
+        WHERE s.Start >= fromUnixTimestamp64Nano({t0:Int64} - {margin:Int64})
+          AND s.Start < fromUnixTimestamp64Nano({t1:Int64} + {margin:Int64})"""
+_OUT = conventions.COMBINED_OUTPUT_SQL
 FIRST_STAGES_SQL = f"""
+WITH tagged AS ({_TAGGED_STAGES})
 SELECT Dev, argMin((Stage, Rank, HasOwn AND OwnIn != BaseIn), ({_ORDER}, BaseStart))
 FROM (
     SELECT Dev, Stage, Rank, countIf(Own) > 0 AS HasOwn, countIf(NOT Own) > 0 AS HasBase,
-           anyIf(StageIn, Own) AS OwnIn, anyIf(StageOut, Own) AS OwnOut,
-           anyIf(StageIn, NOT Own) AS BaseIn, anyIf(StageOut, NOT Own) AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
-    FROM (
-        SELECT s.Stage AS Stage, s.Rank AS Rank, s.InputDigest AS StageIn, s.OutputDigest AS StageOut,
-               toUnixTimestamp64Nano(s.Start) AS SpanStart, t.Dev AS Dev, t.Own AS Own
-        FROM {{db:Identifier}}.stagetrace_stages AS s
-        INNER JOIN (SELECT tupleElement(x, 1) AS TraceId, tupleElement(x, 2) AS Dev, tupleElement(x, 3) AS Own
-                    FROM (SELECT arrayJoin([(tupleElement(p, 1), tupleElement(p, 1), true), (tupleElement(p, 2), tupleElement(p, 1), false)]) AS x
-                          FROM (SELECT arrayJoin(arrayZip({{devs:Array(String)}}, {{bases:Array(String)}})) AS p))) AS t
-            ON s.TraceId = t.TraceId
-        WHERE s.Start >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
-          AND s.Start < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}}))
+           argMinIf(StageIn, SpanStart, Own) AS OwnIn, {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), Own)")} AS OwnOut,
+           argMinIf(StageIn, SpanStart, NOT Own) AS BaseIn,
+           {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), NOT Own)")} AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
+    FROM tagged AS a
+    WHERE NOT {conventions.NESTED_IN_SAME_STAGE_SQL.format(a="a", spans="tagged")}
     GROUP BY Dev, Stage, Rank)
 WHERE HasBase AND (NOT HasOwn OR OwnOut != BaseOut)
 GROUP BY Dev

@@ -1,0 +1,302 @@
+"""The span conventions stagetrace reads: every name and rule the core, the store's views, the dashboards and
+the analysis share, each rule with its SQL twin beside it (DESIGN.md "Span conventions").
+
+Spans come from stagetrace's own API and from instrumentation already in the field (OpenInference,
+OpenLLMetry, the OpenTelemetry GenAI conventions, vLLM, SGLang; reference/instrumentation_conventions.md).
+They reach the store through the agent or straight from an OpenTelemetry Collector, so whatever is derived
+from a span (its stage, its digests, the request it belongs to) is derived *in the store*, by the SQL below,
+which the materialized views run on every span written to ``otel_traces``. Python reads the results from
+``stagetrace_requests`` and ``stagetrace_stages`` and never re-derives them.
+
+The rules are data (``STAGE_RULES``, ``*_DIGEST_SOURCES``, the attribute roles), so supporting another
+producer is a line here, not a change in four modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# -- stagetrace's own names
+REQUEST_ID = "stagetrace.request.id"
+INPUT_DIGEST = "stagetrace.input.digest"
+OUTPUT_DIGEST = "stagetrace.output.digest"
+STAGE = "stagetrace.stage"
+STAGE_INPUT_DIGEST = "stagetrace.stage.input_digest"
+STAGE_OUTPUT_DIGEST = "stagetrace.stage.output_digest"
+INPUT_CONTENT = "stagetrace.input.content"
+OUTPUT_CONTENT = "stagetrace.output.content"
+STAGE_INPUT_CONTENT = "stagetrace.stage.input_content"
+STAGE_OUTPUT_CONTENT = "stagetrace.stage.output_content"
+NONDETERMINISTIC = "stagetrace.nondeterministic"
+TP_RANK = "parallel.tp_rank"
+HOST = "host.name"  # resource attribute
+
+# Pipeline order; other stage names are allowed and come after these, by start time.
+PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decode")
+
+# A request's ID, in order of preference. vLLM and newer SGLang set gen_ai.request.id on their request span;
+# older SGLang only ``rid``, a name too generic to trust anywhere but on SGLang's own request span.
+REQUEST_ID_ALIASES = (REQUEST_ID, "gen_ai.request.id")
+SGLANG_RID = "rid"
+SGLANG_MODULE = ("module", "sglang::request")
+
+# OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
+REDACTED = "__REDACTED__"
+
+
+# -- stage rules: the first rule whose conditions all hold names the span's stage
+@dataclass(frozen=True)
+class Attr:
+    """The attribute is set (non-empty), or, with ``values``, holds one of them."""
+
+    key: str
+    values: tuple[str, ...] = ()
+
+    def sql(self) -> str:
+        value = f"SpanAttributes[{_quote(self.key)}]"
+        if not self.values:
+            return f"{value} != ''"
+        return f"{value} IN ({', '.join(_quote(v) for v in self.values)})"
+
+
+@dataclass(frozen=True)
+class Name:
+    """The span's name is one of ``exact``, or ends with one of ``suffixes``, or contains one of ``parts``."""
+
+    exact: tuple[str, ...] = ()
+    suffixes: tuple[str, ...] = ()
+    parts: tuple[str, ...] = ()
+
+    def sql(self) -> str:
+        tests = [f"SpanName IN ({', '.join(_quote(n) for n in self.exact)})"] if self.exact else []
+        tests += [f"endsWith(SpanName, {_quote(s)})" for s in self.suffixes]
+        tests += [f"position(SpanName, {_quote(p)}) > 0" for p in self.parts]
+        return " OR ".join(tests)
+
+
+@dataclass(frozen=True)
+class Rule:
+    stage: str
+    when: tuple[Attr | Name, ...]
+    producer: str  # for the README and the reader of this table
+
+    def sql(self) -> str:
+        return " AND ".join(f"({c.sql()})" for c in self.when)
+
+
+_OI_KIND = "openinference.span.kind"
+_VECTOR_STORES = ("chroma", "Pinecone", "pinecone", "Qdrant", "qdrant", "milvus", "weaviate", "lancedb", "marqo")
+
+STAGE_RULES = (
+    # context assembly before the kinds: Haystack's prompt builders are LLM spans to OpenInference
+    Rule("context_assembly", (Attr(_OI_KIND, ("PROMPT",)),), "OpenInference (LangChain templates)"),
+    Rule("context_assembly", (Attr(_OI_KIND), Name(suffixes=("PromptBuilder.run",))), "OpenInference (Haystack)"),
+    # LlamaIndex's response synthesizers pack the retrieved chunks into the prompt window with a text splitter
+    Rule("context_assembly", (Attr(_OI_KIND, ("CHAIN",)), Name(suffixes=("TextSplitter.split_text",))),
+         "OpenInference (LlamaIndex)"),  # fmt: skip
+    Rule("retrieval", (Attr(_OI_KIND, ("RETRIEVER", "RERANKER", "EMBEDDING")),), "OpenInference"),
+    Rule("decode", (Attr(_OI_KIND, ("LLM",)),), "OpenInference"),
+    Rule("context_assembly", (Attr("traceloop.span.kind"), Name(parts=("PromptTemplate",))), "OpenLLMetry (LangChain)"),
+    Rule("retrieval", (Attr("gen_ai.operation.name", ("retrieval", "vector_db_retrieve", "embeddings")),),
+         "OpenTelemetry GenAI, OpenLLMetry"),  # fmt: skip
+    Rule("decode", (Attr("gen_ai.operation.name", ("chat", "text_completion", "generate_content")),),
+         "OpenTelemetry GenAI, OpenLLMetry"),  # fmt: skip
+    Rule("retrieval", (Attr("llm.request.type", ("embedding", "rerank")),), "OpenLLMetry (before semconv-ai 0.5)"),
+    Rule("decode", (Attr("llm.request.type", ("chat", "completion")),), "OpenLLMetry (before semconv-ai 0.5)"),
+    Rule("retrieval", (Attr("db.system.name", _VECTOR_STORES),), "vector stores, DB semantic conventions"),
+    Rule("retrieval", (Attr("db.system", _VECTOR_STORES),), "vector stores, OpenLLMetry"),
+    Rule("decode", (Name(exact=("llm_request",)), Attr("gen_ai.request.id")), "vLLM"),
+    Rule("context_assembly", (Name(exact=("tokenize",)),), "SGLang"),
+    Rule("decode", (Name(exact=("prefill_forward", "decode_forward", "chunked_prefill", "decode_loop")),), "SGLang"),
+)
+
+
+# -- digests: the first source with a value gives the digest; content is hashed in the store
+@dataclass(frozen=True)
+class Digest:
+    """An attribute that already is a digest."""
+
+    key: str
+
+    def sql(self) -> str:
+        return f"SpanAttributes[{_quote(self.key)}]"
+
+
+@dataclass(frozen=True)
+class Content:
+    """An attribute holding content; hashed with ``CONTENT_DIGEST_SQL``."""
+
+    key: str
+
+    def sql(self) -> str:
+        value = f"SpanAttributes[{_quote(self.key)}]"
+        return f"if({value} IN ('', {_quote(REDACTED)}), '', {CONTENT_DIGEST_SQL.format(x=value)})"
+
+
+@dataclass(frozen=True)
+class Family:
+    """Flattened list attributes (``<prefix><i>.<...><suffix>``), hashed together, keys included, in key order."""
+
+    prefix: str
+    suffix: str = ""
+
+    def sql(self) -> str:
+        keys = (f"arraySort(arrayFilter(k -> startsWith(k, {_quote(self.prefix)}) AND endsWith(k, {_quote(self.suffix)})"
+                f" AND SpanAttributes[k] != {_quote(REDACTED)}, mapKeys(SpanAttributes)))")  # fmt: skip
+        joined = f"arrayStringConcat(arrayMap(k -> concat(k, '=', SpanAttributes[k]), {keys}), '\\n')"
+        return f"if(empty({keys}), '', {CONTENT_DIGEST_SQL.format(x=joined)})"
+
+
+# 128 bits, hex, like the span API's BLAKE2b-128 digests (ClickHouse has no BLAKE2b); only ever compared with
+# digests made by this same expression, since the span API sends its own digests and no content.
+CONTENT_DIGEST_SQL = "lower(hex(sipHash128({x})))"
+
+REQUEST_INPUT_DIGEST_SOURCES = (
+    Digest(INPUT_DIGEST), Content("input.value"), Content("traceloop.entity.input"), Content("gen_ai.input.messages"),
+)  # fmt: skip
+REQUEST_OUTPUT_DIGEST_SOURCES = (
+    Digest(OUTPUT_DIGEST), Content("output.value"), Content("traceloop.entity.output"), Content("gen_ai.output.messages"),
+)  # fmt: skip
+STAGE_INPUT_DIGEST_SOURCES = (
+    Digest(STAGE_INPUT_DIGEST), Family("llm.input_messages.", ".content"), Content("gen_ai.input.messages"),
+    Family("gen_ai.prompt.", ".content"), Content("llm.prompts"), Family("reranker.input_documents.", ".content"),
+    Content("traceloop.entity.input"), Content("input.value"),
+)  # fmt: skip
+# Retrieved documents by content, not ID: each replica that ingests a corpus gives its chunks new IDs.
+STAGE_OUTPUT_DIGEST_SOURCES = (
+    Digest(STAGE_OUTPUT_DIGEST), Family("retrieval.documents.", ".document.content"),
+    Family("reranker.output_documents.", ".document.content"), Family("retrieval.documents.", ".document.id"),
+    Family("llm.output_messages.", ".content"), Content("gen_ai.output.messages"), Family("gen_ai.completion.", ".content"),
+    Content("traceloop.entity.output"), Content("output.value"),
+)  # fmt: skip
+
+
+# -- attribute roles: what analysis may blame. Content (what a stage read and produced, retrieved IDs included) and
+# digests are what a stage did, identifiers differ on every request, measurements are effects; the rest are settings.
+CONTENT_KEYS = frozenset({
+    "input.value", "output.value", "traceloop.entity.input", "traceloop.entity.output", "gen_ai.task.input",
+    "gen_ai.task.output", "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
+    "gen_ai.retrieval.documents", "gen_ai.retrieval.query.text", "llm.prompts", "llm.prompt_template.variables",
+    "reranker.query", "retrieval.doc_ids", INPUT_CONTENT, OUTPUT_CONTENT, STAGE_INPUT_CONTENT, STAGE_OUTPUT_CONTENT,
+})  # fmt: skip
+CONTENT_PREFIXES = ("retrieval.documents.", "reranker.input_documents.", "reranker.output_documents.",
+                    "llm.input_messages.", "llm.output_messages.", "llm.choices.", "gen_ai.prompt.",
+                    "gen_ai.completion.", "embedding.embeddings.")  # fmt: skip
+DIGEST_KEYS = frozenset({INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST})
+IDENTIFIER_KEYS = frozenset({
+    *REQUEST_ID_ALIASES, SGLANG_RID, "gen_ai.response.id", "gen_ai.task.id", "gen_ai.task.parent.id",
+    "gen_ai.agent.id", "gen_ai.conversation.id", "session.id", "user.id", "bid", "vllm.process_id", "process.pid",
+})  # fmt: skip
+MEASUREMENT_KEYS = frozenset({
+    "cache.hit", "cache.hits", "cache.misses", "cache.entry.age_s", "context.tokens", "context.truncated",
+    "allreduce.time_ms", "allreduce.max_ms", "allreduce.count", "allreduce.bytes", "decode.tokens", "decode.ttft_ms",
+    "gen_ai.task.status",
+})  # fmt: skip
+MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", "llm.token_count.", "llm.cost.")
+MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
+# Never compared: they describe the telemetry, not the request.
+UNCOMPARED_PREFIXES = ("stagetrace.", "telemetry.sdk.", "process.", "service.instance.")
+UNCOMPARED_KEYS = frozenset({TP_RANK, "input.mime_type", "output.mime_type"})
+
+
+def is_content(key: str) -> bool:
+    return key in CONTENT_KEYS or key.startswith(CONTENT_PREFIXES)
+
+
+def is_measurement(key: str) -> bool:
+    return key in MEASUREMENT_KEYS or key.startswith(MEASUREMENT_PREFIXES) or key.endswith(MEASUREMENT_SUFFIXES)
+
+
+def is_comparable(key: str) -> bool:
+    """May differ between a request and its baseline as a cause: not content, a digest, an identifier or telemetry."""
+    return not (is_content(key) or key in DIGEST_KEYS or key in IDENTIFIER_KEYS or key in UNCOMPARED_KEYS
+                or key.startswith(UNCOMPARED_PREFIXES))  # fmt: skip
+
+
+# -- a stage run as several spans: spans nested in a span of the same stage are part of that one (LlamaIndex's
+# retrieve → _retrieve → query embedding; an LLM's predict → complete); the remaining, top-level spans are
+# the stage's passes, in start order. The stage's input is its first pass's; its output all passes' outputs.
+def stage_passes(spans):
+    """The top-level spans of one stage of one trace (objects with ``span_id``, ``parent_span_id``, ``start_ns``)."""
+    ids = {s.span_id for s in spans}
+    return sorted((s for s in spans if s.parent_span_id not in ids), key=lambda s: (s.start_ns, s.span_id))
+
+
+def combined_output(outputs) -> str:
+    """The output of a stage from its passes' outputs, in start order. Same as ``COMBINED_OUTPUT_SQL``."""
+    return ",".join(outputs)
+
+
+# ``{pairs}``: an array of (start, output digest) of the passes.
+COMBINED_OUTPUT_SQL = "arrayStringConcat(arrayMap(p -> tupleElement(p, 2), arraySort({pairs})), ',')"
+# A stage span nested in a span of the same stage, within ``{spans}`` (stagetrace_stages rows, aliased ``{a}``).
+NESTED_IN_SAME_STAGE_SQL = "({a}.TraceId, {a}.Stage, {a}.ParentSpanId) IN (SELECT TraceId, Stage, SpanId FROM {spans})"
+
+
+# -- SQL over otel_traces columns (SpanName, SpanAttributes, ParentSpanId, ...) for the materialized views
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _first_sql(sources) -> str:
+    # multiIf evaluates lazily (short_circuit_function_evaluation), so a span with a digest attribute never hashes
+    parts = []
+    for source in sources:
+        expression = source.sql()
+        parts.append(f"{expression} != '', {expression}")
+    return "multiIf(" + ", ".join(parts) + ", '')"
+
+
+STAGE_SQL = (
+    f"multiIf(SpanAttributes[{_quote(STAGE)}] != '', SpanAttributes[{_quote(STAGE)}], "
+    + ", ".join(f"{rule.sql()}, {_quote(rule.stage)}" for rule in STAGE_RULES)
+    + ", '')"
+)
+IS_EXPLICIT_STAGE_SQL = f"mapContains(SpanAttributes, {_quote(STAGE)})"
+IS_SGLANG_REQUEST_SQL = (
+    f"SpanAttributes[{_quote(SGLANG_RID)}] != '' AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] = {_quote(SGLANG_MODULE[1])}"
+)
+ATTRIBUTE_REQUEST_ID_SQL = (
+    "multiIf("
+    + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]" for k in REQUEST_ID_ALIASES)
+    + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}], '')"
+)
+# A request root: a span with a request ID that is not one of stagetrace's own stage spans, or a trace's root
+# span (its trace ID then stands for the request ID). Stages named by other conventions may be roots too:
+# vLLM's llm_request is both the request and its decode stage.
+IS_REQUEST_ROOT_SQL = f"NOT {IS_EXPLICIT_STAGE_SQL} AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
+REQUEST_ID_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} AS _rid != '', _rid, TraceId)"
+REQUEST_ID_SOURCE_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} != '', 'attribute', 'trace')"
+REQUEST_INPUT_DIGEST_SQL = _first_sql(REQUEST_INPUT_DIGEST_SOURCES)
+REQUEST_OUTPUT_DIGEST_SQL = _first_sql(REQUEST_OUTPUT_DIGEST_SOURCES)
+STAGE_INPUT_DIGEST_SQL = _first_sql(STAGE_INPUT_DIGEST_SOURCES)
+STAGE_OUTPUT_DIGEST_SQL = _first_sql(STAGE_OUTPUT_DIGEST_SOURCES)
+RANK_SQL = f"SpanAttributes[{_quote(TP_RANK)}]"
+# Stage attributes as stagetrace keeps them: without content, which stays only where its producer sent it.
+STAGE_ATTRIBUTES_SQL = (
+    "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), SpanAttributes)".format(
+        keys=", ".join(_quote(k) for k in sorted(CONTENT_KEYS)),
+        prefixes=" OR ".join(f"startsWith(k, {_quote(p)})" for p in CONTENT_PREFIXES),
+    )
+)
+
+
+# -- SQL over stagetrace_requests: one row per request
+def requests_sql(where: str = "1", table: str = "stagetrace_requests") -> str:
+    """One row per trace among the root rows matching ``where``: the request's ID from its first span carrying one
+    (else the trace ID), digests from the first root row that has them, the trace's start and end.
+
+    A trace may hold several root rows: an app's root span without a request ID above an engine's span with one
+    (vLLM's llm_request, reached through ``traceparent``), or stagetrace's root above it.
+    """
+    order = "(Source = 'trace', RowStart)"
+    return f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
+       min(RowStart) AS Start, max(RowEnd) AS End,
+       argMin(ServiceName, {order}) AS ServiceName, argMin(HostName, {order}) AS HostName,
+       argMin(SpanName, {order}) AS SpanName, argMinIf(InputDigest, {order}, InputDigest != '') AS InputDigest,
+       argMinIf(OutputDigest, {order}, OutputDigest != '') AS OutputDigest, argMin(StatusCode, {order}) AS StatusCode
+FROM (SELECT RequestId, TraceId, SpanId, Start AS RowStart, End AS RowEnd, ServiceName, HostName, SpanName,
+             InputDigest AS InputDigest, OutputDigest AS OutputDigest, StatusCode, Source
+      FROM {table}
+      WHERE {where})
+GROUP BY TraceId"""
