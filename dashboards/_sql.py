@@ -10,24 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-# -- span columns and conditions (DESIGN.md "Span conventions")
-HOST = "ResourceAttributes['host.name']"
-STAGE = "SpanAttributes['stagetrace.stage']"
-IS_STAGE = "mapContains(SpanAttributes, 'stagetrace.stage')"
-# the same test as the stagetrace_requests materialized view: a request ID, and not a stage
-IS_REQUEST_ROOT = (
-    "(SpanAttributes['stagetrace.request.id'] != '' OR SpanAttributes['gen_ai.request.id'] != '') "
-    "AND NOT mapContains(SpanAttributes, 'stagetrace.stage')"
-)
-PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decode")
+from stagetrace import conventions
+from stagetrace.conventions import PIPELINE_STAGES
+
+# -- span columns and conditions (DESIGN.md "Span conventions"). Stage panels read stagetrace_stages, where the
+# store has already named each span's stage by the conventions, whichever producer wrote it.
+HOST = f"ResourceAttributes['{conventions.HOST}']"  # on otel_traces and stagetrace_stages alike
+STAGES = "stagetrace_stages"
+STAGE = "Stage"
 PIPELINE_ORDER = "[" + ", ".join(f"'{stage}'" for stage in PIPELINE_STAGES) + "]"
 DURATION_MS = "Duration / 1e6"
 
 # -- per-stage ratios, as fractions of the stage's spans; NULL (Grafana's "No data") rather than NaN without spans
-CACHE_HIT_RATIO = "countIf(SpanAttributes['cache.hit'] = 'true') / nullIf(count(), 0)"
-TRUNCATED_RATIO = "countIf(SpanAttributes['context.truncated'] = 'true') / nullIf(count(), 0)"
+CACHE_HIT_RATIO = "countIf(Attributes['cache.hit'] = 'true') / nullIf(count(), 0)"
+TRUNCATED_RATIO = "countIf(Attributes['context.truncated'] = 'true') / nullIf(count(), 0)"
+# over otel_traces: stage and root spans of the same requests, by the conventions' rules
 ALLREDUCE_TIME_SHARE = (
-    f"sumIf(Duration, {STAGE} = 'allreduce') / nullIf(sumIf(Duration, {IS_REQUEST_ROOT}), 0)"
+    f"sumIf(Duration, {conventions.STAGE_SQL} = 'allreduce') / nullIf(sumIf(Duration, {conventions.IS_REQUEST_ROOT_SQL}), 0)"
 )
 
 # the request ID a user typed into the trace-lookup dashboard's text box
@@ -47,15 +46,16 @@ def majority_outputs(where: str) -> str:
     """
     return (
         "SELECT InputDigest, argMax(OutputDigest, requests) AS majority FROM ("
-        "SELECT InputDigest, OutputDigest, count() AS requests FROM stagetrace_requests "
-        f"WHERE {where} AND InputDigest != '' AND OutputDigest != '' GROUP BY InputDigest, OutputDigest"
+        f"SELECT InputDigest, OutputDigest, count() AS requests FROM ({conventions.requests_sql(where)}) "
+        "WHERE InputDigest != '' AND OutputDigest != '' GROUP BY InputDigest, OutputDigest"
         ") GROUP BY InputDigest HAVING sum(requests) >= 2"
     )
 
 
 # requests joined with the majority output of their input (alias r, m), for deviating-output ratios
+REQUESTS = f"({conventions.requests_sql('$__timeFilter(Start)')})"  # one row per request, by the root rule
 REQUESTS_WITH_MAJORITY = (
-    "stagetrace_requests AS r INNER JOIN ("
+    f"{REQUESTS} AS r INNER JOIN ("
     + majority_outputs("$__timeFilter(Start)")
     + ") AS m ON r.InputDigest = m.InputDigest"
 )

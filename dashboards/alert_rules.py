@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import overview
 from stagetrace.dashboards._sql import (
-    DEVIATING_RATIO, DURATION_MS, IS_STAGE, REQUESTS_WITH_MAJORITY, STAGE, TRUNCATED_RATIO, aggregate,
+    DEVIATING_RATIO, DURATION_MS, REQUESTS_WITH_MAJORITY, STAGE, STAGES, TRUNCATED_RATIO, aggregate,
 )  # fmt: skip
 
 FOLDER_TITLE = FOLDER_UID = "stagetrace"
@@ -52,8 +52,8 @@ RULES = (
     ),
     PipelineRule(
         "stagetrace-stage-p99-latency", "Stage p99 latency",
-        aggregate("otel_traces", "Timestamp", {"p99_ms": f"quantile(0.99)({DURATION_MS})"},
-                  labels={"service": "ServiceName", "stage": STAGE}, where=[IS_STAGE], having=ENOUGH, over_time=False),
+        aggregate(STAGES, "Start", {"p99_ms": f"quantile(0.99)({DURATION_MS})"},
+                  labels={"service": "ServiceName", "stage": STAGE}, having=ENOUGH, over_time=False),
         5000, 900, "10m",
         "{{ $labels.service }} stage {{ $labels.stage }}: p99 latency {{ $values.A.Value | printf \"%.0f\" }} ms",
         "The 99th percentile duration of a pipeline stage over the last 15 minutes is above 5 s.",
@@ -61,10 +61,10 @@ RULES = (
     ),
     PipelineRule(
         "stagetrace-cache-staleness", "Stale cache entries",
-        aggregate("otel_traces", "Timestamp",
-                  {"p99_entry_age_s": "quantile(0.99)(toFloat64OrZero(SpanAttributes['cache.entry.age_s']))"},
+        aggregate(STAGES, "Start",
+                  {"p99_entry_age_s": "quantile(0.99)(toFloat64OrZero(Attributes['cache.entry.age_s']))"},
                   labels={"service": "ServiceName"},
-                  where=[f"{STAGE} = 'cache'", "SpanAttributes['cache.hit'] = 'true'"], having=ENOUGH, over_time=False),
+                  where=[f"{STAGE} = 'cache'", "Attributes['cache.hit'] = 'true'"], having=ENOUGH, over_time=False),
         300, 900, "10m",
         "{{ $labels.service }}: cache hits serve entries {{ $values.A.Value | printf \"%.0f\" }} s old (p99)",
         "The 99th percentile age of cache entries served on a hit (cache.entry.age_s) is above 5 minutes: "
@@ -73,7 +73,7 @@ RULES = (
     ),
     PipelineRule(
         "stagetrace-context-truncation", "Context truncation",
-        aggregate("otel_traces", "Timestamp", {"truncated": TRUNCATED_RATIO}, labels={"service": "ServiceName"},
+        aggregate(STAGES, "Start", {"truncated": TRUNCATED_RATIO}, labels={"service": "ServiceName"},
                   where=[f"{STAGE} = 'context_assembly'"], having=ENOUGH, over_time=False),
         0.05, 900, "10m",
         "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of contexts truncated",

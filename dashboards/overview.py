@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import (
-    ALLREDUCE_TIME_SHARE, CACHE_HIT_RATIO, DEVIATING_RATIO, DURATION_MS, HOST, IS_STAGE, PIPELINE_ORDER,
-    REQUESTS_WITH_MAJORITY, STAGE, TRUNCATED_RATIO, aggregate, any_selected,
+    ALLREDUCE_TIME_SHARE, CACHE_HIT_RATIO, DEVIATING_RATIO, DURATION_MS, HOST, PIPELINE_ORDER, REQUESTS,
+    REQUESTS_WITH_MAJORITY, STAGE, STAGES, TRUNCATED_RATIO, aggregate, any_selected,
 )  # fmt: skip
 
 UID = "stagetrace-overview"
@@ -22,7 +22,7 @@ def stage_spans(stage: str) -> list[str]:
 def requests_per_second(over_time: bool) -> str:
     labels = {"service": "ServiceName", "host": "HostName"} if over_time else {}
     value = "count() / $__interval_s" if over_time else "count()"
-    return aggregate("stagetrace_requests", "Start", {"requests": value}, labels=labels, over_time=over_time,
+    return aggregate(REQUESTS, "Start", {"requests": value}, labels=labels, over_time=over_time,
                      where=[any_selected("ServiceName", "service"), any_selected("HostName", "host")])  # fmt: skip
 
 
@@ -33,15 +33,15 @@ def deviating_ratio(over_time: bool) -> str:
 
 
 def stage_ratio(stage: str, ratio: str, name: str, over_time: bool) -> str:
-    return aggregate("otel_traces", "Timestamp", {name: ratio}, labels=BY_SERVICE_AND_HOST if over_time else {},
+    return aggregate(STAGES, "Start", {name: ratio}, labels=BY_SERVICE_AND_HOST if over_time else {},
                      where=stage_spans(stage), over_time=over_time)  # fmt: skip
 
 
 def stage_variable() -> dict:
     # pipeline order first, then any other stage by when it was first seen (DESIGN.md)
     sql = (
-        f"SELECT stage FROM (SELECT {STAGE} AS stage, min(Timestamp) AS first_seen FROM otel_traces "
-        f"WHERE $__timeFilter(Timestamp) AND {IS_STAGE} GROUP BY stage) "
+        f"SELECT stage FROM (SELECT {STAGE} AS stage, min(Start) AS first_seen FROM {STAGES} "
+        f"WHERE $__timeFilter(Start) GROUP BY stage) "
         f"ORDER BY indexOf({PIPELINE_ORDER}, stage) = 0, indexOf({PIPELINE_ORDER}, stage), first_seen"
     )
     return p.query_variable("stage", "Stage", sql, description="Stages whose latency panels are shown.")
@@ -69,7 +69,8 @@ def panels() -> list[dict]:
     return [
         p.row("Requests and outputs"),
         p.stat("Requests", requests_per_second(over_time=False), "short",
-               description="Requests served in the time range (root spans with a request ID)."),
+               description="Requests served in the time range (one per trace: the span with a request ID, "
+                           "else the trace's root span)."),
         p.stat("Deviating outputs", deviating_ratio(over_time=False), "percentunit", thresholds=[(0.01, "red")],
                description="Share of requests whose output differs from the majority output of requests with "
                            "the same input digest (inputs seen at least twice in the range)."),
@@ -84,7 +85,7 @@ def panels() -> list[dict]:
                          over_time=False),
                "percentunit", description="Time in all-reduce stages over total request time."),
         p.stat("p99 request latency",
-               aggregate("stagetrace_requests", "Start",
+               aggregate(REQUESTS, "Start",
                          {"p99": "quantile(0.99)(dateDiff('microsecond', Start, End)) / 1000"},
                          where=[any_selected("ServiceName", "service"), any_selected("HostName", "host")],
                          over_time=False),
@@ -97,7 +98,7 @@ def panels() -> list[dict]:
         p.row("Stages"),
         p.timeseries(
             "Latency of $stage (p50, p95, p99)",
-            aggregate("otel_traces", "Timestamp",
+            aggregate(STAGES, "Start",
                       {f"p{q}": f"quantile(0.{q})({DURATION_MS})" for q in (50, 95, 99)},
                       where=[f"{STAGE} IN (${{stage:singlequote}})", *SPAN_FILTERS]),
             "ms", width=8, repeat="stage",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import (
-    DURATION_MS, HOST, NETDEV, NIC_PORT, STAGE, aggregate, any_selected, counter, gauge,
+    DURATION_MS, HOST, NETDEV, NIC_PORT, STAGE, STAGES, aggregate, any_selected, counter, gauge,
 )  # fmt: skip
 
 UID = "stagetrace-rdma"
@@ -118,7 +118,7 @@ def panels() -> list[dict]:
                            "bandwidth", where=[HOST_FILTER, "Attributes['collective'] = 'AllReduce'"]),
                      "Bps", width=8, description="Bus bandwidth of all-reduce per message size (NCCL Inspector)."),
         p.timeseries("All-reduce stage time (spans)",
-                     aggregate("otel_traces", "Timestamp",
+                     aggregate(STAGES, "Start",
                                {"p50": f"quantile(0.5)({DURATION_MS})", "p99": f"quantile(0.99)({DURATION_MS})"},
                                labels={"host": HOST}, where=[f"{STAGE} = 'allreduce'", HOST_FILTER]),
                      "ms", width=8,

@@ -7,7 +7,7 @@ dashboard's time picker does not matter here: a request from last week is found 
 from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
-from stagetrace.dashboards._sql import HOST, IS_STAGE, PIPELINE_ORDER, REQUEST_ID, STAGE, majority_outputs
+from stagetrace.dashboards._sql import HOST, PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES, majority_outputs
 
 UID = p.TRACE_LOOKUP_UID
 
@@ -144,16 +144,14 @@ FROM otel_traces
 WHERE TraceId = trace_id AND Timestamp >= trace_start AND Timestamp <= trace_end
 ORDER BY startTime ASC"""
 
+# The request's stage spans as the store named them (any producer's conventions), content left out.
 STAGES_SQL = f"""{REQUEST_CONTEXT}
-SELECT {STAGE} AS stage, SpanName AS span, ServiceName AS service, {HOST} AS host, Timestamp AS start,
-    Duration / 1e6 AS duration_ms,
-    SpanAttributes['stagetrace.stage.input_digest'] AS input_digest,
-    SpanAttributes['stagetrace.stage.output_digest'] AS output_digest,
-    StatusCode AS status,
-    arrayStringConcat(arrayMap(k -> concat(k, '=', SpanAttributes[k]),
-        arraySort(arrayFilter(k -> NOT startsWith(k, 'stagetrace.'), mapKeys(SpanAttributes)))), '  ') AS attributes
-FROM otel_traces
-WHERE {REQUEST_SPANS} AND {IS_STAGE}
+SELECT {STAGE} AS stage, SpanName AS span, ServiceName AS service, HostName AS host, Start AS start,
+    Duration / 1e6 AS duration_ms, InputDigest AS input_digest, OutputDigest AS output_digest,
+    arrayStringConcat(arrayMap(k -> concat(k, '=', Attributes[k]),
+        arraySort(arrayFilter(k -> NOT startsWith(k, 'stagetrace.'), mapKeys(Attributes)))), '  ') AS attributes
+FROM {STAGES}
+WHERE TraceId = trace_id AND Start >= request_start - INTERVAL 1 MINUTE AND Start <= request_end + INTERVAL 1 MINUTE
 ORDER BY indexOf({PIPELINE_ORDER}, stage) = 0, indexOf({PIPELINE_ORDER}, stage), start"""
 
 DIVERGENCE_SQL = f"""
@@ -165,11 +163,13 @@ WHERE RequestId = {REQUEST_ID}"""
 
 HOSTS_SQL = f"""{REQUEST_CONTEXT}
 SELECT {HOST} AS host,
-    arrayStringConcat(arrayFilter(s -> s != '', groupUniqArray({STAGE})), ', ') AS stages,
+    arrayStringConcat(arrayFilter(s -> s != '', groupUniqArray(s.Stage)), ', ') AS stages,
     count() AS spans,
     arrayStringConcat(groupUniqArrayIf(SpanAttributes['gpu.uuid'], SpanAttributes['gpu.uuid'] != ''), ', ') AS gpus,
     arrayStringConcat(arrayFilter(d -> d != '', groupUniqArrayArray({RDMA_DEVICES})), ', ') AS rdma_devices
 FROM otel_traces
+LEFT JOIN (SELECT SpanId, any(Stage) AS Stage FROM {STAGES} WHERE TraceId = trace_id GROUP BY SpanId) AS s
+    ON otel_traces.SpanId = s.SpanId
 WHERE {REQUEST_SPANS}
 GROUP BY host
 ORDER BY host"""
