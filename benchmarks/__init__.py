@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MODULES = ("collection", "divergence", "instrumentation", "export", "lookup", "footprint", "storage", "soak")
+MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "footprint", "storage",
+           "soak")
 
 
 @dataclass(frozen=True)

@@ -43,3 +43,34 @@ def divergence(quick: bool) -> list[Figure]:
                "aim", 10.0),
         Figure("`explain` of one deviating request in that store", explain, "s", "aim", 1.0),
     ]  # fmt: skip
+
+
+@benchmark("conventions")
+def conventions(quick: bool) -> list[Figure]:
+    """The cost of reading other producers' conventions: the same requests written as OpenInference spans (content
+    hashed and stages mapped by the store's views) and as stagetrace spans (digests and stage names given), in one
+    store, one window each; ingest and ``divergences`` side by side."""
+    requests = 20_000 if quick else 1_000_000
+    hour = 3600 * 10**9
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+        now = time.time_ns()
+        windows = {"stagetrace": now - 6 * hour, "openinference": now - 3 * hour}
+        generated, scans, found = {}, {}, {}
+        for offset, (style, t0) in enumerate(windows.items()):
+            started = time.perf_counter()
+            synthetic.fill(store, requests, t0, offset=offset * requests, style=style)
+            generated[style] = time.perf_counter() - started
+        for style, t0 in windows.items():
+            def run(style=style, t0=t0) -> None:
+                found[style] = divergences.find(store, hour, until_ns=t0 + hour + 10**9)
+
+            scans[style] = median_seconds(run, runs=1 if quick else 3, warmup=1)
+        same = {style: (r["deviating"], {d["first_divergent_stage"] for g in r["groups"] for d in g["deviating"]})
+                for style, r in found.items()}  # fmt: skip
+        assert same["stagetrace"][0] == same["openinference"][0] > 0, same
+    return [
+        Figure(f"ingest {requests:,} requests as OpenInference spans (views included)", generated["openinference"],
+               "s", "as stagetrace-convention spans", generated["stagetrace"]),
+        Figure(f"`divergences` over {requests:,} OpenInference requests ({found['openinference']['deviating']:,} "
+               "deviating)", scans["openinference"], "s", "stagetrace-convention requests", scans["stagetrace"]),
+    ]  # fmt: skip

@@ -55,7 +55,7 @@ def footprint(quick: bool) -> list[Figure]:
             "--collectors", "gpu,mps,rdma,ethtool", "--sysfs", str(FIXTURE / "sys"),
             "--nvml-fixture", str(FIXTURE / "nvml"), "--mps-fixture", str(FIXTURE / "mps"),
             "--ethtool-fixture", str(FIXTURE / "ethtool" / "statistics.json"),
-            "--interval", "1s", "--listen", f"127.0.0.1:{port}", "--otlp", "none", "--query-listen", "none",
+            "--interval", "1s", "--listen", f"127.0.0.1:{port}", "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none",
         ]  # fmt: skip
         log = Path(directory, "agent.log")
         with log.open("w") as stderr:

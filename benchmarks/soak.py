@@ -109,7 +109,7 @@ def soak(quick: bool) -> list[Figure]:
         dsn = f"chdb://{tmp}/store"
         agent = subprocess.Popen(
             [sys.executable, "-m", "stagetrace", "agent", "--store", dsn, "--listen", "127.0.0.1:0", "--interval", "1s",
-             "--otlp", "127.0.0.1:0", "--query-listen", "none", "--collectors", ",".join(names), *_flags(options)],
+             "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "none", "--collectors", ",".join(names), *_flags(options)],
             stdout=subprocess.DEVNULL, stderr=log.open("w"),
             env={**os.environ, "STAGETRACE_HOST": "bench", "STAGETRACE_SPOOL_DIR": str(Path(tmp) / "spool")},
         )  # fmt: skip

@@ -5,6 +5,10 @@ SDK), so a million requests take seconds rather than minutes. Requests share inp
 5% deviate from their group's output at a random stage, and that stage's ``setting.<stage>``
 attribute says ``b`` where the agreeing requests say ``a``. The materialized views fill
 ``stagetrace_requests`` and ``otel_traces_trace_id_ts`` as they would for real traffic.
+
+``style="openinference"`` writes the same requests as an OpenInference-instrumented framework would: span kinds
+instead of stage names, content (``input.value``, ``output.value``, ``retrieval.documents.*``) instead of digests,
+a retriever and a reranker in one stage, so the store's views map stages and hash content as they do in the field.
 """
 
 from __future__ import annotations
@@ -16,6 +20,16 @@ DEVIATING_PERCENT = 5
 HOSTS = 16
 
 _STAGES = "['retrieval', 'cache', 'context_assembly', 'allreduce', 'decode']"
+# OpenInference: retrieval (retriever, reranker), a chain span that is no stage, context assembly, decode
+_KINDS = "['RETRIEVER', 'RERANKER', 'CHAIN', 'PROMPT', 'LLM']"
+_OPENINFERENCE_ATTRIBUTES = f"""if(k = 0,
+       map('openinference.span.kind', 'CHAIN', 'input.value', concat('question ', input), 'output.value',
+           concat('answer ', outs[6])),
+       map('openinference.span.kind', {_KINDS}[k], 'input.value', concat('text ', outs[k]),
+           if(k = 1, 'retrieval.documents.0.document.content', 'output.value'), concat('text ', outs[k + 1]),
+           if(k = 1, 'retrieval.documents.0.document.score', 'llm.token_count.total'), toString(k * 7),
+           concat('setting.', lower({_KINDS}[k])), if(deviating AND k = at, 'b', 'a'),
+           'gpu.uuid', concat('GPU-', toString(n % {HOSTS}), '-0')))"""
 
 INSERT_SQL = f"""
 INSERT INTO {{db:Identifier}}.otel_traces
@@ -31,12 +45,7 @@ SELECT
     'bench' AS ServiceName,
     map('service.name', 'bench', 'host.name', concat('host-', toString(n % {HOSTS}))) AS ResourceAttributes,
     'stagetrace' AS ScopeName,
-    if(k = 0,
-       map('stagetrace.request.id', concat('req-', toString(n + {{offset:UInt64}})), 'stagetrace.input.digest', input,
-           'stagetrace.output.digest', outs[6]),
-       map('stagetrace.stage', {_STAGES}[k], 'stagetrace.stage.input_digest', outs[k],
-           'stagetrace.stage.output_digest', outs[k + 1], concat('setting.', {_STAGES}[k]),
-           if(deviating AND k = at, 'b', 'a'), 'gpu.uuid', concat('GPU-', toString(n % {HOSTS}), '-0'))) AS SpanAttributes,
+    {{attributes}} AS SpanAttributes,
     if(k = 0, 6000000, 1000000) AS Duration,
     'Unset' AS StatusCode
 FROM (
@@ -53,13 +62,21 @@ FROM (
 )
 ARRAY JOIN range(0, 6) AS k
 """
+_STAGETRACE_ATTRIBUTES = f"""if(k = 0,
+       map('stagetrace.request.id', concat('req-', toString(n + {{offset:UInt64}})), 'stagetrace.input.digest', input,
+           'stagetrace.output.digest', outs[6]),
+       map('stagetrace.stage', {_STAGES}[k], 'stagetrace.stage.input_digest', outs[k],
+           'stagetrace.stage.output_digest', outs[k + 1], concat('setting.', {_STAGES}[k]),
+           if(deviating AND k = at, 'b', 'a'), 'gpu.uuid', concat('GPU-', toString(n % {HOSTS}), '-0')))"""
+STYLES = {"stagetrace": _STAGETRACE_ATTRIBUTES, "openinference": _OPENINFERENCE_ATTRIBUTES}
 
 
-def fill(store: Store, requests: int, t0_ns: int, seconds: float = 3600.0, offset: int = 0) -> int:
+def fill(store: Store, requests: int, t0_ns: int, seconds: float = 3600.0, offset: int = 0,
+         style: str = "stagetrace") -> int:  # fmt: skip
     """Insert ``requests`` requests (six spans each) spread over ``seconds`` from ``t0_ns``; returns the spans."""
     step = int(seconds * 1e9 / max(requests, 1))
     store.client.command(
-        INSERT_SQL,
+        INSERT_SQL.replace("{attributes}", STYLES[style]),
         parameters={"db": store.database, "requests": requests, "t0": t0_ns, "step": step, "offset": offset},
         settings={"max_insert_threads": 2},
     )

@@ -1,4 +1,5 @@
-"""OTLP/HTTP receiver: ``POST /v1/traces`` and ``/v1/metrics`` into the tables the Python exporters write.
+"""OTLP/HTTP receiver: ``POST /v1/traces`` and ``/v1/metrics`` into the tables the Python exporters write;
+its core (``OtlpReceiver.traces``/``metrics``) also serves the OTLP/gRPC receiver (``otlp_grpc``).
 
 Whatever speaks OTLP/HTTP can send to ``stagetrace agent --otlp 127.0.0.1:4318``: an OpenTelemetry SDK's
 ``OTLPSpanExporter``, vLLM (``--otlp-traces-endpoint`` with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``),
@@ -287,9 +288,12 @@ class _Every:
 
 
 class OtlpReceiver:
-    """OTLP/HTTP on ``listen`` into ``store`` until ``close`` (which writes what is queued)."""
+    """OTLP/HTTP on ``listen`` into ``store`` until ``close`` (which writes what is queued).
 
-    def __init__(self, store: Store, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
+    With ``listen=None`` it serves no HTTP: it is then only the core that ``otlp_grpc`` hands its calls to.
+    """
+
+    def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_queued_spans: int = MAX_QUEUED_SPANS,
                  max_delay_s: float | None = None, spool_dir=None):  # fmt: skip
         self.token = token
@@ -302,17 +306,18 @@ class OtlpReceiver:
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
-            self.listener = httpd.start(handler, listen, "stagetrace-otlp")
+            self.listener = httpd.start(handler, listen, "stagetrace-otlp") if listen is not None else None
         except BaseException:
             self.spans.shutdown()
             raise
 
     @property
-    def url(self) -> str:
-        return self.listener.url
+    def url(self) -> str | None:
+        return self.listener.url if self.listener else None
 
     def close(self) -> None:
-        self.listener.close()
+        if self.listener:
+            self.listener.close()
         self.spans.shutdown()
 
     def traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceResponse:

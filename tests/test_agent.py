@@ -157,7 +157,7 @@ def start_agent(tmp_path) -> tuple[subprocess.Popen, str]:
     agent = subprocess.Popen(
         [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
          "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "500ms",
-         "--otlp", "none", "--query-listen", "none"],
+         "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none"],
         stdout=subprocess.DEVNULL, stderr=log.open("w"), env=ENV,
     )  # fmt: skip
     url = wait_for("the agent's 'serving' line", lambda: re.search(r"serving (http://\S+/metrics)", log.read_text()),

@@ -32,6 +32,8 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("lookup", 5, ["", "full scan", "full scan", "same filter through the bloom-filter", "full scan"]),
         ("footprint", 5, ["aim", "aim", "aim", "", ""]),
         ("storage", 4, [""] * 4),  # and one row per table a view fills from otel_traces
+        ("conventions", 2, ["as stagetrace-convention spans", "stagetrace-convention requests"]),
+        ("otlp_ingest", 1, ["OTLP/HTTP, same spans"]),
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
         assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)

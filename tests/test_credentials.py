@@ -75,7 +75,7 @@ def test_errors_about_an_unreachable_server_never_show_its_password(env):
     port = closed_port()
     for args in (["trace", "r1", "--store", f"http://alice@127.0.0.1:{port}/db"],
                  ["agent", "--store", f"http://alice@127.0.0.1:{port}/db", "--collectors", "rdma", "--sysfs", str(SYSFS),
-                  "--otlp", "none", "--query-listen", "none", "--listen", "127.0.0.1:0"],
+                  "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none", "--listen", "127.0.0.1:0"],
                  # a password in the DSN itself is the user's choice to put on a command line; errors still hide it
                  ["schema", "--store", f"http://alice:{SECRETS['STAGETRACE_STORE_PASSWORD']}@127.0.0.1:{port}/db"]):  # fmt: skip
         result = stagetrace(env, *args)
@@ -90,7 +90,7 @@ def test_the_running_agent_shows_its_token_nowhere(env, tmp_path):
     agent = subprocess.Popen(
         [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
          "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "200ms",
-         "--otlp", "127.0.0.1:0", "--query-listen", "127.0.0.1:0"],
+         "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "127.0.0.1:0"],
         stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env,
     )  # fmt: skip
     try:

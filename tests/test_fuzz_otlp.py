@@ -46,7 +46,7 @@ def agent(tmp_path_factory):
     process = subprocess.Popen(
         [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
          "--store", f"chdb://{tmp / 'store'}", "--listen", "127.0.0.1:0", "--interval", "1s",
-         "--otlp", "127.0.0.1:0", "--query-listen", "none"],
+         "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "none"],
         stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**os.environ, "STAGETRACE_HOST": "fuzz"},
     )  # fmt: skip
     deadline = time.monotonic() + 60

@@ -49,7 +49,7 @@ class Agent:
         self.log = directory / "agent.log"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-             "--store", self.dsn, "--listen", "127.0.0.1:0", "--otlp", "127.0.0.1:0",
+             "--store", self.dsn, "--listen", "127.0.0.1:0", "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0",
              "--query-listen", "127.0.0.1:0", "--interval", "1s", *extra],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env={**ENV, **(env or {})},
         )  # fmt: skip
@@ -286,8 +286,9 @@ def test_a_taken_otlp_or_query_address_exits_2_with_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = "127.0.0.1:%d" % taken.getsockname()[1]
-        for flag, what in (("--otlp", "OTLP"), ("--query-listen", "queries")):
-            free = {"--otlp": "127.0.0.1:0", "--query-listen": "127.0.0.1:0", flag: address}
+        for flag, what in (("--otlp", "OTLP"), ("--otlp-grpc", "OTLP/gRPC"), ("--query-listen", "queries")):
+            free = {"--otlp": "127.0.0.1:0", "--otlp-grpc": "127.0.0.1:0", "--query-listen": "127.0.0.1:0",
+                    flag: address}
             result = stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", "127.0.0.1:0",
                                 "--store", f"chdb://{tmp_path / 'store'}", *(a for f in free.items() for a in f))  # fmt: skip
             assert (result.returncode, result.stderr.strip().splitlines()) == (2, [

@@ -21,6 +21,7 @@ from stagetrace.collectors.base import Node
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.otlp import OtlpReceiver
+from stagetrace.exporters.otlp_grpc import OtlpGrpcServer
 from stagetrace.exporters.prometheus import parse_listen, serve
 from stagetrace.store import open_store
 
@@ -95,10 +96,12 @@ def _exposed(listen: str, what: str, token: str | None) -> None:
 
 
 def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
-        otlp: str | None = None, query_listen: str | None = None, token: str | None = None) -> int:  # fmt: skip
+        otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
+        otlp_grpc: str | None = None) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
-    ``otlp`` and ``query_listen`` are the addresses of the OTLP receiver and the query endpoint (None: off);
+    ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
+    of the query endpoint (None: off);
     ``token``, when given, is required by both.
     """
     stop = stop or threading.Event()
@@ -113,11 +116,19 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         server = _bind(lambda: serve(shared, listen), listen, "--listen")
         cleanup.callback(server.close)
         endpoints = {"metrics": server.url, "database": opened.database, "token": token is not None}
-        if otlp:
-            _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token), otlp, "--otlp", " for OTLP")
+        if otlp or otlp_grpc:
+            if otlp:
+                _exposed(otlp, "the OTLP receiver", token)
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token), otlp or "", "--otlp", " for OTLP")
             cleanup.callback(receiver.close)  # before the store closes: it writes the spans still queued
-            endpoints["otlp"] = receiver.url
+            if otlp:
+                endpoints["otlp"] = receiver.url
+            if otlp_grpc:
+                _exposed(otlp_grpc, "the OTLP/gRPC receiver", token)
+                grpc_server = _bind(lambda: OtlpGrpcServer(receiver, otlp_grpc), otlp_grpc, "--otlp-grpc",
+                                    " for OTLP/gRPC")  # fmt: skip
+                cleanup.callback(grpc_server.close)  # first: calls in flight finish before the queue is written
+                endpoints["otlp_grpc"] = grpc_server.url
         location = opened.location
         if query_listen and location.embedded and location.path:
             _exposed(query_listen, "the query endpoint", token)
@@ -134,6 +145,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         )  # fmt: skip
         if "otlp" in endpoints:
             logger.info("receiving OTLP/HTTP at %s/v1/traces and /v1/metrics", endpoints["otlp"])
+        if "otlp_grpc" in endpoints:
+            logger.info("receiving OTLP/gRPC at %s (TraceService, MetricsService)", endpoints["otlp_grpc"])
         if "query" in endpoints:
             logger.info("sharing the store read-only at %s (ClickHouse HTTP interface)", endpoints["query"])
         elif query_listen:

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are written, e.g. 500ms, 5s, 1m (default 5s)")
     p.add_argument("--otlp", metavar="HOST:PORT", default="127.0.0.1:4318",
                    help="OTLP/HTTP receiver for spans and metrics, or 'none' (default 127.0.0.1:4318)")
+    p.add_argument("--otlp-grpc", metavar="HOST:PORT", default="127.0.0.1:4317",
+                   help="OTLP/gRPC receiver for spans and metrics, or 'none' (default 127.0.0.1:4317)")
     p.add_argument("--query-listen", metavar="HOST:PORT", default="127.0.0.1:8123",
                    help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands, or 'none' "
                         "(default 127.0.0.1:8123)")
@@ -274,10 +276,11 @@ def _agent(args) -> int:
     from stagetrace.exporters.prometheus import parse_listen
 
     _log_to_stderr("stagetrace agent")
-    otlp, query_listen = (None if a.lower() in ("none", "off") else a for a in (args.otlp, args.query_listen))
+    otlp, otlp_grpc, query_listen = (None if a.lower() in ("none", "off") else a
+                                     for a in (args.otlp, args.otlp_grpc, args.query_listen))  # fmt: skip
     try:
         interval = agent.parse_interval(args.interval)
-        for address in filter(None, (args.listen, otlp, query_listen)):
+        for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
         node = _node(args)
@@ -286,7 +289,7 @@ def _agent(args) -> int:
         return 2
     try:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
-                         query_listen=query_listen, token=token)  # fmt: skip
+                         otlp_grpc=otlp_grpc, query_listen=query_listen, token=token)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2

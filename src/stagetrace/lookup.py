@@ -63,6 +63,8 @@ class Span:
 
     def to_json(self) -> dict:
         engine = {"engine_ms": self.engine_ms} if self.engine_ms else {}
+        derived = {"rank": self.rank or None, "input_digest": self.input_digest,
+                   "output_digest": self.output_digest} if self.stage else {}  # fmt: skip
         return {
             "span_id": self.span_id,
             "parent_span_id": self.parent_span_id,
@@ -74,6 +76,7 @@ class Span:
             "start": iso_ns(self.start_ns),
             "duration_ms": self.duration_ns / 1e6,
             "status": self.status,
+            **derived,
             **engine,
             "attributes": self.attributes,
         }

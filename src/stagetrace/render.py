@@ -9,17 +9,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from stagetrace import conventions
 from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace
-from stagetrace.tracing import (
-    INPUT_DIGEST,
-    OUTPUT_DIGEST,
-    REQUEST_ID,
-    STAGE,
-    STAGE_INPUT_DIGEST,
-    STAGE_OUTPUT_DIGEST,
-)
 
-_SHOWN_ELSEWHERE = {REQUEST_ID, STAGE, INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST}
 _MAX_ATTRIBUTES = 4
 _STATUS_TEXT = {"Unset": Text(""), "Ok": Text("ok", style="green"), "Error": Text("error", style="bold red")}
 
@@ -44,9 +36,14 @@ def _bar(offset_ns: int, duration_ns: int, total_ns: int, width: int) -> Text:
     return Text(" " * left + "█" * filled + " " * (width - left - filled), style="cyan")
 
 
-def _digests(attrs: dict[str, str]) -> str:
-    din = attrs.get(STAGE_INPUT_DIGEST) or attrs.get(INPUT_DIGEST)
-    dout = attrs.get(STAGE_OUTPUT_DIGEST) or attrs.get(OUTPUT_DIGEST)
+def _digests(span: Span, trace: Trace) -> str:
+    """A stage's digests, or the request's on the span that stands for it, as the store derived them."""
+    if span.stage:
+        din, dout = span.input_digest, span.output_digest
+    elif span.span_id == trace.root_span_id:
+        din, dout = trace.input_digest, trace.output_digest
+    else:
+        din = dout = ""
     if not din and not dout:
         return ""
     return f"{(din or '-')[:6]}→{(dout or '-')[:6]}"
@@ -66,8 +63,9 @@ def engine_timings(span: Span) -> str:
 
 
 def _key_attributes(attrs: dict[str, str]) -> str:
-    shown = [(k, v) for k, v in attrs.items()
-             if k not in _SHOWN_ELSEWHERE and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX))]  # fmt: skip
+    # content (prompts, documents) and digests are not shown: the digests column stands for them
+    shown = [(k, v) for k, v in attrs.items() if not conventions.is_content(k) and k not in conventions.DIGEST_KEYS
+             and k not in conventions.REQUEST_ID_ALIASES and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX))]  # fmt: skip
     text = " ".join(f"{k}={v if len(v) <= 24 else v[:23] + '…'}" for k, v in shown[:_MAX_ATTRIBUTES])
     if len(shown) > _MAX_ATTRIBUTES:
         text += f" (+{len(shown) - _MAX_ATTRIBUTES})"
@@ -96,7 +94,7 @@ def waterfall(trace: Trace, width: int = 160) -> Table:
         table.add_column("attributes", overflow="fold", min_width=12)
     depths = _depths(trace)
     for span in trace.spans:
-        rank = span.attributes.get("parallel.tp_rank")
+        rank = span.rank
         label = ("  " * depths[span.span_id]) + (span.stage or span.name) + (f"[{rank}]" if rank else "")
         cells = [
             label,
@@ -106,7 +104,7 @@ def waterfall(trace: Trace, width: int = 160) -> Table:
         ]
         if show_status:
             cells.append(_STATUS_TEXT.get(span.status, Text(span.status)))
-        cells.append(_digests(span.attributes))
+        cells.append(_digests(span, trace))
         if show_attributes:
             cells.append(_key_attributes(span.attributes))
         table.add_row(*cells)
