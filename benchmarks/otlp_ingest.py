@@ -4,6 +4,10 @@ One receiver core with both front-ends (``OtlpReceiver`` for HTTP, ``OtlpGrpcSer
 store, as ``stagetrace agent`` runs them. The same prepared spans (six per request, the span API's shape) go
 through each exporter in the SDK's 512-span batches, protocols alternating; the clock stops when the receiver's
 queue says every span is in ``otel_traces``. Medians of the runs; the ratio is gRPC's spans/s to HTTP's.
+
+Sender and receiver share the process (and its GIL), so the figure is the whole path: the SDK's encoder
+(about 50 µs a span, measured), the transport, and the receiver's decoding, rows and inserts, which both
+protocols share. The ratio therefore shows what the transport adds, not what the receiver alone could take.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import time
 from types import SimpleNamespace
 from urllib.parse import urlsplit
 
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -75,13 +75,19 @@ class OtlpError(httpd.HttpError):
 
 
 def _status_class():
-    """``google.rpc.Status`` (code, message), the body of OTLP error answers, built in a private pool:
-    opentelemetry-proto does not ship it, and a sender's googleapis-common-protos may hold the same name."""
-    fdp = descriptor_pb2.FileDescriptorProto(name="stagetrace/rpc_status.proto", package="google.rpc", syntax="proto3")
+    """``google.rpc.Status`` (code, message, details), the body of OTLP/HTTP error answers and OTLP/gRPC's rich
+    status, built in a private pool: opentelemetry-proto does not ship it, and a sender's googleapis-common-protos
+    may hold the same name."""
+    field = descriptor_pb2.FieldDescriptorProto
+    fdp = descriptor_pb2.FileDescriptorProto(name="stagetrace/rpc_status.proto", package="google.rpc", syntax="proto3",
+                                             dependency=[any_pb2.DESCRIPTOR.name])  # fmt: skip
     message = fdp.message_type.add(name="Status")
-    message.field.add(name="code", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_INT32, json_name="code")
-    message.field.add(name="message", number=2, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING, json_name="message")
+    message.field.add(name="code", number=1, type=field.TYPE_INT32, json_name="code")
+    message.field.add(name="message", number=2, type=field.TYPE_STRING, json_name="message")
+    message.field.add(name="details", number=3, type=field.TYPE_MESSAGE, label=field.LABEL_REPEATED,
+                      type_name=".google.protobuf.Any", json_name="details")  # fmt: skip
     pool = descriptor_pool.DescriptorPool()
+    pool.AddSerializedFile(any_pb2.DESCRIPTOR.serialized_pb)
     pool.Add(fdp)
     return message_factory.GetMessageClass(pool.FindMessageTypeByName("google.rpc.Status"))
 

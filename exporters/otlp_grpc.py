@@ -1,26 +1,27 @@
 """OTLP/gRPC receiver: the ``TraceService`` and ``MetricsService`` of OTLP in front of the OTLP/HTTP receiver's core.
 
-gRPC on 4317 is what the OpenTelemetry SDKs' OTLP exporters, vLLM and SGLang send by default. Each ``Export``
-call is handed to the same :class:`~stagetrace.exporters.otlp.OtlpReceiver` methods the HTTP receiver calls, so
-both take spans and points alike: one queue, one partial-success rule, one durability. Answers, as the OTLP
-specification has them for gRPC:
+gRPC on 4317 is what the OpenTelemetry Python SDK's OTLP exporter, vLLM and SGLang send by default. Each
+``Export`` call is decoded with the HTTP receiver's ``decode`` and handed to the same
+:class:`~stagetrace.exporters.otlp.OtlpReceiver` methods its ``POST`` handler calls, so both front-ends take
+spans and points alike: one queue, one partial-success rule, one durability. Answers, as the OTLP specification
+has them for gRPC:
 
 * OK, with ``partial_success`` counting what was not taken (invalid IDs, histograms): the sender must not retry.
 * ``UNAUTHENTICATED``: the agent requires a token and the call lacks ``authorization: Bearer <token>``.
 * ``INVALID_ARGUMENT``: the message does not decode.
-* ``RESOURCE_EXHAUSTED`` (no RetryInfo, so not to be retried): a message over the size limit, or more spans
-  in one call than the receiver queues.
-* ``UNAVAILABLE`` with ``google.rpc.RetryInfo`` in ``google.rpc.retryinfo-bin`` (the trailer the SDK exporters
-  read): the span queue is full or the store refuses inserts; the sender waits and retries.
-
-gzip-compressed calls are inflated by gRPC itself, within the same limit.
+* ``RESOURCE_EXHAUSTED`` without RetryInfo, so final: a message over the size limit (gRPC checks it, inflated
+  for gzip calls), or more spans in one call than the receiver queues.
+* ``UNAVAILABLE`` with ``google.rpc.RetryInfo``: the span queue is full or the store refuses inserts; the
+  sender waits and retries. RetryInfo goes in ``google.rpc.retryinfo-bin`` (the only place the Python exporter
+  reads it) and in the rich status ``grpc-status-details-bin`` (where grpc-go senders, the Collector's, look).
 """
 
 from __future__ import annotations
 
-import errno
+import collections
 import logging
 import os
+import socket
 from concurrent import futures
 
 # gRPC's core logs to stderr on its own (a port it cannot bind, twice, in its format); the agent says it once,
@@ -29,13 +30,19 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import grpc  # noqa: E402
 from google.protobuf.duration_pb2 import Duration  # noqa: E402
-from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2  # noqa: E402
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
-from stagetrace import httpd
-from stagetrace.exporters.otlp import RETRY_AFTER_S, OtlpError, OtlpReceiver
-from stagetrace.exporters.prometheus import parse_listen
+from stagetrace import httpd  # noqa: E402
+from stagetrace.exporters.otlp import (  # noqa: E402
+    PROTOBUF,
+    RETRY_AFTER_S,
+    OtlpError,
+    OtlpReceiver,
+    _RpcStatus,  # google.rpc.Status, also the body of the HTTP receiver's errors
+    decode,
+)
+from stagetrace.exporters.prometheus import parse_listen  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -43,70 +50,95 @@ DEFAULT_GRPC_LISTEN = "127.0.0.1:4317"
 MAX_WORKERS = 4  # calls served at once; the agent shares its node with the GPUs it watches
 MAX_CONCURRENT_RPCS = 64  # calls in flight, served or waiting; beyond, gRPC answers RESOURCE_EXHAUSTED
 
-# google.rpc.RetryInfo {retry_delay: Duration}: field 1, length-delimited. Encoded here rather than taken from
-# googleapis-common-protos, which the receiver does not otherwise need.
+# google.rpc.RetryInfo {retry_delay: Duration}: one length-delimited field 1. Encoded here rather than taken
+# from googleapis-common-protos, which the receiver does not otherwise need.
 _DELAY = Duration(seconds=RETRY_AFTER_S).SerializeToString()
 RETRY_INFO = b"\x0a" + bytes([len(_DELAY)]) + _DELAY
+_RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
+# the HTTP status OtlpError carries -> the gRPC code the OTLP specification names for the same case
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
 
-# (service full name, request class, receiver method), the names from the service definitions opentelemetry-proto ships
+# (service full name, request class, receiver method): the names from the service definitions opentelemetry-proto
+# ships. Not its *_pb2_grpc servicers: they deserialize before the handler runs, and a message that does not
+# decode would then be gRPC's INTERNAL instead of INVALID_ARGUMENT.
 _SERVICES = (
-    (trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name,
+    (trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"],
      trace_service_pb2.ExportTraceServiceRequest, OtlpReceiver.traces),
-    (metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"].full_name,
+    (metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"],
      metrics_service_pb2.ExportMetricsServiceRequest, OtlpReceiver.metrics),
 )  # fmt: skip
 
 
+class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
+    """What ``abort_with_status`` sends: a code, its message and trailers (grpcio-status's shape, without it)."""
+
+
+def _status(code: grpc.StatusCode, message: str, retry: bool) -> _Status:
+    rich = _RpcStatus(code=code.value[0], message=message)
+    trailers = []
+    if retry:
+        rich.details.add(type_url=_RETRY_INFO_TYPE, value=RETRY_INFO)
+        trailers.append(("google.rpc.retryinfo-bin", RETRY_INFO))
+    trailers.append(("grpc-status-details-bin", rich.SerializeToString()))
+    return _Status(code, message, tuple(trailers))
+
+
+def _bind_error(host: str, port: int) -> OSError:
+    """Why gRPC could not bind (it says only that it failed): the error a plain socket gets on the same address."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        return exc
+    return OSError(f"gRPC could not bind {host}:{port}")
+
+
 class OtlpGrpcServer:
     """OTLP/gRPC on ``listen``, handing each call to ``receiver``; ``close`` stops taking calls and lets those
-    in flight finish (the receiver, which the caller owns, then writes what is queued)."""
+    in flight finish (the receiver, which the caller owns, then writes what is queued). Its message limit is the
+    receiver's ``max_body_bytes``, the HTTP body limit."""
 
     def __init__(self, receiver: OtlpReceiver, listen: str = DEFAULT_GRPC_LISTEN, *, max_workers: int = MAX_WORKERS,
                  max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS):  # fmt: skip
         self.receiver = receiver
         host, port = parse_listen(listen)
-        limit = receiver.max_body_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers, thread_name_prefix="stagetrace-otlp-grpc"),
-            options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
+            # so_reuseport off: with it, a second agent on the same port would bind and split the calls silently
+            options=[("grpc.max_receive_message_length", receiver.max_body_bytes), ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=max_concurrent_rpcs,
         )
         for service, request_class, accept in _SERVICES:
-            # raw bytes in: a message that does not decode is INVALID_ARGUMENT, not gRPC's generic INTERNAL
-            handler = grpc.unary_unary_rpc_method_handler(
-                self._handler(request_class, accept), request_deserializer=None,
-                response_serializer=lambda message: message.SerializeToString(),
-            )  # fmt: skip
-            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {"Export": handler}),))
+            # raw bytes in (no request_deserializer), so decoding is the HTTP receiver's, with its answers
+            handlers = {method.name: grpc.unary_unary_rpc_method_handler(
+                self._handler(request_class, accept), response_serializer=lambda message: message.SerializeToString())
+                for method in service.methods}  # fmt: skip
+            self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+            # what the generated servicers also do: calls from generated stubs then skip the generic lookup
+            self._server.add_registered_method_handlers(service.full_name, handlers)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             bound = self._server.add_insecure_port(address)
-        except RuntimeError:  # grpcio raises instead of returning 0 on some releases
+        except RuntimeError:  # recent grpcio raises where older ones returned 0
             bound = 0
-        if not bound:  # gRPC says no more; with SO_REUSEPORT off a port in use is the usual reason
-            raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
-        self.url = f"{host}:{bound}"
+        if not bound:
+            raise _bind_error(host, port)
+        self.url = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"  # a gRPC target: no scheme, no path
         self._server.start()
 
     def _handler(self, request_class, accept):
         def export(body: bytes, context: grpc.ServicerContext):
-            metadata = dict(context.invocation_metadata())
-            if not httpd.authorized(metadata.get("authorization"), self.receiver.token):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-            request = request_class()
             try:
-                request.ParseFromString(body)
-            except DecodeError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not an {request_class.__name__}: {exc}")
-            try:
-                return accept(self.receiver, request)
+                metadata = dict(context.invocation_metadata())
+                if not httpd.authorized(metadata.get("authorization"), self.receiver.token):
+                    raise OtlpError(401, "missing or wrong bearer token")
+                return accept(self.receiver, decode(request_class(), body, PROTOBUF))
             except OtlpError as exc:
-                if exc.retry:
-                    context.set_trailing_metadata((("google.rpc.retryinfo-bin", RETRY_INFO),))
-                context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
+                code = _CODES.get(exc.status, grpc.StatusCode.INTERNAL)
+                context.abort_with_status(_status(code, exc.message, exc.retry))
 
         return export
 
@@ -114,4 +146,4 @@ class OtlpGrpcServer:
         self._server.stop(grace=5).wait()
 
 
-__all__ = ["DEFAULT_GRPC_LISTEN", "OtlpGrpcServer", "RETRY_INFO"]
+__all__ = ["DEFAULT_GRPC_LISTEN", "MAX_CONCURRENT_RPCS", "MAX_WORKERS", "OtlpGrpcServer", "RETRY_INFO"]

@@ -13,9 +13,15 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from grpc import Compression
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client.parser import text_string_to_metric_families
 
 from stagetrace.agent import parse_interval
+from stagetrace.cli import build_parser
 from stagetrace.collectors.base import Node, Options
 from stagetrace.collectors.rdma import RdmaCollector
 from stagetrace.exporters.prometheus import parse_listen, serve
@@ -165,6 +171,36 @@ def start_agent(tmp_path) -> tuple[subprocess.Popen, str]:
     return agent, url
 
 
+def test_the_agent_receives_otlp_grpc_on_loopback_and_stores_it_before_exiting(tmp_path):
+    assert build_parser().parse_args(["agent"]).otlp_grpc == "127.0.0.1:4317"  # the SDKs' port, loopback only
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
+         "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "500ms",
+         "--otlp", "off", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "none"],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=ENV,
+    )  # fmt: skip
+    try:
+        target = wait_for("the agent's OTLP/gRPC line", lambda: re.search(r"receiving OTLP/gRPC at (127\.0\.0\.1:\d+) ",
+                                                                           log.read_text()), process=agent)[1]  # fmt: skip
+        provider = TracerProvider(resource=Resource.create({"service.name": "rag-api"}))
+        exporter = OTLPSpanExporter(endpoint=f"http://{target}", insecure=True, compression=Compression.Gzip, timeout=10)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        with provider.get_tracer("app").start_as_current_span("request", attributes={"stagetrace.request.id": "grpc-1"}):
+            with provider.get_tracer("app").start_as_current_span("decode", attributes={"stagetrace.stage": "decode"}):
+                pass
+        provider.shutdown()
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        returncode = agent.wait(timeout=60)
+    text = log.read_text()
+    assert returncode == 0 and "Traceback" not in text and "receiving OTLP/HTTP" not in text, text
+    with open_store(f"chdb://{tmp_path / 'store'}") as store:
+        assert store.client.query("SELECT RequestId, ServiceName FROM stagetrace.stagetrace_requests").result_rows == [
+            ("grpc-1", "rag-api")]  # fmt: skip
+        assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 2
+
+
 def start_prometheus(component, tmp_path, target: str) -> tuple[subprocess.Popen, str]:
     binary = component("prometheus", package="prometheus")
     config = tmp_path / "prometheus.yml"
@@ -206,7 +242,7 @@ def test_prometheus_scrapes_the_agent_and_sigterm_leaves_the_samples_in_the_stor
         returncode = agent.wait(timeout=60)
     log = (tmp_path / "agent.log").read_text()
     assert returncode == 0, log
-    assert "Traceback" not in log and "stopping" in log
+    assert "Traceback" not in log and "stopping" in log and "OTLP" not in log  # --otlp none --otlp-grpc none
     with open_store(f"chdb://{tmp_path / 'store'}") as store:
         rows = store.client.query(
             "SELECT Value, IsMonotonic, ResourceAttributes['host.name'] FROM stagetrace.otel_metrics_sum "

@@ -178,11 +178,11 @@ def test_with_a_propagated_traceparent_the_engine_span_joins_the_pipeline_trace(
 def test_clickhouse_connect_reads_through_the_agent_and_writes_are_refused(agent):
     send_request(agent.endpoints["otlp"], "cc-1")
     client = clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port)
-    for _ in range(40):
+    for _ in range(40):  # the views' rows land just after the span's: wait for both
         rows = client.query("SELECT SpanName, SpanKind, SpanAttributes FROM stagetrace.otel_traces "
                             "WHERE SpanAttributes['stagetrace.request.id'] = {rid:String}",
                             parameters={"rid": "cc-1"}).result_rows  # fmt: skip
-        if rows:
+        if rows and client.command("SELECT count() FROM stagetrace.stagetrace_requests WHERE RequestId = 'cc-1'"):
             break
         time.sleep(0.5)
     assert rows == [("inference.request", "Server", {"stagetrace.request.id": "cc-1"})]
@@ -236,7 +236,7 @@ def test_open_store_falls_back_read_only_and_refuses_writes_in_one_line(agent):
     message = str(refused.value)
     assert message == (f"store {agent.dsn} is held by the stagetrace agent (pid {agent.process.pid}), which shares it "
                        f"read-only: stop the agent to write to it, or send spans over OTLP to "
-                       f"{agent.endpoints['otlp']}/v1/traces")  # fmt: skip
+                       f"{agent.endpoints['otlp']}/v1/traces or {agent.endpoints['otlp_grpc']} (gRPC)")  # fmt: skip
     demo = stagetrace("demo", "--requests", "20", "--nodes", "2", "--store", agent.dsn)
     assert demo.returncode == 2 and demo.stderr == f"stagetrace: {message}\n"
 

@@ -8,6 +8,7 @@ import yaml
 from stagetrace import schema
 from stagetrace.exporters.clickhouse import AGENT_SERVICE
 from stagetrace.exporters.otlp import DEFAULT_LISTEN as AGENT_OTLP
+from stagetrace.exporters.otlp_grpc import DEFAULT_GRPC_LISTEN as AGENT_OTLP_GRPC
 from stagetrace.exporters.prometheus import DEFAULT_LISTEN as AGENT_METRICS
 from stagetrace.store import parse_dsn
 
@@ -64,6 +65,8 @@ def test_it_scrapes_the_agent_and_takes_otlp_where_senders_send_it():
     (job,) = CONFIG["receivers"]["prometheus"]["config"]["scrape_configs"]
     assert job["job_name"] == AGENT_SERVICE  # the ServiceName the agent's own writer gives its samples
     assert job["static_configs"][0]["targets"] == [AGENT_METRICS]
-    assert CONFIG["receivers"]["otlp"]["protocols"]["http"]["endpoint"] == AGENT_OTLP  # so the agent runs --otlp none
+    # the agent's own ports, so the agent runs --otlp none --otlp-grpc none
+    assert CONFIG["receivers"]["otlp"]["protocols"]["http"]["endpoint"] == AGENT_OTLP
+    assert CONFIG["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == AGENT_OTLP_GRPC
     for protocol in CONFIG["receivers"]["otlp"]["protocols"].values():
         assert protocol["endpoint"].startswith("127.0.0.1:")  # loopback by default, as the agent

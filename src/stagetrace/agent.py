@@ -21,7 +21,6 @@ from stagetrace.collectors.base import Node
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.otlp import OtlpReceiver
-from stagetrace.exporters.otlp_grpc import OtlpGrpcServer
 from stagetrace.exporters.prometheus import parse_listen, serve
 from stagetrace.store import open_store
 
@@ -101,8 +100,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
-    of the query endpoint (None: off);
-    ``token``, when given, is required by both.
+    of the query endpoint (None: off); ``token``, when given, is required by all three.
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
@@ -124,6 +122,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             if otlp:
                 endpoints["otlp"] = receiver.url
             if otlp_grpc:
+                from stagetrace.exporters.otlp_grpc import OtlpGrpcServer  # grpc is loaded only when served
+
                 _exposed(otlp_grpc, "the OTLP/gRPC receiver", token)
                 grpc_server = _bind(lambda: OtlpGrpcServer(receiver, otlp_grpc), otlp_grpc, "--otlp-grpc",
                                     " for OTLP/gRPC")  # fmt: skip

@@ -299,7 +299,9 @@ def store_through_agent(location: Location, locked: StoreLockedError) -> Store:
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StoreError(f"{holder}, but its query endpoint {url.geturl()} does not answer: {reason}") from None
-    otlp = f", or send spans over OTLP to {record['otlp']}/v1/traces" if record.get("otlp") else ""
+    sinks = ([f"{record['otlp']}/v1/traces"] if record.get("otlp") else []) + (
+        [f"{record['otlp_grpc']} (gRPC)"] if record.get("otlp_grpc") else [])  # fmt: skip
+    otlp = f", or send spans over OTLP to {' or '.join(sinks)}" if sinks else ""
     refusal = f"{holder}, which shares it read-only: stop the agent to write to it{otlp}"
     return Store(ReadOnlyClient(client, refusal), location, read_only=True)
 
