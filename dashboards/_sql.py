@@ -52,11 +52,13 @@ def majority_outputs(where: str) -> str:
     )
 
 
-# requests joined with the majority output of their input (alias r, m), for deviating-output ratios
+# requests joined with the majority output of their input (alias r, m), for deviating-output ratios; requests that
+# sample without a seed differ by design and are neither counted nor part of a majority
 REQUESTS = f"({conventions.requests_sql('$__timeFilter(Start)')})"  # one row per request, by the root rule
+_COMPARABLE = f"$__timeFilter(Start) AND TraceId NOT IN ({conventions.nondeterministic_traces_sql('$__timeFilter(Start)')})"
 REQUESTS_WITH_MAJORITY = (
-    f"{REQUESTS} AS r INNER JOIN ("
-    + majority_outputs("$__timeFilter(Start)")
+    f"({conventions.requests_sql(_COMPARABLE)}) AS r INNER JOIN ("
+    + majority_outputs(_COMPARABLE)
     + ") AS m ON r.InputDigest = m.InputDigest"
 )
 DEVIATING_RATIO = "countIf(r.OutputDigest != m.majority) / nullIf(count(), 0)"

@@ -65,7 +65,8 @@ def test_each_stage_as_origin_with_an_attribute_never_heard_of(store, stage):
     top = report["causes"][0]
     assert (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) == (
         "attribute", stage, "acme.shard.layout", "columns", "rows")
-    assert report["summary"] == f"{stage} diverged: acme.shard.layout columns vs rows (baseline: 4 of 5 requests)"
+    assert report["summary"] == (f"{stage} diverged: acme.shard.layout columns vs rows "
+                                 f"(baseline: request {report['baseline']['request_id']}, 4 of 5 requests)")
     assert not report["stage_input_differed"]
 
 
@@ -114,7 +115,7 @@ def test_agreeing_request_says_so(store):
     report = explain(store, "ok-1")
     assert report["diverged"] is False and report["causes"] == []
     assert report["baseline"]["how"] == "majority"
-    assert report["summary"] == "the output agrees with the baseline (baseline: 3 of 3 requests)"
+    assert report["summary"] == f"the output agrees with the baseline (baseline: request {report['baseline']['request_id']}, 3 of 3 requests)"
 
 
 def test_request_with_no_peers(store):

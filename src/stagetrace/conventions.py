@@ -14,7 +14,12 @@ producer is a line here, not a change in four modules.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
 
 # -- stagetrace's own names
 REQUEST_ID = "stagetrace.request.id"
@@ -213,6 +218,65 @@ def is_comparable(key: str) -> bool:
                 or key.startswith(UNCOMPARED_PREFIXES))  # fmt: skip
 
 
+# -- nondeterminism: outputs that differ by design are no deviation. A request samples nondeterministically when it
+# says so, or samples above temperature zero without a seed (on its own span or its decode span).
+TEMPERATURE_KEYS = ("gen_ai.request.temperature", "llm.request.temperature")
+SEED_KEYS = ("gen_ai.request.seed", "llm.request.seed")
+INVOCATION_PARAMETERS = "llm.invocation_parameters"  # OpenInference: the request's sampling parameters as JSON
+_TRUE = ("true", "True", "1")
+
+
+def nondeterminism(attributes: dict[str, str]) -> str:
+    """Why a span's output may differ by design, or ``''``. Same rule as ``NONDETERMINISM_SQL``."""
+    if attributes.get(NONDETERMINISTIC, "") in _TRUE:
+        return f"{NONDETERMINISTIC} is set"
+    seeded = any(attributes.get(k, "") != "" for k in SEED_KEYS)
+    for key in TEMPERATURE_KEYS:
+        if _positive(attributes.get(key, "")) and not seeded:
+            return f"{key} {attributes[key]} without a seed"
+    parameters = attributes.get(INVOCATION_PARAMETERS, "")
+    if parameters:
+        try:
+            decoded = json.loads(parameters)
+        except ValueError:
+            decoded = None
+        if isinstance(decoded, dict) and _positive(str(decoded.get("temperature", ""))) and decoded.get("seed") is None:
+            return f"{INVOCATION_PARAMETERS} temperature {decoded['temperature']} without a seed"
+    return ""
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+def _seeded_sql() -> str:
+    return " OR ".join(f"SpanAttributes[{_quote(k)}] != ''" for k in SEED_KEYS)
+
+
+_PARAMS = f"SpanAttributes[{_quote(INVOCATION_PARAMETERS)}]"
+NONDETERMINISM_SQL = (
+    f"multiIf(SpanAttributes[{_quote(NONDETERMINISTIC)}] IN ({', '.join(_quote(v) for v in _TRUE)}), "
+    f"{_quote(NONDETERMINISTIC + ' is set')}, "
+    + "".join(
+        f"toFloat64OrZero(SpanAttributes[{_quote(k)}]) > 0 AND NOT ({_seeded_sql()}), "
+        f"concat({_quote(k + ' ')}, SpanAttributes[{_quote(k)}], ' without a seed'), "
+        for k in TEMPERATURE_KEYS
+    )
+    + f"JSONExtractFloat({_PARAMS}, 'temperature') > 0 AND (NOT JSONHas({_PARAMS}, 'seed') OR JSONType({_PARAMS}, 'seed') = 'Null'), "
+    f"concat({_quote(INVOCATION_PARAMETERS + ' temperature ')}, JSONExtractRaw({_PARAMS}, 'temperature'), ' without a seed'), "
+    "'')"
+)
+
+
+def nondeterministic_traces_sql(where: str, requests: str = "stagetrace_requests", stages: str = "stagetrace_stages") -> str:
+    """Trace IDs of nondeterministic requests among root and stage rows matching ``where`` (``Start`` bounds)."""
+    return (f"SELECT TraceId FROM {requests} WHERE Nondeterministic != '' AND {where} "
+            f"UNION DISTINCT SELECT TraceId FROM {stages} WHERE Nondeterministic != '' AND {where}")  # fmt: skip
+
+
 # -- a stage run as several spans: spans nested in a span of the same stage are part of that one (LlamaIndex's
 # retrieve → _retrieve → query embedding; an LLM's predict → complete); the remaining, top-level spans are
 # the stage's passes, in start order. The stage's input is its first pass's; its output all passes' outputs.
@@ -234,10 +298,6 @@ NESTED_IN_SAME_STAGE_SQL = "({a}.TraceId, {a}.Stage, {a}.ParentSpanId) IN (SELEC
 
 
 # -- SQL over otel_traces columns (SpanName, SpanAttributes, ParentSpanId, ...) for the materialized views
-def _quote(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _first_sql(sources) -> str:
     # multiIf evaluates lazily (short_circuit_function_evaluation), so a span with a digest attribute never hashes
     parts = []

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from stagetrace import conventions as cv
 
 # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
-# 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store
-SCHEMA_VERSION = 4
+# 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
+# 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
+SCHEMA_VERSION = 5
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -179,7 +180,8 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     InputDigest String CODEC(ZSTD(1)),
     OutputDigest String CODEC(ZSTD(1)),
     StatusCode LowCardinality(String) CODEC(ZSTD(1)),
-    Source LowCardinality(String) CODEC(ZSTD(1))""",
+    Source LowCardinality(String) CODEC(ZSTD(1)),
+    Nondeterministic LowCardinality(String) CODEC(ZSTD(1))""",
         "MergeTree()",
         f"""PARTITION BY toYYYYMM(Start)
 ORDER BY (RequestId, Start)
@@ -204,7 +206,8 @@ SETTINGS index_granularity = 2048, {_DEDUP}""",
     InputDigest String CODEC(ZSTD(1)),
     OutputDigest String CODEC(ZSTD(1)),
     Attributes {_MAP} CODEC(ZSTD(1)),
-    ResourceAttributes {_MAP} CODEC(ZSTD(1))""",
+    ResourceAttributes {_MAP} CODEC(ZSTD(1)),
+    Nondeterministic LowCardinality(String) CODEC(ZSTD(1))""",
         "MergeTree()",
         f"""PARTITION BY toDate(Start)
 ORDER BY (Stage, Start)
@@ -276,7 +279,8 @@ GROUP BY TraceId""",
     {cv.REQUEST_INPUT_DIGEST_SQL} AS InputDigest,
     {cv.REQUEST_OUTPUT_DIGEST_SQL} AS OutputDigest,
     StatusCode,
-    {cv.REQUEST_ID_SOURCE_SQL} AS Source
+    {cv.REQUEST_ID_SOURCE_SQL} AS Source,
+    {cv.NONDETERMINISM_SQL} AS Nondeterministic
 FROM {{source}}
 WHERE {cv.IS_REQUEST_ROOT_SQL}""",
     ),
@@ -297,7 +301,8 @@ WHERE {cv.IS_REQUEST_ROOT_SQL}""",
     {cv.STAGE_INPUT_DIGEST_SQL} AS InputDigest,
     {cv.STAGE_OUTPUT_DIGEST_SQL} AS OutputDigest,
     {cv.STAGE_ATTRIBUTES_SQL} AS Attributes,
-    ResourceAttributes
+    ResourceAttributes,
+    {cv.NONDETERMINISM_SQL} AS Nondeterministic
 FROM {{source}})
 WHERE Stage != ''""",
     ),
@@ -306,12 +311,14 @@ WHERE Stage != ''""",
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
-REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
+REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
 NEW_COLUMNS = {
     4: (("stagetrace_requests", "Source LowCardinality(String) CODEC(ZSTD(1))"),
         ("stagetrace_stages", "ParentSpanId String CODEC(ZSTD(1)) AFTER SpanId"),
         ("stagetrace_stages", "SpanName LowCardinality(String) CODEC(ZSTD(1)) AFTER ParentSpanId")),
+    5: (("stagetrace_requests", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
+        ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))")),
 }  # fmt: skip
 
 # Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.
@@ -404,11 +411,13 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
         setting, tables = SETTING_CHANGES.get(version, ("", ()))
         for name in tables:
             client.command(f"ALTER TABLE {db}.`{name}{local}`{on_cluster} MODIFY SETTING {setting}")
-        for name in BACKFILLS.get(version, ()) + REBUILDS.get(version, ()):
-            view = views[name]
-            if name in REBUILDS.get(version, ()):
-                client.command(f"TRUNCATE TABLE {db}.`{view.target}{local}`{on_cluster}")
-            client.command(f"INSERT INTO {db}.`{view.target}` {view.select.format(source=f'{db}.`otel_traces`')}")
+    rebuilt = {name for version in upgrades for name in REBUILDS.get(version, ())}
+    # each view's table is filled once, however many versions it skipped
+    for name in dict.fromkeys(n for v in upgrades for n in BACKFILLS.get(v, ()) + REBUILDS.get(v, ())):
+        view = views[name]
+        if name in rebuilt:
+            client.command(f"TRUNCATE TABLE {db}.`{view.target}{local}`{on_cluster}")
+        client.command(f"INSERT INTO {db}.`{view.target}` {view.select.format(source=f'{db}.`otel_traces`')}")
     client.command(
         "INSERT INTO {db:Identifier}.stagetrace_schema_version (Version) VALUES ({v:UInt32})",
         parameters={"db": database, "v": SCHEMA_VERSION},

@@ -1,14 +1,18 @@
-"""Ranking the causes of a divergence: attribute differences weighed by contrast, and hardware that rose.
+"""Candidate causes and how they are weighed: attribute contrast, identity before magnitude, ranking.
 
-Attribute causes are generic over names: every attribute of the divergent stage (and of its
-resource) whose value differs from the baseline's is a candidate. Its score is how much more often
-requests whose span carried the request's value diverged first at this stage than requests that
-carried the baseline's value, over the requests around it (contrast mining; the request itself is
-left out of its own evidence). Numbers are compared by power-of-two bucket, so 24 and 28 count as
-the same value but 5 and 24 do not. Attributes that measure what happened rather than set it up
-(durations, token counts, ``context.truncated``, ``cache.hit``) are symptoms: they rank after
-the settings and hardware with evidence, so the setting behind them is reported first. Hardware causes score their severity when the counter
-rose for the request's device and not for the baseline's, a fifth of it when it rose for both.
+A :class:`Cause` is what a detector (``analysis.detectors``) proposes: a changed setting, a counter
+that rose, a rollout, sampling that differs by design. Attribute differences are weighed by
+contrast over the requests around the one explained: how much more often requests whose span
+carried the request's value diverged first at this stage than those that carried the baseline's
+value (the request itself is left out of its own evidence).
+
+Roles decide how a value is compared (``conventions``): a setting by identity, so weight step 1199
+is not step 1200 however close; a measurement by its power-of-two magnitude, and only as supporting
+evidence, because a duration or a token count is what the stage did, not why. Content, digests and
+declared identifiers are never candidates, and an attribute nobody declared whose value is unique to
+nearly every request around it is taken for an identifier. A numeric setting whose exact value is
+too rare to weigh borrows the evidence of its magnitude (batch size 24 among 16..31) unless the two
+values share it.
 """
 
 from __future__ import annotations
@@ -18,29 +22,33 @@ import re
 from dataclasses import dataclass, field
 
 from stagetrace import conventions
-from stagetrace.analysis.hardware import Rise
 from stagetrace.lookup import Span
 
 UNSCORED = 0.1  # an attribute difference with no population to weigh it against
 RESOURCE = "resource:"  # contrast keys of resource attributes
-_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
-BOTH_ROSE_WEIGHT = 0.2
 SMOOTHING = 1.0
+MIN_SUPPORT = 3  # other requests with a value before its own divergence rate counts
+IDENTIFIER_SHARE = 0.9  # distinct values per span above which an undeclared attribute is an identifier...
+IDENTIFIER_SPANS = 10  # ...among at least this many spans
+LIFT = 2.0  # how many times more often others with a value must diverge than with the baseline's, to count
+_NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 
 
 @dataclass
 class Cause:
-    kind: str  # "attribute" | "hardware"
+    kind: str  # "attribute" | "hardware" | "rollout" | "nondeterminism"
     stage: str
     name: str
     value: str
     baseline_value: str
     score: float
     evidence: dict = field(default_factory=dict)
+    weak: bool = False  # supporting evidence only: a measurement, a signal that rose for both, contradicted
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "stage": self.stage, "name": self.name, "value": self.value,
-                "baseline_value": self.baseline_value, "score": round(self.score, 4), **self.evidence}  # fmt: skip
+                "baseline_value": self.baseline_value, "score": round(self.score, 4), "weak": self.weak,
+                **self.evidence}  # fmt: skip
 
 
 def bucket(value: str) -> str:
@@ -60,8 +68,8 @@ BUCKET_SQL = (
 )
 
 
-# Measurements are what a stage did (effects, symptoms); the conventions say which attributes are measurements.
-is_symptom = conventions.is_measurement
+def is_measurement(key: str) -> bool:
+    return conventions.is_measurement(key.removeprefix(RESOURCE))
 
 
 def differences(request: Span, baseline: Span | None) -> list[tuple[str, str, str]]:
@@ -77,66 +85,76 @@ def differences(request: Span, baseline: Span | None) -> list[tuple[str, str, st
 
 
 class Contrast:
-    """Per (key, bucketed value) of a stage's spans around a request: how many, and how many diverged first there."""
+    """Per (key, value) of a stage's spans around a request: how many, and how many diverged first there.
 
-    def __init__(self, counts: dict[tuple[str, str], tuple[int, int]], spans: int, diverged: int):
+    Settings are counted by value, measurements by bucket (``population.contrast`` groups them so).
+    ``identifiers`` are the keys whose values were unique to nearly every span: not counted at all.
+    """
+
+    def __init__(self, counts: dict[tuple[str, str], tuple[int, int]], spans: int, diverged: int,
+                 identifiers: frozenset[str] = frozenset()):  # fmt: skip
         self.counts = counts
         self.prior = diverged / spans if spans else 0.0
+        self.identifiers = identifiers
+        self._buckets: dict[tuple[str, str], tuple[int, int]] = {}
+        for (key, value), (n, d) in counts.items():
+            b = self._buckets.get((key, bucket(value)), (0, 0))
+            self._buckets[(key, bucket(value))] = (b[0] + n, b[1] + d)
 
-    def rate(self, key: str, value: str, counted_as_diverged: bool) -> tuple[float, int, int]:
-        """(smoothed divergence rate, requests, diverged) among the others whose span had this value."""
-        n, d = self.counts.get((key, bucket(value)), (0, 0))
+    def rate(self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False) -> tuple[float, int, int]:
+        """(smoothed divergence rate, requests, diverged) among the others whose span had this value (or bucket)."""
+        if by_bucket or is_measurement(key):
+            n, d = self._buckets.get((key, bucket(value)), (0, 0))
+        else:
+            n, d = self.counts.get((key, value), (0, 0))
         n, d = max(n - 1, 0), max(d - (1 if counted_as_diverged else 0), 0)  # leave the request itself out
         return (d + SMOOTHING * self.prior) / (n + SMOOTHING), n, d
 
 
 def attribute_causes(stage: str, request: Span, baseline: Span | None, contrast: Contrast | None) -> list[Cause]:
+    """Every setting (and, as weak evidence, measurement) of the span that differs from the baseline's."""
     causes = []
     for key, value, baseline_value in differences(request, baseline):
+        if contrast is not None and key in contrast.identifiers:
+            continue
         name = key.removeprefix(RESOURCE)
-        evidence: dict = {}
+        measurement = is_measurement(key)
+        evidence: dict = {"role": "measurement" if measurement else "setting"}
         if contrast is None or not contrast.counts:
-            score = UNSCORED
+            score, weak = UNSCORED, measurement
         else:
             rate, n, d = contrast.rate(key, value, counted_as_diverged=True)
             baseline_rate, bn, bd = contrast.rate(key, baseline_value, counted_as_diverged=False)
+            if (not measurement and n < MIN_SUPPORT and _NUMBER.fullmatch(value) and _NUMBER.fullmatch(baseline_value)
+                    and bucket(value) != bucket(baseline_value)):  # fmt: skip
+                rate, n, d = contrast.rate(key, value, counted_as_diverged=True, by_bucket=True)
+                baseline_rate, bn, bd = contrast.rate(key, baseline_value, counted_as_diverged=False, by_bucket=True)
+                evidence["compared"] = "magnitude"
             score = rate - baseline_rate
-            evidence = {"diverged_with_value": d, "requests_with_value": n,
-                        "diverged_with_baseline_value": bd, "requests_with_baseline_value": bn}  # fmt: skip
+            # others with the value diverged hardly more often than those with the baseline's: it does not explain it
+            weak = measurement or (n >= MIN_SUPPORT and rate < LIFT * baseline_rate)
+            if n == bn == 0:  # no other request carried either value: nothing to weigh it by
+                score, weak = UNSCORED, True
+            evidence.update({"diverged_with_value": d, "requests_with_value": n,
+                             "diverged_with_baseline_value": bd, "requests_with_baseline_value": bn})  # fmt: skip
         if key.startswith(RESOURCE):
             evidence["resource"] = True
-        causes.append(Cause("attribute", stage, name, value, baseline_value, score, evidence))
+        causes.append(Cause("attribute", stage, name, value, baseline_value, score, evidence, weak))
     return causes
 
 
-def hardware_causes(stage: str, host: str, rises: list[Rise], baseline_rises: list[Rise], window: tuple[int, int] | None) -> list[Cause]:
-    def kind(rise: Rise) -> tuple:
-        return rise.metric, tuple(sorted((k, v) for k, v in rise.labels.items() if k not in ("uuid", "device", "gpu", "port", "model")))
-
-    baseline_delta: dict[tuple, float] = {}
-    for rise in baseline_rises:
-        baseline_delta[kind(rise)] = baseline_delta.get(kind(rise), 0.0) + rise.delta
-    causes = []
-    for rise in rises:
-        before = baseline_delta.get(kind(rise), 0.0)
-        score = rise.signal.severity * (BOTH_ROSE_WEIGHT if before > 0 else 1.0)
-        evidence = {"host": host, "device": rise.device, "labels": rise.labels}
-        if window:
-            evidence["window_ns"] = list(window)
-        causes.append(Cause("hardware", stage, rise.metric, f"+{rise.delta:g}", f"+{before:g}", score, evidence))
-    return causes
+def merged(causes: list[Cause]) -> list[Cause]:
+    """One entry per (kind family, stage, name, device): two detectors naming the same setting keep the stronger."""
+    best: dict[tuple, Cause] = {}
+    for cause in causes:
+        key = (cause.kind == "hardware", cause.stage, cause.name, cause.evidence.get("device"), cause.evidence.get("rank"))
+        kept = best.get(key)
+        if kept is None or (kept.weak, -kept.score) > (cause.weak, -cause.score):
+            best[key] = cause
+    return list(best.values())
 
 
 def ranked(causes: list[Cause]) -> list[Cause]:
-    """Best first: hardware and settings with evidence, then symptoms with evidence, then the rest.
-
-    A symptom (``context.truncated``) is usually the sharper predictor, but it is what the setting
-    behind it (``context.max_tokens``) did; when both differ, the setting is the cause to report.
-    """
-
-    def tier(c: Cause) -> int:
-        if c.score <= 0:
-            return 2
-        return 1 if c.kind == "attribute" and is_symptom(c.name) else 0
-
-    return sorted(causes, key=lambda c: (tier(c), -c.score, c.kind != "hardware", c.name))
+    """The candidates with support, strong before weak, each by score; zero and negative scores are no evidence."""
+    kept = [c for c in merged(causes) if c.score > 0]
+    return sorted(kept, key=lambda c: (c.weak, -c.score, c.kind != "hardware", c.name))

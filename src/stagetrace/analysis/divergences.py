@@ -1,21 +1,24 @@
 """``stagetrace divergences``: every group of same-input requests whose outputs disagree, with causes, persisted.
 
 Grouping, majorities and first divergent stages come from ClickHouse (``population``); only the
-deviating requests and their baselines' spans are read back to rank causes. Results are written to
-``stagetrace_divergences`` (one row per deviating request; re-runs replace earlier rows) for the
-dashboards and alert rules.
+deviating requests and their baselines' spans are read back to rank causes. The settings that
+differ at the analysed requests' divergent stages are checked for rollouts; when one is found, the
+requests are grouped again within the rollout's epochs, so the requests after it compare with each
+other, the rollout is reported once, and the requests its wave explains are not counted as
+deviating. Requests that sample without a seed are not compared at all, only counted. Results are
+written to ``stagetrace_divergences`` (one row per deviating request; re-runs replace earlier rows)
+for the dashboards and alert rules.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 
 from stagetrace import lookup
-from stagetrace.analysis import population
+from stagetrace.analysis import population, rollouts
+from stagetrace.analysis.explain import Baseline, diagnose, rank_order, ranks_of, setting_keys, summary
 from stagetrace.analysis.causes import differences
-from stagetrace.analysis.explain import Baseline, rank_causes, stage_spans, summary
 from stagetrace.analysis.hardware import Samples
 from stagetrace.store import Store
 
@@ -38,40 +41,61 @@ def _traces(store: Store, trace_ids: list[str], t0_ns: int, t1_ns: int) -> dict[
     return out
 
 
+def _in_wave(d: population.Deviation, found: list[rollouts.Rollout]) -> bool:
+    return any(r.stage == d.stage and r.from_ns <= d.start_ns <= r.until_ns for r in found)
+
+
 def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100) -> dict:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full), grouped by input."""
     until_ns = until_ns or time.time_ns()
     t0 = until_ns - since_ns
+    window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
     deviations = population.deviations(store, t0, until_ns, MARGIN_NS)
     analysed = deviations[-limit:] if limit else deviations
-    traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], t0 - MARGIN_NS,
-                     until_ns + MARGIN_NS)  # fmt: skip
+    traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], *window)
+    pairs = [(d, traces[d.trace_id], traces[d.baseline_trace_id]) for d in analysed
+             if d.stage and d.trace_id in traces and d.baseline_trace_id in traces]  # fmt: skip
+    found_rollouts = rollouts.detect(store, sorted({(d.stage, k) for d, a, b in pairs for k in setting_keys(a, b, d.stage)}),
+                                     t0, until_ns)  # fmt: skip
+    if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
+        deviations = population.deviations(store, t0, until_ns, MARGIN_NS, [r.fleet_ns for r in found_rollouts])
+        latest = deviations[-limit:] if limit else deviations
+        analysed = [d for d in deviations if _in_wave(d, found_rollouts) or d in latest]
+        traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], *window)
 
-    keys: dict[str, set[str]] = defaultdict(set)
+    keys: dict[str, set[str]] = {}
     for d in analysed:
         if d.stage and d.trace_id in traces and d.baseline_trace_id in traces:
-            mine = stage_spans(traces[d.trace_id]).get((d.stage, d.rank))
-            if mine is not None:
-                theirs = stage_spans(traces[d.baseline_trace_id]).get((d.stage, d.rank))
-                keys[d.stage].update(key for key, _, _ in differences(mine, theirs))
+            mine = ranks_of(traces[d.trace_id], d.stage)
+            if mine:
+                first = min(mine, key=rank_order)
+                keys.setdefault(d.stage, set()).update(
+                    key for key, _, _ in differences(mine[first], ranks_of(traces[d.baseline_trace_id], d.stage).get(first)))
     contrasts = {stage: population.contrast(store, stage, sorted(k), deviations, t0, until_ns, MARGIN_NS)
                  for stage, k in keys.items()}  # fmt: skip
     samples = Samples(store, sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans}), t0, until_ns)
 
     groups: dict[str, dict] = {}
     rows = []
+    expected: dict[int, int] = {}  # rollout index → requests its wave explains
     detected = time.time_ns() // 1_000_000
     for d in analysed:
-        group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
-                                                   "majority_output": d.majority_output, "support": d.support,
-                                                   "deviating": []})  # fmt: skip
         baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)
         found = []
         if d.stage and d.trace_id in traces and d.baseline_trace_id in traces:
-            found = rank_causes(d.stage, d.rank, traces[d.trace_id], traces[d.baseline_trace_id],
-                                contrasts.get(d.stage), samples)  # fmt: skip
-        top = found[0] if found else None
-        line = summary(d.stage, top, baseline, d.input_differed)
+            found = diagnose(store, d.stage, traces[d.trace_id], traces[d.baseline_trace_id], contrasts.get(d.stage),
+                             samples, found_rollouts)  # fmt: skip
+        top = next((c for c in found if not c.weak), None)
+        if top is not None and top.kind == "rollout" and top.evidence.get("expected"):
+            index = next(i for i, r in enumerate(found_rollouts) if (r.stage, r.name) == (top.stage, top.name))
+            expected[index] = expected.get(index, 0) + 1
+            continue
+        if limit and d not in deviations[-limit:]:
+            continue
+        group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
+                                                   "majority_output": d.majority_output, "support": d.support,
+                                                   "deviating": []})  # fmt: skip
+        line = summary(d.stage, found, baseline, d.input_differed)
         group["deviating"].append({
             "request_id": d.request_id, "trace_id": d.trace_id, "baseline_request_id": baseline.request_id,
             "first_divergent_stage": d.stage, "top_cause": top.to_json() if top else None, "summary": line,
@@ -85,4 +109,12 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         ))  # fmt: skip
     if rows and not store.read_only:  # through a running agent's read-only endpoint, report without persisting
         store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
-    return {"since_ns": since_ns, "deviating": len(deviations), "analysed": len(analysed), "groups": list(groups.values())}
+    explained = sum(expected.values())
+    return {
+        "since_ns": since_ns,
+        "deviating": len(deviations) - explained,
+        "analysed": len(rows),
+        "nondeterministic": population.nondeterministic(store, t0, until_ns),
+        "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
+        "groups": list(groups.values()),
+    }

@@ -1,9 +1,15 @@
 """``stagetrace explain``: why one request's output deviates: its baseline, first divergent stage and ranked causes.
 
 The baseline is ``--against`` another request, else the majority output among requests with the same
-``stagetrace.input.digest`` within the window, else the nearest earlier request with that input.
-From the majority it is the member nearest in time on another host, when there is one, so that the
-hardware comparison sets other devices against the request's.
+``stagetrace.input.digest`` within the window, else the nearest earlier request with that input;
+from the majority it is the member nearest in time on another host, when there is one, so that the
+hardware comparison sets other devices against the request's. Baselines respect the fleet's moves:
+when a setting that differs from the baseline's was rolled out in between (``rollouts``), the
+baseline is chosen again among the requests on the request's side of the rollout. Requests that
+sample without a seed are compared only with each other.
+
+The causes come from the detectors (``analysis.detectors``), ranked together; the verdict names the
+strongest, and says so plainly when nothing recorded explains the divergence.
 """
 
 from __future__ import annotations
@@ -12,10 +18,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 from stagetrace import conventions, lookup
-from stagetrace.analysis import causes as causes_module
-from stagetrace.analysis import population
-from stagetrace.analysis.causes import Cause, attribute_causes, hardware_causes, ranked
-from stagetrace.analysis.hardware import Samples, devices
+from stagetrace.analysis import detectors, population, rollouts
+from stagetrace.analysis.causes import Cause, differences, is_measurement, ranked
+from stagetrace.analysis.hardware import Samples
 from stagetrace.conventions import PIPELINE_STAGES
 from stagetrace.store import Store
 
@@ -23,6 +28,7 @@ HOUR_NS = 3600 * 1_000_000_000
 DEFAULT_WINDOW_NS = 24 * HOUR_NS  # peers: requests with the same input this close in time
 CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute differences...
 CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
+WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
 
 
 @dataclass
@@ -35,7 +41,7 @@ class Baseline:
 
     def describe(self) -> str:
         if self.how == "majority":
-            return f"baseline: {self.support} of {self.group_size} requests"
+            return f"baseline: request {self.request_id}, {self.support} of {self.group_size} requests"
         if self.how == "explicit":
             return f"baseline: request {self.request_id}"
         return f"baseline: the nearest earlier request {self.request_id}"
@@ -48,6 +54,10 @@ def root(trace: lookup.Trace) -> lookup.Span:
     return trace.root
 
 
+def rank_order(rank: str) -> tuple:
+    return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
+
+
 def stages(trace: lookup.Trace) -> dict[tuple[str, str], list[lookup.Span]]:
     """Each stage's passes by (stage, TP rank), in pipeline order, then the other stages by start time."""
     by_key: dict[tuple[str, str], list[lookup.Span]] = {}
@@ -56,12 +66,18 @@ def stages(trace: lookup.Trace) -> dict[tuple[str, str], list[lookup.Span]]:
             by_key.setdefault((span.stage, span.rank), []).append(span)
     passes = {key: conventions.stage_passes(spans) for key, spans in by_key.items()}
     order = {name: i for i, name in enumerate(PIPELINE_STAGES)}
-    return dict(sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns)))
+    return dict(sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns,
+                                                          rank_order(kv[0][1]))))  # fmt: skip
 
 
 def stage_spans(trace: lookup.Trace) -> dict[tuple[str, str], lookup.Span]:
     """Each stage's first pass by (stage, TP rank): the span whose attributes describe how the stage ran."""
     return {key: passes[0] for key, passes in stages(trace).items()}
+
+
+def ranks_of(trace: lookup.Trace, stage: str) -> dict[str, lookup.Span]:
+    """The stage's first pass per TP rank (``""``: no rank recorded)."""
+    return {rank: span for (name, rank), span in stage_spans(trace).items() if name == stage}
 
 
 @dataclass
@@ -93,44 +109,66 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
     return out
 
 
-def rank_causes(stage: str, rank: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
-                samples: Samples | None) -> list[Cause]:  # fmt: skip
-    """Attribute and hardware causes for one divergent stage, best first."""
-    mine = stage_spans(request).get((stage, rank))
-    theirs = stage_spans(baseline).get((stage, rank))
-    if mine is None:  # the request skipped a stage the baseline ran: compare the requests themselves
-        mine, theirs = root(request), root(baseline)
-    found = attribute_causes(stage, mine, theirs, contrast)
-    if samples is not None:
-        host = mine.resource.get("host.name", "")
-        window = samples.window(host, mine.start_ns, mine.start_ns + mine.duration_ns)
-        rises = samples.rises(host, *devices(mine.attributes), mine.start_ns, mine.start_ns + mine.duration_ns)
-        baseline_rises = []
-        if theirs is not None:
-            baseline_rises = samples.rises(theirs.resource.get("host.name", ""), *devices(theirs.attributes),
-                                           theirs.start_ns, theirs.start_ns + theirs.duration_ns)  # fmt: skip
-        found += hardware_causes(stage, host, rises, baseline_rises, window)
-    return ranked(found)
+def nondeterminism(trace: lookup.Trace) -> str:
+    """Why the request's output may differ by design (its own or a stage span's sampling), or ``''``."""
+    return next((r for r in (conventions.nondeterminism(s.attributes) for s in trace.spans) if r), "")
 
 
-def summary(stage: str | None, top: Cause | None, baseline: Baseline, input_differed: bool = False) -> str:
+def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> list[str]:
+    """The stage's settings whose values differ between the two requests: what a rollout may have changed."""
+    mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
+    if not mine:
+        return []
+    first = min(mine, key=rank_order)
+    return [key for key, _, _ in differences(mine[first], theirs.get(first)) if not is_measurement(key)]
+
+
+def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
+             samples: Samples | None, found_rollouts: list, reason: str = "") -> list[Cause]:  # fmt: skip
+    """Every detector's causes for one divergent stage, ranked."""
+    mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
+    if not mine:  # the request skipped a stage the baseline ran: compare the requests themselves
+        mine, theirs = {"": root(request)}, {"": root(baseline)}
+    case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason)
+    return ranked(detectors.detect(case))
+
+
+def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_differed: bool = False,
+            ranks: list[str] = ()) -> str:  # fmt: skip
+    """The one-line verdict; it names the baseline's request ID so that ``stagetrace trace`` can open it."""
     tail = f"({baseline.describe()})"
+    top = next((c for c in causes if not c.weak), None)
+    if top is not None and top.kind == "nondeterminism":
+        return f"nondeterministic: {top.value}; its output may differ from any other by design {tail}"
     if stage is None:
         return f"every recorded stage agrees with the baseline; the output differs after the last one {tail}"
-    lead = f"{stage} diverged" + (" (its input already differed)" if input_differed else "")
+    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}" if ranks and len(ranks) < 8 else ""
+    lead = f"{stage} diverged{where}" + (" (its input already differed)" if input_differed else "")
     if top is None:
-        return f"{lead}; no attribute or hardware difference was recorded {tail}"
+        weak = ", ".join(c.name for c in causes[:WEAK_NAMED])
+        return (f"{lead}; no recorded setting or hardware signal differs; {stage} itself is nondeterministic or an "
+                f"unrecorded input changed" + (f" (weak candidates: {weak})" if weak else "") + f" {tail}")  # fmt: skip
+    if top.kind == "rollout":
+        rollout = top.evidence["rollout"]
+        if top.evidence.get("expected"):
+            return f"{lead} as expected: {rollout['summary']} {tail}"
+        return (f"{lead}: {top.evidence['host']} still had {top.name} {top.value} after the fleet moved to "
+                f"{top.baseline_value} ({rollout['hosts']}/{rollout['of_hosts']} hosts) {tail}")  # fmt: skip
     if top.kind == "hardware":
-        return f"{lead}: {top.name} rose by {top.value.lstrip('+')} on {top.evidence['device']} ({top.evidence['host']}) while it ran, not for the baseline {tail}"
+        rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
+        return (f"{lead}: {top.name} rose by {top.value.lstrip('+')} on{rank} {top.evidence['device']} "
+                f"({top.evidence['host']}) while it ran, not for the baseline {tail}")  # fmt: skip
     return f"{lead}: {top.name} {top.value or '(unset)'} vs {top.baseline_value or '(unset)'} {tail}"
 
 
 _WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
-# Requests with this input in the window, latest trace per request ID. The traces are found by their root rows'
-# digests first, so only they are grouped into requests.
+# Requests with this input in the window, latest trace per request ID, and whether each samples by design.
+# The traces are found by their root rows' digests first, so only they are grouped into requests.
 _PEERS_SQL = f"""
 SELECT RequestId, argMax(TraceId, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start),
-       argMax(OutputDigest, Start)
+       argMax(OutputDigest, Start), argMax(TraceId, Start) IN (
+           {conventions.nondeterministic_traces_sql(
+               _WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})
 FROM ({conventions.requests_sql(
     f"{_WINDOW} AND TraceId IN (SELECT TraceId FROM {{db:Identifier}}.stagetrace_requests "
     f"WHERE InputDigest = {{input:String}} AND {_WINDOW})", "{db:Identifier}.stagetrace_requests")})
@@ -146,9 +184,10 @@ class Explainer:
 
     def explain(self, request_id: str, against: str | None = None) -> dict:
         trace = lookup.by_request_id(self.store, request_id)
-        input_digest, output_digest = trace.input_digest, trace.output_digest
-        report = {"request_id": request_id, "trace_id": trace.trace_id, "input_digest": input_digest,
-                  "output_digest": output_digest}  # fmt: skip
+        reason = nondeterminism(trace)
+        report = {"request_id": request_id, "trace_id": trace.trace_id, "input_digest": trace.input_digest,
+                  "output_digest": trace.output_digest, "nondeterministic": bool(reason),
+                  "nondeterminism": reason or None, "expected": False, "rollouts": [], "divergent_ranks": []}  # fmt: skip
         if against is not None:
             try:
                 other = lookup.by_request_id(self.store, against)
@@ -156,45 +195,78 @@ class Explainer:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
         else:
-            baseline = self._baseline(request_id, trace.start_ns, input_digest)
+            peers = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
+            baseline = self._baseline(request_id, trace.start_ns, peers, [])
         if baseline is None:
             return {**report, "baseline": None, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": "no other request with the same input in the window: nothing to compare against"}  # fmt: skip
-        base_output = baseline.trace.output_digest
+        found_rollouts: list[rollouts.Rollout] = []
+        epochs: list[int] = []
+        for _ in range(3):  # each round may find a rollout between the request and its baseline
+            if baseline.trace.output_digest == trace.output_digest:
+                break
+            comparisons = compare_stages(trace, baseline.trace)
+            first = next((c for c in comparisons if not c.output_matches), None)
+            if first is None:
+                break
+            found_rollouts = self._rollouts(first.stage, trace, baseline.trace, found_rollouts)
+            crossing = [r.fleet_ns for r in found_rollouts if r.fleet_ns not in epochs
+                        and r.epoch(trace.start_ns) != r.epoch(baseline.trace.start_ns)]  # fmt: skip
+            if against is not None or not crossing:
+                break
+            epochs += crossing
+            baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or baseline
         report["baseline"] = baseline.to_json()
-        if base_output == output_digest:
+        report["rollouts"] = [r.to_json() for r in found_rollouts]
+        if baseline.trace.output_digest == trace.output_digest:
             return {**report, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": f"the output agrees with the baseline ({baseline.describe()})"}  # fmt: skip
-        stages = compare_stages(trace, baseline.trace)
-        first = next((c for c in stages if not c.output_matches), None)
+        comparisons = compare_stages(trace, baseline.trace)
+        first = next((c for c in comparisons if not c.output_matches), None)
         found: list[Cause] = []
+        ranks: list[str] = []
         if first is not None:
-            contrast = self._contrast(first.stage, first.rank, trace, baseline.trace)
+            ranks = [c.rank for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
+            contrast = self._contrast(first.stage, trace, baseline.trace, epochs)
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
             samples = Samples(self.store, sorted(hosts), t0, t1)
-            found = rank_causes(first.stage, first.rank, trace, baseline.trace, contrast, samples)
+            found = diagnose(self.store, first.stage, trace, baseline.trace, contrast, samples, found_rollouts, reason)
+        elif reason:
+            found = diagnose(self.store, "", trace, baseline.trace, None, None, [], reason)
         stage = first.stage if first else None
         input_differed = bool(first and first.present and not first.input_matches)
+        top = next((c for c in found if not c.weak), None)
         return {
             **report,
             "diverged": True,
+            "expected": bool(top and top.kind == "rollout" and top.evidence.get("expected")),
             "first_divergent_stage": stage,
+            "divergent_ranks": ranks,
             "stage_input_differed": input_differed,
-            "stages": [c.to_json() for c in stages],
+            "stages": [c.to_json() for c in comparisons],
             "causes": [c.to_json() for c in found],
-            "summary": summary(stage, found[0] if found else None, baseline, input_differed),
+            "summary": summary(stage, found, baseline, input_differed, ranks),
         }
 
-    def _baseline(self, request_id: str, start_ns: int, input_digest: str) -> Baseline | None:
+    def _peers(self, request_id: str, start_ns: int, input_digest: str, nondeterministic: bool) -> list[tuple]:
+        """(request ID, trace ID, start, host, output) of the requests with this input, sampling alike."""
         if not input_digest:
-            return None
-        peers = self.store.client.query(
+            return []
+        rows = self.store.client.query(
             _PEERS_SQL,
             parameters={"db": self.store.database, "input": input_digest, "t0": start_ns - self.window_ns,
                         "t1": start_ns + self.window_ns},  # fmt: skip
         ).result_rows
+        return [row[:5] for row in rows if bool(row[5]) == nondeterministic or row[0] == request_id]
+
+    def _baseline(self, request_id: str, start_ns: int, peers: list[tuple], epochs: list[int]) -> Baseline | None:
+        """The majority (or nearest earlier) among the peers on the request's side of every epoch."""
+        def side(t: int) -> tuple:
+            return tuple(t >= e for e in epochs)
+
+        peers = [p for p in peers if side(int(p[2])) == side(start_ns)]
         outputs = {rid: out for rid, _, _, _, out in peers}
         others = [population.Member(rid, tid, int(start), host) for rid, tid, start, host, _ in peers if rid != request_id]
         host = next((h for rid, _, _, h, _ in peers if rid == request_id), "")
@@ -203,7 +275,8 @@ class Explainer:
         if ranking and ranking[0][1] >= 2 and (len(ranking) == 1 or ranking[0][1] > ranking[1][1]):
             chosen = population.nearest([m for m in others if outputs[m.request_id] == ranking[0][0]], start_ns, host)
             if chosen:
-                return Baseline(chosen.request_id, "majority", ranking[0][1], len(peers), lookup.by_request_id(self.store, chosen.request_id))
+                return Baseline(chosen.request_id, "majority", ranking[0][1], len(peers),
+                                lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
         earlier = [m for m in others if m.start_ns < start_ns]
         if not earlier:
             return None
@@ -211,12 +284,19 @@ class Explainer:
         return Baseline(chosen.request_id, "nearest_earlier", counts[outputs[chosen.request_id]], len(peers),
                         lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
 
-    def _contrast(self, stage: str, rank: str, trace: lookup.Trace, baseline: lookup.Trace):
-        mine = stage_spans(trace).get((stage, rank))
-        if mine is None:
+    def _rollouts(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, known: list) -> list:
+        """Rollouts of the stage's settings that differ between the two, added to those already known."""
+        keys = [k for k in setting_keys(trace, baseline, stage) if (stage, k) not in {(r.stage, r.key) for r in known}]
+        found = rollouts.detect(self.store, [(stage, k) for k in keys], trace.start_ns - self.window_ns,
+                                trace.start_ns + self.window_ns)  # fmt: skip
+        return sorted(known + found, key=lambda r: r.fleet_ns)
+
+    def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, epochs: list[int]):
+        mine = ranks_of(trace, stage)
+        if not mine:
             return None
-        theirs = stage_spans(baseline).get((stage, rank))
-        keys = [key for key, _, _ in causes_module.differences(mine, theirs)]
+        first = min(mine, key=rank_order)
+        keys = [key for key, _, _ in differences(mine[first], ranks_of(baseline, stage).get(first))]
         half = self.contrast_window_ns
         count = int(self.store.client.command(
             "SELECT count() FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) "
@@ -226,4 +306,5 @@ class Explainer:
         if count > CONTRAST_REQUESTS:  # busy hours: the nearest requests weigh as well, and explain stays fast
             half = half * CONTRAST_REQUESTS // count
         t0, t1 = trace.start_ns - half, trace.start_ns + half
-        return population.contrast(self.store, stage, keys, population.deviations(self.store, t0, t1), t0, t1)
+        return population.contrast(self.store, stage, keys, population.deviations(self.store, t0, t1, epochs=epochs),
+                                   t0, t1)  # fmt: skip

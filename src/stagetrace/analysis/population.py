@@ -22,15 +22,22 @@ _ORDER = "if(indexOf({pipeline:Array(String)}, Stage) = 0, 100, indexOf({pipelin
 
 # Requests in the window (one per trace, by the conventions' root rule), latest trace per request ID (a retry
 # reuses the ID).
+# Nondeterministic requests (sampling without a seed) are left out: their outputs differ by design. Each
+# request falls in an epoch, its side of every rollout's fleet-wide moment, and is compared only within it.
+_IN_WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64})"
 _REQUESTS = f"""
     SELECT RequestId, argMax(TraceId, S) AS TraceId, argMax(InputDigest, S) AS InputDigest,
-           argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName
+           argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName,
+           arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
     FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName
-          FROM ({conventions.requests_sql(
-              "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64})",
-              "{db:Identifier}.stagetrace_requests")}))
+          FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests")})
+          WHERE TraceId NOT IN ({conventions.nondeterministic_traces_sql(
+              _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}))
     GROUP BY RequestId
     HAVING InputDigest != ''"""
+NONDETERMINISTIC_COUNT_SQL = f"""
+SELECT uniqExact(TraceId) FROM ({conventions.nondeterministic_traces_sql(
+    _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})"""
 
 # Each deviating request with its baseline, in one pass over the window's requests: the members of an
 # input group are gathered into an array, and its majority and the baselines found with array functions.
@@ -46,7 +53,7 @@ FROM (
                arrayMap(o -> countEqual(outs, o), outputs) AS counts,
                arrayMax(counts) AS Support, outputs[indexOf(counts, Support)] AS Majority
         FROM (SELECT InputDigest, groupArray((RequestId, TraceId, OutputDigest, toUnixTimestamp64Nano(Start), HostName)) AS members
-              FROM ({_REQUESTS}) GROUP BY InputDigest)
+              FROM ({_REQUESTS}) GROUP BY InputDigest, Epoch)
         WHERE Support >= 2 AND countEqual(counts, Support) = 1)
     WHERE notEmpty(deviating))
 ARRAY JOIN deviating AS d
@@ -107,13 +114,18 @@ class Deviation:
     input_differed: bool  # the stage's input already differed (blame lies upstream of the recorded stages)
 
 
-def _window(store: Store, t0_ns: int, t1_ns: int, margin_ns: int) -> dict:
-    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "margin": margin_ns, "pipeline": list(PIPELINE_STAGES)}
+def _window(store: Store, t0_ns: int, t1_ns: int, margin_ns: int, epochs: list[int] = ()) -> dict:
+    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "margin": margin_ns, "pipeline": list(PIPELINE_STAGES),
+            "epochs": sorted(epochs)}  # fmt: skip
 
 
-def deviations(store: Store, t0_ns: int, t1_ns: int, margin_ns: int = 60_000_000_000) -> list[Deviation]:
-    """Every deviating request that started in [t0, t1), oldest first, with its baseline and first divergent stage."""
-    params = _window(store, t0_ns, t1_ns, margin_ns)
+def deviations(store: Store, t0_ns: int, t1_ns: int, margin_ns: int = 60_000_000_000,
+               epochs: list[int] = ()) -> list[Deviation]:  # fmt: skip
+    """Every deviating request that started in [t0, t1), oldest first, with its baseline and first divergent stage.
+
+    ``epochs``: the fleet-wide moments of rollouts; requests are compared only with those on the same sides.
+    """
+    params = _window(store, t0_ns, t1_ns, margin_ns, epochs)
     pairs = store.client.query(PAIRS_SQL, parameters=params).result_rows
     if not pairs:
         return []
@@ -125,6 +137,11 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, margin_ns: int = 60_000_000
         out.append(Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid,
                              stage or None, rank, bool(moved)))  # fmt: skip
     return out
+
+
+def nondeterministic(store: Store, t0_ns: int, t1_ns: int) -> int:
+    """How many requests in [t0, t1) sample nondeterministically by design."""
+    return int(store.client.command(NONDETERMINISTIC_COUNT_SQL, parameters=_window(store, t0_ns, t1_ns, 0)))
 
 
 @dataclass
@@ -151,28 +168,40 @@ def contrast(store: Store, stage: str, keys: list[str], deviations_: list[Deviat
              margin_ns: int = 60_000_000_000):  # fmt: skip
     """Counts for :class:`~stagetrace.analysis.causes.Contrast` over the stage's spans in the window.
 
-    Requests that diverged upstream of the stage are left out: the stage saw another input there, so
-    its attribute values say nothing about whether the stage itself diverges.
+    Settings are counted by value and measurements by bucket. A key with a distinct value on nearly
+    every span is an identifier: it comes back as a single summary row, not a row per span. Requests
+    that diverged upstream of the stage are left out: the stage saw another input there, so its
+    attribute values say nothing about whether the stage itself diverges.
     """
-    from stagetrace.analysis.causes import BUCKET_SQL, RESOURCE, Contrast
+    from stagetrace.analysis.causes import BUCKET_SQL, IDENTIFIER_SHARE, IDENTIFIER_SPANS, RESOURCE, Contrast, is_measurement
 
     if not keys:
         return None
     value = f"if(startsWith(key, '{RESOURCE}'), ResourceAttributes[substring(key, {len(RESOURCE) + 1})], Attributes[key])"
+    identifier = f"Spans >= {IDENTIFIER_SPANS} AND Values >= {IDENTIFIER_SHARE} * Spans"
     sql = f"""
-    SELECT key, {BUCKET_SQL.replace('{v}', 'value')} AS bucketed, count(), countIf(TraceId IN (SELECT arrayJoin({{diverged:Array(String)}})))
-    FROM (SELECT TraceId, key, {value} AS value
-          FROM {{db:Identifier}}.stagetrace_stages ARRAY JOIN {{keys:Array(String)}} AS key
-          WHERE Stage = {{stage:String}}
-            AND Start >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
-            AND Start < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}})
-            AND TraceId NOT IN (SELECT arrayJoin({{upstream:Array(String)}})))
-    GROUP BY key, bucketed"""
+    SELECT key, value, n, d, Values, Spans, Diverged, {identifier}
+    FROM (SELECT key, value, n, d, count() OVER w AS Values, sum(n) OVER w AS Spans, sum(d) OVER w AS Diverged
+          FROM (SELECT key, if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
+                       count() AS n, countIf(TraceId IN (SELECT arrayJoin({{diverged:Array(String)}}))) AS d
+                FROM (SELECT TraceId, key, {value} AS raw
+                      FROM {{db:Identifier}}.stagetrace_stages ARRAY JOIN {{keys:Array(String)}} AS key
+                      WHERE Stage = {{stage:String}}
+                        AND Start >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
+                        AND Start < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}})
+                        AND TraceId NOT IN (SELECT arrayJoin({{upstream:Array(String)}})))
+                GROUP BY key, value)
+          WINDOW w AS (PARTITION BY key))
+    LIMIT 1 BY key, if({identifier}, '', value)"""
     order = stage_order(stage)
     params = {**_window(store, t0_ns, t1_ns, margin_ns), "stage": stage, "keys": keys,
+              "measured": [k for k in keys if is_measurement(k)],
               "diverged": [d.trace_id for d in deviations_ if d.stage == stage],
               "upstream": [d.trace_id for d in deviations_ if stage_order(d.stage) < order]}  # fmt: skip
-    counts = {(k, v): (int(n), int(d)) for k, v, n, d in store.client.query(sql, parameters=params).result_rows}
-    spans = sum(n for (k, _), (n, _) in counts.items() if k == keys[0])
-    diverged = sum(d for (k, _), (_, d) in counts.items() if k == keys[0])
-    return Contrast(counts, spans, diverged)
+    counts, identifiers, spans, diverged = {}, set(), 0, 0
+    for key, value, n, d, _, spans, diverged, is_identifier in store.client.query(sql, parameters=params).result_rows:
+        if is_identifier:
+            identifiers.add(key)
+        else:
+            counts[(key, value)] = (int(n), int(d))
+    return Contrast(counts, int(spans), int(diverged), frozenset(identifiers))
