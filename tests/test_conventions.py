@@ -177,3 +177,32 @@ def test_attribute_roles():
         assert not conventions.is_comparable(key), key
     for key in ("retrieval.index.version", "llm.model_name", "llm.invocation_parameters", "decode.batch_size"):
         assert conventions.is_comparable(key) and not conventions.is_measurement(key), key
+
+
+NONDETERMINISM_CASES = [
+    ({"gen_ai.request.temperature": 0.8}, True),
+    ({"gen_ai.request.temperature": 0.8, "gen_ai.request.seed": 7}, False),
+    ({"gen_ai.request.temperature": 0.0}, False),
+    ({"llm.invocation_parameters": '{"temperature": 0.7, "max_tokens": 64}'}, True),
+    ({"llm.invocation_parameters": '{"temperature": 0.7, "seed": 3}'}, False),
+    ({"llm.invocation_parameters": '{"temperature": 0.7, "seed": null}'}, True),
+    ({"llm.invocation_parameters": "not json"}, False),
+    ({"stagetrace.nondeterministic": True}, True),
+    ({"stagetrace.nondeterministic": False, "gen_ai.request.temperature": 0}, False),
+    ({}, False),
+]
+
+
+def test_nondeterminism_is_read_alike_by_the_store_and_by_python(store, tracer):
+    """Sampling above temperature zero without a seed (OpenTelemetry GenAI, OpenInference's invocation parameters)
+    or a declared nondeterministic span: the store's view and the Python rule must agree on every shape."""
+    for i, (attributes, _) in enumerate(NONDETERMINISM_CASES):
+        end(span(tracer, f"case-{i}", {"gen_ai.request.id": f"nd-{i}", **attributes}))
+    rows = dict(store.client.query(
+        "SELECT RequestId, Nondeterministic FROM {db:Identifier}.stagetrace_requests", parameters={"db": store.database}
+    ).result_rows)  # fmt: skip
+    for i, (attributes, expected) in enumerate(NONDETERMINISM_CASES):
+        python = conventions.nondeterminism({k: str(v).lower() if isinstance(v, bool) else str(v)
+                                             for k, v in attributes.items()})  # fmt: skip
+        assert bool(rows[f"nd-{i}"]) is expected, (attributes, rows[f"nd-{i}"])
+        assert bool(python) is expected, (attributes, python)

@@ -158,8 +158,14 @@ def _cause_row(cause: dict) -> list[str]:
         evidence = (f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
                     f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the baseline's")
     elif cause["kind"] == "hardware":
-        evidence = f"on {cause['device']} ({cause['host']})"
-    return [cause["kind"], cause["name"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
+        rank = f"rank {cause['rank']}: " if cause.get("rank") else ""
+        evidence = f"{rank}on {cause['device']} ({cause['host']})"
+    elif cause["kind"] == "rollout":
+        evidence = cause["rollout"]["summary"]
+    elif cause["kind"] == "nondeterminism":
+        evidence = cause["reason"]
+    kind = cause["kind"] + (" (weak)" if cause.get("weak") else "")
+    return [kind, cause["name"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
             f"{cause['score']:.2f}", evidence]  # fmt: skip
 
 
@@ -194,7 +200,10 @@ def divergence_groups(found: dict, since: str) -> None:
     """``stagetrace divergences``: deviating requests by input group, with their first divergent stage and top cause."""
     console = Console()
     console.print(f"{found['deviating']} deviating requests in the last {since}"
-                  + (f"; the latest {found['analysed']} analysed" if found["analysed"] < found["deviating"] else ""))
+                  + (f"; the latest {found['analysed']} analysed" if found["analysed"] < found["deviating"] else "")
+                  + (f"; {found['nondeterministic']} sampled without a seed, not compared" if found.get("nondeterministic") else ""))
+    for rollout in found.get("rollouts", ()):
+        console.print(f"rollout: {rollout['summary']}", highlight=False, soft_wrap=True)
     table = Table(title_justify="left")
     for column in ("input", "majority", "request", "stage", "top cause", "value vs baseline"):
         table.add_column(column, overflow="fold")
