@@ -41,10 +41,6 @@ def _traces(store: Store, trace_ids: list[str], t0_ns: int, t1_ns: int) -> dict[
     return out
 
 
-def _in_wave(d: population.Deviation, found: list[rollouts.Rollout]) -> bool:
-    return any(r.stage == d.stage and r.from_ns <= d.start_ns <= r.until_ns for r in found)
-
-
 def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100) -> dict:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full), grouped by input."""
     until_ns = until_ns or time.time_ns()
@@ -60,7 +56,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
         deviations = population.deviations(store, t0, until_ns, MARGIN_NS, [r.fleet_ns for r in found_rollouts])
         latest = deviations[-limit:] if limit else deviations
-        analysed = [d for d in deviations if _in_wave(d, found_rollouts) or d in latest]
+        analysed = [d for d in deviations if rollouts.in_wave(d.stage, d.start_ns, found_rollouts) or d in latest]
         traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], *window)
 
     keys: dict[str, set[str]] = {}
@@ -71,7 +67,9 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
                 first = min(mine, key=rank_order)
                 keys.setdefault(d.stage, set()).update(
                     key for key, _, _ in differences(mine[first], ranks_of(traces[d.baseline_trace_id], d.stage).get(first)))
-    contrasts = {stage: population.contrast(store, stage, sorted(k), deviations, t0, until_ns, MARGIN_NS)
+    waves = rollouts.expected(store, deviations, found_rollouts, MARGIN_NS)
+    evidence = [d for d in deviations if d.trace_id not in waves]  # a rollout is no fault
+    contrasts = {stage: population.contrast(store, stage, sorted(k), evidence, t0, until_ns, MARGIN_NS)
                  for stage, k in keys.items()}  # fmt: skip
     samples = Samples(store, sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans}), t0, until_ns)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from stagetrace import conventions, lookup
 from stagetrace.analysis import detectors, population, rollouts
-from stagetrace.analysis.causes import Cause, differences, is_measurement, ranked
+from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples
 from stagetrace.conventions import PIPELINE_STAGES
 from stagetrace.store import Store
@@ -55,7 +55,8 @@ def root(trace: lookup.Trace) -> lookup.Span:
 
 
 def rank_order(rank: str) -> tuple:
-    return (0, int(rank), "") if rank.isdigit() else (1, 0, rank)
+    """TP ranks by number, the same order as ``population._RANK_ORDER``."""
+    return (int(rank) if rank.isdigit() else 0, rank)
 
 
 def stages(trace: lookup.Trace) -> dict[tuple[str, str], list[lookup.Span]]:
@@ -94,24 +95,50 @@ class StageComparison:
 
 
 def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageComparison]:
-    mine, theirs = stages(request), stages(baseline)
-    keys = list(theirs) + [k for k in mine if k not in theirs]
+    """Stage by stage in the baseline's order: rank by rank where both ran the same TP ranks, else the stage as a
+    whole by the set of its ranks' outputs (a TP group across hosts against an engine that records one span)."""
+    mine, theirs = _by_stage(stages(request)), _by_stage(stages(baseline))
     out = []
-    for key in keys:
-        a, b = mine.get(key), theirs.get(key)
-        if a is None or b is None:
-            out.append(StageComparison(key[0], key[1], False, False, a is not None))
+    for stage in list(theirs) + [s for s in mine if s not in theirs]:
+        a, b = mine.get(stage, {}), theirs.get(stage, {})
+        if not a or not b:
+            out += [StageComparison(stage, rank, False, False, bool(a)) for rank in (a or b)]
             continue
-        same_in = a[0].input_digest == b[0].input_digest
-        same_out = conventions.combined_output(s.output_digest for s in a) == conventions.combined_output(
-            s.output_digest for s in b)
-        out.append(StageComparison(key[0], key[1], same_in, same_out, True))
+        if set(a) == set(b):
+            for rank in sorted(b, key=rank_order):
+                out.append(StageComparison(stage, rank, a[rank][0].input_digest == b[rank][0].input_digest,
+                                           _output(a[rank]) == _output(b[rank]), True))  # fmt: skip
+            continue
+        first_a, first_b = a[min(a, key=rank_order)], b[min(b, key=rank_order)]
+        same_out = sorted({_output(p) for p in a.values()}) == sorted({_output(p) for p in b.values()})
+        out.append(StageComparison(stage, "", first_a[0].input_digest == first_b[0].input_digest, same_out, True))
     return out
+
+
+def _by_stage(passes: dict[tuple[str, str], list[lookup.Span]]) -> dict[str, dict[str, list[lookup.Span]]]:
+    out: dict[str, dict[str, list[lookup.Span]]] = {}
+    for (stage, rank), spans in passes.items():
+        out.setdefault(stage, {})[rank] = spans
+    return out
+
+
+def _output(passes: list[lookup.Span]) -> str:
+    return conventions.combined_output(s.output_digest for s in passes)
 
 
 def nondeterminism(trace: lookup.Trace) -> str:
     """Why the request's output may differ by design (its own or a stage span's sampling), or ``''``."""
     return next((r for r in (conventions.nondeterminism(s.attributes) for s in trace.spans) if r), "")
+
+
+def rollout_candidates(trace: lookup.Trace) -> list[tuple[str, str]]:
+    """(stage, contrast key) of every setting the request's stages ran with: what a rollout may have moved."""
+    out = set()
+    for (stage, _), span in stage_spans(trace).items():
+        for key, _, _ in differences(span, None):
+            if not is_measurement(key) and key != RESOURCE + conventions.HOST:
+                out.add((stage, key))
+    return sorted(out)
 
 
 def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> list[str]:
@@ -129,6 +156,9 @@ def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.T
     mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
     if not mine:  # the request skipped a stage the baseline ran: compare the requests themselves
         mine, theirs = {"": root(request)}, {"": root(baseline)}
+    if theirs and set(theirs) != set(mine):  # other TP ranks on each side: a rank faces its own or the lowest
+        lowest = theirs[min(theirs, key=rank_order)]
+        theirs = {rank: theirs.get(rank, lowest) for rank in mine}
     case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason)
     return ranked(detectors.detect(case))
 
@@ -156,7 +186,9 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
                 f"{top.baseline_value} ({rollout['hosts']}/{rollout['of_hosts']} hosts) {tail}")  # fmt: skip
     if top.kind == "hardware":
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
-        return (f"{lead}: {top.name} rose by {top.value.lstrip('+')} on{rank} {top.evidence['device']} "
+        change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")
+        usual = f" (usually {top.evidence['typical']:g})" if "typical" in top.evidence else ""
+        return (f"{lead}: {top.name} {change}{usual} on{rank} {top.evidence['device']} "
                 f"({top.evidence['host']}) while it ran, not for the baseline {tail}")  # fmt: skip
     return f"{lead}: {top.name} {top.value or '(unset)'} vs {top.baseline_value or '(unset)'} {tail}"
 
@@ -194,28 +226,17 @@ class Explainer:
             except lookup.NotFound:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
-        else:
+        found_rollouts = rollouts.detect(self.store, rollout_candidates(trace), trace.start_ns - self.window_ns,
+                                         trace.start_ns + self.window_ns)  # fmt: skip
+        epochs = [r.fleet_ns for r in found_rollouts]
+        if against is None:
             peers = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
-            baseline = self._baseline(request_id, trace.start_ns, peers, [])
+            # peers on the request's side of every rollout; with none there, across it (the rollout explains it)
+            baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or self._baseline(
+                request_id, trace.start_ns, peers, [])
         if baseline is None:
             return {**report, "baseline": None, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": "no other request with the same input in the window: nothing to compare against"}  # fmt: skip
-        found_rollouts: list[rollouts.Rollout] = []
-        epochs: list[int] = []
-        for _ in range(3):  # each round may find a rollout between the request and its baseline
-            if baseline.trace.output_digest == trace.output_digest:
-                break
-            comparisons = compare_stages(trace, baseline.trace)
-            first = next((c for c in comparisons if not c.output_matches), None)
-            if first is None:
-                break
-            found_rollouts = self._rollouts(first.stage, trace, baseline.trace, found_rollouts)
-            crossing = [r.fleet_ns for r in found_rollouts if r.fleet_ns not in epochs
-                        and r.epoch(trace.start_ns) != r.epoch(baseline.trace.start_ns)]  # fmt: skip
-            if against is not None or not crossing:
-                break
-            epochs += crossing
-            baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or baseline
         report["baseline"] = baseline.to_json()
         report["rollouts"] = [r.to_json() for r in found_rollouts]
         if baseline.trace.output_digest == trace.output_digest:
@@ -227,7 +248,7 @@ class Explainer:
         ranks: list[str] = []
         if first is not None:
             ranks = [c.rank for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
-            contrast = self._contrast(first.stage, trace, baseline.trace, epochs)
+            contrast = self._contrast(first.stage, trace, baseline.trace, found_rollouts)
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
@@ -284,14 +305,7 @@ class Explainer:
         return Baseline(chosen.request_id, "nearest_earlier", counts[outputs[chosen.request_id]], len(peers),
                         lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
 
-    def _rollouts(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, known: list) -> list:
-        """Rollouts of the stage's settings that differ between the two, added to those already known."""
-        keys = [k for k in setting_keys(trace, baseline, stage) if (stage, k) not in {(r.stage, r.key) for r in known}]
-        found = rollouts.detect(self.store, [(stage, k) for k in keys], trace.start_ns - self.window_ns,
-                                trace.start_ns + self.window_ns)  # fmt: skip
-        return sorted(known + found, key=lambda r: r.fleet_ns)
-
-    def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, epochs: list[int]):
+    def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list):
         mine = ranks_of(trace, stage)
         if not mine:
             return None
@@ -306,5 +320,7 @@ class Explainer:
         if count > CONTRAST_REQUESTS:  # busy hours: the nearest requests weigh as well, and explain stays fast
             half = half * CONTRAST_REQUESTS // count
         t0, t1 = trace.start_ns - half, trace.start_ns + half
-        return population.contrast(self.store, stage, keys, population.deviations(self.store, t0, t1, epochs=epochs),
-                                   t0, t1)  # fmt: skip
+        deviations = population.deviations(self.store, t0, t1, epochs=[r.fleet_ns for r in found_rollouts])
+        waves = rollouts.expected(self.store, deviations, found_rollouts)
+        evidence = [d for d in deviations if d.trace_id not in waves]  # a rollout is no fault
+        return population.contrast(self.store, stage, keys, evidence, t0, t1)

@@ -78,18 +78,31 @@ _TAGGED_STAGES = """
         WHERE s.Start >= fromUnixTimestamp64Nano({t0:Int64} - {margin:Int64})
           AND s.Start < fromUnixTimestamp64Nano({t1:Int64} + {margin:Int64})"""
 _OUT = conventions.COMBINED_OUTPUT_SQL
+_RANK_ORDER = "(toUInt32OrZero({r}), {r})"  # as explain.rank_order
+# A stage whose TP ranks are the same on both sides is compared rank by rank, and names the first rank whose
+# output differs; with other ranks on each side (a TP group across hosts against a one-span engine), as a
+# whole, by the set of its ranks' outputs (an all-reduce leaves the same result on every rank).
 FIRST_STAGES_SQL = f"""
 WITH tagged AS ({_TAGGED_STAGES})
-SELECT Dev, argMin((Stage, Rank, HasOwn AND OwnIn != BaseIn), ({_ORDER}, BaseStart))
+SELECT Dev, argMin((Stage, DivRank, Moved), ({_ORDER}, BaseStart))
 FROM (
-    SELECT Dev, Stage, Rank, countIf(Own) > 0 AS HasOwn, countIf(NOT Own) > 0 AS HasBase,
-           argMinIf(StageIn, SpanStart, Own) AS OwnIn, {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), Own)")} AS OwnOut,
-           argMinIf(StageIn, SpanStart, NOT Own) AS BaseIn,
-           {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), NOT Own)")} AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
-    FROM tagged AS a
-    WHERE NOT {conventions.NESTED_IN_SAME_STAGE_SQL.format(a="a", spans="tagged")}
-    GROUP BY Dev, Stage, Rank)
-WHERE HasBase AND (NOT HasOwn OR OwnOut != BaseOut)
+    SELECT Dev, Stage, minIf(BaseStart, HasBase) AS BaseStart, countIf(HasBase) > 0 AS AnyBase,
+           countIf(HasOwn) > 0 AS AnyOwn,
+           arraySort(groupArrayIf(Rank, HasOwn)) = arraySort(groupArrayIf(Rank, HasBase)) AS SameLayout,
+           arraySort(r -> {_RANK_ORDER.format(r="r")}, groupArrayIf(Rank, HasBase AND (NOT HasOwn OR OwnOut != BaseOut))) AS DiffRanks,
+           arraySort(arrayDistinct(groupArrayIf(OwnOut, HasOwn))) != arraySort(arrayDistinct(groupArrayIf(BaseOut, HasBase))) AS SetDiffers,
+           if(SameLayout, DiffRanks[1], '') AS DivRank,
+           AnyOwn AND argMinIf(OwnIn, {_RANK_ORDER.format(r="Rank")}, HasOwn) != argMinIf(BaseIn, {_RANK_ORDER.format(r="Rank")}, HasBase) AS Moved
+    FROM (
+        SELECT Dev, Stage, Rank, countIf(Own) > 0 AS HasOwn, countIf(NOT Own) > 0 AS HasBase,
+               argMinIf(StageIn, SpanStart, Own) AS OwnIn, {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), Own)")} AS OwnOut,
+               argMinIf(StageIn, SpanStart, NOT Own) AS BaseIn,
+               {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), NOT Own)")} AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
+        FROM tagged AS a
+        WHERE NOT {conventions.NESTED_IN_SAME_STAGE_SQL.format(a="a", spans="tagged")}
+        GROUP BY Dev, Stage, Rank)
+    GROUP BY Dev, Stage)
+WHERE AnyBase AND if(SameLayout, notEmpty(DiffRanks), NOT AnyOwn OR SetDiffers)
 GROUP BY Dev
 """
 

@@ -3,7 +3,8 @@
 Per host, the values a setting took in a window are *regimes* when they do not interleave: each
 value's first request comes after the previous value's last. A host *switched* from ``old`` to
 ``new`` when two consecutive regimes are ``old`` then ``new``, ``new`` held for at least
-``MIN_PERSIST`` requests and is not followed by ``old`` again. A rollout is a switch that more than half of the hosts carrying the setting made.
+``MIN_PERSIST`` requests and is not followed by ``old`` again. A rollout is a switch that more than
+half of the hosts carrying the setting as a state made (and at least half of all that carry it).
 
 The fleet moved at ``fleet_ns``, the moment most hosts had switched; the wave began at the first
 switch and is given as long again after ``fleet_ns`` (``until_ns``) for the slower half. A host
@@ -25,8 +26,8 @@ SELECT tupleElement(sk, 1) AS S, tupleElement(sk, 2) AS K, HostName,
        if(startsWith(K, '{RESOURCE}'), ResourceAttributes[substring(K, {len(RESOURCE) + 1})], Attributes[K]) AS Value,
        toUnixTimestamp64Nano(min(Start)), toUnixTimestamp64Nano(max(Start)), count()
 FROM {{db:Identifier}}.stagetrace_stages
-ARRAY JOIN arrayZip({{stages:Array(String)}}, {{keys:Array(String)}}) AS sk
-WHERE Stage IN {{stages:Array(String)}} AND Stage = tupleElement(sk, 1)
+ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = Stage, arrayZip({{stages:Array(String)}}, {{keys:Array(String)}})) AS sk
+WHERE Stage IN {{stages:Array(String)}}
   AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start < fromUnixTimestamp64Nano({{t1:Int64}})
 GROUP BY S, K, HostName, Value
 """
@@ -41,7 +42,7 @@ class Rollout:
     key: str  # contrast key: resource attributes carry the ``resource:`` prefix
     old: str
     new: str
-    of_hosts: int  # hosts that carried the setting in the window
+    of_hosts: int  # hosts that carried the setting as a state (not a per-request value) in the window
     switched: dict[str, int]  # host → its first request with the new value, for the hosts in the wave
     fleet_ns: int
     until_ns: int
@@ -84,6 +85,39 @@ class Rollout:
                 "lagging": dict(sorted(self.lagging.items())), "summary": self.describe()}  # fmt: skip
 
 
+def in_wave(stage: str | None, t_ns: int, found: list[Rollout]) -> bool:
+    """Whether a request that diverged first at ``stage`` at ``t_ns`` falls in the wave of a rollout of that stage."""
+    return any(r.stage == stage and r.from_ns <= t_ns <= r.until_ns for r in found)
+
+
+VALUES_SQL = f"""
+SELECT TraceId, if(startsWith({{key:String}}, '{RESOURCE}'), ResourceAttributes[substring({{key:String}}, {len(RESOURCE) + 1})],
+                   Attributes[{{key:String}}])
+FROM {{db:Identifier}}.stagetrace_stages
+WHERE Stage = {{stage:String}} AND TraceId IN (SELECT arrayJoin({{traces:Array(String)}}))
+  AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
+ORDER BY Start"""
+
+
+def expected(store: Store, deviations: list, found: list[Rollout], margin_ns: int = 60_000_000_000) -> set[str]:
+    """Trace IDs of the deviations (``population.Deviation``) a rollout's wave explains: in the wave, at the
+    rollout's stage, differing from their baselines by the rollout's values."""
+    out: set[str] = set()
+    for r in found:
+        wave = [d for d in deviations if r.stage == d.stage and r.from_ns <= d.start_ns <= r.until_ns]
+        if not wave:
+            continue
+        traces = sorted({t for d in wave for t in (d.trace_id, d.baseline_trace_id)})
+        values: dict[str, str] = {}
+        for trace_id, value in store.client.query(VALUES_SQL, parameters={
+                "db": store.database, "key": r.key, "stage": r.stage, "traces": traces,
+                "t0": r.from_ns - margin_ns - (r.until_ns - r.from_ns), "t1": r.until_ns + margin_ns}).result_rows:  # fmt: skip
+            values.setdefault(trace_id, value)  # a stage's first span
+        out |= {d.trace_id for d in wave if r.explains(values.get(d.trace_id, ""), values.get(d.baseline_trace_id, ""),
+                                                       d.start_ns) == "expected"}  # fmt: skip
+    return out
+
+
 def _clock(t_ns: int) -> str:
     return datetime.fromtimestamp(t_ns / 1e9, timezone.utc).strftime("%H:%M:%S UTC")
 
@@ -120,17 +154,20 @@ def _rollouts(stage: str, key: str, hosts: dict[str, list]) -> list[Rollout]:
             reverted = i + 2 < len(regimes) and regimes[i + 2][3] == before[3]
             if not reverted and after[2] >= MIN_PERSIST:
                 switches[(before[3], after[3])][host] = (before[1], after[0])
+    # Hosts where the value changes request by request (a batch size; a cache serving entries of both versions)
+    # hold no state to roll out: most hosts means most of those that do, and at least half of all.
+    stateful = [host for host, regimes in regimes_of.items() if regimes]
     found = []
     for (old, new), by_host in switches.items():
-        if 2 * len(by_host) <= len(hosts):
+        if 2 * len(by_host) <= len(stateful) or 2 * len(by_host) < len(hosts):
             continue
         firsts = sorted(first for _, first in by_host.values())
-        fleet = firsts[len(hosts) // 2]  # the switch that made it most hosts
+        fleet = firsts[len(stateful) // 2]  # the switch that made it most hosts
         until = fleet + (fleet - firsts[0])
         wave = {h: first for h, (last, first) in by_host.items() if last <= until}
         lagging: dict[str, int | None] = {h: first for h, (last, first) in by_host.items() if last > until}
         for host, regimes in regimes_of.items():  # hosts that kept the old value after the fleet moved
             if host not in by_host and regimes and regimes[-1][3] == old and regimes[-1][1] > until:
                 lagging[host] = None
-        found.append(Rollout(stage, key, old, new, len(hosts), wave, fleet, until, lagging))
+        found.append(Rollout(stage, key, old, new, len(stateful), wave, fleet, until, lagging))
     return found

@@ -4,11 +4,16 @@ Several node processes (each with its tensor-parallel ranks as child processes) 
 that a stateless load balancer spreads over them; many requests repeat the same input, as real
 traffic does. Every stage of every request is recorded with the stage-span API, the simulated
 NICs and GPUs are scraped by the real collectors, and every fault that changed a stage's output is
-recorded as ground truth in ``stagetrace_demo_truth``. The parent process owns the store.
+recorded as ground truth in ``stagetrace_demo_truth``. Two kinds of difference are recorded there
+too but are no deviation: a request whose host ran another context template (or index) than most
+hosts while the rollout wave passed (``expected``), and the requests of the tenant that samples
+without a seed (``nondeterministic``). The nodes keep in step (``pipeline.Lockstep``), so that a
+moment of the run is the same time on every host. The parent process owns the store.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import queue as queue_module
 import shutil
@@ -19,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stagetrace.demo import faults, world
-from stagetrace.demo.pipeline import RequestSpec, node_main
+from stagetrace.demo.pipeline import DONE, RequestSpec, Result, node_main
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
 from stagetrace.store import Store
@@ -27,6 +32,7 @@ from stagetrace.store import Store
 TRUTH_TABLE = "stagetrace_demo_truth"
 SPAN_INSERT_ROWS = 5000
 NODE_TIMEOUT_S = 300
+REPEATS = 40  # requests per distinct input, on average: enough that each side of a rollout holds a clear majority
 
 
 class DemoError(Exception):
@@ -39,6 +45,12 @@ class Truth:
     stage: str
     cause: str
     node: str
+    expected: bool = False  # the change is the fleet's move (a rollout wave), not a fault
+    nondeterministic: bool = False  # the output differs by design (sampling without a seed)
+
+    @property
+    def deviation(self) -> bool:
+        return not (self.expected or self.nondeterministic)
 
 
 @dataclass
@@ -47,7 +59,7 @@ class DemoResult:
     spans: int
     metric_samples: int
     nodes: list[str]
-    deviating: list[str]  # outputs that differ from the majority of requests with the same input
+    deviating: list[str]  # outputs that differ from the majority of comparable requests (see _conclude)
     truth: list[Truth]
     truncated_nodes: set[str] = field(default_factory=set)
 
@@ -55,13 +67,14 @@ class DemoResult:
         return {
             "requests": self.requests,
             "deviating": self.deviating,
-            "truth": [{"request_id": t.request_id, "stage": t.stage, "cause": t.cause} for t in self.truth],
-        }
+            "truth": [{"request_id": t.request_id, "stage": t.stage, "cause": t.cause, "expected": t.expected,
+                       "nondeterministic": t.nondeterministic} for t in self.truth],
+        }  # fmt: skip
 
 
 def request_specs(requests: int, nodes: int, seed: int) -> dict[int, list[RequestSpec]]:
     """Every request, assigned to a node by a stateless load balancer; deterministic for the seed."""
-    inputs = world.prompts(seed, max(4, requests // 20))
+    inputs = world.prompts(seed, max(4, requests // REPEATS))
     rng = np.random.default_rng([seed, 4])
     chosen = rng.integers(len(inputs), size=requests)
     placed = rng.integers(nodes, size=requests)
@@ -74,8 +87,9 @@ def request_specs(requests: int, nodes: int, seed: int) -> dict[int, list[Reques
         request_rng = np.random.default_rng([seed, 5, i])
         batch = int(request_rng.integers(16, 49)) if node.in_burst(position) else int(request_rng.integers(1, 9))
         timeout = node.nic_timeouts is not None and node.nic_timeouts[0] <= position < node.nic_timeouts[1] and draws[i] < node.nic_timeouts[2]
+        seq_error = node.in_seq_error_window(position) and draws[i] < node.remote_seq_errors[2]
         request_id = f"req-{digest([seed, i])[:12]}"
-        out[node.index].append(RequestSpec(position, i, request_id, inputs[int(chosen[i])], batch, timeout))
+        out[node.index].append(RequestSpec(position, i, request_id, inputs[int(chosen[i])], batch, timeout, seq_error))
     return out
 
 
@@ -85,12 +99,14 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
         raise DemoError(f"--requests {requests} is too few: use at least 20 so inputs repeat")
     if not 2 <= nodes <= 16:
         raise DemoError(f"--nodes {nodes}: use 2 to 16 nodes (the faults are spread over them)")
-    plan = faults.plan(nodes)
     specs = request_specs(requests, nodes, seed)
+    plan = faults.observed(faults.plan(nodes), {node: [s.position for s in served] for node, served in specs.items()})
     hardware_dir = tempfile.mkdtemp(prefix="stagetrace-demo-hw-")
     ctx = mp.get_context("fork")  # nodes inherit the imported modules; the store is opened only here
     messages = ctx.Queue(maxsize=2000)
-    procs = [ctx.Process(target=node_main, args=(cfg, seed, specs[cfg.index], messages, hardware_dir),
+    # each node's next request, for the lockstep that keeps positions and wall time together on every host
+    slots = ctx.Array("q", [specs[cfg.index][0].index if specs[cfg.index] else DONE for cfg in plan], lock=False)
+    procs = [ctx.Process(target=node_main, args=(cfg, seed, specs[cfg.index], messages, hardware_dir, slots),
                          name=cfg.host) for cfg in plan]  # fmt: skip
     try:
         for proc in procs:
@@ -106,8 +122,9 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
 
 
 def _receive(store: Store, messages, node_count: int, total: int, procs, progress):
-    results: list[tuple] = []
+    results: list[Result] = []
     span_rows: list[tuple] = []
+    metric_rows: dict[str, list[tuple]] = defaultdict(list)  # inserted in batches too: an insert costs more than its rows
     spans = samples = 0
     finished = 0
     while finished < node_count:
@@ -121,10 +138,9 @@ def _receive(store: Store, messages, node_count: int, total: int, procs, progres
                 spans += _insert_spans(store, span_rows)
         elif kind == "metrics":
             for table, rows in payload[0].items():
-                if rows:
-                    store.client.insert(table, rows, column_names=SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS,
-                                        database=store.database)  # fmt: skip
-                    samples += len(rows)
+                metric_rows[table].extend(rows)
+                if len(metric_rows[table]) >= SPAN_INSERT_ROWS:
+                    samples += _insert_metrics(store, table, metric_rows[table])
         elif kind == "result":
             results.append(payload[0])
             if progress:
@@ -134,7 +150,18 @@ def _receive(store: Store, messages, node_count: int, total: int, procs, progres
             if payload[1]:
                 raise DemoError(f"node {procs[payload[0]].name} failed: {payload[1]}")
     spans += _insert_spans(store, span_rows)
+    for table, rows in metric_rows.items():
+        samples += _insert_metrics(store, table, rows)
     return results, spans, samples
+
+
+def _insert_metrics(store: Store, table: str, rows: list[tuple]) -> int:
+    if rows:
+        store.client.insert(table, rows, column_names=SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS,
+                            database=store.database)  # fmt: skip
+    count = len(rows)
+    rows.clear()
+    return count
 
 
 def _insert_spans(store: Store, rows: list[tuple]) -> int:
@@ -145,22 +172,71 @@ def _insert_spans(store: Store, rows: list[tuple]) -> int:
     return count
 
 
-def _conclude(store: Store, results: list[tuple], spans: int, samples: int, plan) -> DemoResult:
+# stage → (the rolled-out setting recorded as the cause, its new value)
+_ROLLOUTS = {"retrieval": ("retrieval.index.version", world.NEW_INDEX),
+             "context_assembly": ("context.template.version", faults.NEW_TEMPLATE)}  # fmt: skip
+
+
+def _wave_ends(results: list[Result]) -> dict[str, float]:
+    """Per rolled-out setting, the end of its wave in wall-clock ns, as the requests show it: the fleet moved
+    with the first request on the new value of the host that made it most hosts, and the wave lasts as long
+    again after that as the fleet took to move (``analysis.rollouts``)."""
+    ends = {}
+    hosts = {r.node for r in results}
+    for stage, (_, new) in _ROLLOUTS.items():
+        firsts = dict.fromkeys(hosts, math.inf)
+        for r in results:
+            value, started, _ = r.rollouts[stage]
+            if value == new:
+                firsts[r.node] = min(firsts[r.node], started)
+        ordered = sorted(firsts.values())
+        first, fleet = ordered[0], ordered[len(ordered) // 2]
+        ends[stage] = fleet + (fleet - first) if fleet < math.inf else math.inf
+    return ends
+
+
+def _conclude(store: Store, results: list[Result], spans: int, samples: int, plan) -> DemoResult:
+    """Deviating outputs and the ground truth; the truth table is written.
+
+    A request whose host was behind the fleet on a rolled-out setting is an expected change within the
+    wave and a fault after it; the wave's end is measured in wall-clock time, as the analysis sees it.
+    A request's comparable requests are those with the same input served while the fleet ran the same
+    index and template (a rollout changes outputs, and is no deviation). Deviating are the requests
+    whose output differs from the majority of theirs, except the expected changes of a rollout wave;
+    requests that sample without a seed are compared with none. Truth rows are listed deviations
+    first, then expected changes, then the nondeterministic requests, each by request ID.
+    """
     hosts = [cfg.host for cfg in plan]
-    groups: dict[str, Counter] = defaultdict(Counter)
-    for _, input_digest, output_digest, *_ in results:
-        groups[input_digest][output_digest] += 1
+    ends = _wave_ends(results)
+    for r in results:
+        if r.stage in _ROLLOUTS and r.cause == _ROLLOUTS[r.stage][0] and r.rollouts[r.stage][2]:
+            r.expected = r.rollouts[r.stage][1] <= ends[r.stage]  # behind the fleet: within the wave, or lagging it
+    groups: dict[tuple, Counter] = defaultdict(Counter)
+    for r in results:
+        if not (r.expected or r.nondeterministic):
+            groups[(r.input_digest, r.epoch)][r.output_digest] += 1
     majority = {k: c.most_common(1)[0][0] for k, c in groups.items()}
-    results.sort(key=lambda r: r[0])
-    deviating = [r[0] for r in results if r[2] != majority[r[1]]]
-    truth = [Truth(r[0], r[3], r[4], hosts[r[5]]) for r in results if r[3] is not None]
-    truncated = {hosts[r[5]] for r in results if r[6]}
+    results.sort(key=lambda r: r.request_id)
+    deviating = [r.request_id for r in results
+                 if not (r.expected or r.nondeterministic) and r.output_digest != majority[(r.input_digest, r.epoch)]]  # fmt: skip
+    truth = [Truth(r.request_id, r.stage, r.cause, hosts[r.node], r.expected, r.nondeterministic)
+             for r in results if r.stage is not None]  # fmt: skip
+    truth.sort(key=lambda t: (t.nondeterministic, t.expected))  # stable: by request ID within each kind
+    truncated = {hosts[r.node] for r in results if r.truncated}
     store.client.command(
         f"CREATE TABLE IF NOT EXISTS {{db:Identifier}}.{TRUTH_TABLE} (RequestId String, Stage LowCardinality(String), "
-        "Cause LowCardinality(String), Node LowCardinality(String)) ENGINE = ReplacingMergeTree ORDER BY RequestId",
+        "Cause LowCardinality(String), Node LowCardinality(String), Expected UInt8, Nondeterministic UInt8) "
+        "ENGINE = ReplacingMergeTree ORDER BY RequestId",
+        parameters={"db": store.database},
+    )
+    store.client.command(  # a truth table an earlier demo made into the same store lacks the new columns
+        f"ALTER TABLE {{db:Identifier}}.{TRUTH_TABLE} ADD COLUMN IF NOT EXISTS Expected UInt8, "
+        "ADD COLUMN IF NOT EXISTS Nondeterministic UInt8",
         parameters={"db": store.database},
     )
     if truth:
-        store.client.insert(TRUTH_TABLE, [(t.request_id, t.stage, t.cause, t.node) for t in truth],
-                            column_names=("RequestId", "Stage", "Cause", "Node"), database=store.database)  # fmt: skip
+        store.client.insert(TRUTH_TABLE, [(t.request_id, t.stage, t.cause, t.node, int(t.expected), int(t.nondeterministic))
+                                          for t in truth],
+                            column_names=("RequestId", "Stage", "Cause", "Node", "Expected", "Nondeterministic"),
+                            database=store.database)  # fmt: skip
     return DemoResult(len(results), spans, samples, hosts, deviating, truth, truncated)

@@ -2,7 +2,8 @@
 
 The NIC is a sysfs tree in the ``/sys/class/infiniband`` layout (mlx5 port and hw counters, the
 data counters in 4-byte words as the kernel keeps them); the GPUs are NVML snapshots in the gpu
-collector's recorded-fixture format. The workload and the faults advance the counters; sampling
+collector's recorded-fixture format. Every host has its own tree, including the remote host of a
+two-host TP group, and its samples carry its own ``host.name``. The workload and the faults advance the counters; sampling
 writes both out and scrapes them with the ``rdma`` and ``gpu`` collectors into metric rows.
 """
 
@@ -41,9 +42,9 @@ class NodeHardware:
             memory["used"] = int(memory["total"] * 0.8)
             memory["free"] = memory["total"] - memory["reserved"] - memory["used"]
         self._write_static()
-        self._collectors = build_node(
-            ["gpu", "rdma"], Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.root / "nvml")
-        )
+        options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.root / "nvml")
+        self._collectors = build_node(["gpu", "rdma"], options)
+        self._nic_collectors = build_node(["rdma"], options)
         self._started_ns = time.time_ns()
 
     # -- what the workload and the faults do
@@ -59,6 +60,10 @@ class NodeHardware:
         self.hw["local_ack_timeout_err"] += 1
         self.hw["roce_adp_retrans"] += 2
         self.port["port_xmit_wait"] += 5_000
+
+    def seq_error(self) -> None:
+        """Packets of a remote rank's chunk arrived out of sequence: the responder NAKs them and they are resent."""
+        self.hw["out_of_sequence"] += 3
 
     def decode(self, gpu: int, tokens: int, batch: int) -> None:
         state = self.gpus[gpu]
@@ -77,11 +82,14 @@ class NodeHardware:
         state["nvmlDeviceGetTotalEccErrors"]["NVML_MEMORY_ERROR_TYPE_UNCORRECTED"]["NVML_VOLATILE_ECC"] += 1
 
     # -- what the collectors read
-    def sample_rows(self) -> dict[str, list[tuple]]:
+    def sample_rows(self, nic_only: bool = False) -> dict[str, list[tuple]]:
+        """One scrape of the host's GPUs and NIC (``nic_only``: of its NIC alone), as metric rows."""
         self._write_counters()
-        write_nvml_fixture(self.root / "nvml", self.gpus)
+        if not nic_only:
+            write_nvml_fixture(self.root / "nvml", self.gpus)
         now = time.time_ns()
-        return metric_rows(self._collectors.collect(), self.host, now, start_ns=self._started_ns)
+        collectors = self._nic_collectors if nic_only else self._collectors
+        return metric_rows(collectors.collect(), self.host, now, start_ns=self._started_ns)
 
     def _write_static(self) -> None:
         device = self.root / "sys" / "class" / "infiniband" / NIC

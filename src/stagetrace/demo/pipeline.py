@@ -4,23 +4,36 @@ The node runs in its own process with its TP ranks as child processes. Its spans
 and per-request results go to the parent through a queue; only the parent opens the store (an
 embedded store belongs to one process). Ground truth is exact: where a fault is active in a stage,
 the node also computes what the reference pipeline would have produced from the same input, and the
-first stage whose output differs is recorded with the fault's cause.
+first stage whose output differs is recorded with the fault's cause. A node whose TP group spans two
+hosts records the all-reduce as one span per rank, the remote ranks' under the remote host's
+resource, and samples the remote host's hardware too.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import stagetrace
+from stagetrace.conventions import STAGE, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST, TP_RANK
 from stagetrace.demo import world
-from stagetrace.demo.faults import CAUSES, REFERENCE_CONTEXT_TOKENS, NodeConfig
+from stagetrace.demo.faults import (
+    CAUSES,
+    EXPECTED,
+    NEW_TEMPLATE,
+    NONDETERMINISTIC,
+    OLD_TEMPLATE,
+    REFERENCE_CONTEXT_TOKENS,
+    NodeConfig,
+)
 from stagetrace.demo.hardware import NodeHardware
 from stagetrace.demo.tp import TPGroup
 from stagetrace.digest import digest
@@ -28,8 +41,51 @@ from stagetrace.exporters.clickhouse import _Resources, span_row
 
 SIM_SECONDS_PER_REQUEST = 0.25  # the cluster's simulated clock, which drives cache ages and TTLs
 CACHE_CAPACITY, CACHE_TTL_S = 512, 120.0
-TEMPLATE_VERSION = "t3"
 XID_BAD_WEIGHT = (17, 42)  # the element of A a double-bit ECC error corrupts
+REMOTE_RANKS = range(world.TP_SIZE // 2, world.TP_SIZE)  # the ranks on the remote host of a two-host TP group
+SERVICE_NAME = "rag-demo"
+LOCKSTEP_REQUESTS = 2  # a node serves request i only once every other node has reached request i - this
+DONE = 2**62  # a finished node's place in the lockstep
+
+
+class Lockstep:
+    """Keeps the nodes' wall clocks in step with the run's positions.
+
+    Left alone, node processes drift apart by a large part of the run, and then a position (the
+    moment a rollout reaches a host, a fault's window) would mean different times on different
+    hosts, though the analysis compares hosts in time. Each node publishes the global index of its
+    next request in a shared array and waits, before serving request ``i``, until every other node
+    has reached ``i - LOCKSTEP_REQUESTS``. The node furthest behind never waits, so none deadlocks.
+    """
+
+    def __init__(self, slots, node: int):
+        self._slots, self._node = slots, node
+
+    def wait(self, index: int) -> None:
+        others = [j for j in range(len(self._slots)) if j != self._node]
+        while min((self._slots[j] for j in others), default=DONE) < index - LOCKSTEP_REQUESTS:
+            time.sleep(0.0005)
+
+    def reached(self, index: int) -> None:
+        self._slots[self._node] = index
+
+
+@dataclass
+class Result:
+    """What a node reports for one request, ground truth included."""
+
+    request_id: str
+    input_digest: str
+    output_digest: str
+    stage: str | None  # the first stage whose output differs from the reference pipeline's
+    cause: str | None
+    node: int
+    truncated: bool
+    epoch: tuple[str, str]  # the index and template most hosts ran: comparable requests share them
+    expected: bool
+    nondeterministic: bool
+    # stage → (the host's value of the rolled-out setting, the stage's start in ns, whether the host was behind the fleet)
+    rollouts: dict[str, tuple[str, int, bool]]
 
 
 @dataclass(frozen=True)
@@ -40,6 +96,7 @@ class RequestSpec:
     input: dict
     batch_size: int
     nic_timeout: bool
+    seq_error: bool = False  # the remote host's NIC takes sequence errors during this request's all-reduce
 
 
 class DocCache:
@@ -69,9 +126,13 @@ class DocCache:
         return text, index.version, None
 
 
-def assemble_context(prompt: str, texts: list[str], max_tokens: int) -> tuple[str, int, bool]:
-    """Template ``t3``: documents, then the question; tokens beyond the budget are cut from the front."""
-    parts = [f"[doc {i}] {text}" for i, text in enumerate(texts)] + [f"question: {prompt} answer:"]
+def assemble_context(prompt: str, texts: list[str], max_tokens: int, template: str = "t3") -> tuple[str, int, bool]:
+    """Template ``t3``: documents best first, then the question; ``t4``: documents best last, next to the
+    question, in ``<doc i>`` tags. Tokens beyond the budget are cut from the front."""
+    if template == NEW_TEMPLATE:
+        parts = [f"<doc {i}> {text}" for i, text in reversed(list(enumerate(texts)))] + [f"question: {prompt} answer:"]
+    else:
+        parts = [f"[doc {i}] {text}" for i, text in enumerate(texts)] + [f"question: {prompt} answer:"]
     tokens = " ".join(parts).split()
     truncated = len(tokens) > max_tokens
     if truncated:
@@ -85,12 +146,18 @@ class _Divergence:
     def __init__(self):
         self.stage: str | None = None
         self.cause: str | None = None
+        self.expected = False  # the difference is the fleet's move (a rollout wave), not a fault
+        self.nondeterministic = False  # the request's output differs by design
 
     def check(self, stage: str, fault: str | None, actual, reference) -> None:
         if self.stage is not None or fault is None:
             return  # upstream already differs, or nothing differs from the reference in this stage
         if digest(actual) != digest(reference()):
-            self.stage, self.cause = stage, CAUSES[stage][fault]
+            self.record(stage, fault)
+
+    def record(self, stage: str, fault: str) -> None:
+        self.stage, self.cause = stage, CAUSES[stage][fault]
+        self.expected, self.nondeterministic = fault in EXPECTED, fault in NONDETERMINISTIC
 
 
 class _QueueSpanExporter(SpanExporter):
@@ -109,34 +176,64 @@ class _QueueSpanExporter(SpanExporter):
 
 
 class Node:
-    def __init__(self, config: NodeConfig, seed: int, queue, hardware_dir: str):
+    def __init__(self, config: NodeConfig, seed: int, queue, hardware_dir: str, lockstep: Lockstep | None = None):
         self.config = config
         self.queue = queue
+        self.lockstep = lockstep
         self.model = world.Model(seed)
         self.indexes = world.corpora(seed)
         self.cache = DocCache(CACHE_CAPACITY, CACHE_TTL_S, config.cache_key_has_version)
         self.hardware = NodeHardware(config.host, hardware_dir, seed)
+        # the remote host of a two-host TP group: its own NIC and GPUs, sampled by this node
+        self.remote = NodeHardware(config.tp_remote_host, hardware_dir, seed) if config.tp_remote_host else None
+        self._remote_tracer = None
         self._corrupt_left = 0
         self._xid_done = False
         self._corrupted_a = self.model.a.copy()
         self._corrupted_a[XID_BAD_WEIGHT] *= np.float32(-8.0)
+        self._weights = {step: self.model.a_at_step(step) for step in {config.weights_step(0.0), config.weights_step(1.0)}}
+
+    def _provider(self, host: str) -> TracerProvider:
+        provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME, "host.name": host}))
+        provider.add_span_processor(BatchSpanProcessor(_QueueSpanExporter(self.queue), schedule_delay_millis=200))
+        return provider
 
     def run(self, specs: list[RequestSpec]) -> None:
         tp = TPGroup(self.model)  # fork the ranks before any thread exists in this process
-        provider = TracerProvider(resource=Resource.create({"service.name": "rag-demo", "host.name": self.config.host}))
-        provider.add_span_processor(BatchSpanProcessor(_QueueSpanExporter(self.queue), schedule_delay_millis=200))
+        provider = self._provider(self.config.host)
         stagetrace.configure(tracer_provider=provider)
+        remote_provider = self._provider(self.remote.host) if self.remote else None
+        if remote_provider:
+            self._remote_tracer = remote_provider.get_tracer("stagetrace")
         try:
             self._sample_hardware()
+            after_error = False
             for n, spec in enumerate(specs):
+                if self.lockstep:
+                    self.lockstep.wait(spec.index)
                 self._events(spec)
+                # The remote NIC is scraped right before and right after a request whose all-reduce takes
+                # sequence errors, and again before the next request: a stage's hardware window (from one
+                # scrape before the last at its start to the first after its end) then holds the errors of
+                # that request and of no other.
+                if spec.seq_error or after_error:
+                    self._sample_remote(nic_only=True)
                 result = self.serve(spec, tp)
+                if spec.seq_error:
+                    self._sample_remote(nic_only=True)
+                after_error = spec.seq_error
                 self.queue.put(("result", result))
                 if n % 10 == 9:
                     self._sample_hardware()
+                if self.lockstep:
+                    self.lockstep.reached(specs[n + 1].index if n + 1 < len(specs) else DONE)
             self._sample_hardware()
         finally:
+            if self.lockstep:
+                self.lockstep.reached(DONE)  # a failed node holds no other back
             provider.shutdown()
+            if remote_provider:
+                remote_provider.shutdown()
             tp.close()
 
     def _events(self, spec: RequestSpec) -> None:
@@ -149,12 +246,17 @@ class Node:
 
     def _sample_hardware(self) -> None:
         self.queue.put(("metrics", self.hardware.sample_rows()))
+        self._sample_remote()
 
-    def serve(self, spec: RequestSpec, tp: TPGroup) -> tuple:
+    def _sample_remote(self, nic_only: bool = False) -> None:
+        if self.remote:
+            self.queue.put(("metrics", self.remote.sample_rows(nic_only)))
+
+    def serve(self, spec: RequestSpec, tp: TPGroup) -> Result:
         cfg, inp, pos = self.config, spec.input, spec.position
         truth = _Divergence()
         now = spec.index * SIM_SECONDS_PER_REQUEST
-        attributes = {"gen_ai.request.model": inp["model"], "gen_ai.request.seed": inp["seed"],
+        attributes = {"gen_ai.request.model": inp["model"], "gen_ai.request.seed": inp.get("seed"),
                       "gen_ai.request.temperature": inp["temperature"], "gen_ai.request.max_tokens": inp["max_new_tokens"]}  # fmt: skip
         with stagetrace.request(spec.request_id, input=inp, attributes=attributes) as req:
             index = self.indexes[cfg.index_version(pos)]
@@ -163,9 +265,11 @@ class Node:
                 hits = index.search(inp["prompt"], inp["top_k"])
                 st.set_attribute("retrieval.doc_ids", [h[0] for h in hits])
                 st.set_output(hits)
-            reference_index = self.indexes[world.NEW_INDEX]
-            truth.check("retrieval", "stale_index" if index is not reference_index else None, hits,
-                        lambda: reference_index.search(inp["prompt"], inp["top_k"]))  # fmt: skip
+                retrieval_started = st.span.start_time
+            reference_index = self.indexes[cfg.fleet_index_version(pos)]
+            change = cfg.index_change(pos)
+            truth.check("retrieval", None if change is None else "index_rollout" if change == "expected" else "stale_index",
+                        hits, lambda: reference_index.search(inp["prompt"], inp["top_k"]))  # fmt: skip
 
             with stagetrace.stage("cache", input=hits) as st:
                 fetched = [self.cache.fetch(doc_id, index, now) for doc_id, _ in hits]
@@ -180,20 +284,26 @@ class Node:
             truth.check("cache", "unversioned_cache_key" if stale else None, texts,
                         lambda: [index.docs[doc_id].text for doc_id, _ in hits])  # fmt: skip
 
-            max_tokens = cfg.max_context_tokens(pos)
+            max_tokens, template, fleet_template = cfg.max_context_tokens(pos), cfg.template(pos), cfg.fleet_template(pos)
             with stagetrace.stage("context_assembly", input=[inp["prompt"], texts],
-                                  attributes={"context.template.version": TEMPLATE_VERSION, "context.max_tokens": max_tokens}) as st:  # fmt: skip
-                context, context_tokens, truncated = assemble_context(inp["prompt"], texts, max_tokens)
+                                  attributes={"context.template.version": template, "context.max_tokens": max_tokens}) as st:  # fmt: skip
+                context, context_tokens, truncated = assemble_context(inp["prompt"], texts, max_tokens, template)
                 st.set_attributes({"context.tokens": context_tokens, "context.truncated": truncated})
                 st.set_output(context)
-            truth.check("context_assembly", "small_context" if max_tokens != REFERENCE_CONTEXT_TOKENS else None, context,
-                        lambda: assemble_context(inp["prompt"], texts, REFERENCE_CONTEXT_TOKENS)[0])  # fmt: skip
+                context_started = st.span.start_time
+            fault = "template_rollout" if template != fleet_template else "small_context" if max_tokens != REFERENCE_CONTEXT_TOKENS else None
+            truth.check("context_assembly", fault, context,
+                        lambda: assemble_context(inp["prompt"], texts, REFERENCE_CONTEXT_TOKENS, fleet_template)[0])  # fmt: skip
 
             x = self.model.context_vector(context)
             algorithm = cfg.algorithm(pos)
-            with stagetrace.stage("allreduce", input=x, attributes={"parallel.tp_size": world.TP_SIZE, "allreduce.algorithm": algorithm,
-                                  "allreduce.count": 1, "allreduce.bytes": world.HIDDEN * 4,
-                                  "net.rdma.devices": [self.hardware.nic]}) as st:  # fmt: skip
+            attributes = {"parallel.tp_size": world.TP_SIZE, "allreduce.algorithm": algorithm, "allreduce.count": 1,
+                          "allreduce.bytes": world.HIDDEN * 4, "net.rdma.devices": [self.hardware.nic]}  # fmt: skip
+            with ExitStack() as spans:
+                if self.remote is None:  # one span for the group, as a single-host engine records it
+                    rank_spans = [spans.enter_context(stagetrace.stage("allreduce", input=x, attributes=attributes))]
+                else:
+                    rank_spans = self._rank_spans(spans, req, x, attributes)
                 started = time.perf_counter()
                 partials = tp.partials(x)
                 if spec.nic_timeout:
@@ -201,14 +311,23 @@ class Node:
                     self.hardware.nic_timeout()
                     time.sleep(0.002)  # the retransmission timer
                     h0 = world.arrival_order(partials, late)
+                elif spec.seq_error:  # a remote rank's chunk arrived out of sequence and was resent (go-back-N)
+                    late = REMOTE_RANKS[spec.index % len(REMOTE_RANKS)]
+                    self.remote.seq_error()
+                    time.sleep(0.001)
+                    h0 = world.arrival_order(partials, late)
                 else:
                     h0 = world.ring_order(partials) if algorithm == "ring" else world.tree_order(partials)
                 tp.finish(h0)
                 self.hardware.allreduce(world.HIDDEN * 4, world.TP_SIZE)
+                if self.remote is not None:  # the ring crosses the remote host's NIC too
+                    self.remote.allreduce(world.HIDDEN * 4, world.TP_SIZE)
                 elapsed_ms = (time.perf_counter() - started) * 1000
-                st.set_attributes({"allreduce.time_ms": round(elapsed_ms, 3), "allreduce.max_ms": round(elapsed_ms, 3)})
-                st.set_output(h0)
-            fault = "nic_timeout" if spec.nic_timeout else "tree_algorithm" if algorithm != "ring" else None
+                for st in rank_spans:
+                    st.set_attributes({"allreduce.time_ms": round(elapsed_ms, 3), "allreduce.max_ms": round(elapsed_ms, 3)})
+                    st.set_output(h0)
+            fault = "nic_timeout" if spec.nic_timeout else "remote_seq_errors" if spec.seq_error else \
+                "tree_algorithm" if algorithm != "ring" else None  # fmt: skip
             truth.check("allreduce", fault, h0, lambda: world.ring_order(partials))
 
             batch = spec.batch_size
@@ -216,27 +335,69 @@ class Node:
             corrupted = self._corrupt_left > 0
             if corrupted:
                 self._corrupt_left -= 1
+            step = cfg.weights_step(pos)
+            unseeded = world.unseeded(inp)
+            # the unseeded tenant's sampler draws from OS entropy: its outputs differ from request to request
+            sampler = np.random.default_rng() if unseeded else None
             started = time.perf_counter()
             with stagetrace.stage("decode", input=[h0, inp["max_new_tokens"]],
                                   attributes={"gpu.uuid": self.hardware.gpu_uuids[0], "decode.batch_size": batch,
-                                              "model.weights.digest": self.model.weights_digest, "decode.deterministic": False}) as st:  # fmt: skip
-                tokens = self.model.decode(h0, chunks, self._corrupted_a if corrupted else None)
+                                              "model.weights.step": step, "decode.deterministic": False}) as st:  # fmt: skip
+                tokens = self.model.decode(h0, chunks, self._corrupted_a if corrupted else self._weights[step],
+                                           inp["temperature"], sampler)  # fmt: skip
                 st.set_attributes({"decode.tokens": len(tokens), "decode.ttft_ms": round((time.perf_counter() - started) * 1000 / len(tokens), 3)})
                 st.set_output(tokens)
             self.hardware.decode(gpu=0, tokens=len(tokens), batch=batch)
-            fault = "gpu_xid" if corrupted else "batch_variance" if chunks != 1 else None
+            if unseeded:  # never a deviation, whatever else happened upstream
+                truth.record("decode", "unseeded_sampling")
+            fault = "gpu_xid" if corrupted else "weights_step" if step != world.FLEET_WEIGHTS_STEP else \
+                "batch_variance" if chunks != 1 else None  # fmt: skip
             truth.check("decode", fault, tokens, lambda: self.model.decode(h0, 1))
 
             text = self.model.detokenize(tokens)
             req.set_attributes({"gen_ai.usage.input_tokens": context_tokens, "gen_ai.usage.output_tokens": len(tokens)})
             output_digest = req.set_output(text)
-        return (spec.request_id, digest(inp), output_digest, truth.stage, truth.cause, cfg.index, truncated)
+        rollouts = {"retrieval": (index.version, retrieval_started, index.version == world.OLD_INDEX != reference_index.version),
+                    "context_assembly": (template, context_started, template == OLD_TEMPLATE != fleet_template)}  # fmt: skip
+        return Result(spec.request_id, digest(inp), output_digest, truth.stage, truth.cause, cfg.index, truncated,
+                      (reference_index.version, fleet_template), truth.expected, truth.nondeterministic, rollouts)  # fmt: skip
+
+    def _rank_spans(self, spans: ExitStack, req, x, attributes: dict) -> list:
+        """One all-reduce span per TP rank: ranks 0-1 on this host, 2-3 under the remote host's resource."""
+        out = []
+        for rank in range(world.TP_SIZE):
+            if rank not in REMOTE_RANKS:
+                rank_attributes = {**attributes, TP_RANK: str(rank)}
+                out.append(spans.enter_context(stagetrace.stage("allreduce", input=x, attributes=rank_attributes, parent=req)))
+                continue
+            rank_attributes = {**attributes, TP_RANK: str(rank), "net.rdma.devices": [self.remote.nic], STAGE: "allreduce",
+                               STAGE_INPUT_DIGEST: digest(x)}  # fmt: skip
+            span = self._remote_tracer.start_span("stage.allreduce", context=trace.set_span_in_context(req.span),
+                                                  attributes=rank_attributes)  # fmt: skip
+            spans.callback(span.end)
+            out.append(_RemoteRankSpan(span))
+        return out
 
 
-def node_main(config: NodeConfig, seed: int, specs: list[RequestSpec], queue, hardware_dir: str) -> None:
-    """Entry point of a node process."""
+class _RemoteRankSpan:
+    """A remote rank's all-reduce span (another host's provider), with the stage span's setters."""
+
+    def __init__(self, span):
+        self.span = span
+
+    def set_attributes(self, attributes: dict) -> None:
+        self.span.set_attributes(attributes)
+
+    def set_output(self, value) -> str:
+        output_digest = digest(value)
+        self.span.set_attribute(STAGE_OUTPUT_DIGEST, output_digest)
+        return output_digest
+
+
+def node_main(config: NodeConfig, seed: int, specs: list[RequestSpec], queue, hardware_dir: str, slots=None) -> None:
+    """Entry point of a node process; ``slots``: the shared array of ``Lockstep``, one per node."""
     try:
-        Node(config, seed, queue, hardware_dir).run(specs)
+        Node(config, seed, queue, hardware_dir, Lockstep(slots, config.index) if slots is not None else None).run(specs)
         queue.put(("done", config.index, None))
     except Exception as exc:  # the parent reports it in one line
         queue.put(("done", config.index, f"{type(exc).__name__}: {exc}"))

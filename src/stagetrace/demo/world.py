@@ -2,8 +2,10 @@
 
 A corpus of topical documents with a NumPy vector index (feature-hashed bag-of-words embeddings,
 no model download), its rebuilt version with some documents edited, and a tiny recurrent
-language model split into tensor-parallel shards. Everything is float32 and deterministic: the
-same inputs give bit-identical outputs on every node unless something in the path differs.
+language model split into tensor-parallel shards, whose weights move a little with every training
+step (RL serving pushes them after each). Everything is float32 and deterministic: the same inputs
+give bit-identical outputs on every node unless something in the path differs, except for the
+tenant that samples at a temperature without a seed, whose outputs differ by design.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-
-from stagetrace.digest import digest
 
 OLD_INDEX, NEW_INDEX = "v41", "v42"
 EMBED_DIM = 64
@@ -28,6 +28,10 @@ OUTPUT_VOCAB = 512
 NEW_TOKENS = 40
 GAIN = 7.0  # recurrent gain: large enough that a low-order-bit difference reaches the tokens within NEW_TOKENS
 MODEL_NAME = "tiny-rnn-demo"
+FLEET_WEIGHTS_STEP = 1200  # the training step whose weights the fleet serves
+WEIGHTS_DRIFT_PER_STEP = 2e-5  # relative size of one training step's change to the recurrent matrix
+UNSEEDED_EVERY = 8  # one in this many distinct inputs belongs to the tenant that samples without a seed
+UNSEEDED_TEMPERATURE = 0.8
 
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "do", "ge", "hu", "ji", "fe", "bo"]
 
@@ -102,16 +106,29 @@ def corpora(seed: int) -> dict[str, VectorIndex]:
 
 
 def prompts(seed: int, count: int) -> list[dict]:
-    """Distinct request inputs: prompt and sampling parameters (greedy, seeded)."""
+    """Distinct request inputs: prompt and sampling parameters.
+
+    Most are greedy and seeded; every ``UNSEEDED_EVERY``-th belongs to a tenant that samples at
+    ``UNSEEDED_TEMPERATURE`` and sends no seed (the input has no ``seed`` key).
+    """
     rng = np.random.default_rng([seed, 2])
     out = []
     for i in range(count):
         topic = int(rng.integers(TOPICS))
         own = VOCABULARY[topic * WORDS_PER_TOPIC : (topic + 1) * WORDS_PER_TOPIC]
         words = [own[int(rng.integers(len(own)))] for _ in range(int(rng.integers(5, 11)))]
-        out.append({"prompt": " ".join(words), "top_k": 8 if rng.random() < 0.5 else 4, "seed": 1000 + i,
-                    "temperature": 0.0, "max_new_tokens": NEW_TOKENS, "model": MODEL_NAME})  # fmt: skip
+        spec = {"prompt": " ".join(words), "top_k": 8 if rng.random() < 0.5 else 4, "seed": 1000 + i,
+                "temperature": 0.0, "max_new_tokens": NEW_TOKENS, "model": MODEL_NAME}  # fmt: skip
+        if i % UNSEEDED_EVERY == UNSEEDED_EVERY - 1:
+            del spec["seed"]
+            spec["temperature"] = UNSEEDED_TEMPERATURE
+        out.append(spec)
     return out
+
+
+def unseeded(spec: dict) -> bool:
+    """Whether an input samples at a temperature without a seed: its outputs differ by design."""
+    return spec["temperature"] > 0 and spec.get("seed") is None
 
 
 class Model:
@@ -121,6 +138,8 @@ class Model:
     ``h = tanh(A @ h + E[token])`` and ``token = argmax(W_out @ h)``. Its matrix products are
     split-K reductions whose chunk count depends on the batch size, as in real GEMM kernels, so a
     different batch size changes low-order bits, which the recurrence amplifies into other tokens.
+    ``A`` is the weights of training step ``FLEET_WEIGHTS_STEP``; each step moves it a little
+    (``a_at_step``). With a temperature above zero, tokens are sampled from ``softmax(W_out @ h / T)``.
     """
 
     def __init__(self, seed: int):
@@ -130,7 +149,14 @@ class Model:
         self.a = (rng.standard_normal((HIDDEN, HIDDEN)) * (GAIN / np.sqrt(HIDDEN))).astype(np.float32)
         self.e = (rng.standard_normal((OUTPUT_VOCAB, HIDDEN)) * 0.5).astype(np.float32)
         self.w_out = (rng.standard_normal((OUTPUT_VOCAB, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)
-        self.weights_digest = digest([self.w_in, self.a, self.e, self.w_out])[:16]
+        self._step_direction = rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32)  # one training step's update
+
+    def a_at_step(self, step: int) -> np.ndarray:
+        """The recurrent matrix as of training step ``step``: ``A`` moved by one small update per step."""
+        if step == FLEET_WEIGHTS_STEP:
+            return self.a
+        scale = np.float32(WEIGHTS_DRIFT_PER_STEP * GAIN / np.sqrt(HIDDEN) * (step - FLEET_WEIGHTS_STEP))
+        return (self.a + scale * self._step_direction).astype(np.float32)
 
     def context_vector(self, context: str) -> np.ndarray:
         rows = [_bucket(w, len(self.context_table))[0] for w in context.split()]
@@ -145,12 +171,19 @@ class Model:
         cols, w = self.shard(rank)
         return w @ x[cols]
 
-    def decode(self, h0: np.ndarray, chunks: int, a: np.ndarray | None = None) -> list[int]:
+    def decode(self, h0: np.ndarray, chunks: int, a: np.ndarray | None = None, temperature: float = 0.0,
+               rng: np.random.Generator | None = None) -> list[int]:  # fmt: skip
+        """Greedy tokens, or with ``temperature`` above zero tokens sampled with ``rng``."""
         a = self.a if a is None else a
         h = np.tanh(h0)
         tokens = []
         for _ in range(NEW_TOKENS):
-            token = int(np.argmax(_split_k(self.w_out, h, chunks)))
+            logits = _split_k(self.w_out, h, chunks)
+            if temperature > 0:
+                p = np.exp((logits - logits.max()) / temperature, dtype=np.float64)
+                token = int(rng.choice(OUTPUT_VOCAB, p=p / p.sum()))
+            else:
+                token = int(np.argmax(logits))
             tokens.append(token)
             h = np.tanh(_split_k(a, h, chunks) + self.e[token])
         return tokens

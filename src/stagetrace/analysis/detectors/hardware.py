@@ -45,7 +45,10 @@ class HardwareSignals:
                 evidence = {"host": host, "device": rise.device, "rank": rank or None, "labels": rise.labels}
                 if window:
                     evidence["window_ns"] = list(window)
-                causes.append(Cause("hardware", case.stage, rise.metric, f"+{rise.delta:g}",
-                                    f"+{before.get(_kind(rise), 0.0):g}",
+                if rise.typical is not None:  # a relative signal: against the series' own usual level
+                    evidence["typical"] = rise.typical
+                sign = "" if rise.signal.is_gauge else "+"
+                causes.append(Cause("hardware", case.stage, rise.metric, f"{sign}{rise.delta:g}",
+                                    f"{sign}{before.get(_kind(rise), 0.0):g}",
                                     rise.signal.severity * (BOTH_ROSE_WEIGHT if both else 1.0), evidence, weak=both))  # fmt: skip
         return causes
