@@ -88,3 +88,36 @@ def demo_store(demo_dsn):
     with open_store(demo_dsn) as store:
         store.client.database = store.database
         yield store
+
+
+def _check_verdict(report: dict) -> None:
+    """What every ``explain`` report in the suite must hold: the causes are ranked strong first, each group by
+    score, all with support; what is ranked first is never a stage's output, a measurement or an identifier unless
+    labelled weak; and a verdict with nothing strong says that nothing recorded explains it."""
+    from stagetrace import conventions
+
+    causes = report.get("causes") or []
+    assert all(c["score"] > 0 for c in causes), causes
+    assert [(c["weak"], -c["score"]) for c in causes] == sorted((c["weak"], -c["score"]) for c in causes), causes
+    if causes and causes[0]["kind"] == "attribute" and not causes[0]["weak"]:
+        name = causes[0]["name"]
+        assert conventions.is_comparable(name) and not conventions.is_measurement(name), report["summary"]
+    if report.get("baseline"):
+        assert report["baseline"]["request_id"] in report["summary"], report["summary"]
+    if report.get("diverged") and causes and all(c["weak"] for c in causes) and report["first_divergent_stage"]:
+        assert "no recorded setting or hardware signal differs" in report["summary"], report["summary"]
+
+
+@pytest.fixture(autouse=True)
+def _every_explanation_is_checked(monkeypatch):
+    """Every report that any test gets from ``Explainer.explain`` is checked with ``_check_verdict``."""
+    from stagetrace.analysis.explain import Explainer
+
+    explain = Explainer.explain
+
+    def checked(self, *args, **kwargs):
+        report = explain(self, *args, **kwargs)
+        _check_verdict(report)
+        return report
+
+    monkeypatch.setattr(Explainer, "explain", checked)

@@ -28,10 +28,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from stagetrace.exporters.clickhouse import SUM_COLUMNS, ClickHouseSpanExporter
 
 from stagetrace import conventions as cv
 from stagetrace.digest import digest
-from stagetrace.exporters.clickhouse import SUM_COLUMNS, ClickHouseSpanExporter
 
 MS = 1_000_000
 SECOND = 1_000 * MS

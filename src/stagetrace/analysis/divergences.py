@@ -17,8 +17,8 @@ import time
 
 from stagetrace import lookup
 from stagetrace.analysis import population, rollouts
-from stagetrace.analysis.explain import Baseline, diagnose, rank_order, ranks_of, setting_keys, summary
 from stagetrace.analysis.causes import differences
+from stagetrace.analysis.explain import Baseline, contrast_window, diagnose, rank_order, ranks_of, setting_keys, summary
 from stagetrace.analysis.hardware import Samples
 from stagetrace.store import Store
 
@@ -30,6 +30,7 @@ COLUMNS = (
     "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary",
 )  # fmt: skip
 KEPT_CAUSES = 5
+SAMPLED = 100  # deviations across the window whose differing settings are checked for rollouts
 
 
 def _traces(store: Store, trace_ids: list[str], t0_ns: int, t1_ns: int) -> dict[str, lookup.Trace]:
@@ -48,15 +49,20 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
     deviations = population.deviations(store, t0, until_ns, MARGIN_NS)
     analysed = deviations[-limit:] if limit else deviations
-    traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], *window)
-    pairs = [(d, traces[d.trace_id], traces[d.baseline_trace_id]) for d in analysed
+    # rollouts are looked for among the settings that differ for the latest and for a sample across the window:
+    # a rollout early in it makes the requests before it deviate, not the latest ones
+    sample = list({id(d): d for d in analysed + deviations[::max(1, len(deviations) // SAMPLED)]}.values())
+    traces = _traces(store, [t for d in sample for t in (d.trace_id, d.baseline_trace_id)], *window)
+    pairs = [(d, traces[d.trace_id], traces[d.baseline_trace_id]) for d in sample
              if d.stage and d.trace_id in traces and d.baseline_trace_id in traces]  # fmt: skip
-    found_rollouts = rollouts.detect(store, sorted({(d.stage, k) for d, a, b in pairs for k in setting_keys(a, b, d.stage)}),
-                                     t0, until_ns)  # fmt: skip
+    candidates = sorted({(d.stage, k) for d, a, b in pairs for k in setting_keys(a, b, d.stage)})
+    seen = rollouts.values_of(((span.stage, span) for t in traces.values() for span in t.spans if span.stage), candidates)
+    found_rollouts = rollouts.detect(store, rollouts.suspects(seen), t0, until_ns)
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
         deviations = population.deviations(store, t0, until_ns, MARGIN_NS, [r.fleet_ns for r in found_rollouts])
-        latest = deviations[-limit:] if limit else deviations
-        analysed = [d for d in deviations if rollouts.in_wave(d.stage, d.start_ns, found_rollouts) or d in latest]
+    latest = {d.trace_id for d in (deviations[-limit:] if limit else deviations)}
+    if found_rollouts:
+        analysed = [d for d in deviations if rollouts.in_wave(d.stage, d.start_ns, found_rollouts) or d.trace_id in latest]
         traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], *window)
 
     keys: dict[str, set[str]] = {}
@@ -67,10 +73,10 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
                 first = min(mine, key=rank_order)
                 keys.setdefault(d.stage, set()).update(
                     key for key, _, _ in differences(mine[first], ranks_of(traces[d.baseline_trace_id], d.stage).get(first)))
-    waves = rollouts.expected(store, deviations, found_rollouts, MARGIN_NS)
-    evidence = [d for d in deviations if d.trace_id not in waves]  # a rollout is no fault
-    contrasts = {stage: population.contrast(store, stage, sorted(k), evidence, t0, until_ns, MARGIN_NS)
-                 for stage, k in keys.items()}  # fmt: skip
+    # weighed over the requests around the analysed ones, each against the majority of the whole window
+    around = contrast_window(store, min((d.start_ns for d in analysed), default=t0), max((d.start_ns for d in analysed), default=until_ns))
+    contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, max(around[0], t0),
+                                     min(around[1], until_ns), found_rollouts, (t0, until_ns))  # fmt: skip
     samples = Samples(store, sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans}), t0, until_ns)
 
     groups: dict[str, dict] = {}
@@ -88,7 +94,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
             index = next(i for i, r in enumerate(found_rollouts) if (r.stage, r.name) == (top.stage, top.name))
             expected[index] = expected.get(index, 0) + 1
             continue
-        if limit and d not in deviations[-limit:]:
+        if limit and d.trace_id not in latest:
             continue
         group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
                                                    "majority_output": d.majority_output, "support": d.support,

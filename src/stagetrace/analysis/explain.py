@@ -28,7 +28,8 @@ HOUR_NS = 3600 * 1_000_000_000
 DEFAULT_WINDOW_NS = 24 * HOUR_NS  # peers: requests with the same input this close in time
 CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute differences...
 CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
-WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
+WEAK_NAMED = 3
+SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout  # weak candidates named in a verdict that found nothing strong
 
 
 @dataclass
@@ -131,6 +132,19 @@ def nondeterminism(trace: lookup.Trace) -> str:
     return next((r for r in (conventions.nondeterminism(s.attributes) for s in trace.spans) if r), "")
 
 
+def contrast_window(store: Store, lo_ns: int, hi_ns: int, half_ns: int = CONTRAST_WINDOW_NS) -> tuple[int, int]:
+    """The requests whose divergences weigh attribute differences: ``half_ns`` either side of [lo, hi], narrowed
+    when more than ``CONTRAST_REQUESTS`` started in it (busy hours: the nearest weigh as well, and it stays fast)."""
+    count = int(store.client.command(
+        "SELECT count() FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) "
+        "AND Start < fromUnixTimestamp64Nano({t1:Int64})",
+        parameters={"db": store.database, "t0": lo_ns - half_ns, "t1": hi_ns + half_ns},
+    ))  # fmt: skip
+    if count > CONTRAST_REQUESTS:
+        half_ns = half_ns * CONTRAST_REQUESTS // count
+    return lo_ns - half_ns, hi_ns + half_ns
+
+
 def rollout_candidates(trace: lookup.Trace) -> list[tuple[str, str]]:
     """(stage, contrast key) of every setting the request's stages ran with: what a rollout may have moved."""
     out = set()
@@ -226,11 +240,10 @@ class Explainer:
             except lookup.NotFound:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
-        found_rollouts = rollouts.detect(self.store, rollout_candidates(trace), trace.start_ns - self.window_ns,
-                                         trace.start_ns + self.window_ns)  # fmt: skip
+        peers = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
+        found_rollouts = self._rollouts(trace, peers)
         epochs = [r.fleet_ns for r in found_rollouts]
         if against is None:
-            peers = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
             # peers on the request's side of every rollout; with none there, across it (the rollout explains it)
             baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or self._baseline(
                 request_id, trace.start_ns, peers, [])
@@ -305,22 +318,19 @@ class Explainer:
         return Baseline(chosen.request_id, "nearest_earlier", counts[outputs[chosen.request_id]], len(peers),
                         lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
 
+    def _rollouts(self, trace: lookup.Trace, peers: list[tuple]) -> list:
+        """Rollouts of the settings the request ran with, looked for in the window where its peers suggest one."""
+        nearest = sorted(peers, key=lambda p: abs(int(p[2]) - trace.start_ns))[:SUSPECT_PEERS]
+        return rollouts.detect(self.store, rollout_candidates(trace), trace.start_ns - self.window_ns,
+                               trace.start_ns + self.window_ns,
+                               among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest])  # fmt: skip
+
     def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list):
         mine = ranks_of(trace, stage)
         if not mine:
             return None
         first = min(mine, key=rank_order)
         keys = [key for key, _, _ in differences(mine[first], ranks_of(baseline, stage).get(first))]
-        half = self.contrast_window_ns
-        count = int(self.store.client.command(
-            "SELECT count() FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) "
-            "AND Start < fromUnixTimestamp64Nano({t1:Int64})",
-            parameters={"db": self.store.database, "t0": trace.start_ns - half, "t1": trace.start_ns + half},
-        ))  # fmt: skip
-        if count > CONTRAST_REQUESTS:  # busy hours: the nearest requests weigh as well, and explain stays fast
-            half = half * CONTRAST_REQUESTS // count
-        t0, t1 = trace.start_ns - half, trace.start_ns + half
-        deviations = population.deviations(self.store, t0, t1, epochs=[r.fleet_ns for r in found_rollouts])
-        waves = rollouts.expected(self.store, deviations, found_rollouts)
-        evidence = [d for d in deviations if d.trace_id not in waves]  # a rollout is no fault
-        return population.contrast(self.store, stage, keys, evidence, t0, t1)
+        t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)
+        return population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
+                                   (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns))

@@ -177,44 +177,102 @@ def stage_order(stage: str | None) -> int:
     return PIPELINE_STAGES.index(stage) if stage in PIPELINE_STAGES else 100
 
 
-def contrast(store: Store, stage: str, keys: list[str], deviations_: list[Deviation], t0_ns: int, t1_ns: int,
-             margin_ns: int = 60_000_000_000):  # fmt: skip
-    """Counts for :class:`~stagetrace.analysis.causes.Contrast` over the stage's spans in the window.
+def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, found_rollouts=(),
+             majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000):  # fmt: skip
+    """One stage's :func:`contrasts`."""
+    return contrasts(store, {stage: keys}, t0_ns, t1_ns, found_rollouts, majority_window, margin_ns).get(stage)
 
-    Settings are counted by value and measurements by bucket. A key with a distinct value on nearly
-    every span is an identifier: it comes back as a single summary row, not a row per span. Requests
-    that diverged upstream of the stage are left out: the stage saw another input there, so its
-    attribute values say nothing about whether the stage itself diverges.
+
+def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, found_rollouts=(),
+              majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000) -> dict:  # fmt: skip
+    """Per stage, counts for :class:`~stagetrace.analysis.causes.Contrast` over its spans in [t0, t1).
+
+    A span *diverged first at the stage* when its output differs from the majority output of the stage's
+    spans with the same stage input (its input agreed, so nothing upstream explains it), within the same
+    rollout epochs, over ``majority_window`` (default the window itself). Spans of nondeterministic
+    requests, and those a rollout's wave explains, are no evidence either way (in the majority, a span's
+    own sampling attributes decide, so that the scan stays narrow). Settings are counted by value and
+    measurements by bucket; a key with a distinct value on nearly every span is an identifier and comes
+    back as one summary row, not a row per span.
     """
-    from stagetrace.analysis.causes import BUCKET_SQL, IDENTIFIER_SHARE, IDENTIFIER_SPANS, RESOURCE, Contrast, is_measurement
+    from stagetrace.analysis.causes import Contrast, is_measurement
 
-    if not keys:
-        return None
-    value = f"if(startsWith(key, '{RESOURCE}'), ResourceAttributes[substring(key, {len(RESOURCE) + 1})], Attributes[key])"
-    identifier = f"Spans >= {IDENTIFIER_SPANS} AND Values >= {IDENTIFIER_SHARE} * Spans"
-    sql = f"""
-    SELECT key, value, n, d, Values, Spans, Diverged, {identifier}
-    FROM (SELECT key, value, n, d, count() OVER w AS Values, sum(n) OVER w AS Spans, sum(d) OVER w AS Diverged
-          FROM (SELECT key, if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
-                       count() AS n, countIf(TraceId IN (SELECT arrayJoin({{diverged:Array(String)}}))) AS d
-                FROM (SELECT TraceId, key, {value} AS raw
-                      FROM {{db:Identifier}}.stagetrace_stages ARRAY JOIN {{keys:Array(String)}} AS key
-                      WHERE Stage = {{stage:String}}
-                        AND Start >= fromUnixTimestamp64Nano({{t0:Int64}} - {{margin:Int64}})
-                        AND Start < fromUnixTimestamp64Nano({{t1:Int64}} + {{margin:Int64}})
-                        AND TraceId NOT IN (SELECT arrayJoin({{upstream:Array(String)}})))
-                GROUP BY key, value)
-          WINDOW w AS (PARTITION BY key))
-    LIMIT 1 BY key, if({identifier}, '', value)"""
-    order = stage_order(stage)
-    params = {**_window(store, t0_ns, t1_ns, margin_ns), "stage": stage, "keys": keys,
-              "measured": [k for k in keys if is_measurement(k)],
-              "diverged": [d.trace_id for d in deviations_ if d.stage == stage],
-              "upstream": [d.trace_id for d in deviations_ if stage_order(d.stage) < order]}  # fmt: skip
-    counts, identifiers, spans, diverged = {}, set(), 0, 0
-    for key, value, n, d, _, spans, diverged, is_identifier in store.client.query(sql, parameters=params).result_rows:
+    pairs = [(stage, key) for stage, ks in sorted(keys.items()) for key in sorted(set(ks))]
+    if not pairs:
+        return {}
+    w0, w1 = majority_window or (t0_ns, t1_ns)
+    waves = [r for r in found_rollouts if r.stage in keys]
+    params = {"db": store.database, "stages": [s for s, _ in pairs], "keys": [k for _, k in pairs],
+              "measured": [k for _, k in pairs if is_measurement(k)],
+              "t0": t0_ns - margin_ns, "t1": t1_ns + margin_ns, "w0": w0 - margin_ns, "w1": w1 + margin_ns,
+              "epochs": sorted(r.fleet_ns for r in found_rollouts), "rs": [r.stage for r in waves],
+              "rk": [r.key for r in waves], "rold": [r.old for r in waves], "rnew": [r.new for r in waves],
+              "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves]}  # fmt: skip
+    rows: dict[str, dict] = {}
+    sql = CONTRAST_IN_ROLLOUTS_SQL if waves else CONTRAST_SQL
+    # one query per stage: each reads only its stage's part of the table (ordered by stage, then time)
+    result = [row for stage in sorted(keys) for row in store.client.query(sql, parameters={
+        **params, "stages": [s for s, _ in pairs if s == stage], "keys": [k for s, k in pairs if s == stage]}).result_rows]
+    for stage, key, value, n, d, spans, diverged, is_identifier in result:
+        found = rows.setdefault(stage, {"counts": {}, "identifiers": set(), "spans": 0, "diverged": 0})
+        found["spans"], found["diverged"] = int(spans), int(diverged)
         if is_identifier:
-            identifiers.add(key)
+            found["identifiers"].add(key)
         else:
-            counts[(key, value)] = (int(n), int(d))
-    return Contrast(counts, int(spans), int(diverged), frozenset(identifiers))
+            found["counts"][(key, value)] = (int(n), int(d))
+    return {stage: Contrast(r["counts"], r["spans"], r["diverged"], frozenset(r["identifiers"])) for stage, r in rows.items()}
+
+
+def _contrast_sql(waves: bool) -> str:
+    from stagetrace.analysis.causes import BUCKET_SQL, IDENTIFIER_SHARE, IDENTIFIER_SPANS, RESOURCE
+
+    value = (f"if(startsWith({{k}}, '{RESOURCE}'), ResourceAttributes[substring({{k}}, {len(RESOURCE) + 1})], "
+             "Attributes[{k}])")  # fmt: skip
+    ts = "toUnixTimestamp64Nano(Start)"
+    # a rollout's wave: the new value before the fleet moved, or the old one while the wave still rolled
+    wave = (f"arrayExists((s, k, o, n, t, u) -> s = Stage AND (({value.format(k='k')} = n AND {ts} < t) OR "
+            f"({value.format(k='k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rk:Array(String)}}, "
+            "{rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})")
+
+    def comparable(t0: str, t1: str, whole_requests: bool) -> str:
+        window = f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})"
+        # a span's own sampling always; its request's (which may say so on another span) where it is counted
+        unseeded = ("TraceId NOT IN (" + conventions.nondeterministic_traces_sql(
+            window, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages") + ")"
+                    if whole_requests else "Nondeterministic = ''")  # fmt: skip
+        # without rollouts the wave test is left out: it would read every span's attribute maps
+        return (f"{window} AND Stage IN {{stages:Array(String)}} AND InputDigest != '' AND {unseeded}"
+                + (f" AND NOT {wave}" if waves else ""))  # fmt: skip
+
+    epoch = f"arrayMap(t -> {ts} >= t, {{epochs:Array(Int64)}})"
+    identifier = f"Spans >= {IDENTIFIER_SPANS} AND Values >= {IDENTIFIER_SHARE} * Spans"
+    return f"""
+WITH counted AS (
+    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, Attributes, ResourceAttributes
+    FROM {{db:Identifier}}.stagetrace_stages
+    WHERE {comparable("t0", "t1", True)}),
+majority AS (
+    SELECT Stage, InputDigest, Epoch, outputs[indexOf(counts, top)] AS Majority
+    FROM (SELECT Stage, InputDigest, Epoch, groupArray(OutputDigest) AS outs, arrayDistinct(outs) AS outputs,
+                 arrayMap(o -> countEqual(outs, o), outputs) AS counts, arrayMax(counts) AS top
+          FROM (SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch
+                FROM {{db:Identifier}}.stagetrace_stages
+                WHERE InputDigest IN (SELECT InputDigest FROM counted) AND {comparable("w0", "w1", False)})
+          GROUP BY Stage, InputDigest, Epoch)
+    WHERE top >= 2 AND countEqual(counts, top) = 1)
+SELECT Stage, key, value, n, d, Spans, Diverged, {identifier}
+FROM (SELECT Stage, key, value, n, d, count() OVER w AS Values, sum(n) OVER w AS Spans, sum(d) OVER w AS Diverged
+      FROM (SELECT Stage, key, if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
+                   count() AS n, countIf(Out != Majority) AS d
+            FROM (SELECT c.Stage AS Stage, c.OutputDigest AS Out, m.Majority AS Majority, tupleElement(sk, 2) AS key,
+                         {value.format(k='tupleElement(sk, 2)')} AS raw
+                  FROM counted AS c
+                  INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
+                  ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = c.Stage,
+                                         arrayZip({{stages:Array(String)}}, {{keys:Array(String)}})) AS sk)
+            GROUP BY Stage, key, value)
+      WINDOW w AS (PARTITION BY Stage, key))
+LIMIT 1 BY Stage, key, if({identifier}, '', value)"""
+
+
+CONTRAST_SQL, CONTRAST_IN_ROLLOUTS_SQL = _contrast_sql(False), _contrast_sql(True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from itertools import pairwise
 
 from stagetrace.analysis.causes import RESOURCE
 from stagetrace.store import Store
@@ -27,8 +28,8 @@ SELECT tupleElement(sk, 1) AS S, tupleElement(sk, 2) AS K, HostName,
        toUnixTimestamp64Nano(min(Start)), toUnixTimestamp64Nano(max(Start)), count()
 FROM {{db:Identifier}}.stagetrace_stages
 ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = Stage, arrayZip({{stages:Array(String)}}, {{keys:Array(String)}})) AS sk
-WHERE Stage IN {{stages:Array(String)}}
-  AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start < fromUnixTimestamp64Nano({{t1:Int64}})
+WHERE Stage IN {{stages:Array(String)}} AND (empty({{traces:Array(String)}}) OR TraceId IN {{traces:Array(String)}})
+  AND (__RANGES__) AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start < fromUnixTimestamp64Nano({{t1:Int64}})
 GROUP BY S, K, HostName, Value
 """
 
@@ -85,58 +86,98 @@ class Rollout:
                 "lagging": dict(sorted(self.lagging.items())), "summary": self.describe()}  # fmt: skip
 
 
+def value_of(span, key: str) -> str:
+    """A span's value of a contrast key (``resource:`` for its resource's attributes)."""
+    if key.startswith(RESOURCE):
+        return span.resource.get(key.removeprefix(RESOURCE), "")
+    return span.attributes.get(key, "")
+
+
 def in_wave(stage: str | None, t_ns: int, found: list[Rollout]) -> bool:
     """Whether a request that diverged first at ``stage`` at ``t_ns`` falls in the wave of a rollout of that stage."""
     return any(r.stage == stage and r.from_ns <= t_ns <= r.until_ns for r in found)
-
-
-VALUES_SQL = f"""
-SELECT TraceId, if(startsWith({{key:String}}, '{RESOURCE}'), ResourceAttributes[substring({{key:String}}, {len(RESOURCE) + 1})],
-                   Attributes[{{key:String}}])
-FROM {{db:Identifier}}.stagetrace_stages
-WHERE Stage = {{stage:String}} AND TraceId IN (SELECT arrayJoin({{traces:Array(String)}}))
-  AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
-ORDER BY Start"""
-
-
-def expected(store: Store, deviations: list, found: list[Rollout], margin_ns: int = 60_000_000_000) -> set[str]:
-    """Trace IDs of the deviations (``population.Deviation``) a rollout's wave explains: in the wave, at the
-    rollout's stage, differing from their baselines by the rollout's values."""
-    out: set[str] = set()
-    for r in found:
-        wave = [d for d in deviations if r.stage == d.stage and r.from_ns <= d.start_ns <= r.until_ns]
-        if not wave:
-            continue
-        traces = sorted({t for d in wave for t in (d.trace_id, d.baseline_trace_id)})
-        values: dict[str, str] = {}
-        for trace_id, value in store.client.query(VALUES_SQL, parameters={
-                "db": store.database, "key": r.key, "stage": r.stage, "traces": traces,
-                "t0": r.from_ns - margin_ns - (r.until_ns - r.from_ns), "t1": r.until_ns + margin_ns}).result_rows:  # fmt: skip
-            values.setdefault(trace_id, value)  # a stage's first span
-        out |= {d.trace_id for d in wave if r.explains(values.get(d.trace_id, ""), values.get(d.baseline_trace_id, ""),
-                                                       d.start_ns) == "expected"}  # fmt: skip
-    return out
 
 
 def _clock(t_ns: int) -> str:
     return datetime.fromtimestamp(t_ns / 1e9, timezone.utc).strftime("%H:%M:%S UTC")
 
 
-def detect(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int) -> list[Rollout]:
-    """The rollouts among ``(stage, contrast key)`` candidates in the window, oldest first."""
-    candidates = sorted(set(candidates))
-    if not candidates:
-        return []
-    rows = store.client.query(ROLLOUT_SQL, parameters={
+def _values(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
+            among: list[tuple[str, int]] = (), margin_ns: int = 60_000_000_000) -> dict:  # fmt: skip
+    """(stage, key) → host → [(first, last, requests, value)] of the candidates' values in the window, or only in
+    the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
+    ranges, params = [], {}
+    for a, b in _merged(sorted((start - margin_ns, start + margin_ns) for _, start in among)):
+        i = len(ranges)
+        ranges.append(f"Start >= fromUnixTimestamp64Nano({{r{i}a:Int64}}) AND Start <= fromUnixTimestamp64Nano({{r{i}b:Int64}})")
+        params[f"r{i}a"], params[f"r{i}b"] = a, b
+    sql = ROLLOUT_SQL.replace("__RANGES__", " OR ".join(f"({r})" for r in ranges) or "1")
+    rows = store.client.query(sql, parameters={
         "db": store.database, "stages": [s for s, _ in candidates], "keys": [k for _, k in candidates],
-        "t0": t0_ns, "t1": t1_ns}).result_rows  # fmt: skip
+        "t0": t0_ns, "t1": t1_ns, "traces": [t for t, _ in among], **params}).result_rows  # fmt: skip
     values: dict[tuple[str, str], dict[str, list[tuple[int, int, int, str]]]] = defaultdict(lambda: defaultdict(list))
     for stage, key, host, value, first, last, count in rows:
         values[(stage, key)][host].append((int(first), int(last), int(count), value))
+    return values
+
+
+def values_of(stage_spans, candidates: list[tuple[str, str]]) -> dict:
+    """Like ``_values``, from spans already read: ``stage_spans`` yields (stage, span)."""
+    wanted: dict[str, list[str]] = defaultdict(list)
+    for stage, key in candidates:
+        wanted[stage].append(key)
+    found: dict = defaultdict(lambda: defaultdict(dict))
+    for stage, span in stage_spans:
+        for key in wanted.get(stage, ()):
+            value, host = value_of(span, key), span.resource.get("host.name", "")
+            first, last, count = found[(stage, key)][host].get(value, (span.start_ns, span.start_ns, 0))
+            found[(stage, key)][host][value] = (min(first, span.start_ns), max(last, span.start_ns), count + 1)
+    return {key: {host: [(*v, value) for value, v in values.items()] for host, values in hosts.items()}
+            for key, hosts in found.items()}
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in intervals:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def detect(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
+           among: list[tuple[str, int]] | None = None) -> list[Rollout]:  # fmt: skip
+    """The rollouts among ``(stage, contrast key)`` candidates in the window, oldest first.
+
+    ``among``: (trace ID, start) of a few requests (a request's nearest peers) to look at first; only the
+    candidates whose values look like a rollout there (``suspects``) are then looked for in the whole window.
+    """
+    candidates = sorted(set(candidates))
+    if candidates and among is not None:
+        candidates = suspects(_values(store, candidates, t0_ns, t1_ns, among))
+    if not candidates:
+        return []
+    values = _values(store, candidates, t0_ns, t1_ns)
     found = []
     for (stage, key), hosts in values.items():
         found += _rollouts(stage, key, hosts)
     return sorted(found, key=lambda r: r.fleet_ns)
+
+
+def suspects(values: dict) -> list[tuple[str, str]]:
+    """The (stage, key)s whose values (as ``_values`` gives them) look like a rollout among a few requests: two
+    hosts (or the only one) switched cleanly from one value to the same other. A value that one host alone moved
+    to (a fault, a restart) is no rollout, and no full detection is run for it."""
+    out = []
+    for key, hosts in values.items():
+        switched: dict[tuple[str, str], int] = defaultdict(int)  # (old, new) → hosts seen switching
+        for intervals in hosts.values():
+            for before, after in pairwise(_regimes(intervals) or ()):
+                switched[(before[3], after[3])] += 1
+        if any(n >= 2 or len(hosts) == 1 for n in switched.values()):
+            out.append(key)
+    return sorted(out)
 
 
 def _regimes(intervals: list[tuple[int, int, int, str]]) -> list[tuple[int, int, int, str]] | None:
@@ -150,7 +191,7 @@ def _rollouts(stage: str, key: str, hosts: dict[str, list]) -> list[Rollout]:
     switches: dict[tuple[str, str], dict[str, tuple[int, int]]] = defaultdict(dict)  # (old, new) → host → (last, first)
     regimes_of = {host: _regimes(intervals) for host, intervals in hosts.items()}
     for host, regimes in regimes_of.items():
-        for i, (before, after) in enumerate(zip(regimes or (), (regimes or ())[1:])):
+        for i, (before, after) in enumerate(pairwise(regimes or ())):
             reverted = i + 2 < len(regimes) and regimes[i + 2][3] == before[3]
             if not reverted and after[2] >= MIN_PERSIST:
                 switches[(before[3], after[3])][host] = (before[1], after[0])

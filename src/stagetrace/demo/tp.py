@@ -9,6 +9,7 @@ the sum to every rank, as an all-reduce leaves it on all of them.
 from __future__ import annotations
 
 import multiprocessing as mp
+
 import numpy as np
 
 from stagetrace.demo.world import TP_SIZE, Model

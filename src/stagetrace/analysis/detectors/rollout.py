@@ -8,17 +8,12 @@ and the setting is the cause.
 
 from __future__ import annotations
 
-from stagetrace.analysis.causes import RESOURCE, Cause
+from stagetrace.analysis.causes import Cause
 from stagetrace.analysis.detectors import Case, register
+from stagetrace.analysis.rollouts import value_of
 
 EXPECTED_SCORE = 1.0
 LAGGING_SCORE = 0.95
-
-
-def value_of(span, key: str) -> str:
-    if key.startswith(RESOURCE):
-        return span.resource.get(key.removeprefix(RESOURCE), "")
-    return span.attributes.get(key, "")
 
 
 @register
