@@ -294,8 +294,9 @@ def combined_output(outputs) -> str:
 
 # ``{pairs}``: an array of (start, output digest) of the passes.
 COMBINED_OUTPUT_SQL = "arrayStringConcat(arrayMap(p -> tupleElement(p, 2), arraySort({pairs})), ',')"
-# A stage span nested in a span of the same stage, within ``{spans}`` (stagetrace_stages rows, aliased ``{a}``).
-NESTED_IN_SAME_STAGE_SQL = "({a}.TraceId, {a}.Stage, {a}.ParentSpanId) IN (SELECT TraceId, Stage, SpanId FROM {spans})"
+# The passes among ``{spans}``, an array of one trace's spans of one stage as tuples whose ``{id}``-th and
+# ``{parent}``-th elements are SpanId and ParentSpanId: those whose parent is not one of them.
+STAGE_PASSES_SQL = "arrayFilter(x -> NOT has(arrayMap(y -> tupleElement(y, {id}), {spans}), tupleElement(x, {parent})), {spans})"
 
 
 # -- SQL over otel_traces columns (SpanName, SpanAttributes, ParentSpanId, ...) for the materialized views

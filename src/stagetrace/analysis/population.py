@@ -63,8 +63,9 @@ ORDER BY tupleElement(d, 4)
 
 # Per pair, the first stage where the request's output differs from the baseline's. One scan: each
 # stage span of either trace is tagged with its pair, then both sides meet per (pair, stage, rank).
-# A stage's passes are its spans not nested in one of the same stage (conventions.stage_passes): its
-# input is the first pass's, its output all passes' outputs in start order (conventions.combined_output).
+# A stage's passes are its spans not nested in one of the same stage (conventions.stage_passes, found per
+# trace and stage in one array): its input is the first pass's, its output all passes' outputs in start
+# order (conventions.combined_output).
 # Spans may start a little before or after their root (ranks on other hosts), hence the margin.
 _TAGGED_STAGES = """
         SELECT s.Stage AS Stage, s.Rank AS Rank, s.InputDigest AS StageIn, s.OutputDigest AS StageOut,
@@ -98,8 +99,11 @@ FROM (
                argMinIf(StageIn, SpanStart, Own) AS OwnIn, {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), Own)")} AS OwnOut,
                argMinIf(StageIn, SpanStart, NOT Own) AS BaseIn,
                {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), NOT Own)")} AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
-        FROM tagged AS a
-        WHERE NOT {conventions.NESTED_IN_SAME_STAGE_SQL.format(a="a", spans="tagged")}
+        FROM (SELECT Dev, Own, Stage, tupleElement(p, 1) AS Rank, tupleElement(p, 2) AS SpanStart,
+                     tupleElement(p, 3) AS StageIn, tupleElement(p, 4) AS StageOut
+              FROM (SELECT Dev, Own, Stage, groupArray((Rank, SpanStart, StageIn, StageOut, SpanId, ParentSpanId)) AS spans
+                    FROM tagged GROUP BY Dev, Own, Stage)
+              ARRAY JOIN {conventions.STAGE_PASSES_SQL.format(spans="spans", id=5, parent=6)} AS p)
         GROUP BY Dev, Stage, Rank)
     GROUP BY Dev, Stage)
 WHERE AnyBase AND if(SameLayout, notEmpty(DiffRanks), NOT AnyOwn OR SetDiffers)
