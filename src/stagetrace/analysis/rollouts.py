@@ -102,8 +102,11 @@ def _clock(t_ns: int) -> str:
     return datetime.fromtimestamp(t_ns / 1e9, timezone.utc).strftime("%H:%M:%S UTC")
 
 
+AMONG_MARGIN_NS = 5_000_000_000  # a request's stage spans start this close to it (a hint needs no more)
+
+
 def _values(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
-            among: list[tuple[str, int]] = (), margin_ns: int = 60_000_000_000) -> dict:  # fmt: skip
+            among: list[tuple[str, int]] = (), margin_ns: int = AMONG_MARGIN_NS) -> dict:  # fmt: skip
     """(stage, key) → host → [(first, last, requests, value)] of the candidates' values in the window, or only in
     the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
     ranges, params = [], {}
