@@ -187,3 +187,4 @@ def test_deviating_output_rule_fires_on_the_demos_injected_faults(demo_store):
     (row,) = rows
     assert row[names.index("service")] == "rag-demo"
     assert float(row[names.index("deviating")]) > rule.threshold
+

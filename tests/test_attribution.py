@@ -542,3 +542,31 @@ def test_every_report_keeps_the_contract(store):
     reports = {rid: explain(store, rid) for rid in fl.requests}  # checked() asserts the contract on each
     assert sum(r["diverged"] for r in reports.values()) >= 2
     assert verdict(top(reports["batch32"])) == ("attribute", "decode", "decode.batch_size", "32", "16")
+
+
+def test_deviating_output_rule_leaves_out_requests_sampled_without_a_seed(store):
+    """A tenant that samples at temperature 0.8 without a seed gets a different output every time: by design, so
+    the deviating-output rule must neither count those requests nor let them make a majority."""
+    from datetime import timedelta, timezone
+
+    import stagetrace
+    from stagetrace.dashboards import alert_rules
+    from stagetrace.dashboards.macros import QueryContext, expand
+
+    store.client.database = store.database  # as the Grafana data source sets it
+    stagetrace.configure(store=store, host_name="node-a", service_name="rag")
+    prompts = {"greedy": {"prompt": "q", "temperature": 0, "seed": 1}, "sampled": {"prompt": "q", "temperature": 0.8}}
+    for i in range(4 * alert_rules.MIN_SAMPLES):  # enough of each for the rule to evaluate
+        kind = "greedy" if i % 2 else "sampled"
+        attributes = {"gen_ai.request.temperature": prompts[kind]["temperature"],
+                      **({"gen_ai.request.seed": 1} if kind == "greedy" else {})}  # fmt: skip
+        with stagetrace.request(f"{kind}-{i}", input=prompts[kind], attributes=attributes) as req:
+            req.set_output("same answer" if kind == "greedy" else f"sampled answer {i % 3 == 0}")  # a 2:1 majority
+    stagetrace.flush()
+    (rule,) = [r for r in alert_rules.RULES if r.uid == "stagetrace-deviating-outputs"]
+    ((last,),) = store.client.query("SELECT max(Timestamp) FROM otel_traces").result_rows
+    now = last.replace(tzinfo=timezone.utc) + timedelta(seconds=1)
+    sql = expand(rule.sql, QueryContext(now - timedelta(seconds=rule.window_s), now, interval_ms=1000))
+    result = json.loads(store.client.raw_query(sql, fmt="JSONCompact"))
+    names, rows = [c["name"] for c in result["meta"]], result["data"]
+    assert rows and all(float(row[names.index("deviating")]) == 0 for row in rows), rows
