@@ -287,6 +287,15 @@ def stage_passes(spans):
     return sorted((s for s in spans if s.parent_span_id not in ids), key=lambda s: (s.start_ns, s.span_id))
 
 
+def rank_order(rank: str) -> tuple:
+    """TP ranks by number (a rank that is no number as 0). Same order as ``RANK_ORDER_SQL``."""
+    return (int(rank) if rank.isdigit() else 0, rank)
+
+
+# ``{r}``: a TP rank expression
+RANK_ORDER_SQL = "(toUInt32OrZero({r}), {r})"
+
+
 def combined_output(outputs) -> str:
     """The output of a stage from its passes' outputs, in start order. Same as ``COMBINED_OUTPUT_SQL``."""
     return ",".join(outputs)

@@ -17,8 +17,7 @@ import time
 
 from stagetrace import lookup
 from stagetrace.analysis import population, rollouts
-from stagetrace.analysis.causes import differences
-from stagetrace.analysis.explain import Baseline, contrast_window, diagnose, rank_order, ranks_of, setting_keys, summary
+from stagetrace.analysis.explain import Baseline, contrast_window, diagnose, setting_keys, stage_differences, summary
 from stagetrace.analysis.hardware import Samples
 from stagetrace.store import Store
 
@@ -61,18 +60,15 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
         deviations = population.deviations(store, t0, until_ns, MARGIN_NS, [r.fleet_ns for r in found_rollouts])
     latest = {d.trace_id for d in (deviations[-limit:] if limit else deviations)}
-    if found_rollouts:
+    if found_rollouts:  # the latest of the new grouping, and every request in a wave
         analysed = [d for d in deviations if rollouts.in_wave(d.stage, d.start_ns, found_rollouts) or d.trace_id in latest]
         traces = _traces(store, [t for d in analysed for t in (d.trace_id, d.baseline_trace_id)], *window)
 
     keys: dict[str, set[str]] = {}
     for d in analysed:
         if d.stage and d.trace_id in traces and d.baseline_trace_id in traces:
-            mine = ranks_of(traces[d.trace_id], d.stage)
-            if mine:
-                first = min(mine, key=rank_order)
-                keys.setdefault(d.stage, set()).update(
-                    key for key, _, _ in differences(mine[first], ranks_of(traces[d.baseline_trace_id], d.stage).get(first)))
+            keys.setdefault(d.stage, set()).update(
+                stage_differences(traces[d.trace_id], traces[d.baseline_trace_id], d.stage) or ())
     # weighed over the requests around the analysed ones, each against the majority of the whole window
     around = contrast_window(store, min((d.start_ns for d in analysed), default=t0), max((d.start_ns for d in analysed), default=until_ns))
     contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, max(around[0], t0),

@@ -55,9 +55,7 @@ def root(trace: lookup.Trace) -> lookup.Span:
     return trace.root
 
 
-def rank_order(rank: str) -> tuple:
-    """TP ranks by number, the same order as ``population._RANK_ORDER``."""
-    return (int(rank) if rank.isdigit() else 0, rank)
+rank_order = conventions.rank_order
 
 
 def stages(trace: lookup.Trace) -> dict[tuple[str, str], list[lookup.Span]]:
@@ -155,13 +153,19 @@ def rollout_candidates(trace: lookup.Trace) -> list[tuple[str, str]]:
     return sorted(out)
 
 
+def stage_differences(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> list[str] | None:
+    """Contrast keys of the attributes that differ between the two requests' first passes of the stage at its
+    lowest rank; None when the request did not run the stage."""
+    mine = ranks_of(request, stage)
+    if not mine:
+        return None
+    first = min(mine, key=rank_order)
+    return [key for key, _, _ in differences(mine[first], ranks_of(baseline, stage).get(first))]
+
+
 def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> list[str]:
     """The stage's settings whose values differ between the two requests: what a rollout may have changed."""
-    mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
-    if not mine:
-        return []
-    first = min(mine, key=rank_order)
-    return [key for key, _, _ in differences(mine[first], theirs.get(first)) if not is_measurement(key)]
+    return [key for key in stage_differences(request, baseline, stage) or () if not is_measurement(key)]
 
 
 def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
@@ -326,11 +330,9 @@ class Explainer:
                                among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest])  # fmt: skip
 
     def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list):
-        mine = ranks_of(trace, stage)
-        if not mine:
+        keys = stage_differences(trace, baseline, stage)
+        if keys is None:
             return None
-        first = min(mine, key=rank_order)
-        keys = [key for key, _, _ in differences(mine[first], ranks_of(baseline, stage).get(first))]
         t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)
         return population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
                                    (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns))

@@ -79,7 +79,7 @@ _TAGGED_STAGES = """
         WHERE s.Start >= fromUnixTimestamp64Nano({t0:Int64} - {margin:Int64})
           AND s.Start < fromUnixTimestamp64Nano({t1:Int64} + {margin:Int64})"""
 _OUT = conventions.COMBINED_OUTPUT_SQL
-_RANK_ORDER = "(toUInt32OrZero({r}), {r})"  # as explain.rank_order
+_RANK_ORDER = conventions.RANK_ORDER_SQL
 # A stage whose TP ranks are the same on both sides is compared rank by rank, and names the first rank whose
 # output differs; with other ranks on each side (a TP group across hosts against a one-span engine), as a
 # whole, by the set of its ranks' outputs (an all-reduce leaves the same result on every rank).

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from stagetrace import lookup
+from stagetrace import conventions, lookup
 from stagetrace.analysis.causes import Cause, Contrast
 from stagetrace.analysis.hardware import Samples
 from stagetrace.store import Store
@@ -48,7 +48,7 @@ class Case:
 
     @property
     def first_rank(self) -> str:
-        return min(self.spans, key=lambda r: (0, int(r), "") if r.isdigit() else (1, 0, r))
+        return min(self.spans, key=conventions.rank_order)
 
 
 class Detector(Protocol):
