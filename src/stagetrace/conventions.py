@@ -288,24 +288,13 @@ def stage_passes(spans):
 
 
 def rank_order(rank: str) -> tuple:
-    """TP ranks by number (a rank that is no number as 0). Same order as ``RANK_ORDER_SQL``."""
+    """TP ranks by number (a rank that is no number as 0)."""
     return (int(rank) if rank.isdigit() else 0, rank)
 
 
-# ``{r}``: a TP rank expression
-RANK_ORDER_SQL = "(toUInt32OrZero({r}), {r})"
-
-
 def combined_output(outputs) -> str:
-    """The output of a stage from its passes' outputs, in start order. Same as ``COMBINED_OUTPUT_SQL``."""
+    """The output of a stage from its passes' outputs, in start order."""
     return ",".join(outputs)
-
-
-# ``{pairs}``: an array of (start, output digest) of the passes.
-COMBINED_OUTPUT_SQL = "arrayStringConcat(arrayMap(p -> tupleElement(p, 2), arraySort({pairs})), ',')"
-# The passes among ``{spans}``, an array of one trace's spans of one stage as tuples whose ``{id}``-th and
-# ``{parent}``-th elements are SpanId and ParentSpanId: those whose parent is not one of them.
-STAGE_PASSES_SQL = "arrayFilter(x -> NOT has(arrayMap(y -> tupleElement(y, {id}), {spans}), tupleElement(x, {parent})), {spans})"
 
 
 # -- SQL over otel_traces columns (SpanName, SpanAttributes, ParentSpanId, ...) for the materialized views

@@ -28,8 +28,8 @@ HOUR_NS = 3600 * 1_000_000_000
 DEFAULT_WINDOW_NS = 24 * HOUR_NS  # peers: requests with the same input this close in time
 CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute differences...
 CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
-WEAK_NAMED = 3
-SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout  # weak candidates named in a verdict that found nothing strong
+WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
+SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout
 
 
 @dataclass
@@ -112,6 +112,24 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
         same_out = sorted({_output(p) for p in a.values()}) == sorted({_output(p) for p in b.values()})
         out.append(StageComparison(stage, "", first_a[0].input_digest == first_b[0].input_digest, same_out, True))
     return out
+
+
+@dataclass
+class Divergence:
+    """Where a request first differs from its baseline."""
+
+    stage: str | None  # None: every recorded stage agreed
+    ranks: list[str]  # the TP ranks whose output differs there (both sides ran the same ranks)
+    input_differed: bool  # the stage's input already differed: the blame lies upstream of the recorded stages
+
+
+def first_divergence(comparisons: list[StageComparison]) -> Divergence:
+    """The first stage of :func:`compare_stages` whose output differs."""
+    first = next((c for c in comparisons if not c.output_matches), None)
+    if first is None:
+        return Divergence(None, [], False)
+    ranks = [c.rank for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
+    return Divergence(first.stage, ranks, first.present and not first.input_matches)
 
 
 def _by_stage(passes: dict[tuple[str, str], list[lookup.Span]]) -> dict[str, dict[str, list[lookup.Span]]]:
@@ -260,32 +278,29 @@ class Explainer:
             return {**report, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": f"the output agrees with the baseline ({baseline.describe()})"}  # fmt: skip
         comparisons = compare_stages(trace, baseline.trace)
-        first = next((c for c in comparisons if not c.output_matches), None)
+        first = first_divergence(comparisons)
+        stage = first.stage
         found: list[Cause] = []
-        ranks: list[str] = []
-        if first is not None:
-            ranks = [c.rank for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
-            contrast = self._contrast(first.stage, trace, baseline.trace, found_rollouts)
+        if stage is not None:
+            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts)
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
             samples = Samples(self.store, sorted(hosts), t0, t1)
-            found = diagnose(self.store, first.stage, trace, baseline.trace, contrast, samples, found_rollouts, reason)
+            found = diagnose(self.store, stage, trace, baseline.trace, contrast, samples, found_rollouts, reason)
         elif reason:
             found = diagnose(self.store, "", trace, baseline.trace, None, None, [], reason)
-        stage = first.stage if first else None
-        input_differed = bool(first and first.present and not first.input_matches)
         top = next((c for c in found if not c.weak), None)
         return {
             **report,
             "diverged": True,
             "expected": bool(top and top.kind == "rollout" and top.evidence.get("expected")),
             "first_divergent_stage": stage,
-            "divergent_ranks": ranks,
-            "stage_input_differed": input_differed,
+            "divergent_ranks": first.ranks,
+            "stage_input_differed": first.input_differed,
             "stages": [c.to_json() for c in comparisons],
             "causes": [c.to_json() for c in found],
-            "summary": summary(stage, found, baseline, input_differed, ranks),
+            "summary": summary(stage, found, baseline, first.input_differed, first.ranks),
         }
 
     def _peers(self, request_id: str, start_ns: int, input_digest: str, nondeterministic: bool) -> list[tuple]:

@@ -1,12 +1,12 @@
-"""Who deviates, and where: majority outputs, deviating requests and first divergent stages, computed in ClickHouse.
+"""Who deviates: majority outputs, deviating requests and their baselines, computed in ClickHouse.
 
 Requests are grouped by ``InputDigest``; a group's majority output is its most common output when
 at least two requests share it and no other output is as common. A request deviates when its
 output differs from its group's majority. Its baseline is the agreeing request of its group nearest
-in time, on another host when there is one (so that the hardware differs), and its first divergent
-stage is the first stage, in pipeline order, whose output digest differs from the baseline's (a
-stage the baseline ran and the request did not also counts), as ``explain`` compares two requests.
-Grouping, majorities, baselines and the stage comparison run as SQL; only deviating requests come back.
+in time, on another host when there is one (so that the hardware differs). Grouping, majorities and
+baselines run as SQL; only deviating requests come back, and the callers compare the stages of those
+they analyse (``explain.compare_stages``). The stage contrasts that weigh attribute differences run
+here too.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagetrace import conventions
-from stagetrace.conventions import PIPELINE_STAGES
 from stagetrace.store import Store
-
-# Stages outside the pipeline's named five come after them, in the order the baseline ran them.
-_ORDER = "if(indexOf({pipeline:Array(String)}, Stage) = 0, 100, indexOf({pipeline:Array(String)}, Stage))"
 
 # Requests in the window (one per trace, by the conventions' root rule), latest trace per request ID (a retry
 # reuses the ID).
@@ -61,56 +57,6 @@ ARRAY JOIN [arraySort(a -> (tupleElement(a, 5) = tupleElement(d, 5), abs(tupleEl
 ORDER BY tupleElement(d, 4)
 """
 
-# Per pair, the first stage where the request's output differs from the baseline's. One scan: each
-# stage span of either trace is tagged with its pair, then both sides meet per (pair, stage, rank).
-# A stage's passes are its spans not nested in one of the same stage (conventions.stage_passes, found per
-# trace and stage in one array): its input is the first pass's, its output all passes' outputs in start
-# order (conventions.combined_output).
-# Spans may start a little before or after their root (ranks on other hosts), hence the margin.
-_TAGGED_STAGES = """
-        SELECT s.Stage AS Stage, s.Rank AS Rank, s.InputDigest AS StageIn, s.OutputDigest AS StageOut,
-               toUnixTimestamp64Nano(s.Start) AS SpanStart, t.Dev AS Dev, t.Own AS Own, s.TraceId AS TraceId,
-               s.SpanId AS SpanId, s.ParentSpanId AS ParentSpanId
-        FROM {db:Identifier}.stagetrace_stages AS s
-        INNER JOIN (SELECT tupleElement(x, 1) AS TraceId, tupleElement(x, 2) AS Dev, tupleElement(x, 3) AS Own
-                    FROM (SELECT arrayJoin([(tupleElement(p, 1), tupleElement(p, 1), true), (tupleElement(p, 2), tupleElement(p, 1), false)]) AS x
-                          FROM (SELECT arrayJoin(arrayZip({devs:Array(String)}, {bases:Array(String)})) AS p))) AS t
-            ON s.TraceId = t.TraceId
-        WHERE s.Start >= fromUnixTimestamp64Nano({t0:Int64} - {margin:Int64})
-          AND s.Start < fromUnixTimestamp64Nano({t1:Int64} + {margin:Int64})"""
-_OUT = conventions.COMBINED_OUTPUT_SQL
-_RANK_ORDER = conventions.RANK_ORDER_SQL
-# A stage whose TP ranks are the same on both sides is compared rank by rank, and names the first rank whose
-# output differs; with other ranks on each side (a TP group across hosts against a one-span engine), as a
-# whole, by the set of its ranks' outputs (an all-reduce leaves the same result on every rank).
-FIRST_STAGES_SQL = f"""
-WITH tagged AS ({_TAGGED_STAGES})
-SELECT Dev, argMin((Stage, DivRank, Moved), ({_ORDER}, BaseStart))
-FROM (
-    SELECT Dev, Stage, minIf(BaseStart, HasBase) AS BaseStart, countIf(HasBase) > 0 AS AnyBase,
-           countIf(HasOwn) > 0 AS AnyOwn,
-           arraySort(groupArrayIf(Rank, HasOwn)) = arraySort(groupArrayIf(Rank, HasBase)) AS SameLayout,
-           arraySort(r -> {_RANK_ORDER.format(r="r")}, groupArrayIf(Rank, HasBase AND (NOT HasOwn OR OwnOut != BaseOut))) AS DiffRanks,
-           arraySort(arrayDistinct(groupArrayIf(OwnOut, HasOwn))) != arraySort(arrayDistinct(groupArrayIf(BaseOut, HasBase))) AS SetDiffers,
-           if(SameLayout, DiffRanks[1], '') AS DivRank,
-           AnyOwn AND argMinIf(OwnIn, {_RANK_ORDER.format(r="Rank")}, HasOwn) != argMinIf(BaseIn, {_RANK_ORDER.format(r="Rank")}, HasBase) AS Moved
-    FROM (
-        SELECT Dev, Stage, Rank, countIf(Own) > 0 AS HasOwn, countIf(NOT Own) > 0 AS HasBase,
-               argMinIf(StageIn, SpanStart, Own) AS OwnIn, {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), Own)")} AS OwnOut,
-               argMinIf(StageIn, SpanStart, NOT Own) AS BaseIn,
-               {_OUT.format(pairs="groupArrayIf((SpanStart, StageOut), NOT Own)")} AS BaseOut, minIf(SpanStart, NOT Own) AS BaseStart
-        FROM (SELECT Dev, Own, Stage, tupleElement(p, 1) AS Rank, tupleElement(p, 2) AS SpanStart,
-                     tupleElement(p, 3) AS StageIn, tupleElement(p, 4) AS StageOut
-              FROM (SELECT Dev, Own, Stage, groupArray((Rank, SpanStart, StageIn, StageOut, SpanId, ParentSpanId)) AS spans
-                    FROM tagged GROUP BY Dev, Own, Stage)
-              ARRAY JOIN {conventions.STAGE_PASSES_SQL.format(spans="spans", id=5, parent=6)} AS p)
-        GROUP BY Dev, Stage, Rank)
-    GROUP BY Dev, Stage)
-WHERE AnyBase AND if(SameLayout, notEmpty(DiffRanks), NOT AnyOwn OR SetDiffers)
-GROUP BY Dev
-"""
-
-
 @dataclass
 class Deviation:
     """A request whose output differs from its group's majority, its baseline, and the stage where it first differed."""
@@ -126,39 +72,25 @@ class Deviation:
     host: str
     baseline_request_id: str
     baseline_trace_id: str
-    stage: str | None  # None: every stage agreed, the difference came after the last one
-    rank: str
-    input_differed: bool  # the stage's input already differed (blame lies upstream of the recorded stages)
 
 
-def _window(store: Store, t0_ns: int, t1_ns: int, margin_ns: int, epochs: list[int] = ()) -> dict:
-    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "margin": margin_ns, "pipeline": list(PIPELINE_STAGES),
-            "epochs": sorted(epochs)}  # fmt: skip
+def _window(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> dict:
+    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "epochs": sorted(epochs)}
 
 
-def deviations(store: Store, t0_ns: int, t1_ns: int, margin_ns: int = 60_000_000_000,
-               epochs: list[int] = ()) -> list[Deviation]:  # fmt: skip
-    """Every deviating request that started in [t0, t1), oldest first, with its baseline and first divergent stage.
+def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> list[Deviation]:
+    """Every deviating request that started in [t0, t1), oldest first, with its baseline.
 
     ``epochs``: the fleet-wide moments of rollouts; requests are compared only with those on the same sides.
     """
-    params = _window(store, t0_ns, t1_ns, margin_ns, epochs)
-    pairs = store.client.query(PAIRS_SQL, parameters=params).result_rows
-    if not pairs:
-        return []
-    devs, bases = [row[1] for row in pairs], [row[10] for row in pairs]
-    first = dict(store.client.query(FIRST_STAGES_SQL, parameters={**params, "devs": devs, "bases": bases}).result_rows)
-    out = []
-    for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in pairs:
-        stage, rank, moved = first.get(tid, ("", "", False))
-        out.append(Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid,
-                             stage or None, rank, bool(moved)))  # fmt: skip
-    return out
+    rows = store.client.query(PAIRS_SQL, parameters=_window(store, t0_ns, t1_ns, epochs)).result_rows
+    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid)
+            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in rows]  # fmt: skip
 
 
 def nondeterministic(store: Store, t0_ns: int, t1_ns: int) -> int:
     """How many requests in [t0, t1) sample nondeterministically by design."""
-    return int(store.client.command(NONDETERMINISTIC_COUNT_SQL, parameters=_window(store, t0_ns, t1_ns, 0)))
+    return int(store.client.command(NONDETERMINISTIC_COUNT_SQL, parameters=_window(store, t0_ns, t1_ns)))
 
 
 @dataclass
@@ -172,13 +104,6 @@ class Member:
 def nearest(members: list[Member], start_ns: int, host: str) -> Member | None:
     """The baseline among agreeing requests: on another host if one exists (to tell hardware apart), nearest in time."""
     return min(members, key=lambda m: (m.host == host, abs(m.start_ns - start_ns)), default=None)
-
-
-def stage_order(stage: str | None) -> int:
-    """Pipeline position; other stages after the five, a difference after the last stage at the end."""
-    if stage is None:
-        return 1000
-    return PIPELINE_STAGES.index(stage) if stage in PIPELINE_STAGES else 100
 
 
 def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, found_rollouts=(),
