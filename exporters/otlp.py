@@ -9,21 +9,25 @@ official ``opentelemetry-proto`` messages; ``Content-Encoding: gzip`` or ``defla
 within the size limit.
 
 Each OTLP span is read through a view that ``span_row`` takes like an SDK span, so it gets exactly the
-columns the in-process ``ClickHouseSpanExporter`` writes, and the views are queued in that exporter, which
-coalesces inserts and retries. Gauge and sum points go to ``otel_metrics_gauge``/``otel_metrics_sum`` in the
-Collector's layout, one insert per request. Answers, as the OTLP/HTTP specification has them:
+columns the in-process ``ClickHouseSpanExporter`` writes. Gauge and sum points go to
+``otel_metrics_gauge``/``otel_metrics_sum`` in the Collector's layout. A request is answered only once its
+rows are durable: inserted, or fsynced into the spool (``exporters.durable``), each request its own insert
+under a deduplication token derived from its body, so a sender that retries a request whose answer it never
+got (the agent was killed in between) does not store it twice. Answers, as the OTLP/HTTP specification has them:
 
 * 200, with ``partial_success`` counting the spans or points that were not taken (invalid IDs, histograms);
   the sender must not retry those.
 * 400 a body that does not decode · 401 no or wrong token · 404/405 other paths or methods ·
-  411 no Content-Length · 413 body over the limit, compressed or inflated · 415 another content type.
-* 503 with ``Retry-After`` when the span queue is full or the store refuses inserts: the sender retries later,
-  so memory stays bounded while the store is slow or down.
+  411 no Content-Length · 413 body over the limit, compressed or inflated, or more spans than one request may
+  hold · 415 another content type.
+* 503 with ``Retry-After`` when the store refuses inserts and there is no spool to take them (or the disk
+  refuses the spool): the sender retries later.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import logging
 import time
@@ -37,26 +41,27 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
-from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.trace import SpanKind, StatusCode
 
 from stagetrace import httpd
 from stagetrace.exporters.clickhouse import (
+    COLUMNS,
     GAUGE_TABLE,
     METRIC_COLUMNS,
     SUM_COLUMNS,
     SUM_TABLE,
-    ClickHouseSpanExporter,
-    _Inserts,  # one log line when inserts start failing and one when they recover, as the writers do
+    _Resources,
     attribute_map,
+    span_row,
 )
+from stagetrace.exporters.durable import DurableWriter
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:4318"
 MAX_BODY_BYTES = 20 * 1024 * 1024  # the Collector's otlp receiver default (confighttp max_request_body_size)
-MAX_QUEUED_SPANS = 50_000
+MAX_SPANS = 50_000  # in one request
 RETRY_AFTER_S = 2
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
 
@@ -224,21 +229,10 @@ def span_views(request: ExportTraceServiceRequest) -> tuple[list[SimpleNamespace
     return views, rejected
 
 
-class SpanQueue(ClickHouseSpanExporter):
-    """The exporter's coalescing buffer, offered OTLP span views; a full buffer refuses instead of dropping."""
-
-    def offer(self, views: list) -> bool:
-        """Queue ``views`` (True), or take none of them (False) while the buffer is full."""
-        with self._cond:
-            # in memory: waiting, and being inserted right now (spooled rows are on disk, bounded there)
-            if self._shutdown or self.held_rows + len(views) > self.max_buffered_rows:
-                return False
-        accepted = self.export(views) is SpanExportResult.SUCCESS
-        with self._cond:
-            # export() wakes the writer only for a full batch, and an idle writer waits without a timeout:
-            # wake it so these spans are written within max_delay_s, not at the next full batch or flush
-            self._cond.notify_all()
-        return accepted
+def request_token(body: bytes, media: str) -> str:
+    """The deduplication token of one request: the same body sent again (a retry) in the same encoding or over
+    the same front-end (``media``: a content type, or ``grpc``) is the same batch."""
+    return hashlib.blake2b(media.encode() + b"\0" + body, digest_size=16).hexdigest()
 
 
 # --- metrics ----------------------------------------------------------------------------------------------
@@ -294,27 +288,25 @@ class _Every:
 
 
 class OtlpReceiver:
-    """OTLP/HTTP on ``listen`` into ``store`` until ``close`` (which writes what is queued).
+    """OTLP/HTTP on ``listen`` into ``store`` until ``close``.
 
     With ``listen=None`` it serves no HTTP: it is then only the core that ``otlp_grpc`` hands its calls to.
+    ``spool_dir``: see :class:`~stagetrace.exporters.durable.DurableWriter`.
     """
 
     def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_queued_spans: int = MAX_QUEUED_SPANS,
-                 max_delay_s: float | None = None, spool_dir=None):  # fmt: skip
+                 max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None):  # fmt: skip
         self.token = token
         self.max_body_bytes = max_body_bytes
-        # spans the store does not take go to the spool (spool_dir: see ClickHouseSpanExporter), so the
-        # queue fills, and senders get 503, only when the spool cannot keep up or there is none
-        self.spans = SpanQueue(store, max_buffered_rows=max_queued_spans, max_delay_s=max_delay_s, create_schema=False,
-                               spool_dir=spool_dir)  # fmt: skip
-        self._metric_inserts = {table: _Inserts(store, f"OTLP {table} rows") for table in (GAUGE_TABLE, SUM_TABLE)}
+        self.max_spans = max_spans
+        self.writer = DurableWriter(store, "spans", spool_dir=spool_dir)
+        self._resources = _Resources()
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
             self.listener = httpd.start(handler, listen, "stagetrace-otlp") if listen is not None else None
         except BaseException:
-            self.spans.shutdown()
+            self.writer.close()
             raise
 
     @property
@@ -324,15 +316,17 @@ class OtlpReceiver:
     def close(self) -> None:
         if self.listener:
             self.listener.close()
-        self.spans.shutdown()
+        self.writer.close()
 
-    def traces(self, request: ExportTraceServiceRequest) -> ExportTraceServiceResponse:
+    def traces(self, request: ExportTraceServiceRequest, token: str | None = None) -> ExportTraceServiceResponse:
+        """Store the request's spans (``token``: its deduplication token) and answer; OtlpError when not stored."""
         views, rejected = span_views(request)
-        if len(views) > self.spans.max_buffered_rows:
-            raise OtlpError(413, f"{len(views)} spans in one request are more than the receiver queues "
-                                 f"({self.spans.max_buffered_rows}): send smaller batches")  # fmt: skip
-        if views and not self.spans.offer(views):
-            raise OtlpError(503, "the span queue is full while the store catches up: retry later", retry=True)
+        if len(views) > self.max_spans:
+            raise OtlpError(413, f"{len(views)} spans in one request are more than the receiver takes "
+                                 f"({self.max_spans}): send smaller batches")  # fmt: skip
+        rows = [span_row(view, self._resources) for view in views]
+        if rows and not self.writer.write("otel_traces", COLUMNS, rows, token):
+            raise OtlpError(503, "the store is not taking inserts now and there is no spool: retry later", retry=True)
         response = ExportTraceServiceResponse()
         if rejected:
             response.partial_success.rejected_spans = rejected
@@ -343,12 +337,13 @@ class OtlpReceiver:
                 logger.warning("OTLP: rejected %s", response.partial_success.error_message)
         return response
 
-    def metrics(self, request: ExportMetricsServiceRequest) -> ExportMetricsServiceResponse:
+    def metrics(self, request: ExportMetricsServiceRequest, token: str | None = None) -> ExportMetricsServiceResponse:
         tables, rejected, why = metric_rows(request)
         for table, rows in tables.items():
             columns = GAUGE_COLUMNS if table == GAUGE_TABLE else OTLP_SUM_COLUMNS
-            if rows and not self._metric_inserts[table](table, rows, columns):
-                raise OtlpError(503, "the store is not taking inserts now: retry later", retry=True)
+            if rows and not self.writer.write(table, columns, rows, token):
+                raise OtlpError(503, "the store is not taking inserts now and there is no spool: retry later",
+                                retry=True)  # fmt: skip
         response = ExportMetricsServiceResponse()
         if rejected:
             response.partial_success.rejected_data_points = rejected
@@ -382,7 +377,7 @@ class _OtlpHandler(httpd.Handler):
                                 body_read=False)  # fmt: skip
             request_class, accept = route
             body = httpd.read_body(self.headers, self.rfile, self.receiver.max_body_bytes)
-            response = accept(self.receiver, decode(request_class(), body, media))
+            response = accept(self.receiver, decode(request_class(), body, media), request_token(body, media))
         except httpd.HttpError as exc:
             self._error(exc, answer_as)
             return
@@ -403,5 +398,5 @@ class _OtlpHandler(httpd.Handler):
         self.reply(exc.status, encode(status, media), media, headers, close=not exc.body_read)
 
 
-__all__ = ["DEFAULT_LISTEN", "GAUGE_COLUMNS", "MAX_BODY_BYTES", "OTLP_SUM_COLUMNS", "OtlpError", "OtlpReceiver",
-           "SpanQueue", "decode", "encode", "metric_rows", "span_views"]  # fmt: skip
+__all__ = ["DEFAULT_LISTEN", "GAUGE_COLUMNS", "MAX_BODY_BYTES", "MAX_SPANS", "OTLP_SUM_COLUMNS", "OtlpError", "OtlpReceiver",
+           "decode", "encode", "metric_rows", "request_token", "span_views"]  # fmt: skip

@@ -3,15 +3,15 @@
 gRPC on 4317 is what the OpenTelemetry Python SDK's OTLP exporter, vLLM and SGLang send by default. Each
 ``Export`` call is decoded with the HTTP receiver's ``decode`` and handed to the same
 :class:`~stagetrace.exporters.otlp.OtlpReceiver` methods its ``POST`` handler calls, so both front-ends take
-spans and points alike: one queue, one partial-success rule, one durability. Answers, as the OTLP specification
+spans and points alike: one write path, one partial-success rule, one durability. Answers, as the OTLP specification
 has them for gRPC:
 
 * OK, with ``partial_success`` counting what was not taken (invalid IDs, histograms): the sender must not retry.
 * ``UNAUTHENTICATED``: the agent requires a token and the call lacks ``authorization: Bearer <token>``.
 * ``INVALID_ARGUMENT``: the message does not decode.
 * ``RESOURCE_EXHAUSTED`` without RetryInfo, so final: a message over the size limit (gRPC checks it, inflated
-  for gzip calls), or more spans in one call than the receiver queues.
-* ``UNAVAILABLE`` with ``google.rpc.RetryInfo``: the span queue is full or the store refuses inserts; the
+  for gzip calls), or more spans in one call than the receiver takes.
+* ``UNAVAILABLE`` with ``google.rpc.RetryInfo``: the store refuses inserts and there is no spool; the
   sender waits and retries. RetryInfo goes in ``google.rpc.retryinfo-bin`` (the only place the Python exporter
   reads it) and in the rich status ``grpc-status-details-bin`` (where grpc-go senders, the Collector's, look).
 """
@@ -41,6 +41,7 @@ from stagetrace.exporters.otlp import (  # noqa: E402
     OtlpReceiver,
     _RpcStatus,  # google.rpc.Status, also the body of the HTTP receiver's errors
     decode,
+    request_token,
 )
 from stagetrace.exporters.prometheus import parse_listen  # noqa: E402
 
@@ -98,7 +99,7 @@ def _bind_error(host: str, port: int) -> OSError:
 
 class OtlpGrpcServer:
     """OTLP/gRPC on ``listen``, handing each call to ``receiver``; ``close`` stops taking calls and lets those
-    in flight finish (the receiver, which the caller owns, then writes what is queued). Its message limit is the
+    in flight finish (each is answered once its spans are durable). Its message limit is the
     receiver's ``max_body_bytes``, the HTTP body limit."""
 
     def __init__(self, receiver: OtlpReceiver, listen: str = DEFAULT_GRPC_LISTEN, *, max_workers: int = MAX_WORKERS,
@@ -135,7 +136,7 @@ class OtlpGrpcServer:
                 metadata = dict(context.invocation_metadata())
                 if not httpd.authorized(metadata.get("authorization"), self.receiver.token):
                     raise OtlpError(401, "missing or wrong bearer token")
-                return accept(self.receiver, decode(request_class(), body, PROTOBUF))
+                return accept(self.receiver, decode(request_class(), body, PROTOBUF), request_token(body, "grpc"))
             except OtlpError as exc:
                 code = _CODES.get(exc.status, grpc.StatusCode.INTERNAL)
                 context.abort_with_status(_status(code, exc.message, exc.retry))

@@ -9,10 +9,13 @@ Layout: ``<directory>/<kind>/<slot>/<seq>.<table>.<rows>.seg``, one zlib-compres
 written to a temporary file, fsynced, then renamed into place, so a segment is whole or absent even after
 kill -9 or a power cut. A process holds its slot by an flock on ``<slot>/lock``; the next free slot goes
 to the next process writing the same store, and a process adopts the segments of slots nobody holds (a
-predecessor that died), so what a dead process spooled is replayed by whoever writes next.
+predecessor that died), so what a dead process spooled is replayed by whoever writes next. A process that
+cannot write the store because the agent holds it writes into ``<kind>/inbox`` instead, which the agent's
+writers adopt every few seconds.
 
 The spool is bounded by ``max_bytes``; when a new segment would exceed it, the oldest segments are dropped,
-counted in ``stagetrace_dropped_spans_total`` / ``stagetrace_dropped_metric_samples_total`` and logged.
+counted in ``stagetrace_dropped_spans_total`` / ``stagetrace_dropped_metric_samples_total`` (by ``reason``)
+and logged.
 
 Settings are arguments with environment fallbacks: ``STAGETRACE_SPOOL_DIR`` (``off`` disables the spool),
 ``STAGETRACE_SPOOL_MAX_BYTES`` (256 MiB). The default directory is beside an embedded store on disk
@@ -46,6 +49,7 @@ ENV_SPOOL_DIR = "STAGETRACE_SPOOL_DIR"
 ENV_SPOOL_MAX_BYTES = "STAGETRACE_SPOOL_MAX_BYTES"
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 MAX_SLOTS = 64
+INBOX = "inbox"  # where a process that cannot write the store (held by the agent) hands its batches over
 _SEGMENT = re.compile(r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)\.seg$")
 _FORMAT = 1
 
@@ -63,26 +67,41 @@ def new_token() -> str:
 # --- what was dropped, for /metrics -------------------------------------------------------------------------
 
 
+# why rows were dropped: the ``reason`` label's values
+REASONS = (
+    "spool_full",  # the spool reached its size limit and dropped its oldest segments
+    "spool_write_failed",  # the disk refused a segment (full, read-only, failing)
+    "unreadable_segment",  # a segment that no longer decodes
+    "rejected_row",  # a row the store refuses for its values; the rest of its batch was stored
+    "buffer_full",  # without a spool, more rows waited in memory for a failing store than the bound allows
+)
+
+
 class _Dropped:
-    """Process-wide counts of what was dropped (spool full, buffer full, unreadable segment), by kind."""
+    """Process-wide counts of what was dropped, by kind (``spans``, ``metric_samples``) and reason."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.counts = {"spans": 0, "metric_samples": 0}
+        self.counts: dict[tuple[str, str], int] = {}
 
-    def add(self, kind: str, n: int) -> None:
+    def add(self, kind: str, n: int, reason: str) -> None:
         with self._lock:
-            self.counts[kind] = self.counts.get(kind, 0) + n
+            self.counts[(kind, reason)] = self.counts.get((kind, reason), 0) + n
+
+    def total(self, kind: str) -> int:
+        with self._lock:
+            return sum(n for (k, _), n in self.counts.items() if k == kind)
 
     def families(self, host: str) -> list:
-        """``stagetrace_dropped_spans_total`` and ``stagetrace_dropped_metric_samples_total``, labelled ``host``."""
+        """``stagetrace_dropped_spans_total`` and ``stagetrace_dropped_metric_samples_total``, labelled ``host`` and
+        ``reason`` (every reason, zero included, so that rate() and alerts see the series from the start)."""
         out = []
         for kind, text in (("spans", "Spans"), ("metric_samples", "Metric samples")):
-            family = CounterMetricFamily(
-                f"stagetrace_dropped_{kind}", f"{text} dropped before reaching the store (spool or buffer full).",
-                labels=["host"],
-            )  # fmt: skip
-            family.add_metric([host], self.counts.get(kind, 0))
+            family = CounterMetricFamily(f"stagetrace_dropped_{kind}", f"{text} dropped before reaching the store.",
+                                         labels=["host", "reason"])  # fmt: skip
+            with self._lock:
+                for reason in REASONS:
+                    family.add_metric([host, reason], self.counts.get((kind, reason), 0))
             out.append(family)
         return out
 
@@ -117,10 +136,11 @@ def directory_setting(location, directory: str | os.PathLike | None = None) -> P
     return Path(state) / "stagetrace" / "spool" / f"{location.host}-{location.port}-{location.database}"
 
 
-def open_spool(location, kind: str, directory=None, max_bytes: int | None = None) -> Spool | None:
-    """The spool for writer ``kind`` (``spans``, ``metrics``) of the store at ``location``, or None."""
+def open_spool(location, kind: str, directory=None, max_bytes: int | None = None, handoff: bool = False) -> Spool | None:
+    """The spool for writer ``kind`` (``spans``, ``metrics``) of the store at ``location``, or None; ``handoff``:
+    into the inbox that the process holding the store adopts."""
     base = directory_setting(location, directory)
-    return Spool(base / kind, max_bytes_setting(max_bytes), kind) if base is not None else None
+    return Spool(base / kind, max_bytes_setting(max_bytes), handoff) if base is not None else None
 
 
 # --- the spool ----------------------------------------------------------------------------------------------
@@ -145,17 +165,22 @@ class Batch:
 class Spool:
     """A bounded, ordered on-disk queue of batches under ``base`` (see the module docstring)."""
 
-    def __init__(self, base: Path, max_bytes: int = DEFAULT_MAX_BYTES, kind: str = "spans"):
+    def __init__(self, base: Path, max_bytes: int = DEFAULT_MAX_BYTES, handoff: bool = False):
         self.max_bytes = max_bytes
-        self.dropped_kind = "spans" if kind == "spans" else "metric_samples"
+        self.base = Path(base)
+        self.handoff = handoff
         self.dropped_rows = 0  # by this spool; DROPPED has the process-wide count
         self.on_drop: Callable[[Segment], None] | None = None  # told of each segment dropped
         self._lock = threading.Lock()
         self._seq = 0
         try:
-            self.directory, self._lock_fd = _claim(Path(base))
-            self._segments = self._scan()
-            self._adopt_orphans(Path(base))
+            if handoff:  # for the process that holds the store: its adopt() takes them, whenever it runs
+                self.directory, self._lock_fd, self._segments = self.base / INBOX, None, []
+                self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            else:
+                self.directory, self._lock_fd = _claim(self.base)
+                self._segments = self._scan()
+                self.adopt()
         except OSError as exc:
             raise SpoolError(
                 f"cannot use the spool directory {base}: {exc.strerror or exc} "
@@ -194,7 +219,8 @@ class Spool:
         )  # fmt: skip
         with self._lock:
             if len(data) > self.max_bytes:
-                self._count_dropped(len(rows), f"a batch of {len(data)} bytes is larger than the whole spool")
+                self._count_dropped(table, len(rows), "spool_full",
+                                    f"a batch of {len(data)} bytes is larger than the whole spool")  # fmt: skip
                 return None
             dropped = self._make_room(len(data))
             self._seq = max(self._seq + 1, time.time_ns())
@@ -202,10 +228,12 @@ class Spool:
             try:
                 _write_atomically(segment.path, data)
             except OSError as exc:  # the writer thread must survive a full or failing disk
-                self._count_dropped(len(rows), f"cannot write {segment.path.name}: {exc.strerror or exc}")
+                self._count_dropped(table, len(rows), "spool_write_failed",
+                                    f"cannot write {segment.path.name}: {exc.strerror or exc}")  # fmt: skip
                 segment = None
             else:
-                self._segments.append(segment)
+                if not self.handoff:
+                    self._segments.append(segment)
         self._notify_dropped(dropped)
         return segment
 
@@ -217,7 +245,8 @@ class Spool:
         except (OSError, ValueError, KeyError, TypeError, zlib.error) as exc:
             with self._lock:
                 self._discard(segment)
-                self._count_dropped(segment.rows, f"segment {segment.path.name} is unreadable ({exc})")
+                self._count_dropped(segment.table, segment.rows, "unreadable_segment",
+                                    f"segment {segment.path.name} is unreadable ({exc})")  # fmt: skip
             self._notify_dropped([segment])
             return None
 
@@ -259,8 +288,8 @@ class Spool:
             total -= oldest.size
             self._discard(oldest)
             dropped.append(oldest)
-        if dropped:
-            self._count_dropped(sum(s.rows for s in dropped), f"the spool is full ({self.max_bytes} bytes)")
+        for segment in dropped:
+            self._count_dropped(segment.table, segment.rows, "spool_full", f"the spool is full ({self.max_bytes} bytes)")
         return dropped
 
     def _notify_dropped(self, segments: list[Segment]) -> None:
@@ -277,11 +306,12 @@ class Spool:
         if segment in self._segments:
             self._segments.remove(segment)
 
-    def _count_dropped(self, rows: int, why: str) -> None:
+    def _count_dropped(self, table: str, rows: int, reason: str, why: str) -> None:
+        kind = "spans" if table == "otel_traces" else "metric_samples"
         self.dropped_rows += rows
-        DROPPED.add(self.dropped_kind, rows)
-        logger.error("spool %s: dropped %d %s: %s (raise %s)", self.directory, rows,
-                     self.dropped_kind.replace("_", " "), why, ENV_SPOOL_MAX_BYTES)  # fmt: skip
+        DROPPED.add(kind, rows, reason)
+        advice = f" (raise {ENV_SPOOL_MAX_BYTES})" if reason == "spool_full" else ""
+        logger.error("spool %s: dropped %d %s: %s%s", self.directory, rows, kind.replace("_", " "), why, advice)
 
     def _scan(self) -> list[Segment]:
         segments = []
@@ -294,20 +324,30 @@ class Spool:
                 os.unlink(entry.path)  # a write cut short by a crash: never renamed, so never acknowledged
         return sorted(segments, key=lambda s: s.path.name)
 
-    def _adopt_orphans(self, base: Path) -> None:
-        """Move the segments of slots no process holds into this one, keeping their time order."""
-        for slot in sorted(p for p in base.iterdir() if p.is_dir() and p != self.directory):
-            try:
-                fd = _lock_slot(slot)
-            except BlockingIOError:
-                continue  # a live writer holds it
+    def adopt(self) -> int:
+        """Move the segments of slots no process holds (a writer that died or exited with segments left) into
+        this one, keeping their time order; how many were adopted."""
+        adopted = 0
+        for slot in sorted(p for p in self.base.iterdir() if p.is_dir() and p != self.directory):
+            fd = None
+            if slot.name != INBOX:  # segments in the inbox are whole and handed over: no lock to take
+                try:
+                    fd = _lock_slot(slot)
+                except BlockingIOError:
+                    continue  # a live writer holds it
             try:
                 for entry in os.scandir(slot):
                     if _SEGMENT.match(entry.name):
-                        os.rename(entry.path, self.directory / entry.name)
+                        with contextlib.suppress(FileNotFoundError):  # another adopter took it first
+                            os.rename(entry.path, self.directory / entry.name)
+                            adopted += 1
             finally:
-                os.close(fd)
-        self._segments = self._scan()
+                if fd is not None:
+                    os.close(fd)
+        if adopted:
+            with self._lock:
+                self._segments = self._scan()
+        return adopted
 
 
 def _lock_slot(slot: Path) -> int:
@@ -355,5 +395,5 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-__all__ = ["Batch", "DROPPED", "ENV_SPOOL_DIR", "ENV_SPOOL_MAX_BYTES", "Segment", "Spool", "SpoolError",
+__all__ = ["Batch", "DROPPED", "REASONS", "ENV_SPOOL_DIR", "ENV_SPOOL_MAX_BYTES", "Segment", "Spool", "SpoolError",
            "directory_setting", "new_token", "open_spool"]  # fmt: skip

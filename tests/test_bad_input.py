@@ -104,10 +104,9 @@ def test_otlp_attributes_of_every_type_including_non_utf8_bytes_are_stored(store
         _kv("int", AnyValue(int_value=-(2**63))),
         _kv("bool", AnyValue(bool_value=True)),
     ])  # fmt: skip
-    receiver = OtlpReceiver(store, "127.0.0.1:0", max_delay_s=0.01)
+    receiver = OtlpReceiver(store, "127.0.0.1:0")
     try:
-        receiver.traces(request)
-        assert receiver.spans.force_flush(10_000)
+        receiver.traces(request)  # answered once stored
     finally:
         receiver.close()
     stored = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'").result_rows[0][0]

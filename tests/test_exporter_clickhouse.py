@@ -59,37 +59,26 @@ def test_spans_land_with_the_collector_column_values(store):
     provider.shutdown()
 
 
-def test_small_sdk_batches_are_coalesced_into_few_inserts(store):
+def test_success_means_the_spans_are_already_in_the_store(store):
+    """An acknowledgement is a promise: no flush is needed between SUCCESS and a query."""
     counter = CountingInserts(store.client)
-    exporter = ClickHouseSpanExporter(store=store, max_batch_rows=5000, max_delay_s=30)
-    provider = _provider(exporter, max_queue_size=4096, max_export_batch_size=100, schedule_delay_millis=5)  # no SDK drops
-    tracer = provider.get_tracer("t")
-    for i in range(2500):
-        tracer.start_span(f"s{i % 7}").end()
-    assert provider.force_flush()
-    assert exporter.force_flush()  # the SDK's force_flush does not reach the exporter's buffer
-    assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 2500
-    assert sum(counter.calls) == 2500 and len(counter.calls) <= 2, counter.calls
-    provider.shutdown()
+    exporter = ClickHouseSpanExporter(store=store)
+    provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
+    spans = []
+    for i in range(300):
+        span = provider.get_tracer("t").start_span(f"s{i % 7}")
+        span.end()
+        spans.append(span)
+    assert exporter.export(spans[:200]) is SpanExportResult.SUCCESS
+    assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 200
+    assert exporter.export(spans[200:]) is SpanExportResult.SUCCESS
+    assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 300
+    assert counter.calls == [200, 100]  # one insert per batch: the SDK's batch size decides (configure: 4,096)
+    exporter.shutdown()
 
 
-def test_a_full_batch_is_written_without_waiting_for_the_delay(store):
-    counter = CountingInserts(store.client)
-    exporter = ClickHouseSpanExporter(store=store, max_batch_rows=300, max_delay_s=3600)
-    provider = _provider(exporter, max_export_batch_size=100, schedule_delay_millis=5)
-    tracer = provider.get_tracer("t")
-    for _ in range(600):
-        tracer.start_span("s").end()
-    provider.force_flush()
-    deadline = time.monotonic() + 10
-    while sum(counter.calls) < 600 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert counter.calls == [300, 300]
-    provider.shutdown()
-
-
-def test_shutdown_writes_what_is_held_and_refuses_more(store):
-    exporter = ClickHouseSpanExporter(store=store, max_delay_s=3600)
+def test_shutdown_closes_and_refuses_more(store):
+    exporter = ClickHouseSpanExporter(store=store)
     provider = _provider(exporter)
     tracer = provider.get_tracer("t")
     for _ in range(10):
@@ -99,14 +88,15 @@ def test_shutdown_writes_what_is_held_and_refuses_more(store):
     assert exporter.export([]) is SpanExportResult.FAILURE
 
 
-def test_rows_survive_a_failing_store_and_land_once_it_recovers(store):
+def test_spans_spooled_through_a_failing_store_land_once_it_recovers(store):
     """A real insert failure: the table is renamed away, then back."""
-    exporter = ClickHouseSpanExporter(store=store, max_delay_s=0.05)
+    exporter = ClickHouseSpanExporter(store=store)
     provider = _provider(exporter, SimpleSpanProcessor)
     tracer = provider.get_tracer("t")
     store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")
     for _ in range(20):
-        tracer.start_span("during-outage").end()
+        tracer.start_span("during-outage").end()  # SUCCESS each time: fsynced in the spool
+    assert exporter.spool.rows() == 20 and exporter.refused_spans == 0
     assert exporter.force_flush(timeout_millis=300) is False  # not in the store yet, and it says so
     store.client.command("RENAME TABLE stagetrace.otel_traces_away TO stagetrace.otel_traces")
     assert exporter.force_flush(timeout_millis=10_000) is True
@@ -114,19 +104,31 @@ def test_rows_survive_a_failing_store_and_land_once_it_recovers(store):
     provider.shutdown()
 
 
-def test_when_the_buffer_is_full_spans_are_dropped_and_counted(store, caplog):
-    # without a spool: with one, failed batches move to disk and the buffer does not fill
-    exporter = ClickHouseSpanExporter(store=store, max_delay_s=0.01, max_buffered_rows=5, spool_dir=False)
-    provider = _provider(exporter, SimpleSpanProcessor)
-    tracer = provider.get_tracer("t")
-    store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")
+def test_without_a_spool_a_failing_store_is_answered_failure_and_nothing_is_kept(store, caplog):
+    exporter = ClickHouseSpanExporter(store=store, spool_dir=False)
+    spans = []
     for _ in range(8):
-        tracer.start_span("s").end()
-    assert exporter.dropped_spans == 3
-    assert "dropping 1 spans" in caplog.text
+        span = TracerProvider().get_tracer("t").start_span("s")
+        span.end()
+        spans.append(span)
+    store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")
+    assert exporter.export(spans[:3]) is SpanExportResult.FAILURE  # the SDK counts them as dropped
+    assert exporter.refused_spans == 3 and "3 spans could not be stored" in caplog.text
     store.client.command("RENAME TABLE stagetrace.otel_traces_away TO stagetrace.otel_traces")
-    provider.shutdown()
+    assert exporter.export(spans[3:]) is SpanExportResult.SUCCESS
+    exporter.shutdown()
     assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 5
+
+
+def test_a_span_with_float_times_is_stored_with_integer_nanoseconds(store):
+    """The SDK takes any number for start and end times and does not check; the row needs integers."""
+    exporter = ClickHouseSpanExporter(store=store)
+    span = TracerProvider().get_tracer("t").start_span("floaty", start_time=1.7e18)
+    span.end(end_time=1.7e18 + 2560.0)  # floats this large step by 256 ns
+    assert exporter.export([span]) is SpanExportResult.SUCCESS
+    assert store.client.query("SELECT toUnixTimestamp64Nano(Timestamp), Duration FROM stagetrace.otel_traces "
+                              "WHERE SpanName = 'floaty'").result_rows == [(1_700_000_000_000_000_000, 2560)]  # fmt: skip
+    exporter.shutdown()
 
 
 @pytest.mark.parametrize("value, stored", [

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 from stagetrace import schema
@@ -22,6 +23,7 @@ from stagetrace.agent import SerializedNode
 from stagetrace.collectors.base import Node
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import COLUMNS, ClickHouseMetricWriter, ClickHouseSpanExporter
+from stagetrace.exporters.durable import DurableWriter
 from stagetrace.store import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,11 +85,11 @@ def test_a_full_spool_drops_the_oldest_and_counts_them(tmp_path, caplog):
     s = spool.Spool(tmp_path / "spans", max_bytes=10**6)
     first = s.put("otel_traces", ("a", "b", "c"), rows(100), "t0")
     s.max_bytes = first.size * 2 + first.size // 2  # room for two such segments
-    before = spool.DROPPED.counts["spans"]
+    before = spool.DROPPED.counts.get(("spans", "spool_full"), 0)
     for n in range(1, 4):
         s.put("otel_traces", ("a", "b", "c"), rows(100, start=100 * n), f"t{n}")
     assert len(s) == 2 and s.dropped_rows == 200
-    assert spool.DROPPED.counts["spans"] - before == 200
+    assert spool.DROPPED.counts[("spans", "spool_full")] - before == 200
     assert [b.token for b in map(s.load, [s.oldest()])] == ["t2"]  # the newest survive
     assert sum("dropped 100 spans: the spool is full" in m for m in caplog.messages) == 2
 
@@ -166,7 +168,7 @@ def sdk_rows() -> list[tuple]:
 
 
 def test_the_same_batch_under_the_same_token_is_stored_once_in_the_table_and_its_views(store):
-    exporter = ClickHouseSpanExporter(store=store, spool_dir=False)
+    writer = DurableWriter(store, "spans", spool_dir=False)
     batch = sdk_rows()
 
     def counts():
@@ -174,13 +176,13 @@ def test_the_same_batch_under_the_same_token_is_stored_once_in_the_table_and_its
                 for t in ("otel_traces", "stagetrace_requests", "stagetrace_stages", "otel_traces_trace_id_ts")]  # fmt: skip
 
     for _ in range(3):
-        assert exporter._inserts("otel_traces", batch, COLUMNS, "the-same-token")
+        assert writer.write("otel_traces", COLUMNS, batch, "the-same-token")
     assert counts() == [2, 1, 1, 1]
-    assert exporter._inserts("otel_traces", batch, COLUMNS, "another-token")  # equal rows, another batch: kept
+    assert writer.write("otel_traces", COLUMNS, batch, "another-token")  # equal rows, another batch: kept
     assert counts() == [4, 2, 2, 2]
-    assert exporter._inserts("otel_traces", batch, COLUMNS)  # no token given: a fresh one, never a data-hash match
+    assert writer.write("otel_traces", COLUMNS, batch)  # no token given: a fresh one, never a data-hash match
     assert counts() == [6, 3, 3, 3]
-    exporter.shutdown()
+    writer.close()
 
 
 def test_a_store_upgraded_from_version_2_gets_the_deduplication_window(tmp_path):
@@ -229,7 +231,7 @@ def steady_load(tracer, stop: threading.Event, sent: list, rate_hz: float = 400)
 def test_every_span_sent_through_an_outage_is_stored_exactly_once(store, caplog):
     caplog.set_level(logging.INFO)
     CommitThenFail(store.client, failures=2)  # the first two batches land, yet are spooled and replayed
-    exporter = ClickHouseSpanExporter(store=store, max_delay_s=0.05, max_batch_rows=200)
+    exporter = ClickHouseSpanExporter(store=store)
     provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=20, max_queue_size=100_000))
     stop, sent = threading.Event(), []
@@ -240,7 +242,6 @@ def test_every_span_sent_through_an_outage_is_stored_exactly_once(store, caplog)
         store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")  # outage
         outage_began = len(sent)
         wait_until("batches in the spool", lambda: exporter.spool.rows() >= 400)
-        assert exporter.held_rows < 1000  # the outage's spans are on disk, not in memory
         time.sleep(1.0)
         store.client.command("RENAME TABLE stagetrace.otel_traces_away TO stagetrace.otel_traces")
         outage_ended = len(sent)
@@ -281,7 +282,7 @@ def test_the_metric_writer_spools_through_an_outage_and_replays_in_order(store):
 
 
 def test_a_full_spool_is_counted_in_the_agents_metrics(tmp_path, store):
-    exporter = ClickHouseSpanExporter(store=store, max_delay_s=0.01, spool_max_bytes=1)  # nothing fits
+    exporter = ClickHouseSpanExporter(store=store, spool_max_bytes=1)  # nothing fits
     store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=10))
@@ -291,7 +292,9 @@ def test_a_full_spool_is_counted_in_the_agents_metrics(tmp_path, store):
     wait_until("the spans to be dropped", lambda: exporter.dropped_spans == 5, timeout=10)
     node = SerializedNode(Node([], "node-a"))
     (family,) = [f for f in node.collect() if f.name == "stagetrace_dropped_spans"]
-    assert family.samples[0].labels == {"host": "node-a"} and family.samples[0].value >= 5
+    by_reason = {s.labels["reason"]: s.value for s in family.samples if s.labels["host"] == "node-a"}
+    assert set(by_reason) == set(spool.REASONS) and by_reason["spool_full"] >= 5
+    assert exporter.refused_spans == 5  # answered FAILURE: the SDK knows they were not taken
     store.client.command("RENAME TABLE stagetrace.otel_traces_away TO stagetrace.otel_traces")
     provider.shutdown()
 
@@ -299,12 +302,13 @@ def test_a_full_spool_is_counted_in_the_agents_metrics(tmp_path, store):
 _CHILD = """
 import os, sys, time
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
 from stagetrace.store import open_store
 
 store = open_store(sys.argv[1])
-exporter = ClickHouseSpanExporter(store=store, max_delay_s=0.05, max_batch_rows=100)
+exporter = ClickHouseSpanExporter(store=store)
 provider = TracerProvider()
 provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=20))
 tracer = provider.get_tracer("t")
@@ -346,7 +350,8 @@ def test_what_a_killed_process_spooled_is_replayed_once_by_the_next(tmp_path):
         assert all(stored.get(span_id) == 1 for span_id in spooled)
         assert len(stored) == sum(stored.values()) == before + len(spooled)
         # a kill after a replayed insert, before its segment was removed, replays it once more: that adds nothing
-        assert exporter._inserts(last["table"], last["rows"], tuple(last["columns"]), last["token"])
+        again = DurableWriter(store, "spans", spool_dir=False)
+        assert again.insert(last["table"], tuple(last["columns"]), last["rows"], last["token"])
         assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == before + len(spooled)
         exporter.shutdown()
     assert not segment_files(spool_dir)
@@ -358,26 +363,30 @@ def test_the_otlp_receiver_takes_spans_through_an_outage_and_stores_each_once(st
 
     from stagetrace.exporters.otlp import OtlpReceiver
 
-    receiver = OtlpReceiver(store, "127.0.0.1:0", max_queued_spans=50, max_delay_s=0.02)
-    body = _vllm_protobuf()
+    receiver = OtlpReceiver(store, "127.0.0.1:0")
+    template = ExportTraceServiceRequest.FromString(_vllm_protobuf())
+
+    def body(n: int) -> bytes:  # another request each time: new span IDs
+        for span in template.resource_spans[0].scope_spans[0].spans:
+            span.span_id = (n + 1).to_bytes(8, "big")
+        return template.SerializeToString()
+
     try:
-        assert post(f"{receiver.url}/v1/traces", body, "application/x-protobuf")[0] == 200
-        assert receiver.spans.force_flush(10_000)
-        per_request = store.client.command("SELECT count() FROM stagetrace.otel_traces")
+        assert post(f"{receiver.url}/v1/traces", body(0), "application/x-protobuf")[0] == 200
+        per_request = store.client.command("SELECT count() FROM stagetrace.otel_traces")  # answered: stored
         store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")
-        for _ in range(30):  # more than the queue holds: the spool takes them, no 503
-            assert post(f"{receiver.url}/v1/traces", body, "application/x-protobuf")[0] == 200
-            time.sleep(0.01)
-        wait_until("the spool", lambda: receiver.spans.spool.rows() > 0)
+        for n in range(1, 31):  # answered 200 once fsynced in the spool, never 503
+            assert post(f"{receiver.url}/v1/traces", body(n), "application/x-protobuf")[0] == 200
+            assert receiver.writer.spooled_rows() == n * per_request
         store.client.command("RENAME TABLE stagetrace.otel_traces_away TO stagetrace.otel_traces")
-        assert receiver.spans.force_flush(30_000)
+        assert receiver.writer.flush(30)
         assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 31 * per_request
     finally:
         receiver.close()
 
 
-def test_shutdown_during_an_outage_spools_what_is_held_and_the_next_exporter_writes_it(store, caplog):
-    exporter = ClickHouseSpanExporter(store=store, max_delay_s=3600)  # everything waits in memory until shutdown
+def test_spans_spooled_during_an_outage_wait_for_the_next_exporter_which_writes_them(store, caplog):
+    exporter = ClickHouseSpanExporter(store=store)
     provider = TracerProvider()
     provider.add_span_processor(BatchSpanProcessor(exporter, schedule_delay_millis=10))
     store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")

@@ -20,6 +20,7 @@ from stagetrace import httpd, hub
 from stagetrace.collectors.base import Node
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
+from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
 from stagetrace.store import open_store
@@ -118,7 +119,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
             receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token), otlp or "", "--otlp", " for OTLP")
-            cleanup.callback(receiver.close)  # before the store closes: it writes the spans still queued
+            cleanup.callback(receiver.close)  # before the store closes: its replay stops
             if otlp:
                 endpoints["otlp"] = receiver.url
             if otlp_grpc:
@@ -127,8 +128,10 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
                 _exposed(otlp_grpc, "the OTLP/gRPC receiver", token)
                 grpc_server = _bind(lambda: OtlpGrpcServer(receiver, otlp_grpc), otlp_grpc, "--otlp-grpc",
                                     " for OTLP/gRPC")  # fmt: skip
-                cleanup.callback(grpc_server.close)  # first: calls in flight finish before the queue is written
+                cleanup.callback(grpc_server.close)  # first: calls in flight finish before the receiver closes
                 endpoints["otlp_grpc"] = grpc_server.url
+        else:  # no receiver, whose writer would: store what processes that found the store held handed over
+            cleanup.callback(DurableWriter(opened, "spans").close)
         location = opened.location
         if query_listen and location.embedded and location.path:
             _exposed(query_listen, "the query endpoint", token)

@@ -20,6 +20,7 @@ Prompts and outputs are stored only as digests unless ``record_content=True``
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 from collections.abc import Mapping
@@ -94,12 +95,25 @@ def configure(
         attrs.update(resource_attributes or {})
         provider = TracerProvider(resource=Resource.create(attrs))
         exporter = ClickHouseSpanExporter(store=store)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(BatchSpanProcessor(exporter, **batching()))
         _config = _Config(provider, record, exporter, owns_provider=True)
 
 
+# The exporter stores each batch before it answers, and one insert costs about the same up to a few thousand
+# rows: batches larger than the SDK's 512 (OTEL_BSP_* variables still decide when set).
+_BATCHING = {"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", 4096),
+             "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", 16384),
+             "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", 1000)}  # fmt: skip
+
+
+def batching() -> dict:
+    """The ``BatchSpanProcessor`` arguments ``configure`` uses, except those an ``OTEL_BSP_*`` variable sets."""
+    return {argument: default for variable, (argument, default) in _BATCHING.items() if variable not in os.environ}
+
+
 def flush(timeout_millis: int = 30_000) -> bool:
-    """Export everything recorded so far; True when it is in the store."""
+    """Export everything recorded so far; True when it is in the store (or, for a store the agent holds, handed
+    to the agent, which stores it within seconds)."""
     cfg = _config
     if cfg is None:
         return True

@@ -1,0 +1,296 @@
+"""One write path for whatever stagetrace stores: insert with a deduplication token, spool on failure, replay.
+
+The span exporter, the agent's metric writer and both OTLP receivers write through a :class:`DurableWriter`.
+``write`` returns True only once the rows are durable: in the store, or fsynced into the spool
+(``exporters.spool``) when the store does not take them; an acknowledgement (``SUCCESS``, an OTLP 200) may
+then be given. False means neither (no spool, or the disk refused it): the caller must not acknowledge.
+
+* **Exactly once.** Every batch carries an ``insert_deduplication_token``: the caller's (an OTLP receiver
+  derives it from the request body, so a sender's retry of a request that landed before the answer was lost
+  adds nothing) or a fresh one. A spooled batch keeps its token, so a replay of a batch the store took after
+  all (an insert that timed out after the commit, a kill between the insert and removing the segment) adds
+  nothing either.
+* **In order.** While a table has spooled batches, new batches of it go to the spool behind them; a replay
+  thread inserts them oldest first, backing off while the store fails. It also adopts, every few seconds,
+  the segments of writers that are gone (a process killed, or one that could not reach a store held by the
+  agent), so they reach the store without waiting for a restart.
+* **A store held by the agent** (shared read-only through its query endpoint) takes no inserts: batches go
+  into the spool's inbox, fsynced, and the agent's replay thread adopts and stores them within seconds.
+* **Rows the store can never take** (the client cannot serialise them, or the engine rejects their values)
+  are isolated by splitting the batch: every other row lands, each refused row is dropped, counted in
+  ``stagetrace_dropped_spans_total{reason="rejected_row"}`` (or ``..._metric_samples_total``), and logged once
+  per reason. A batch the store refuses as a whole (down, schema missing) is kept, never split.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+
+from clickhouse_connect.driver.exceptions import DataError
+
+from stagetrace.exporters import spool
+from stagetrace.store import Store
+
+logger = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+ADOPT_EVERY_S = 5.0  # how often the replay thread looks for the segments of writers that are gone
+
+# Engine errors about the values of rows, not the store: a batch holding such a row is split to find it.
+# CANNOT_PARSE_TEXT, CANNOT_PARSE_INPUT_ASSERTION_FAILED, CANNOT_PARSE_DATE, CANNOT_PARSE_DATETIME, TYPE_MISMATCH,
+# ARGUMENT_OUT_OF_BOUND, CANNOT_CONVERT_TYPE, CANNOT_PARSE_NUMBER, INCORRECT_DATA, TOO_LARGE_STRING_SIZE,
+# VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE
+ROW_ERROR_CODES = frozenset({6, 27, 38, 41, 53, 69, 70, 72, 117, 131, 321})
+# What clickhouse-connect raises while serialising a value it cannot write into the column's type.
+_CLIENT_ROW_ERRORS = (DataError, TypeError, AttributeError, ValueError, OverflowError, struct.error)
+
+
+class _SerializationNoise(logging.Filter):
+    """clickhouse-connect logs a traceback for each value it cannot serialise; the writer says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Error serializing column")
+
+
+logging.getLogger("clickhouse_connect.driver.transform").addFilter(_SerializationNoise())
+
+
+def row_error(exc: BaseException) -> str | None:
+    """Why the store refused rows for their values (a reason to split the batch), or None: the store failed."""
+    if isinstance(exc, _CLIENT_ROW_ERRORS):
+        return f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "code", None)
+    if code is None:  # chdb and the HTTP client carry the engine's code in the message
+        text = str(exc)
+        at = text.find("Code: ")
+        digits = text[at + 6:].split(".", 1)[0] if at >= 0 else ""
+        code = int(digits) if digits.isdigit() else None
+    if code in ROW_ERROR_CODES:
+        return str(exc).strip().splitlines()[0]
+    return None
+
+
+def dropped_kind(table: str) -> str:
+    return "spans" if table == "otel_traces" else "metric_samples"
+
+
+class _Refused(Exception):
+    """An insert the store refused because of the rows' values."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Inserts:
+    """Inserts into one table that log one line when they start failing and one when they work again."""
+
+    def __init__(self, store: Store, what: str):
+        self.store = store
+        self.what = what  # what the rows are, for the log lines
+        self.failing_since: float | None = None
+
+    def __call__(self, table: str, rows: list, columns, token: str) -> bool:
+        """True when inserted, False when the store failed; raises _Refused when it refused the rows' values."""
+        settings = {"insert_deduplication_token": token}
+        try:
+            try:
+                self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
+                                         settings=settings)  # fmt: skip
+            except UnicodeEncodeError:
+                # Checking every string on the hot path costs more than this rare retry.
+                rows = _scrubbed(rows)
+                self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
+                                         settings=settings)  # fmt: skip
+        except Exception as exc:  # any driver or server error: refused rows are split out, the rest is kept
+            reason = row_error(exc)
+            if reason is not None:
+                raise _Refused(reason) from None
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                if self.store.location.password:  # a driver's message may quote the URL it used
+                    text = text.replace(self.store.location.password, "***")
+                logger.error("cannot insert %d %s into %s, will retry: %s", len(rows), self.what,
+                             self.store.location.redacted(), text)  # fmt: skip
+            return False
+        if self.failing_since is not None:
+            logger.warning("inserts into %s work again after %.1f s (%s)", self.store.location.redacted(),
+                           time.monotonic() - self.failing_since, self.what)  # fmt: skip
+            self.failing_since = None
+        return True
+
+
+def _scrubbed(value):
+    """``value`` with lone surrogates (a Python str may hold them, UTF-8 cannot) replaced, in rows of any shape."""
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_scrubbed(k): _scrubbed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_scrubbed(v) for v in value]
+    return value
+
+
+class DurableWriter:
+    """Durable writes into one store (see the module docstring).
+
+    ``kind`` names the spool (``spans``, ``metrics``); ``spool_dir``: False for none, None for
+    ``STAGETRACE_SPOOL_DIR`` or beside the store; a store shared read-only by an agent still spools, for
+    the agent to adopt.
+    """
+
+    def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None):
+        self.store = store
+        self.kind = kind
+        # a store the agent shares read-only takes no inserts: batches go to the spool's inbox, which it adopts
+        self.handoff = store.read_only
+        self.spool = None if spool_dir is False else spool.open_spool(
+            store.location, kind, None if spool_dir is True else spool_dir, spool_max_bytes, self.handoff)  # fmt: skip
+        self.handed_over = 0  # rows handed to the agent that holds the store
+        self._handed: list = []  # segments handed over that the agent may not have taken yet
+        self._inserts: dict[str, _Inserts] = {}
+        self._warned: set[str] = set()  # refusal reasons already logged
+        self._rejected = 0  # rows the store refused, dropped
+        self._cond = threading.Condition()
+        self._replay_lock = threading.Lock()  # one replay at a time: the thread's or a flush's
+        self._closed = False
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._thread: threading.Thread | None = None
+        if self.spool is not None and not self.handoff:
+            self._thread = threading.Thread(target=self._run, name=f"stagetrace-replay-{kind}", daemon=True)
+            self._thread.start()
+
+    @property
+    def dropped_rows(self) -> int:
+        """Rows this writer dropped: refused by the store, or dropped from a full spool."""
+        return self._rejected + (self.spool.dropped_rows if self.spool is not None else 0)
+
+    def spooled_rows(self, table: str | None = None) -> int:
+        return self.spool.rows(table) if self.spool is not None else 0
+
+    def write(self, table: str, columns, rows: list, token: str | None = None) -> bool:
+        """Store ``rows`` durably; True once they are in the store or the fsynced spool (see the module docstring)."""
+        if not rows:
+            return True
+        token = token or spool.new_token()  # before the first attempt: a replay of a batch that landed adds nothing
+        if self.handoff:
+            if self.spool is None or not self._spool(table, columns, rows, token):
+                return False
+            self.handed_over += len(rows)
+            return True
+        if self.spool is not None and self.spool.rows(table):  # behind a backlog of this table, in order
+            return self._spool(table, columns, rows, token)
+        if self.insert(table, columns, rows, token):
+            return True
+        return self.spool is not None and self._spool(table, columns, rows, token)
+
+    def insert(self, table: str, columns, rows: list, token: str) -> bool:
+        """Insert now, splitting out rows the store refuses; False when the store failed (nothing is spooled)."""
+        inserts = self._inserts.get(table)
+        if inserts is None:
+            inserts = self._inserts[table] = _Inserts(self.store, dropped_kind(table).replace("_", " "))
+        try:
+            return inserts(table, rows, columns, token)
+        except _Refused as refused:
+            return self._isolate(inserts, table, columns, rows, token, refused.reason)
+
+    def _isolate(self, inserts: _Inserts, table: str, columns, rows: list, token: str, reason: str) -> bool:
+        # Halves get tokens derived from the batch's, so a replay of the batch splits alike and what landed
+        # before a failure is not stored twice.
+        if len(rows) == 1:
+            self._drop_refused(table, reason)
+            return True
+        half = len(rows) // 2
+        for i, part in enumerate((rows[:half], rows[half:])):
+            try:
+                if not inserts(table, part, columns, f"{token}.{i}"):
+                    return False
+            except _Refused as refused:
+                if not self._isolate(inserts, table, columns, part, f"{token}.{i}", refused.reason):
+                    return False
+        return True
+
+    def _drop_refused(self, table: str, reason: str) -> None:
+        kind = dropped_kind(table)
+        self._rejected += 1
+        spool.DROPPED.add(kind, 1, "rejected_row")
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.error("dropped a row of %s the store refuses (%s); the rest of its batch is stored", table, reason)
+
+    def _spool(self, table: str, columns, rows: list, token: str) -> bool:
+        segment = self.spool.put(table, columns, rows, token)
+        if segment is not None and self.handoff:
+            self._handed.append(segment.path)
+        with self._cond:
+            self._cond.notify_all()
+        return segment is not None
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Replay the spool now; True when nothing waits in it (handed over: when the agent has taken it all)."""
+        if self.spool is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        if self.handoff:
+            while any(path.exists() for path in self._handed):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)
+            self._handed.clear()
+            return True
+        while len(self.spool) and time.monotonic() < deadline:
+            if not self._replay_one():
+                return False
+        return not len(self.spool)
+
+    def close(self) -> None:
+        """Stop replaying and release the spool; what waits in it stays there for the next writer."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        if self.spool is not None:
+            if self.handed_over:
+                logger.warning("%d rows were handed to the agent that holds %s, through %s", self.handed_over,
+                               self.store.location.redacted(), self.spool.directory)  # fmt: skip
+            elif len(self.spool):
+                logger.warning("%d rows wait in the spool %s for the next run", self.spool.rows(), self.spool.directory)
+            self.spool.close()
+
+    def _replay_one(self) -> bool:
+        with self._replay_lock:
+            return self.spool.replay(lambda b: self.insert(b.table, b.columns, b.rows, b.token), limit=1)
+
+    def _run(self) -> None:
+        adopt_at = time.monotonic() + ADOPT_EVERY_S
+        while True:
+            with self._cond:
+                while not self._closed:
+                    now = time.monotonic()
+                    if len(self.spool) and now >= self._retry_at:
+                        break
+                    if now >= adopt_at:
+                        break
+                    wake = min(adopt_at, self._retry_at if len(self.spool) else adopt_at)
+                    self._cond.wait(max(0.01, wake - now))
+                if self._closed:
+                    return
+            if time.monotonic() >= adopt_at:
+                adopt_at = time.monotonic() + ADOPT_EVERY_S
+                self.spool.adopt()
+            if not len(self.spool):
+                continue
+            if self._replay_one():
+                self._backoff = self._retry_at = 0.0
+            else:
+                self._backoff = min(MAX_BACKOFF_S, max(0.1, self._backoff * 2))
+                self._retry_at = time.monotonic() + self._backoff
+
+
+__all__ = ["DurableWriter", "ROW_ERROR_CODES", "row_error"]
