@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "footprint", "storage",
-           "soak")
+           "soak", "durability")
 
 
 @dataclass(frozen=True)

@@ -92,19 +92,26 @@ class _Inserts:
         self.store = store
         self.what = what  # what the rows are, for the log lines
         self.failing_since: float | None = None
+        # the columns' types, asked of the store once: without them clickhouse-connect asks before every insert
+        self._types: dict[tuple, list] = {}
 
     def __call__(self, table: str, rows: list, columns, token: str) -> bool:
         """True when inserted, False when the store failed; raises _Refused when it refused the rows' values."""
         settings = {"insert_deduplication_token": token}
         try:
+            key = (table, tuple(columns))
+            types = self._types.get(key)
+            if types is None:
+                types = self._types[key] = self.store.client.create_insert_context(
+                    table, column_names=list(columns), database=self.store.database).column_types  # fmt: skip
             try:
                 self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
-                                         settings=settings)  # fmt: skip
+                                         column_types=types, settings=settings)  # fmt: skip
             except UnicodeEncodeError:
                 # Checking every string on the hot path costs more than this rare retry.
                 rows = _scrubbed(rows)
                 self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
-                                         settings=settings)  # fmt: skip
+                                         column_types=types, settings=settings)  # fmt: skip
         except Exception as exc:  # any driver or server error: refused rows are split out, the rest is kept
             reason = row_error(exc)
             if reason is not None:

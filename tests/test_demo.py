@@ -332,3 +332,29 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
         assert pasted.returncode == 0, f"{command}: {pasted.stderr}"
         assert "diverged" in pasted.stdout if " explain " in command else True
         assert "retrieval" in pasted.stdout and "decode" in pasted.stdout if " trace " in command else True
+
+
+def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tmp_path):
+    """Runs must not mix: the same seed gives the same request IDs, and counts would no longer agree."""
+    dsn = f"chdb://{tmp_path / 'store'}"
+    small = ("--requests", "40", "--nodes", "2", "--json", "--store", dsn)
+
+    def requests() -> tuple[int, int]:
+        with open_store(dsn) as store:
+            return store.client.query("SELECT count(), uniqExact(RequestId) FROM stagetrace.stagetrace_requests").result_rows[0]
+
+    first = _demo(*small)
+    assert first.returncode == 0, first.stderr
+    again = _demo(*small)
+    assert again.returncode == 2 and again.stdout == ""
+    assert again.stderr.strip().splitlines() == [
+        f"stagetrace demo: the store {dsn} already holds a demo run: add --fresh to empty it first, "
+        "or --append to add this run beside it"]  # fmt: skip
+    assert requests() == (40, 40)  # the refused run wrote nothing
+    fresh = _demo(*small, "--fresh")
+    assert fresh.returncode == 0, fresh.stderr
+    assert requests() == (40, 40)
+    assert json.loads(fresh.stdout)["truth"] == json.loads(first.stdout)["truth"]  # the same seed, alone again
+    appended = _demo(*small, "--append")
+    assert appended.returncode == 0, appended.stderr
+    assert requests() == (80, 80)  # request IDs of its own

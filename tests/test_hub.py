@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind
 
 from stagetrace import schema
-from stagetrace.hub import Refused, read_only_format
+from stagetrace.through_agent import Refused, read_only_format
 from stagetrace.store import StoreError, StoreLockedError, open_store
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=4, metavar="K", help="node processes, 2 to 16 (default 4)")
     p.add_argument("--seed", type=int, default=7, metavar="S", help="the same seed gives the same requests, faults and outputs")
     p.add_argument("--json", action="store_true", help="print {requests, deviating, truth} as JSON")
+    earlier = p.add_mutually_exclusive_group()
+    earlier.add_argument("--fresh", action="store_true", help="empty a store that holds an earlier run first")
+    earlier.add_argument("--append", action="store_true",
+                         help="add this run beside an earlier one (its own request IDs; counts then cover both)")
     p.set_defaults(run=_demo)
 
     collectors = _collector_options()
@@ -224,7 +228,9 @@ def _demo(args) -> int:
 
     with open_store(args.store) as store, progress_bar("serving requests", enabled=not args.json) as progress:
         try:
-            result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress)
+            earlier = "fresh" if args.fresh else "append" if args.append else "refuse"
+            result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress,
+                              earlier=earlier)  # fmt: skip
         except demo.DemoError as exc:
             print(f"stagetrace demo: {exc}", file=sys.stderr)
             return 2

@@ -17,21 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from stagetrace import config, schema
+from stagetrace import config, schema, through_agent
+from stagetrace.errors import StoreError, StoreLockedError  # re-exported: callers catch them from here
 
 SCHEMES = ("chdb", "http", "https")
-
-
-class StoreError(Exception):
-    """An expected failure to open or use the store; its message is one line a person can act on."""
-
-
-class StoreLockedError(StoreError):
-    """The embedded store is held by another process (``pid``, when its status file names it)."""
-
-    def __init__(self, message: str, pid: int | None = None):
-        super().__init__(message)
-        self.pid = pid
 
 
 @dataclass(frozen=True)
@@ -151,7 +140,7 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
     """Open the store ``dsn`` names, creating the database and tables unless told not to.
 
     An embedded store held by ``stagetrace agent`` is opened read-only through the agent's query endpoint
-    (``stagetrace.hub``), unless ``agent_fallback`` is False: then StoreLockedError, as for any other holder.
+    (``stagetrace.through_agent``), unless ``agent_fallback`` is False: then StoreLockedError, as for any other holder.
     """
     location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
     try:
@@ -160,9 +149,8 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
     except StoreLockedError as locked:
         if not agent_fallback:
             raise
-        from stagetrace import hub  # imported here: the hub builds on this module
-
-        store = hub.store_through_agent(location, locked)  # raises ``locked`` when no agent serves this store
+        # raises ``locked`` when no agent serves this store
+        store = Store(through_agent.client(location, locked), location, read_only=True)
     if create_schema:
         try:
             store.ensure_schema()

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import queue as queue_module
 import shutil
 import tempfile
+import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -72,8 +73,9 @@ class DemoResult:
         }  # fmt: skip
 
 
-def request_specs(requests: int, nodes: int, seed: int) -> dict[int, list[RequestSpec]]:
-    """Every request, assigned to a node by a stateless load balancer; deterministic for the seed."""
+def request_specs(requests: int, nodes: int, seed: int, salt: int = 0) -> dict[int, list[RequestSpec]]:
+    """Every request, assigned to a node by a stateless load balancer; deterministic for the seed. ``salt``
+    (an appended run) changes only the request IDs, so that they differ from those of earlier runs."""
     inputs = world.prompts(seed, max(4, requests // REPEATS))
     rng = np.random.default_rng([seed, 4])
     chosen = rng.integers(len(inputs), size=requests)
@@ -88,18 +90,41 @@ def request_specs(requests: int, nodes: int, seed: int) -> dict[int, list[Reques
         batch = int(request_rng.integers(16, 49)) if node.in_burst(position) else int(request_rng.integers(1, 9))
         timeout = node.nic_timeouts is not None and node.nic_timeouts[0] <= position < node.nic_timeouts[1] and draws[i] < node.nic_timeouts[2]
         seq_error = node.in_seq_error_window(position) and draws[i] < node.remote_seq_errors[2]
-        request_id = f"req-{digest([seed, i])[:12]}"
+        request_id = f"req-{digest([seed, i, salt] if salt else [seed, i])[:12]}"
         out[node.index].append(RequestSpec(position, i, request_id, inputs[int(chosen[i])], batch, timeout, seq_error))
     return out
 
 
-def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progress=None) -> DemoResult:
-    """Run the demo into ``store``; ``progress(done, total)`` is called as requests finish."""
+# what a demo run writes; --fresh empties them first
+_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "stagetrace_requests",
+           "stagetrace_stages", "stagetrace_divergences", TRUTH_TABLE)  # fmt: skip
+
+
+def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progress=None,
+        earlier: str = "refuse") -> DemoResult:  # fmt: skip
+    """Run the demo into ``store``; ``progress(done, total)`` is called as requests finish.
+
+    A store that already holds a demo run is refused (``earlier="refuse"``): the runs would mix, the same seed
+    would give the same request IDs, and the counts of this run, ``divergences`` and the truth table would
+    disagree. ``"fresh"`` empties the store's tables first; ``"append"`` adds this run beside the earlier,
+    with request IDs of its own.
+    """
     if requests < 20:
         raise DemoError(f"--requests {requests} is too few: use at least 20 so inputs repeat")
     if not 2 <= nodes <= 16:
         raise DemoError(f"--nodes {nodes}: use 2 to 16 nodes (the faults are spread over them)")
-    specs = request_specs(requests, nodes, seed)
+    salt = 0
+    if _has_run(store):
+        if earlier == "refuse":
+            raise DemoError(f"the store {store.location.redacted()} already holds a demo run: add --fresh to empty "
+                            "it first, or --append to add this run beside it")  # fmt: skip
+        if earlier == "fresh":
+            for table in _TABLES:
+                store.client.command("TRUNCATE TABLE IF EXISTS {db:Identifier}.{table:Identifier}",
+                                     parameters={"db": store.database, "table": table})  # fmt: skip
+        else:
+            salt = time.time_ns()
+    specs = request_specs(requests, nodes, seed, salt)
     plan = faults.observed(faults.plan(nodes), {node: [s.position for s in served] for node, served in specs.items()})
     hardware_dir = tempfile.mkdtemp(prefix="stagetrace-demo-hw-")
     ctx = mp.get_context("fork")  # nodes inherit the imported modules; the store is opened only here
@@ -119,6 +144,11 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
                 proc.kill()
         shutil.rmtree(hardware_dir, ignore_errors=True)
     return _conclude(store, results, spans, samples, plan)
+
+
+def _has_run(store: Store) -> bool:
+    return bool(store.client.command("SELECT count() FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+                                     parameters={"db": store.database, "t": TRUTH_TABLE}))  # fmt: skip
 
 
 def _receive(store: Store, messages, node_count: int, total: int, procs, progress):

@@ -1,0 +1,218 @@
+"""Durability soak: ``stagetrace agent`` under steady OTLP load through a store outage and three ``kill -9``s.
+
+The agent runs as its own process on fixed loopback ports, with its spool on another filesystem than its
+store. A sender posts protobuf batches of stage spans at a fixed rate over HTTP and, like the official
+exporters, sends a batch again until it is answered 200; only then does it count as acknowledged. During
+the run the agent is killed three times (and started again on the same store and ports), and the store's
+disk fills up for a while: the store lives on a small tmpfs that a file then fills, so every insert fails
+with ENOSPC until the file is removed (a real outage of the embedded engine; without the right to mount a
+tmpfs, the run has no outage and says so). At the end the spans in the store are reconciled with the
+acknowledgements: every acknowledged span stored, none twice. ``STAGETRACE_DURABILITY_SECONDS`` sets the full
+run (default 600 s; quick mode: 24 s).
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks import Figure, benchmark
+from benchmarks.soak import SPANS_PER_BATCH, _batch, _rss_mib
+from stagetrace.store import open_store
+
+KILLS = (0.2, 0.45, 0.8)  # moments of the run, as shares of it
+OUTAGE = (0.55, 0.7)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Agent:
+    def __init__(self, directory: Path, store: Path, spool: Path):
+        self.directory, self.store, self.spool = directory, store, spool
+        self.otlp, self.metrics = _free_port(), _free_port()
+        self.process: subprocess.Popen | None = None
+        self.starts = 0
+        self.dropped: dict[str, float] = {}  # per reason, summed over the agent's lives (last scrape of each)
+        self._last: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.starts += 1
+        self.dropped = {k: self.dropped.get(k, 0) + v for k, v in self._last.items()}
+        self._last = {}
+        log = self.directory / f"agent-{self.starts}.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stagetrace", "agent", "--store", f"chdb://{self.store}", "--listen",
+             f"127.0.0.1:{self.metrics}", "--interval", "1s", "--otlp", f"127.0.0.1:{self.otlp}", "--otlp-grpc", "none",
+             "--query-listen", "none", "--collectors", ""],
+            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+            env={**os.environ, "STAGETRACE_HOST": "bench", "STAGETRACE_SPOOL_DIR": str(self.spool)},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while "receiving OTLP/HTTP" not in log.read_text():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the agent did not start: {log.read_text()[-500:]}")
+            time.sleep(0.1)
+
+    def scrape(self) -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=2) as response:
+                text = response.read().decode()
+        except OSError:
+            return
+        for family in text_string_to_metric_families(text):
+            if family.name == "stagetrace_dropped_spans":
+                self._last = {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+    def totals(self) -> dict[str, float]:
+        return {k: self.dropped.get(k, 0) + self._last.get(k, 0) for k in set(self.dropped) | set(self._last)}
+
+
+class _Sender(threading.Thread):
+    """One batch every ``period_s``; a batch is sent again until answered 200 (then acknowledged)."""
+
+    def __init__(self, port: int, period_s: float):
+        super().__init__(daemon=True)
+        self.port, self.period_s = port, period_s
+        self.stop = threading.Event()
+        self.acknowledged: list[int] = []  # batch numbers
+        self.retries = 0
+
+    def run(self) -> None:
+        number, due = 0, time.monotonic()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        while not self.stop.is_set():
+            body = _batch(number)
+            while not self.stop.is_set():
+                try:
+                    conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+                    response = conn.getresponse()
+                    response.read()
+                    if response.status == 200:
+                        self.acknowledged.append(number)
+                        break
+                except OSError:
+                    conn.close()
+                    conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+                self.retries += 1
+                time.sleep(0.2)
+            number += 1
+            due += self.period_s
+            self.stop.wait(max(0.0, due - time.monotonic()))
+        conn.close()
+
+
+def _mount_small_disk(path: Path) -> bool:
+    path.mkdir(parents=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)], check=True,
+                       capture_output=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return True
+
+
+def _fill(path: Path) -> Path:
+    """A file that takes every free byte of ``path``'s filesystem."""
+    filler = path / "filler"
+    free = shutil.disk_usage(path).free
+    with filler.open("wb") as f:
+        try:
+            f.truncate(0)
+            chunk = b"\0" * (1 << 20)
+            for _ in range(free // len(chunk) + 1):
+                f.write(chunk)
+        except OSError:
+            pass
+    return filler
+
+
+@benchmark("durability")
+def durability(quick: bool) -> list[Figure]:
+    duration_s = 24.0 if quick else float(os.environ.get("STAGETRACE_DURABILITY_SECONDS", "600"))
+    spans_per_s = 1000
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        disk = directory / "disk"
+        mounted = _mount_small_disk(disk)
+        agent = _Agent(directory, disk / "store", directory / "spool")
+        try:
+            agent.start()
+            sender = _Sender(agent.otlp, SPANS_PER_BATCH / spans_per_s)
+            started = time.monotonic()
+            sender.start()
+            kills, outage_pending, peak, filler = list(KILLS), mounted, 0.0, None
+            outage_began = outage_s = 0.0
+            while (share := (time.monotonic() - started) / duration_s) < 1.0:
+                if kills and share >= kills[0]:
+                    kills.pop(0)
+                    agent.process.send_signal(signal.SIGKILL)
+                    agent.process.wait(timeout=30)
+                    agent.start()
+                if outage_pending and share >= OUTAGE[0]:
+                    outage_pending, outage_began, filler = False, time.monotonic(), _fill(disk)
+                if filler is not None and share >= OUTAGE[1]:
+                    filler.unlink()
+                    filler, outage_s = None, time.monotonic() - outage_began
+                peak = max(peak, _rss_mib(agent.process.pid))
+                agent.scrape()
+                time.sleep(0.5)
+            sender.stop.set()
+            sender.join(timeout=60)
+            acked_s = time.monotonic() - started
+            if filler is not None:
+                filler.unlink()
+            deadline = time.monotonic() + 300  # the spool drains into the store
+            while any((directory / "spool").rglob("*.seg")) and time.monotonic() < deadline:
+                agent.scrape()
+                time.sleep(0.5)
+            agent.scrape()
+            agent.process.send_signal(signal.SIGTERM)
+            if agent.process.wait(timeout=120) != 0:
+                raise RuntimeError("the agent did not stop cleanly")
+            left = sum(1 for _ in (directory / "spool").rglob("*.seg"))
+            with open_store(f"chdb://{disk / 'store'}") as store:
+                counts = dict(store.client.query(
+                    "SELECT SpanAttributes['stagetrace.request.id'] AS id, count() FROM stagetrace.otel_traces "
+                    "WHERE ServiceName = 'soak' GROUP BY id").result_rows)  # fmt: skip
+        finally:
+            if agent.process is not None and agent.process.poll() is None:
+                agent.process.kill()
+            if mounted:
+                subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
+    acknowledged = [f"soak-{n}-{i}" for n in sender.acknowledged for i in range(SPANS_PER_BATCH)]
+    missing = sum(1 for rid in acknowledged if rid not in counts)
+    duplicates = sum(n - 1 for n in counts.values() if n > 1)
+    dropped = agent.totals()
+    figures = [
+        Figure(f"spans acknowledged (200) over {duration_s:g} s at {spans_per_s} spans/s, {len(KILLS)} kill -9s, "
+               + (f"{outage_s:.0f} s disk-full outage" if mounted else "no outage (cannot mount a tmpfs here)"),
+               len(acknowledged), "spans"),  # fmt: skip
+        Figure("acknowledged spans missing from the store", missing, "spans"),
+        Figure("spans stored more than once (extra copies)", duplicates, "spans"),
+        Figure("spans stored that were never acknowledged", sum(1 for rid in counts if rid not in set(acknowledged)),
+               "spans"),  # fmt: skip
+        Figure("segments left in the spool after it drained", left, "segments"),
+        Figure("requests sent again (no answer, or 503)", sender.retries, "requests"),
+        Figure("acknowledged throughput over the run", len(acknowledged) / acked_s, "spans/s"),
+        Figure("agent peak RSS", peak, "MiB"),
+    ]
+    figures += [Figure(f"spans dropped, reason {reason}", value, "spans") for reason, value in sorted(dropped.items())]
+    return figures
