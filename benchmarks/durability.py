@@ -188,6 +188,7 @@ def durability(quick: bool) -> list[Figure]:
             if agent.process.wait(timeout=120) != 0:
                 raise RuntimeError("the agent did not stop cleanly")
             left = sum(1 for _ in (directory / "spool").rglob("*.seg"))
+            failing = sum(log.read_text().count("will retry") for log in directory.glob("agent-*.log"))
             with open_store(f"chdb://{disk / 'store'}") as store:
                 counts = dict(store.client.query(
                     "SELECT SpanAttributes['stagetrace.request.id'] AS id, count() FROM stagetrace.otel_traces "
@@ -198,6 +199,7 @@ def durability(quick: bool) -> list[Figure]:
             if mounted:
                 subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=30)
     acknowledged = [f"soak-{n}-{i}" for n in sender.acknowledged for i in range(SPANS_PER_BATCH)]
+    taken = set(acknowledged)
     missing = sum(1 for rid in acknowledged if rid not in counts)
     duplicates = sum(n - 1 for n in counts.values() if n > 1)
     dropped = agent.totals()
@@ -207,9 +209,10 @@ def durability(quick: bool) -> list[Figure]:
                len(acknowledged), "spans"),  # fmt: skip
         Figure("acknowledged spans missing from the store", missing, "spans"),
         Figure("spans stored more than once (extra copies)", duplicates, "spans"),
-        Figure("spans stored that were never acknowledged", sum(1 for rid in counts if rid not in set(acknowledged)),
+        Figure("spans stored that were never acknowledged", sum(1 for rid in counts if rid not in taken),
                "spans"),  # fmt: skip
         Figure("segments left in the spool after it drained", left, "segments"),
+        Figure("times the agent found the store failing (its 'will retry' log lines)", failing, "lines"),
         Figure("requests sent again (no answer, or 503)", sender.retries, "requests"),
         Figure("acknowledged throughput over the run", len(acknowledged) / acked_s, "spans/s"),
         Figure("agent peak RSS", peak, "MiB"),
