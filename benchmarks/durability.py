@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import Figure, benchmark
 from benchmarks.soak import SPANS_PER_BATCH, _batch, _rss_mib
+from stagetrace.exporters import spool
 from stagetrace.store import open_store
 
 KILLS = (0.2, 0.45, 0.8)  # moments of the run, as shares of it
@@ -217,5 +218,5 @@ def durability(quick: bool) -> list[Figure]:
         Figure("acknowledged throughput over the run", len(acknowledged) / acked_s, "spans/s"),
         Figure("agent peak RSS", peak, "MiB"),
     ]
-    figures += [Figure(f"spans dropped, reason {reason}", value, "spans") for reason, value in sorted(dropped.items())]
+    figures += [Figure(f"spans dropped, reason {reason}", dropped.get(reason, 0), "spans") for reason in spool.REASONS]
     return figures

@@ -34,7 +34,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("storage", 4, [""] * 4),  # and one row per table a view fills from otel_traces
         ("conventions", 2, ["as stagetrace-convention spans", "stagetrace-convention requests"]),
         ("otlp_ingest", 1, ["OTLP/HTTP, same spans"]),
-        ("durability", 15, [""] * 15),
+        ("durability", 14, [""] * 14),  # nine figures and one per drop reason
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
         assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)
