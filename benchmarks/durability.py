@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -136,7 +135,6 @@ def _fill(path: Path) -> Path:
     free = shutil.disk_usage(path).free
     with filler.open("wb") as f:
         try:
-            f.truncate(0)
             chunk = b"\0" * (1 << 20)
             for _ in range(free // len(chunk) + 1):
                 f.write(chunk)

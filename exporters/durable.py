@@ -152,7 +152,6 @@ class DurableWriter:
 
     def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None):
         self.store = store
-        self.kind = kind
         # a store the agent shares read-only takes no inserts: batches go to the spool's inbox, which it adopts
         self.handoff = store.read_only
         self.spool = None if spool_dir is False else spool.open_spool(
