@@ -35,7 +35,7 @@ def otlp_ingest(quick: bool) -> list[Figure]:
     spans = make_spans(requests)
     batches = [spans[i:i + BATCH] for i in range(0, len(spans), BATCH)]
     with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
-        core = OtlpReceiver(store, "127.0.0.1:0", spool_dir=False)
+        core = OtlpReceiver(store, "127.0.0.1:0")  # writes ahead into the spool beside the store, as the agent
         server = OtlpGrpcServer(core, "127.0.0.1:0")
         exporters = {"gRPC": GrpcExporter(endpoint=f"http://{server.url}", insecure=True),
                      "HTTP": HttpExporter(endpoint=f"{core.url}/v1/traces")}  # fmt: skip

@@ -14,6 +14,11 @@ then be given. False means neither (no spool, or the disk refused it): the calle
   thread inserts them oldest first, backing off while the store fails. It also adopts, every few seconds,
   the segments of writers that are gone (a process killed, or one that could not reach a store held by the
   agent), so they reach the store without waiting for a restart.
+* **Write-ahead records** (the OTLP receivers): ``write_ahead`` fsyncs a request as it arrived and returns;
+  the replay thread turns the oldest records into rows and inserts them together under their group's token
+  (see ``exporters.spool``), so a request costs an fsync, not an insert, and many requests make one insert.
+  ``RECORD_KINDS`` names, for each kind of record, the function that turns one into rows; any writer
+  replays any record, so what a killed agent wrote ahead is stored by whichever process writes next.
 * **A store held by the agent** (shared read-only through its query endpoint) takes no inserts: batches go
   into the spool's inbox, fsynced, and the agent's replay thread adopts and stores them within seconds.
 * **Rows the store can never take** (the client cannot serialise them, or the engine rejects their values)
@@ -24,19 +29,28 @@ then be given. False means neither (no spool, or the disk refused it): the calle
 
 from __future__ import annotations
 
+import importlib
 import logging
 import struct
 import threading
 import time
+from collections.abc import Callable
 
 from clickhouse_connect.driver.exceptions import DataError
 
 from stagetrace.exporters import spool
+
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
+MAX_GROUP_ROWS = 8192  # rows of write-ahead records inserted together: past this, larger inserts gain little
+# record kind -> "module:function" taking a record's bytes to {table: (columns, rows)}; imported when met
+RECORD_KINDS = {
+    "otlp_traces": "stagetrace.exporters.otlp:trace_tables",
+    "otlp_metrics": "stagetrace.exporters.otlp:metric_tables",
+}
 ADOPT_EVERY_S = 5.0  # how often the replay thread looks for the segments of writers that are gone
 
 # Engine errors about the values of rows, not the store: a batch holding such a row is split to find it.
@@ -73,8 +87,9 @@ def row_error(exc: BaseException) -> str | None:
     return None
 
 
-def dropped_kind(table: str) -> str:
-    return "spans" if table == "otel_traces" else "metric_samples"
+def record_tables(kind: str) -> Callable[[bytes], dict[str, tuple]]:
+    module, function = RECORD_KINDS[kind].split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 class _Refused(Exception):
@@ -195,11 +210,26 @@ class DurableWriter:
             return True
         return self.spool is not None and self._spool(table, columns, rows, token)
 
+    def write_ahead(self, kind: str, payload: bytes, rows: int, token: str) -> bool:
+        """Store one request of ``kind`` (see ``RECORD_KINDS``) durably; True once it is a fsynced record (or it
+        was already: a sender's retry), or, without a spool or with the store held by the agent, once its rows
+        are written as ``write`` writes them. False: refused (the caller answers "retry later")."""
+        if self.spool is None or self.handoff:
+            return all(self.write(table, columns, table_rows, token)
+                       for table, (columns, table_rows) in record_tables(kind)(payload).items())  # fmt: skip
+        if self.spool.known(token):
+            return True
+        if self.spool.put_record(kind, payload, rows, token) is None:
+            return False
+        with self._cond:
+            self._cond.notify_all()
+        return True
+
     def insert(self, table: str, columns, rows: list, token: str) -> bool:
         """Insert now, splitting out rows the store refuses; False when the store failed (nothing is spooled)."""
         inserts = self._inserts.get(table)
         if inserts is None:
-            inserts = self._inserts[table] = _Inserts(self.store, dropped_kind(table).replace("_", " "))
+            inserts = self._inserts[table] = _Inserts(self.store, spool.dropped_kind(table).replace("_", " "))
         try:
             return inserts(table, rows, columns, token)
         except _Refused as refused:
@@ -222,7 +252,7 @@ class DurableWriter:
         return True
 
     def _drop_refused(self, table: str, reason: str) -> None:
-        kind = dropped_kind(table)
+        kind = spool.dropped_kind(table)
         self._rejected += 1
         spool.DROPPED.add(kind, 1, "rejected_row")
         if reason not in self._warned:
@@ -271,7 +301,34 @@ class DurableWriter:
 
     def _replay_one(self) -> bool:
         with self._replay_lock:
+            head = self.spool.oldest()
+            if head is not None and head.record:
+                return self._replay_records()
             return self.spool.replay(lambda b: self.insert(b.table, b.columns, b.rows, b.token), limit=1)
+
+    def _replay_records(self) -> bool:
+        group, members = self.spool.head_group(MAX_GROUP_ROWS)
+        if not members:
+            return False
+        tables: dict[str, tuple] = {}
+        stored = []
+        for segment in members:
+            payload = self.spool.read_record(segment)
+            if payload is None:
+                continue
+            try:
+                decoded = record_tables(segment.table)(payload)
+            except Exception as exc:  # a record that does not decode (or of an unknown kind) cannot ever be stored
+                self.spool.unreadable(segment, exc)
+                continue
+            for table, (columns, rows) in decoded.items():
+                tables.setdefault(table, (columns, []))[1].extend(rows)
+            stored.append(segment)
+        for table, (columns, rows) in tables.items():
+            if rows and not self.insert(table, columns, rows, group):
+                return False
+        self.spool.landed(stored)
+        return True
 
     def _run(self) -> None:
         adopt_at = time.monotonic() + ADOPT_EVERY_S

@@ -10,18 +10,20 @@ within the size limit.
 
 Each OTLP span is read through a view that ``span_row`` takes like an SDK span, so it gets exactly the
 columns the in-process ``ClickHouseSpanExporter`` writes. Gauge and sum points go to
-``otel_metrics_gauge``/``otel_metrics_sum`` in the Collector's layout. A request is answered only once its
-rows are durable: inserted, or fsynced into the spool (``exporters.durable``), each request its own insert
-under a deduplication token derived from its body, so a sender that retries a request whose answer it never
-got (the agent was killed in between) does not store it twice. Answers, as the OTLP/HTTP specification has them:
+``otel_metrics_gauge``/``otel_metrics_sum`` in the Collector's layout. A request is answered only once it is
+durable: written ahead as it arrived and fsynced into the spool (``exporters.durable``), whose replay thread
+stores the rows of many requests in one insert; without a spool, once its rows are inserted. Each request has
+a token derived from its body, so a sender that retries a request whose answer it never got (the agent was
+killed in between) does not store it twice. Answers, as the OTLP/HTTP specification has them:
 
 * 200, with ``partial_success`` counting the spans or points that were not taken (invalid IDs, histograms);
   the sender must not retry those.
 * 400 a body that does not decode · 401 no or wrong token · 404/405 other paths or methods ·
   411 no Content-Length · 413 body over the limit, compressed or inflated, or more spans than one request may
   hold · 415 another content type.
-* 503 with ``Retry-After`` when the store refuses inserts and there is no spool to take them (or the disk
-  refuses the spool): the sender retries later.
+* 503 with ``Retry-After`` when the request cannot be kept now: the spool is full (the store has refused
+  inserts for long) or its disk refuses writes, or there is no spool and the store refuses inserts. The
+  sender retries later; a full spool refuses new requests rather than dropping acknowledged ones.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from stagetrace.exporters.clickhouse import (
     span_row,
 )
 from stagetrace.exporters.durable import DurableWriter
+from stagetrace.exporters.spool import new_token
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ DEFAULT_LISTEN = "127.0.0.1:4318"
 MAX_BODY_BYTES = 20 * 1024 * 1024  # the Collector's otlp receiver default (confighttp max_request_body_size)
 MAX_SPANS = 50_000  # in one request
 RETRY_AFTER_S = 2
+CLOSE_FLUSH_S = 10.0  # on close, how long the receiver goes on storing what it wrote ahead
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
 
 # Columns the Collector writes that client_python samples have no value for.
@@ -229,6 +233,32 @@ def span_views(request: ExportTraceServiceRequest) -> tuple[list[SimpleNamespace
     return views, rejected
 
 
+def span_counts(request: ExportTraceServiceRequest) -> tuple[int, int]:
+    """How many spans ``span_views`` takes and how many it rejects, without making the views."""
+    valid = rejected = 0
+    for resource_spans in request.resource_spans:
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                if _valid_ids(span.trace_id, span.span_id) and len(span.parent_span_id) in (0, 8):
+                    valid += 1
+                else:
+                    rejected += 1
+    return valid, rejected
+
+
+def trace_tables(payload: bytes) -> dict[str, tuple]:
+    """A write-ahead record of an ``ExportTraceServiceRequest`` as rows (``durable.RECORD_KINDS``)."""
+    views, _ = span_views(ExportTraceServiceRequest.FromString(payload))
+    resources = _Resources()
+    return {"otel_traces": (COLUMNS, [span_row(view, resources) for view in views])}
+
+
+def metric_tables(payload: bytes) -> dict[str, tuple]:
+    """A write-ahead record of an ``ExportMetricsServiceRequest`` as rows (``durable.RECORD_KINDS``)."""
+    tables = metric_rows(ExportMetricsServiceRequest.FromString(payload))
+    return {GAUGE_TABLE: (GAUGE_COLUMNS, tables[GAUGE_TABLE]), SUM_TABLE: (OTLP_SUM_COLUMNS, tables[SUM_TABLE])}
+
+
 def request_token(body: bytes, media: str) -> str:
     """The deduplication token of one request: the same body sent again (a retry) in the same encoding or over
     the same front-end (``media``: a content type, or ``grpc``) is the same batch."""
@@ -238,10 +268,26 @@ def request_token(body: bytes, media: str) -> str:
 # --- metrics ----------------------------------------------------------------------------------------------
 
 
-def metric_rows(request: ExportMetricsServiceRequest) -> tuple[dict[str, list[tuple]], int, str]:
-    """``{table: rows}`` for the gauge and sum points, how many other points were rejected, and why."""
+def metric_counts(request: ExportMetricsServiceRequest) -> tuple[int, int, str]:
+    """How many points ``metric_rows`` stores, how many others were rejected, and why."""
+    stored, rejected, kinds = 0, 0, set()
+    for resource_metrics in request.resource_metrics:
+        for scope_metrics in resource_metrics.scope_metrics:
+            for metric in scope_metrics.metrics:
+                kind = metric.WhichOneof("data")
+                points = len(getattr(metric, kind).data_points) if kind else 0
+                if kind in ("gauge", "sum"):
+                    stored += points
+                else:
+                    rejected += points
+                    kinds.add(kind or "empty")
+    why = f"{', '.join(sorted(kinds))} points are not stored: stagetrace keeps gauges and sums" if rejected else ""
+    return stored, rejected, why
+
+
+def metric_rows(request: ExportMetricsServiceRequest) -> dict[str, list[tuple]]:
+    """``{table: rows}`` for the gauge and sum points (the other kinds: see ``metric_counts``)."""
     tables: dict[str, list[tuple]] = {GAUGE_TABLE: [], SUM_TABLE: []}
-    rejected, kinds = 0, set()
     for resource_metrics in request.resource_metrics:
         resource = attribute_map(_attributes(resource_metrics.resource.attributes))
         service = resource.get("service.name", "")
@@ -252,9 +298,6 @@ def metric_rows(request: ExportMetricsServiceRequest) -> tuple[dict[str, list[tu
             for metric in scope_metrics.metrics:
                 kind = metric.WhichOneof("data")
                 if kind not in ("gauge", "sum"):
-                    points = getattr(metric, kind).data_points if kind else ()
-                    rejected += len(points)
-                    kinds.add(kind or "empty")
                     continue
                 data = getattr(metric, kind)
                 head = (resource, service, scope.name, scope.version, metric.name, metric.description, metric.unit)
@@ -265,8 +308,7 @@ def metric_rows(request: ExportMetricsServiceRequest) -> tuple[dict[str, list[tu
                     if kind == "sum":
                         row = (*row, int(data.aggregation_temporality), data.is_monotonic)
                     tables[GAUGE_TABLE if kind == "gauge" else SUM_TABLE].append((*row, *extra, point.flags))
-    why = f"{', '.join(sorted(kinds))} points are not stored: stagetrace keeps gauges and sums" if rejected else ""
-    return tables, rejected, why
+    return tables
 
 
 # --- the receiver -----------------------------------------------------------------------------------------
@@ -300,7 +342,6 @@ class OtlpReceiver:
         self.max_body_bytes = max_body_bytes
         self.max_spans = max_spans
         self.writer = DurableWriter(store, "spans", spool_dir=spool_dir)
-        self._resources = _Resources()
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
@@ -314,19 +355,23 @@ class OtlpReceiver:
         return self.listener.url if self.listener else None
 
     def close(self) -> None:
+        """Stop taking requests, then store what was written ahead (up to ``CLOSE_FLUSH_S``; the rest waits in the
+        spool for the next run)."""
         if self.listener:
             self.listener.close()
+        self.writer.flush(CLOSE_FLUSH_S)
         self.writer.close()
 
-    def traces(self, request: ExportTraceServiceRequest, token: str | None = None) -> ExportTraceServiceResponse:
-        """Store the request's spans (``token``: its deduplication token) and answer; OtlpError when not stored."""
-        views, rejected = span_views(request)
-        if len(views) > self.max_spans:
-            raise OtlpError(413, f"{len(views)} spans in one request are more than the receiver takes "
+    def traces(self, request: ExportTraceServiceRequest, token: str | None = None,
+               body: bytes | None = None) -> ExportTraceServiceResponse:  # fmt: skip
+        """Store the request's spans and answer; OtlpError when not stored. ``token``: its deduplication token;
+        ``body``: the request as received in protobuf, written ahead as it is (else it is encoded again)."""
+        valid, rejected = span_counts(request)
+        if valid > self.max_spans:
+            raise OtlpError(413, f"{valid} spans in one request are more than the receiver takes "
                                  f"({self.max_spans}): send smaller batches")  # fmt: skip
-        rows = [span_row(view, self._resources) for view in views]
-        if rows and not self.writer.write("otel_traces", COLUMNS, rows, token):
-            raise OtlpError(503, "the store is not taking inserts now and there is no spool: retry later", retry=True)
+        if valid:
+            self._write_ahead("otlp_traces", request, body, valid, token)
         response = ExportTraceServiceResponse()
         if rejected:
             response.partial_success.rejected_spans = rejected
@@ -337,13 +382,11 @@ class OtlpReceiver:
                 logger.warning("OTLP: rejected %s", response.partial_success.error_message)
         return response
 
-    def metrics(self, request: ExportMetricsServiceRequest, token: str | None = None) -> ExportMetricsServiceResponse:
-        tables, rejected, why = metric_rows(request)
-        for table, rows in tables.items():
-            columns = GAUGE_COLUMNS if table == GAUGE_TABLE else OTLP_SUM_COLUMNS
-            if rows and not self.writer.write(table, columns, rows, token):
-                raise OtlpError(503, "the store is not taking inserts now and there is no spool: retry later",
-                                retry=True)  # fmt: skip
+    def metrics(self, request: ExportMetricsServiceRequest, token: str | None = None,
+                body: bytes | None = None) -> ExportMetricsServiceResponse:  # fmt: skip
+        points, rejected, why = metric_counts(request)
+        if points:
+            self._write_ahead("otlp_metrics", request, body, points, token)
         response = ExportMetricsServiceResponse()
         if rejected:
             response.partial_success.rejected_data_points = rejected
@@ -351,6 +394,13 @@ class OtlpReceiver:
             if self._warn_rejected():
                 logger.warning("OTLP: rejected %d metric points: %s", rejected, why)
         return response
+
+    def _write_ahead(self, kind: str, request, body: bytes | None, rows: int, token: str | None) -> None:
+        payload = body if body is not None else request.SerializeToString()
+        if not self.writer.write_ahead(kind, payload, rows, token or new_token()):
+            why = ("the store is not taking inserts now and there is no spool" if self.writer.spool is None else
+                   "the spool is full (the store has not taken inserts for long) or its disk refuses writes")  # fmt: skip
+            raise OtlpError(503, f"{why}: retry later", retry=True)
 
 
 _ROUTES = {
@@ -377,7 +427,8 @@ class _OtlpHandler(httpd.Handler):
                                 body_read=False)  # fmt: skip
             request_class, accept = route
             body = httpd.read_body(self.headers, self.rfile, self.receiver.max_body_bytes)
-            response = accept(self.receiver, decode(request_class(), body, media), request_token(body, media))
+            response = accept(self.receiver, decode(request_class(), body, media), request_token(body, media),
+                              body if media == PROTOBUF else None)  # fmt: skip
         except httpd.HttpError as exc:
             self._error(exc, answer_as)
             return
@@ -399,4 +450,5 @@ class _OtlpHandler(httpd.Handler):
 
 
 __all__ = ["DEFAULT_LISTEN", "GAUGE_COLUMNS", "MAX_BODY_BYTES", "MAX_SPANS", "OTLP_SUM_COLUMNS", "OtlpError", "OtlpReceiver",
-           "decode", "encode", "metric_rows", "request_token", "span_views"]  # fmt: skip
+           "decode", "encode", "metric_counts", "metric_rows", "metric_tables", "request_token", "span_counts",
+           "span_views", "trace_tables"]  # fmt: skip

@@ -136,7 +136,7 @@ class OtlpGrpcServer:
                 metadata = dict(context.invocation_metadata())
                 if not httpd.authorized(metadata.get("authorization"), self.receiver.token):
                     raise OtlpError(401, "missing or wrong bearer token")
-                return accept(self.receiver, decode(request_class(), body, PROTOBUF), request_token(body, "grpc"))
+                return accept(self.receiver, decode(request_class(), body, PROTOBUF), request_token(body, "grpc"), body)
             except OtlpError as exc:
                 code = _CODES.get(exc.status, grpc.StatusCode.INTERNAL)
                 context.abort_with_status(_status(code, exc.message, exc.retry))

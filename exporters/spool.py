@@ -7,7 +7,16 @@ seen among the last ``non_replicated_deduplication_window`` blocks of the table 
 
 Layout: ``<directory>/<kind>/<slot>/<seq>.<table>.<rows>.seg``, one zlib-compressed JSON batch per segment,
 written to a temporary file, fsynced, then renamed into place, so a segment is whole or absent even after
-kill -9 or a power cut. A process holds its slot by an flock on ``<slot>/lock``; the next free slot goes
+kill -9 or a power cut.
+
+The OTLP receivers write **write-ahead records** instead: each request as it arrived (protobuf), named
+``<seq>.<record kind>.<rows>.<request token>.wal``, fsynced before the request is answered. The writer's
+replay thread turns the oldest records into rows and inserts them together, so many small requests make one
+insert; before that insert it *seals* them as a group (renames each to ``….<request token>.<group token>.wal``),
+and the group's token is the insert's deduplication token, so a replay after a crash inserts the same group
+under the same token and adds nothing. The tokens of the requests stored are kept (``<slot>/landed``, the
+last ``RECENT_TOKENS``), so a sender's retry of a request whose answer it never got is recognised and not
+stored twice. Records are never dropped to make room: a full spool refuses the request (the sender retries). A process holds its slot by an flock on ``<slot>/lock``; the next free slot goes
 to the next process writing the same store, and a process adopts the segments of slots nobody holds (a
 predecessor that died), so what a dead process spooled is replayed by whoever writes next. A process that
 cannot write the store because the agent holds it writes into ``<kind>/inbox`` instead, which the agent's
@@ -36,7 +45,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
@@ -50,8 +59,11 @@ ENV_SPOOL_MAX_BYTES = "STAGETRACE_SPOOL_MAX_BYTES"
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 MAX_SLOTS = 64
 INBOX = "inbox"  # where a process that cannot write the store (held by the agent) hands its batches over
-_SEGMENT = re.compile(r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)\.seg$")
+# batches: <seq>.<table>.<rows>.seg; write-ahead records: <seq>.<kind>.<rows>.<token>[.<group>].wal
+_SEGMENT = re.compile(r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)(?:\.seg|\.([0-9a-f]{32})(?:\.([0-9a-f]{32}))?\.wal)$")
 _FORMAT = 1
+RECENT_TOKENS = 20_000  # request tokens remembered for recognising a sender's retry: minutes of a busy agent
+LANDED = "landed"  # per slot: the tokens of requests stored, one per line
 
 
 class SpoolError(StoreError):
@@ -75,6 +87,11 @@ REASONS = (
     "rejected_row",  # a row the store refuses for its values; the rest of its batch was stored
     "buffer_full",  # without a spool, more rows waited in memory for a failing store than the bound allows
 )
+
+
+def dropped_kind(table: str) -> str:
+    """What the rows of ``table`` (or of a write-ahead record kind) are counted as when dropped."""
+    return "spans" if table in ("otel_traces", "otlp_traces") else "metric_samples"
 
 
 class _Dropped:
@@ -149,9 +166,22 @@ def open_spool(location, kind: str, directory=None, max_bytes: int | None = None
 @dataclass(frozen=True)
 class Segment:
     path: Path
-    table: str
+    table: str  # a batch's table, or a write-ahead record's kind
     rows: int
     size: int
+    token: str = ""  # a write-ahead record's request token ("" for a batch)
+    group: str = ""  # the token of the group a record was sealed into ("" before)
+
+    @property
+    def record(self) -> bool:
+        return bool(self.token)
+
+    @classmethod
+    def named(cls, path: Path, size: int) -> Segment | None:
+        match = _SEGMENT.match(path.name)
+        if match is None:
+            return None
+        return cls(path, match[2], int(match[3]), size, match[4] or "", match[5] or "")
 
 
 @dataclass
@@ -173,6 +203,9 @@ class Spool:
         self.on_drop: Callable[[Segment], None] | None = None  # told of each segment dropped
         self._lock = threading.Lock()
         self._seq = 0
+        self._recent: dict[str, None] = {}  # request tokens of records written or stored, oldest first
+        self._landed_fd: int | None = None
+        self._landed_lines = 0
         try:
             if handoff:  # for the process that holds the store: its adopt() takes them, whenever it runs
                 self.directory, self._lock_fd, self._segments = self.base / INBOX, None, []
@@ -181,6 +214,7 @@ class Spool:
                 self.directory, self._lock_fd = _claim(self.base)
                 self._segments = self._scan()
                 self.adopt()
+                self._load_landed()
         except OSError as exc:
             raise SpoolError(
                 f"cannot use the spool directory {base}: {exc.strerror or exc} "
@@ -243,11 +277,7 @@ class Spool:
             doc = json.loads(zlib.decompress(segment.path.read_bytes()).decode("utf-8", "surrogatepass"))
             return Batch(doc["table"], tuple(doc["columns"]), doc["rows"], doc["token"])
         except (OSError, ValueError, KeyError, TypeError, zlib.error) as exc:
-            with self._lock:
-                self._discard(segment)
-                self._count_dropped(segment.table, segment.rows, "unreadable_segment",
-                                    f"segment {segment.path.name} is unreadable ({exc})")  # fmt: skip
-            self._notify_dropped([segment])
+            self.unreadable(segment, exc)
             return None
 
     def remove(self, segment: Segment) -> None:
@@ -255,14 +285,15 @@ class Spool:
             self._discard(segment)
 
     def replay(self, insert: Callable[[Batch], bool], table: str | None = None, limit: int | None = None) -> bool:
-        """Insert spooled batches oldest first (of ``table``, at most ``limit``) until one fails.
+        """Insert spooled batches oldest first (of ``table``, at most ``limit``) until one fails or a write-ahead
+        record comes first (the writer inserts those, see ``head_group``).
 
         Returns True when none failed. ``insert`` must pass the batch's token so a repeat is dropped.
         """
         done = 0
         while limit is None or done < limit:
             segment = self.oldest(table)
-            if segment is None:
+            if segment is None or segment.record:
                 return True
             batch = self.load(segment)
             if batch is not None:
@@ -272,8 +303,94 @@ class Spool:
             done += 1
         return True
 
+    # write-ahead records
+
+    def known(self, token: str) -> bool:
+        """Whether a request with ``token`` is already durable here: written as a record, or stored."""
+        with self._lock:
+            return token in self._recent
+
+    def put_record(self, kind: str, payload: bytes, rows: int, token: str) -> Segment | None:
+        """Write one request as received, fsynced; None when the spool is full or the disk refused it. Nothing
+        is dropped then: the caller must not acknowledge the request, whose sender retries it."""
+        with self._lock:
+            if sum(s.size for s in self._segments) + len(payload) > self.max_bytes:
+                logger.warning("spool %s is full (%d bytes): refusing a request until the store takes the backlog "
+                               "(raise %s)", self.directory, self.max_bytes, ENV_SPOOL_MAX_BYTES)  # fmt: skip
+                return None
+            self._seq = max(self._seq + 1, time.time_ns())
+            segment = Segment(self.directory / f"{self._seq:020d}.{kind}.{rows}.{token}.wal", kind, rows,
+                              len(payload), token)  # fmt: skip
+            try:
+                _write_atomically(segment.path, payload)
+            except OSError as exc:
+                logger.error("spool %s: cannot write a request (%s); refusing it", self.directory, exc.strerror or exc)
+                return None
+            self._segments.append(segment)
+            self._remember(token)
+        return segment
+
+    def head_group(self, max_rows: int) -> tuple[str, list[Segment]]:
+        """The group of write-ahead records at the head of the spool, and its token: a group sealed earlier
+        (whole, or what is left of it after a crash), else the oldest records of one kind up to ``max_rows``,
+        sealed now. Empty when the head is a batch, or sealing failed."""
+        with self._lock:
+            head = self._segments[0] if self._segments else None
+            if head is None or not head.record:
+                return "", []
+            if head.group:
+                return head.group, [s for s in self._segments if s.group == head.group]
+            group, members, rows = new_token(), [], 0
+            for i, segment in enumerate(self._segments):
+                if not segment.record or segment.group or segment.table != head.table:
+                    break
+                if members and rows + segment.rows > max_rows:
+                    break
+                sealed = replace(segment, path=segment.path.with_name(f"{segment.path.name[:-4]}.{group}.wal"),
+                                 group=group)  # fmt: skip
+                try:
+                    os.rename(segment.path, sealed.path)
+                except OSError as exc:
+                    logger.error("spool %s: cannot seal %s: %s", self.directory, segment.path.name, exc.strerror or exc)
+                    break
+                self._segments[i] = sealed
+                members.append(sealed)
+                rows += segment.rows
+            return (group, members) if members else ("", [])
+
+    def read_record(self, segment: Segment) -> bytes | None:
+        """A record's request; None (and the record dropped and counted) when it cannot be read."""
+        try:
+            return segment.path.read_bytes()
+        except OSError as exc:
+            self.unreadable(segment, exc)
+            return None
+
+    def unreadable(self, segment: Segment, why) -> None:
+        """Drop a segment that cannot be read or decoded, counted."""
+        with self._lock:
+            self._discard(segment)
+            self._count_dropped(segment.table, segment.rows, "unreadable_segment",
+                                f"segment {segment.path.name} is unreadable ({why})")  # fmt: skip
+        self._notify_dropped([segment])
+
+    def landed(self, members: list[Segment]) -> None:
+        """The records of a group are in the store: remember their tokens (a sender's retry), then remove them."""
+        with self._lock:
+            if self._landed_fd is not None:
+                # no fsync: a retry the next owner does not recognise after a power cut is stored twice, at worst
+                os.write(self._landed_fd, "".join(f"{s.token}\n" for s in members).encode())
+                self._landed_lines += len(members)
+                if self._landed_lines > 2 * RECENT_TOKENS:
+                    self._rewrite_landed()
+            for segment in members:
+                self._discard(segment)
+
     def close(self) -> None:
         with self._lock:
+            if self._landed_fd is not None:
+                os.close(self._landed_fd)
+                self._landed_fd = None
             if self._lock_fd is not None:
                 os.close(self._lock_fd)  # releases the slot's flock
                 self._lock_fd = None
@@ -307,7 +424,7 @@ class Spool:
             self._segments.remove(segment)
 
     def _count_dropped(self, table: str, rows: int, reason: str, why: str) -> None:
-        kind = "spans" if table == "otel_traces" else "metric_samples"
+        kind = dropped_kind(table)
         self.dropped_rows += rows
         DROPPED.add(kind, rows, reason)
         advice = f" (raise {ENV_SPOOL_MAX_BYTES})" if reason == "spool_full" else ""
@@ -316,13 +433,40 @@ class Spool:
     def _scan(self) -> list[Segment]:
         segments = []
         for entry in os.scandir(self.directory):
-            match = _SEGMENT.match(entry.name)
-            if match:
-                segments.append(Segment(Path(entry.path), match[2], int(match[3]), entry.stat().st_size))
-                self._seq = max(self._seq, int(match[1]))
+            segment = Segment.named(Path(entry.path), 0)
+            if segment is not None:
+                segments.append(replace(segment, size=entry.stat().st_size))
+                self._seq = max(self._seq, int(entry.name[:20]))
+                if segment.record:
+                    self._remember(segment.token)
             elif entry.name.endswith(".tmp"):
                 os.unlink(entry.path)  # a write cut short by a crash: never renamed, so never acknowledged
         return sorted(segments, key=lambda s: s.path.name)
+
+    def _remember(self, token: str) -> None:
+        self._recent[token] = None
+        if len(self._recent) > RECENT_TOKENS:
+            del self._recent[next(iter(self._recent))]
+
+    def _load_landed(self) -> None:
+        """The tokens of requests stored by this slot's earlier owners and by the slots' around it (a restarted
+        agent may get another slot), then this slot's file rewritten to the window and kept open for appending."""
+        for path in sorted(self.base.glob(f"*/{LANDED}")):
+            with contextlib.suppress(OSError):
+                for line in path.read_text("ascii", "replace").split():
+                    self._remember(line)
+        self._rewrite_landed()
+
+    def _rewrite_landed(self) -> None:
+        if self._landed_fd is not None:
+            os.close(self._landed_fd)
+        path = self.directory / LANDED
+        data = "".join(f"{token}\n" for token in self._recent).encode()
+        tmp = path.with_name(f".{LANDED}.tmp")
+        tmp.write_bytes(data)
+        os.rename(tmp, path)
+        self._landed_fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._landed_lines = len(self._recent)
 
     def adopt(self) -> int:
         """Move the segments of slots no process holds (a writer that died or exited with segments left) into
@@ -337,7 +481,7 @@ class Spool:
                     continue  # a live writer holds it
             try:
                 for entry in os.scandir(slot):
-                    if _SEGMENT.match(entry.name):
+                    if _SEGMENT.match(entry.name):  # records keep their names: a sealed group stays one
                         with contextlib.suppress(FileNotFoundError):  # another adopter took it first
                             os.rename(entry.path, self.directory / entry.name)
                             adopted += 1
@@ -396,4 +540,4 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 __all__ = ["Batch", "DROPPED", "REASONS", "ENV_SPOOL_DIR", "ENV_SPOOL_MAX_BYTES", "Segment", "Spool", "SpoolError",
-           "directory_setting", "new_token", "open_spool"]  # fmt: skip
+           "directory_setting", "dropped_kind", "new_token", "open_spool"]  # fmt: skip

@@ -71,3 +71,104 @@ def test_without_a_spool_a_failing_store_is_reported_and_nothing_is_claimed(stor
     store.client.command("RENAME TABLE stagetrace.gauge_away TO stagetrace.otel_metrics_gauge")
     assert stored_gpus(store) == []
     writer.close()
+
+
+# --- write-ahead records: what the OTLP receivers write before they answer ------------------------------------
+
+
+def trace_request(n: int, spans: int = 3) -> bytes:
+    """An ``ExportTraceServiceRequest`` of ``spans`` spans whose IDs no other ``n`` uses."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    request = ExportTraceServiceRequest()
+    scope = request.resource_spans.add().scope_spans.add()
+    for k in range(spans):
+        span = scope.spans.add(name=f"stage-{k}", trace_id=(n + 1).to_bytes(16, "big"),
+                               span_id=(n * spans + k + 1).to_bytes(8, "big"))  # fmt: skip
+        span.start_time_unix_nano, span.end_time_unix_nano = T0 + k, T0 + k + 10
+    return request.SerializeToString()
+
+
+def stored_spans(store) -> int:
+    return store.client.command("SELECT count() FROM stagetrace.otel_traces")
+
+
+def test_requests_written_ahead_in_an_outage_are_stored_each_once_in_few_inserts(store):
+    writer = DurableWriter(store, "spans")
+    inserts = []
+    insert = store.client.insert
+    store.client.insert = lambda *a, **k: inserts.append(len(a[1])) or insert(*a, **k)
+    try:
+        store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.traces_away")
+        for n in range(40):
+            assert writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token())  # fsynced: acknowledge
+        assert writer.spooled_rows() == 120
+        store.client.command("RENAME TABLE stagetrace.traces_away TO stagetrace.otel_traces")
+        assert writer.flush()
+    finally:
+        store.client.insert = insert
+        writer.close()
+    assert stored_spans(store) == 120 and store.client.command(
+        "SELECT uniqExact(SpanId) FROM stagetrace.otel_traces") == 120  # fmt: skip
+    assert sum(n for n in inserts) == 120 and len(inserts) < 40  # many requests, one insert (at most a few)
+
+
+def test_a_group_stored_just_before_a_crash_adds_nothing_when_the_next_writer_replays_it(store):
+    """A crash between a group's insert and the removal of its records (part of them removed): the next
+    writer finds the rest still sealed into the group and inserts them under the group's token again."""
+    from stagetrace.exporters.durable import MAX_GROUP_ROWS, record_tables
+
+    crashed = spool.open_spool(store.location, "spans")
+    for n in range(5):
+        assert crashed.put_record("otlp_traces", trace_request(n), 3, spool.new_token())
+    group, members = crashed.head_group(MAX_GROUP_ROWS)
+    assert len(members) == 5
+    rows = [row for m in members for row in record_tables(m.table)(crashed.read_record(m))["otel_traces"][1]]
+    columns = record_tables("otlp_traces")(crashed.read_record(members[0]))["otel_traces"][0]
+    assert DurableWriter(store, "spans", spool_dir=False).insert("otel_traces", columns, rows, group)
+    crashed.remove(members[0])  # the crash, midway through removing the group's records
+    crashed.close()
+    assert stored_spans(store) == 15
+    after = DurableWriter(store, "spans")
+    try:
+        assert after.spooled_rows() == 12 and after.flush()
+        assert stored_spans(store) == 15 and after.spooled_rows() == 0
+    finally:
+        after.close()
+
+
+def test_a_full_spool_refuses_new_requests_and_drops_none_it_acknowledged(store):
+    body = trace_request(0)
+    writer = DurableWriter(store, "spans", spool_max_bytes=len(body) * 3 + 10)
+    store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.traces_away")
+    try:
+        answers = [writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token()) for n in range(5)]
+        assert answers == [True, True, True, False, False]  # refused: the sender keeps them and retries
+        assert writer.dropped_rows == 0
+        store.client.command("RENAME TABLE stagetrace.traces_away TO stagetrace.otel_traces")
+        assert writer.flush() and stored_spans(store) == 9
+        assert writer.write_ahead("otlp_traces", trace_request(3), 3, spool.new_token())  # room again
+    finally:
+        writer.close()
+
+
+def test_a_running_writer_adopts_what_a_writer_that_is_gone_wrote_ahead(store):
+    """The replay thread looks for slots nobody holds every ADOPT_EVERY_S: records another writer left (it
+    exited or was killed) reach the store without waiting for a restart."""
+    import time
+
+    from stagetrace.exporters.durable import ADOPT_EVERY_S
+
+    running = DurableWriter(store, "spans")
+    try:
+        gone = spool.open_spool(store.location, "spans")  # the next free slot, beside the running writer's
+        assert gone.directory != running.spool.directory
+        for n in range(4):
+            assert gone.put_record("otlp_traces", trace_request(n), 3, spool.new_token())
+        gone.close()  # its slot is free now, its records left in it
+        deadline = time.monotonic() + 3 * ADOPT_EVERY_S
+        while stored_spans(store) < 12 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stored_spans(store) == 12 and not any(gone.directory.glob("*.wal"))
+    finally:
+        running.close()

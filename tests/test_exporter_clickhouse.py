@@ -1,7 +1,5 @@
 """ClickHouseSpanExporter against the real embedded ClickHouse engine, under the SDK's own processors."""
 
-import time
-
 import pytest
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider

@@ -3,7 +3,6 @@
 import base64
 import gzip
 import json
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -97,15 +96,34 @@ def test_the_sdk_exporter_with_each_compression(store, receiver, compression):
     assert store.client.command("SELECT RequestId FROM stagetrace.stagetrace_requests") == f"c-{compression.value}"
 
 
-def test_a_200_means_the_spans_are_already_stored_and_a_retried_body_is_stored_once(store, receiver):
+def test_a_200_means_the_spans_are_durable_and_a_retried_body_is_stored_once(store, receiver):
     exporter = OTLPSpanExporter(f"{receiver.url}/v1/traces")
     for expected in (5, 10):
         assert exporter.export(recorded_spans()) is SpanExportResult.SUCCESS
-        assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == expected  # no flush, no wait
+        # answered: in the store, or fsynced in the spool waiting for the replay thread's insert
+        stored = store.client.command("SELECT count() FROM stagetrace.otel_traces")
+        assert stored + receiver.writer.spooled_rows() == expected
+    assert receiver.writer.flush() and store.client.command("SELECT count() FROM stagetrace.otel_traces") == 10
     body = _vllm_protobuf()
-    for _ in range(3):  # a sender retrying a request whose answer it lost: the same body, the same batch
+    # a sender retrying a request whose answer it lost: while it waits in the spool, and after it is stored
+    for flush in (False, False, True, False):
         assert post(f"{receiver.url}/v1/traces", body, "application/x-protobuf")[0] == 200
-    assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 11
+        assert not flush or receiver.writer.flush()
+    assert receiver.writer.flush() and store.client.command("SELECT count() FROM stagetrace.otel_traces") == 11
+
+
+def test_a_receiver_on_the_same_store_recognises_requests_an_earlier_one_stored(store):
+    body = _vllm_protobuf()
+    first = OtlpReceiver(store, "127.0.0.1:0")
+    assert post(f"{first.url}/v1/traces", body, "application/x-protobuf")[0] == 200
+    first.close()  # stores what it wrote ahead
+    assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 1
+    second = OtlpReceiver(store, "127.0.0.1:0")  # as an agent restarted after it was killed before answering
+    try:
+        assert post(f"{second.url}/v1/traces", body, "application/x-protobuf")[0] == 200
+        assert second.writer.flush() and store.client.command("SELECT count() FROM stagetrace.otel_traces") == 1
+    finally:
+        second.close()
 
 
 def test_otlp_json_with_hex_ids_and_a_partial_success_for_invalid_ids(store, receiver):
@@ -222,6 +240,7 @@ def test_gauges_and_sums_from_the_sdk_metric_exporter_land_in_the_collector_tabl
     meter.create_histogram("vllm.e2e_request_latency", unit="s").record(1.29)
     data = reader.get_metrics_data()
     assert OTLPMetricExporter(f"{receiver.url}/v1/metrics").export(data).name == "SUCCESS"
+    assert receiver.writer.flush()
     gauge = store.client.query(
         "SELECT MetricName, MetricUnit, Value, Attributes, ServiceName, ScopeName, ScopeVersion, "
         "ResourceAttributes['host.name'] FROM stagetrace.otel_metrics_gauge").result_rows  # fmt: skip

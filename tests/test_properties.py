@@ -189,8 +189,10 @@ def decode_and_read(body: bytes, media: str):
             resources = _Resources()
             rows = [span_row(v, resources) for v in views]
             assert len(rows) + rejected == sum(len(s.spans) for r in message.resource_spans for s in r.scope_spans)
+            assert otlp.span_counts(message) == (len(rows), rejected)  # what the receiver writes ahead
         else:
-            otlp.metric_rows(message)
+            stored, _, _ = otlp.metric_counts(message)
+            assert stored == sum(len(rows) for rows in otlp.metric_rows(message).values())
         otlp.encode(message, media)
 
 

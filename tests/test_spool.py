@@ -373,7 +373,8 @@ def test_the_otlp_receiver_takes_spans_through_an_outage_and_stores_each_once(st
 
     try:
         assert post(f"{receiver.url}/v1/traces", body(0), "application/x-protobuf")[0] == 200
-        per_request = store.client.command("SELECT count() FROM stagetrace.otel_traces")  # answered: stored
+        assert receiver.writer.flush()
+        per_request = store.client.command("SELECT count() FROM stagetrace.otel_traces")
         store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.otel_traces_away")
         for n in range(1, 31):  # answered 200 once fsynced in the spool, never 503
             assert post(f"{receiver.url}/v1/traces", body(n), "application/x-protobuf")[0] == 200
