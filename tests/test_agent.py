@@ -64,9 +64,10 @@ def get_json(url: str):
 
 
 def test_interval_and_listen_parsing():
-    assert [parse_interval(t) for t in ("500ms", "5s", "1m", "1.5h")] == [0.5, 5.0, 60.0, 5400.0]
-    for bad in ("5", "0s", "-1s", "5x", ""):
-        with pytest.raises(ValueError, match="write e.g. 500ms, 5s or 1m"):
+    assert [parse_interval(t) for t in ("500ms", "5s", "1m", "1.5h", "10d", "2w")] == [
+        0.5, 5.0, 60.0, 5400.0, 864000.0, 1209600.0]  # fmt: skip
+    for bad in ("5", "0s", "-1s", "5x", "", "1y"):
+        with pytest.raises(ValueError, match="write e.g. 500ms, 5s, 1m, 1h, 10d or 2w"):
             parse_interval(bad)
     assert parse_listen("127.0.0.1:9464") == ("127.0.0.1", 9464)
     assert parse_listen("[::1]:9464") == ("::1", 9464)
@@ -134,7 +135,7 @@ def test_a_named_collector_that_cannot_collect_exits_1_with_one_line(tmp_path):
     "args, message",
     [
         (["collect", "--collectors", "rdma,infiniband"], r"stagetrace: unknown collector infiniband: choose from .*rdma"),
-        (["agent", "--interval", "5"], r"stagetrace agent: interval '5' is not a positive duration: write e\.g\. 500ms"),
+        (["agent", "--interval", "5"], r"stagetrace agent: --interval: '5' is not a positive duration: write e\.g\. 500ms"),
         (["agent", "--listen", "9464"], r"stagetrace agent: listen address '9464' is not HOST:PORT"),
     ],
 )

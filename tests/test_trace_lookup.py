@@ -126,12 +126,12 @@ def test_unknown_ids_exit_1_with_a_clear_message(store_dsn):
         capture_output=True, text=True, timeout=60).stderr  # fmt: skip
 
 
-def test_terminal_waterfall_shows_every_stage(store_dsn, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")
+def test_piped_waterfall_is_tab_separated_with_every_stage_in_order(store_dsn, capsys):
     _write_with_plain_sdk(store_dsn, "wf")
-    assert main(["trace", "wf", "--store", store_dsn]) == 0
+    assert main(["trace", "wf", "--store", store_dsn]) == 0  # captured: stdout is no terminal
     out = capsys.readouterr().out
-    assert "request wf" in out
-    lines = [line for line in out.splitlines() if any(f" {s} " in line for s in STAGES)]
-    assert [next(s for s in STAGES if f" {s} " in line) for line in lines] == STAGES
+    assert "request wf\n" in out and "─" not in out and "█" not in out  # no box drawing, no bars
+    header, *rows = [line.split("\t") for line in out.splitlines() if "\t" in line]
+    assert header[:3] == ["span", "start ms", "dur ms"] and all(len(row) == len(header) for row in rows)
+    assert [row[0].strip() for row in rows if row[0].strip() in STAGES] == STAGES
     assert "in-ret→out-re" in out  # digests, shortened

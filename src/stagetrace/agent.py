@@ -27,8 +27,8 @@ from stagetrace.store import open_store
 
 logger = logging.getLogger("stagetrace.agent")
 
-_INTERVAL = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h)\s*")
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_INTERVAL = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d|w)\s*")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
 class AgentError(Exception):
@@ -36,11 +36,11 @@ class AgentError(Exception):
 
 
 def parse_interval(text: str) -> float:
-    """``500ms``, ``5s``, ``1.5m``, ``1h`` -> seconds; ValueError says how to write it."""
+    """``500ms``, ``5s``, ``1.5m``, ``1h``, ``10d``, ``2w`` -> seconds; ValueError says how to write it."""
     match = _INTERVAL.fullmatch(text)
     seconds = float(match[1]) * _SECONDS[match[2]] if match else 0.0
     if seconds <= 0:
-        raise ValueError(f"interval {text!r} is not a positive duration: write e.g. 500ms, 5s or 1m")
+        raise ValueError(f"{text!r} is not a positive duration: write e.g. 500ms, 5s, 1m, 1h, 10d or 2w")
     return seconds
 
 

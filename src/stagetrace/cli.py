@@ -149,7 +149,7 @@ def _trace(args) -> int:
         return 2
     from stagetrace.analysis.hardware import context
 
-    with open_store(args.store) as store:
+    with open_store(args.store, must_exist=True) as store:
         try:
             found = lookup.by_trace_id(store, args.trace_id) if args.trace_id else lookup.by_request_id(store, args.request_id)
         except lookup.NotFound as exc:
@@ -160,14 +160,11 @@ def _trace(args) -> int:
         json.dump({**found.to_json(), "hardware": hardware}, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
-        from rich.console import Console
+        from stagetrace.render import Output, hardware_rises, waterfall
 
-        from stagetrace.render import hardware_rises, waterfall
-
-        console = Console()
-        console.print(waterfall(found, console.width))
-        if hardware:
-            console.print(hardware_rises(hardware))
+        out = Output()
+        waterfall(out, found)
+        hardware_rises(out, hardware)
     return 0
 
 
@@ -188,7 +185,7 @@ def _explain(args) -> int:
     from stagetrace.analysis.explain import Explainer
 
     window = _duration_ns(args.window, "--window")
-    with open_store(args.store) as store:
+    with open_store(args.store, must_exist=True) as store:
         try:
             report = Explainer(store, window_ns=window).explain(args.request_id, args.against)
         except lookup.NotFound as exc:
@@ -198,9 +195,9 @@ def _explain(args) -> int:
         json.dump(report, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
-        from stagetrace.render import explanation
+        from stagetrace.render import Output, explanation
 
-        explanation(report)
+        explanation(Output(), report)
     return 0
 
 
@@ -210,21 +207,21 @@ def _divergences(args) -> int:
     since = _duration_ns(args.since, "--since")
     if args.limit < 0:
         raise _UsageError("--limit: give 0 (all) or a positive number")
-    with open_store(args.store) as store:
+    with open_store(args.store, must_exist=True) as store:
         found = divergences.find(store, since, limit=args.limit or None)
     if args.json:
         json.dump(found, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
-        from stagetrace.render import divergence_groups
+        from stagetrace.render import Output, divergence_groups
 
-        divergence_groups(found, args.since)
+        divergence_groups(Output(), found, args.since)
     return 0
 
 
 def _demo(args) -> int:
     from stagetrace import demo
-    from stagetrace.render import demo_summary, progress_bar
+    from stagetrace.render import Output, demo_summary, progress_bar
 
     with open_store(args.store) as store, progress_bar("serving requests", enabled=not args.json) as progress:
         try:
@@ -240,7 +237,7 @@ def _demo(args) -> int:
         sys.stdout.write("\n")
     else:
         store_flag = f" --store {location.redacted()}" if args.store else ""
-        demo_summary(result, _invocation(), store_flag)
+        demo_summary(Output(), result, _invocation(), store_flag)
     return 0
 
 
@@ -285,7 +282,10 @@ def _agent(args) -> int:
     otlp, otlp_grpc, query_listen = (None if a.lower() in ("none", "off") else a
                                      for a in (args.otlp, args.otlp_grpc, args.query_listen))  # fmt: skip
     try:
-        interval = agent.parse_interval(args.interval)
+        try:
+            interval = agent.parse_interval(args.interval)
+        except ValueError as exc:
+            raise ValueError(f"--interval: {exc}") from None
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
@@ -301,8 +301,25 @@ def _agent(args) -> int:
         return 2
 
 
+DURATION_OPTIONS = ("--since", "--window", "--interval")
+
+
+def _joined_durations(argv: list[str]) -> list[str]:
+    """``--since -1h`` as ``--since=-1h``: argparse takes a value that starts with '-' for an option and prints
+    its usage; joined, the value reaches the duration check, which says in one line what to write."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in DURATION_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1][1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_joined_durations(sys.argv[1:] if argv is None else list(argv)))
     try:
         return args.run(args)
     except (StoreError, schema.SchemaError, _UsageError) as exc:

@@ -1,9 +1,25 @@
-"""Terminal rendering (rich): a trace as a waterfall, the demo's progress and summary."""
+"""What the commands print: a trace's waterfall, an explanation, the divergences, the demo's summary.
+
+Two layouts of the same content, one for people and one for pipes:
+
+* **On a terminal** (rich): tables that fit its width. A column that holds IDs or names (``Column.keep``:
+  request and trace IDs, GPU UUIDs, cause names) is never cut or wrapped; the other columns wrap. When the
+  kept columns alone do not fit, each row becomes a block of lines, its first cell on a line of its own.
+  Lines of text are never wrapped by rich (a long line is one line: the terminal folds it, copy-paste
+  does not see a break).
+* **Piped** (stdout is no terminal, as in ``| less``, CI logs, ``| awk -F'\\t'``): plain text without box
+  drawing or colour; a table is a ``# title`` line, a tab-separated header row and tab-separated rows,
+  every value whole.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 
+from rich import box
+from rich.cells import cell_len
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -12,8 +28,92 @@ from rich.text import Text
 from stagetrace import conventions
 from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace
 
-_MAX_ATTRIBUTES = 4
-_STATUS_TEXT = {"Unset": Text(""), "Ok": Text("ok", style="green"), "Error": Text("error", style="bold red")}
+WIDE = 110  # columns from which a trace's attributes fit beside its waterfall
+_STATUS_TEXT = {"Unset": "", "Ok": "ok", "Error": "error"}
+_STATUS_STYLE = {"ok": "green", "error": "bold red"}
+
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    keep: bool = False  # IDs and names: never cut or wrapped
+    right: bool = False
+
+
+Cell = str | Text
+
+
+def _plain(cell: Cell) -> str:
+    text = cell.plain if isinstance(cell, Text) else str(cell)
+    return text.replace("\t", " ").replace("\n", " ")
+
+
+class Output:
+    """Where a command prints: a terminal (``console.is_terminal``) or a pipe; see the module docstring."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(highlight=False, soft_wrap=True)
+        self.terminal = self.console.is_terminal
+
+    @property
+    def width(self) -> int:
+        return self.console.width
+
+    def line(self, text: Cell = "", style: str | None = None) -> None:
+        if not self.terminal:
+            self.console.file.write(_plain(text) + "\n")
+            return
+        self.console.print(text if isinstance(text, Text) else Text(text), style=style, soft_wrap=True)
+
+    def table(self, title: str, columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> None:
+        if not rows:
+            return
+        if not self.terminal:
+            lines = [f"# {title}"] if title else []
+            lines.append("\t".join(c.header for c in columns))
+            lines += ["\t".join(_plain(cell) for cell in row) for row in rows]
+            self.console.file.write("\n".join(lines) + "\n")
+            return
+        # a kept column whole, any other at least as wide as its longest word: a word is never broken
+        least = [max(cell_len(c.header) if c.keep else _longest_word(c.header),
+                     *((cell_len if c.keep else _longest_word)(_plain(row[i])) for row in rows))
+                 for i, c in enumerate(columns)]  # fmt: skip
+        if sum(least) + 2 * (len(columns) - 1) > self.width:
+            self._blocks(title, columns, rows)
+            return
+        table = Table(title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
+                      show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+        for column, width in zip(columns, least):
+            table.add_column(column.header, no_wrap=column.keep, min_width=width, overflow="fold",
+                             justify="right" if column.right else "left")  # fmt: skip
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+
+    def _blocks(self, title: str, columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> None:
+        """A table too wide for the terminal: a block per row, its first cell on a line of its own and the
+        others as ``header: value`` fields below it, as many to a line as fit (a field is never broken)."""
+        if title:
+            self.line(Text(title, style="bold"))
+        for row in rows:
+            self.line(row[0] if isinstance(row[0], Text) else Text(str(row[0]), style="bold"))
+            fields = [Text.assemble(f"{column.header}: ", cell) for column, cell in zip(columns[1:], row[1:])
+                      if _plain(cell).strip()]  # fmt: skip
+            line = Text("  ")
+            for field in fields:
+                if line.plain.strip() and cell_len(line.plain) + 3 + cell_len(field.plain) > self.width:
+                    self.line(line)
+                    line = Text("  ")
+                line = Text.assemble(line, "   " if line.plain.strip() else "", field)
+            if line.plain.strip():
+                self.line(line)
+
+
+def _longest_word(text: str) -> int:
+    return max((cell_len(word) for word in text.split()), default=0)
+
+
+# --- trace --------------------------------------------------------------------------------------------------
 
 
 def _depths(trace: Trace) -> dict[str, int]:
@@ -62,53 +162,168 @@ def engine_timings(span: Span) -> str:
     return f"{text} ms" if text else ""
 
 
-def _key_attributes(attrs: dict[str, str]) -> str:
-    # content (prompts, documents) and digests are not shown: the digests column stands for them
-    shown = [(k, v) for k, v in attrs.items() if not conventions.is_content(k) and k not in conventions.DIGEST_KEYS
-             and k not in conventions.REQUEST_ID_ALIASES and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX))]  # fmt: skip
-    text = " ".join(f"{k}={v if len(v) <= 24 else v[:23] + '…'}" for k, v in shown[:_MAX_ATTRIBUTES])
-    if len(shown) > _MAX_ATTRIBUTES:
-        text += f" (+{len(shown) - _MAX_ATTRIBUTES})"
-    return text
+def _shown_attributes(attrs: dict[str, str]) -> str:
+    """Settings worth seeing (batch size, index version, model), whole; content, digests, IDs and the GPU
+    (its own column) are not shown."""
+    return " ".join(f"{k}={v}" for k, v in attrs.items()
+                    if not conventions.is_content(k) and k not in conventions.DIGEST_KEYS and k != "gpu.uuid"
+                    and k not in conventions.REQUEST_ID_ALIASES
+                    and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX)))  # fmt: skip
 
 
-def waterfall(trace: Trace, width: int = 160) -> Table:
-    """The trace as a table that fits ``width`` columns: attributes and a wide bar only where there is room."""
-    title = f"request {trace.request_id or '-'} · trace {trace.trace_id} · {trace.service} · {trace.duration_ns / 1e6:.2f} ms"
-    bar_width = 20 if width >= 100 else 10
-    show_status = any(span.status != "Unset" for span in trace.spans)
-    show_attributes = width >= 110
-    # engine timings below the table, so they show however narrow the terminal is
-    engines = [f"{span.name} ({span.service}): {engine_timings(span)}" for span in trace.spans if span.engine_ms]
-    caption = "\n".join(engines) or None
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left", expand=False,
-                  pad_edge=False)  # fmt: skip
-    table.add_column("span", no_wrap=True)
-    table.add_column("start ms", justify="right", no_wrap=True)
-    table.add_column("dur ms", justify="right", no_wrap=True)
-    table.add_column("", no_wrap=True)
-    if show_status:
-        table.add_column("status", no_wrap=True)
-    table.add_column("in→out", no_wrap=True)
-    if show_attributes:
-        table.add_column("attributes", overflow="fold", min_width=12)
+def waterfall(out: Output, trace: Trace) -> None:
+    """The trace: its IDs on lines of their own, then each span with where it ran (host, TP rank, GPU) and its
+    settings; on a terminal narrower than ``WIDE`` the settings follow the table and the GPUs are named in a
+    legend."""
+    from stagetrace.analysis.hardware import devices
+
+    out.line(f"request {trace.request_id or '-'}")
+    out.line(f"trace {trace.trace_id}")
+    out.line(f"{trace.service} · {trace.duration_ns / 1e6:.2f} ms · {len(trace.spans)} spans")
     depths = _depths(trace)
+    gpus: dict[str, str] = {}  # UUID -> its short name in a narrow table
+    narrow = out.terminal and out.width < WIDE
+
+    def gpu_cell(span: Span) -> str:
+        names = devices(span.attributes)[0]
+        if not narrow:
+            return ",".join(names)
+        return ",".join(gpus.setdefault(name, f"gpu{len(gpus)}") for name in names)
+
+    show_status = any(span.status != "Unset" for span in trace.spans)
+    columns = [Column("span", keep=True), Column("start ms", right=True), Column("dur ms", right=True)]
+    if out.terminal:
+        columns.append(Column("", keep=True))
+    if show_status:
+        columns.append(Column("status"))
+    columns += [Column("in→out", keep=True), Column("host", keep=True), Column("gpu", keep=True)]
+    if not narrow:
+        columns.append(Column("attributes"))
+    labels = {s.span_id: ("  " * depths[s.span_id] if out.terminal else "") + (s.stage or s.name)
+              + (f"[{s.rank}]" if s.rank else "") for s in trace.spans}  # fmt: skip
+    bar_width = 10 if narrow else 20
+    rows = []
     for span in trace.spans:
-        rank = span.rank
-        label = ("  " * depths[span.span_id]) + (span.stage or span.name) + (f"[{rank}]" if rank else "")
-        cells = [
-            label,
-            f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
-            f"{span.duration_ns / 1e6:.2f}",
-            _bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns, bar_width),
-        ]
+        status = _STATUS_TEXT.get(span.status, span.status)
+        cells: list[Cell] = [labels[span.span_id], f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
+                             f"{span.duration_ns / 1e6:.2f}"]  # fmt: skip
+        if out.terminal:
+            cells.append(_bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns, bar_width))
         if show_status:
-            cells.append(_STATUS_TEXT.get(span.status, Text(span.status)))
-        cells.append(_digests(span, trace))
-        if show_attributes:
-            cells.append(_key_attributes(span.attributes))
-        table.add_row(*cells)
-    return table
+            cells.append(Text(status, style=_STATUS_STYLE.get(status, "")))
+        cells += [_digests(span, trace), span.resource.get("host.name", ""), gpu_cell(span)]
+        if not narrow:
+            cells.append(_shown_attributes(span.attributes))
+        rows.append(cells)
+    out.table("", columns, rows)
+    for uuid, short in gpus.items():
+        out.line(f"{short} = {uuid}")
+    if narrow:
+        settings = [(labels[s.span_id].strip(), _shown_attributes(s.attributes)) for s in trace.spans]
+        if any(text for _, text in settings):
+            out.line(Text("attributes", style="bold"))
+            for label, text in settings:
+                if text:
+                    out.line(f"  {label}: {text}")
+    for span in trace.spans:  # engine timings below the table, so they show however narrow the terminal is
+        if span.engine_ms:
+            out.line(f"{span.name} ({span.service}): {engine_timings(span)}")
+
+
+def hardware_rises(out: Output, rises: list[dict]) -> None:
+    """Error counters that rose on the request's GPUs and NICs while its stages ran."""
+    rows = []
+    for rise in rises:
+        labels = " ".join(f"{k}={v}" for k, v in rise["labels"].items() if k not in ("uuid", "device", "gpu", "model"))
+        rows.append([Text(rise["device"], style="red"), rise["stage"] or "", rise["host"], rise["metric"], labels,
+                     f"+{rise['increase']:g}"])  # fmt: skip
+    columns = [Column("device", keep=True), Column("stage"), Column("host", keep=True), Column("counter", keep=True),
+               Column("labels"), Column("increase", right=True)]  # fmt: skip
+    out.table("hardware while it ran: error counters that rose", columns, rows)
+
+
+# --- explain ------------------------------------------------------------------------------------------------
+
+
+def _evidence(cause: dict) -> str:
+    if "requests_with_value" in cause:
+        return (f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
+                f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the baseline's")
+    if cause["kind"] == "hardware":
+        rank = f"rank {cause['rank']}: " if cause.get("rank") else ""
+        return f"{rank}on {cause['device']} ({cause['host']})"
+    if cause["kind"] == "rollout":
+        return cause["rollout"]["summary"]
+    if cause["kind"] == "nondeterminism":
+        return cause["reason"]
+    return cause.get("device") or ""
+
+
+def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
+    """``stagetrace explain``: the verdict, the baseline it was compared with, the stages, the ranked causes."""
+    verdict = Text("diverged", style="bold red") if report["diverged"] else Text("agrees", style="bold green")
+    out.line(f"request {report['request_id']}")
+    out.line(f"trace {report['trace_id']}")
+    out.line(Text.assemble("verdict: ", verdict))
+    baseline = report.get("baseline")
+    if baseline:
+        how = {"majority": f"the majority output, {baseline['support']} of {baseline['group_size']} requests with this input",
+               "explicit": "given with --against"}.get(baseline["how"], "the nearest earlier request with this input")  # fmt: skip
+        out.line(f"baseline request {baseline['request_id']} ({how})")
+    out.line(Text(report["summary"], style="bold"))
+    stages = []
+    for stage in report.get("stages") or ():
+        name = stage["stage"] + (f"[{stage['rank']}]" if stage["rank"] else "")
+        if not stage["present"]:
+            stages.append([name, Text("missing", style="red"), Text("missing", style="red")])
+            continue
+        stages.append([name, *(Text("same") if same else Text("differs", style="red")
+                               for same in (stage["input_matches"], stage["output_matches"]))])  # fmt: skip
+    out.table("stages against the baseline", [Column("stage", keep=True), Column("input"), Column("output")], stages)
+    causes = [[cause["name"], cause["kind"] + (" (weak)" if cause.get("weak") else ""), cause["value"] or "(unset)",
+               cause["baseline_value"] or "(unset)", f"{cause['score']:.2f}", _evidence(cause)]
+              for cause in (report.get("causes") or ())[:causes_shown]]  # fmt: skip
+    columns = [Column("cause", keep=True), Column("kind"), Column("value"), Column("baseline"),
+               Column("score", right=True), Column("evidence")]  # fmt: skip
+    out.table("causes, best first", columns, causes)
+
+
+# --- divergences --------------------------------------------------------------------------------------------
+
+
+def _seen(iso: str) -> str:
+    """``2026-12-03T12:06:10.921682733Z`` as ``2026-12-03 12:06:10``: to the second is enough to read."""
+    return iso[:19].replace("T", " ")
+
+
+def divergence_groups(out: Output, found: dict, since: str) -> None:
+    """``stagetrace divergences``: a tally by cause and stage first, then each deviating request."""
+    out.line(f"{found['deviating']} deviating requests in the last {since}"
+             + (f"; the latest {found['analysed']} analysed" if found["analysed"] < found["deviating"] else "")
+             + (f"; {found['nondeterministic']} sampled without a seed, not compared"
+                if found.get("nondeterministic") else ""))  # fmt: skip
+    for rollout in found.get("rollouts", ()):
+        out.line(f"rollout: {rollout['summary']}")
+    tally = [[t["cause"] or "(none found)", t["stage"] or "after the last stage", str(t["requests"]),
+              " ".join(t["hosts"]), _seen(t["first_seen"]), _seen(t["last_seen"])]
+             for t in found.get("tally", ())]  # fmt: skip
+    out.table("by cause", [Column("cause", keep=True), Column("stage", keep=True), Column("requests", right=True),
+                           Column("hosts"), Column("first seen", keep=True), Column("last seen", keep=True)], tally)  # fmt: skip
+    rows = []
+    for group in found["groups"]:
+        for item in group["deviating"]:
+            top = item["top_cause"] or {}
+            rows.append([item["request_id"], item["first_divergent_stage"] or "after the last stage",
+                         item.get("host", ""), item.get("device", ""), top.get("name", "-"),
+                         f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "",
+                         group["input_digest"][:8], f"{group['support']}/{group['requests']}"])  # fmt: skip
+    columns = [Column("request", keep=True), Column("stage", keep=True), Column("host", keep=True),
+               Column("device", keep=True), Column("top cause", keep=True), Column("value vs baseline"),
+               Column("input"), Column("majority")]  # fmt: skip
+    out.table("deviating requests", columns, rows)
+
+
+# --- demo ---------------------------------------------------------------------------------------------------
 
 
 @contextmanager
@@ -124,106 +339,27 @@ def progress_bar(description: str, enabled: bool = True):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def demo_summary(result, command: str = "stagetrace", store_flag: str = "") -> None:
+def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: str = "") -> None:
     """What the demo did, what deviated and why, and the next commands to type."""
-    console = Console()
-    console.print(
-        f"served [bold]{result.requests}[/] requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
-        f"{result.spans} spans, {result.metric_samples} hardware samples"
-    )
-    console.print(
-        f"deviating outputs: [bold]{len(result.deviating)}[/] (same input, an output other than the majority's)"
-    )
+    out.line(f"served {result.requests} requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
+             f"{result.spans} spans, {result.metric_samples} hardware samples")  # fmt: skip
+    out.line(f"deviating outputs: {len(result.deviating)} (same input, an output other than the majority's)")
     causes: dict[tuple[str, str], list[str]] = {}
     for t in result.truth:
         causes.setdefault((t.stage, t.cause), []).append(t.request_id)
-    table = Table(title="injected faults that changed a stage's output (ground truth)", title_justify="left")
-    for column in ("stage", "cause", "requests", "e.g."):
-        table.add_column(column, no_wrap=True)
-    for (stage, cause), ids in sorted(causes.items(), key=lambda kv: -len(kv[1])):
-        table.add_row(stage, cause, str(len(ids)), ids[0])
-    console.print(table)
+    ranked = sorted(causes.items(), key=lambda kv: -len(kv[1]))
+    out.table("injected faults that changed a stage's output (ground truth)",
+              [Column("cause", keep=True), Column("stage", keep=True), Column("requests", right=True),
+               Column("e.g.", keep=True)],
+              [[cause, stage, str(len(ids)), ids[0]] for (stage, cause), ids in ranked])  # fmt: skip
     examples = [ids[0] for ids in causes.values()][:3]
     if examples:
-        console.print("next, look one up and ask why it deviates:")
+        out.line("next, look one up and ask why it deviates:")
         for request_id in examples:
             for verb in ("trace", "explain"):
-                console.print(f"  {command} {verb} {request_id}{store_flag}", highlight=False, soft_wrap=True)
-        console.print(f"  {command} divergences{store_flag}", highlight=False, soft_wrap=True)
+                out.line(f"  {command} {verb} {request_id}{store_flag}")
+        out.line(f"  {command} divergences{store_flag}")
 
 
-def _cause_row(cause: dict) -> list[str]:
-    evidence = cause.get("device") or ""
-    if "requests_with_value" in cause:
-        evidence = (f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
-                    f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the baseline's")
-    elif cause["kind"] == "hardware":
-        rank = f"rank {cause['rank']}: " if cause.get("rank") else ""
-        evidence = f"{rank}on {cause['device']} ({cause['host']})"
-    elif cause["kind"] == "rollout":
-        evidence = cause["rollout"]["summary"]
-    elif cause["kind"] == "nondeterminism":
-        evidence = cause["reason"]
-    kind = cause["kind"] + (" (weak)" if cause.get("weak") else "")
-    return [kind, cause["name"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
-            f"{cause['score']:.2f}", evidence]  # fmt: skip
-
-
-def explanation(report: dict, causes_shown: int = 8) -> None:
-    """``stagetrace explain``: the verdict, the stage comparison, the ranked causes."""
-    console = Console()
-    verdict = "[bold red]diverged[/]" if report["diverged"] else "[bold green]agrees[/]"
-    console.print(f"request {report['request_id']} · trace {report['trace_id']} · {verdict}")
-    console.print(report["summary"], style="bold", highlight=False)
-    if report.get("stages"):
-        table = Table(title="stages against the baseline", title_justify="left")
-        for column in ("stage", "input", "output"):
-            table.add_column(column, no_wrap=True)
-        for stage in report["stages"]:
-            name = stage["stage"] + (f"[{stage['rank']}]" if stage["rank"] else "")
-            if not stage["present"]:
-                table.add_row(name, "missing", "missing", style="red")
-                continue
-            table.add_row(name, "same" if stage["input_matches"] else "[red]differs[/]",
-                          "same" if stage["output_matches"] else "[red]differs[/]")  # fmt: skip
-        console.print(table)
-    if report.get("causes"):
-        table = Table(title="causes, best first", title_justify="left")
-        for column in ("kind", "name", "value", "baseline", "score", "evidence"):
-            table.add_column(column, overflow="fold")
-        for cause in report["causes"][:causes_shown]:
-            table.add_row(*_cause_row(cause))
-        console.print(table)
-
-
-def divergence_groups(found: dict, since: str) -> None:
-    """``stagetrace divergences``: deviating requests by input group, with their first divergent stage and top cause."""
-    console = Console()
-    console.print(f"{found['deviating']} deviating requests in the last {since}"
-                  + (f"; the latest {found['analysed']} analysed" if found["analysed"] < found["deviating"] else "")
-                  + (f"; {found['nondeterministic']} sampled without a seed, not compared" if found.get("nondeterministic") else ""))
-    for rollout in found.get("rollouts", ()):
-        console.print(f"rollout: {rollout['summary']}", highlight=False, soft_wrap=True)
-    table = Table(title_justify="left")
-    for column in ("input", "majority", "request", "stage", "top cause", "value vs baseline"):
-        table.add_column(column, overflow="fold")
-    for group in found["groups"]:
-        for i, item in enumerate(group["deviating"]):
-            top = item["top_cause"] or {}
-            table.add_row(group["input_digest"][:8] if i == 0 else "", f"{group['support']}/{group['requests']}" if i == 0 else "",
-                          item["request_id"], item["first_divergent_stage"] or "after the last stage", top.get("name", "-"),
-                          f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "")  # fmt: skip
-    if found["groups"]:
-        console.print(table)
-
-
-def hardware_rises(rises: list[dict]) -> Table:
-    """Error counters that rose on the request's GPUs and NICs while its stages ran."""
-    table = Table(title="hardware while it ran: error counters that rose", title_justify="left")
-    for column in ("stage", "host", "device", "counter", "labels", "increase"):
-        table.add_column(column, overflow="fold")
-    for rise in rises:
-        labels = " ".join(f"{k}={v}" for k, v in rise["labels"].items() if k not in ("uuid", "device", "gpu", "model"))
-        table.add_row(rise["stage"] or "", rise["host"], rise["device"], rise["metric"], labels, f"+{rise['increase']:g}",
-                      style="red")  # fmt: skip
-    return table
+__all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "explanation",
+           "hardware_rises", "progress_bar", "waterfall"]

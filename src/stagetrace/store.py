@@ -12,13 +12,19 @@ from __future__ import annotations
 import difflib
 import errno
 import fcntl
+import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from stagetrace import config, schema, through_agent
 from stagetrace.errors import StoreError, StoreLockedError  # re-exported: callers catch them from here
+
+# The driver logs a failure before raising it; the store says it once, in its error. Where an application
+# configures logging, the driver's records still reach its handlers.
+logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
 
 SCHEMES = ("chdb", "http", "https")
 
@@ -136,13 +142,19 @@ class Store:
         self.close()
 
 
-def open_store(dsn: str | Location | None = None, *, create_schema: bool = True, agent_fallback: bool = True) -> Store:
+def open_store(dsn: str | Location | None = None, *, create_schema: bool = True, agent_fallback: bool = True,
+               must_exist: bool = False) -> Store:  # fmt: skip
     """Open the store ``dsn`` names, creating the database and tables unless told not to.
 
     An embedded store held by ``stagetrace agent`` is opened read-only through the agent's query endpoint
     (``stagetrace.through_agent``), unless ``agent_fallback`` is False: then StoreLockedError, as for any other holder.
+    ``must_exist`` (the commands that read): a store that is not there is a StoreError, never created empty
+    (a typo in a path would otherwise show an empty store).
     """
     location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
+    if must_exist and location.embedded and location.path and not (Path(location.path) / "metadata").is_dir():
+        raise StoreError(f"no store at {location.path} (a typo? the default is {config.default_store_path()}; "
+                         "`stagetrace demo` or `stagetrace agent` creates one)")  # fmt: skip
     try:
         client = _open_embedded(location) if location.embedded else _open_server(location)
         store = Store(client, location)
@@ -151,6 +163,11 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
             raise
         # raises ``locked`` when no agent serves this store
         store = Store(through_agent.client(location, locked), location, read_only=True)
+    if must_exist and not location.embedded and not store.client.command(
+            "EXISTS DATABASE {db:Identifier}", parameters={"db": location.database}):  # fmt: skip
+        store.close()
+        raise StoreError(f"no database {location.database} at {location.redacted()} (a typo? `stagetrace schema "
+                         f"--store {location.redacted()}` creates it)")  # fmt: skip
     if create_schema:
         try:
             store.ensure_schema()
@@ -256,7 +273,16 @@ def _open_server(location: Location):
             connect_timeout=5,
         )
     except Exception as exc:
-        # The driver's message may quote the URL; never echo the password.
-        message = _first_line(exc).replace(location.password, "***") if location.password else _first_line(exc)
-        raise StoreError(f"cannot reach ClickHouse at {location.redacted()}: {message}") from None
+        raise StoreError(f"cannot reach ClickHouse at {location.redacted()}: {_unreachable(exc, location)}") from None
     return client
+
+
+def _unreachable(exc: BaseException, location: Location) -> str:
+    """Why a server could not be reached, in a few words: the OS's reason when the driver's message quotes
+    one (under a retry dump of urllib3), else its first line; never the password."""
+    text = _first_line(exc)
+    reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text) or re.search(r"(timed out|Name or service not known)", text)
+    if reason:
+        text = reason[1].strip().rstrip(".")
+        text = f"{text[0].lower()}{text[1:]} (is the server running, and is {location.host}:{location.port} its address?)"
+    return text.replace(location.password, "***") if location.password else text

@@ -20,7 +20,7 @@ from stagetrace import lookup
 from stagetrace.analysis import population, rollouts
 from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
                                          first_divergence, setting_keys, stage_differences, summary)
-from stagetrace.analysis.hardware import Samples
+from stagetrace.analysis.hardware import Samples, devices
 from stagetrace.store import Store
 
 MARGIN_NS = 60 * 1_000_000_000
@@ -121,6 +121,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks)
         group["deviating"].append({
             "request_id": d.request_id, "trace_id": d.trace_id, "baseline_request_id": baseline.request_id,
+            "start": lookup.iso_ns(d.start_ns), "host": d.host,
+            "device": ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks)),
             "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
         })  # fmt: skip
         service = traces[d.trace_id].service if d.trace_id in traces else ""
@@ -139,5 +141,28 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "analysed": len(rows),
         "nondeterministic": population.nondeterministic(store, t0, until_ns),
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
+        "tally": tally(groups.values()),
         "groups": list(groups.values()),
     }
+
+
+def stage_devices(trace: lookup.Trace | None, stage: str | None, ranks) -> list[str]:
+    """The GPUs (else the NICs) the stage's spans ran on: those of the divergent ranks, when known."""
+    if trace is None or not stage:
+        return []
+    spans = [s for s in trace.spans if s.stage == stage and (not ranks or s.rank in ranks)]
+    gpus = sorted({g for s in spans for g in devices(s.attributes)[0]})
+    return gpus or sorted({n for s in spans for n in devices(s.attributes)[1]})
+
+
+def tally(groups) -> list[dict]:
+    """The deviating requests by top cause and first divergent stage, most first: how many, on which hosts,
+    first and last seen (so 80 requests of one index rebuild read as one line)."""
+    by: dict[tuple[str, str], list[dict]] = {}
+    for group in groups:
+        for item in group["deviating"]:
+            cause = (item["top_cause"] or {}).get("name", "")
+            by.setdefault((cause, item["first_divergent_stage"] or ""), []).append(item)
+    return [{"cause": cause, "stage": stage, "requests": len(items), "hosts": sorted({i["host"] for i in items}),
+             "first_seen": min(i["start"] for i in items), "last_seen": max(i["start"] for i in items)}
+            for (cause, stage), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]  # fmt: skip

@@ -1,0 +1,182 @@
+"""What an operator sees: the commands on a real terminal of 80 and 200 columns (a pseudo-terminal whose
+window size is set, as a terminal emulator sets it) and through a pipe, on a store the demo filled.
+
+The class of case: an ID the user must copy (request ID, trace ID, GPU UUID) is cut or wrapped, or a pipe
+gets box drawing. Each output is checked against the IDs its own ``--json`` twin names: every one appears
+whole on one line, and nothing that looks like one of them appears cut.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.terminal import run_on_terminal
+
+STAGETRACE = [sys.executable, "-m", "stagetrace"]
+# what request IDs, trace IDs and GPU UUIDs look like in the demo, however short a cut left them
+ID_LIKE = re.compile(r"req-[0-9a-f]+|GPU-[0-9a-f-]+")
+BOX = re.compile("[─━│┃┏┓┗┛┡┩╇┳┻█]")
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory):
+    """A demo run's store and the JSON the demo printed."""
+    dsn = f"chdb://{tmp_path_factory.mktemp('operator') / 'store'}"
+    run = subprocess.run([*STAGETRACE, "demo", "--requests", "300", "--store", dsn, "--json"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return dsn, json.loads(run.stdout)
+
+
+def json_of(*argv: str) -> dict:
+    run = subprocess.run([*STAGETRACE, *argv, "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout)
+
+
+ID_KEYS = ("request_id", "trace_id", "baseline_request_id")
+
+
+def ids_in(document) -> set[str]:
+    """Every request ID, trace ID and GPU UUID a JSON document names (digests, also 32 hex digits, are not IDs)."""
+    found: set[str] = set()
+
+    def walk(node, key=""):
+        if isinstance(node, dict):
+            for k, value in node.items():
+                walk(value, k)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, key)
+        elif isinstance(node, str):
+            if key in ID_KEYS and node:
+                found.add(node)
+            found.update(m for m in ID_LIKE.findall(node) if _whole(m))
+
+    walk(document)
+    return found
+
+
+def _whole(text: str) -> bool:
+    return bool(re.fullmatch(r"req-[0-9a-f]{12}|GPU-[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}", text))
+
+
+def assert_ids_whole(text: str, expected: set[str]) -> None:
+    lines = text.splitlines()
+    for identifier in expected:
+        assert any(identifier in line for line in lines), f"{identifier} is not whole on any line:\n{text}"
+    cut = [m for m in ID_LIKE.findall(text) if not _whole(m)]
+    assert not cut, f"IDs cut or wrapped: {cut}\n{text}"
+
+
+def commands(dsn: str, demo: dict) -> dict[str, list[str]]:
+    hardware = next(t["request_id"] for t in demo["truth"] if t["cause"].startswith("gpu_"))
+    return {
+        "trace": ["trace", hardware, "--store", dsn],
+        "explain": ["explain", hardware, "--store", dsn],
+        "divergences": ["divergences", "--since", "1d", "--store", dsn],
+    }
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+@pytest.mark.parametrize("command", ["trace", "explain", "divergences"])
+def test_on_a_terminal_every_id_is_whole_on_one_line(demo_store, command, columns):
+    dsn, demo = demo_store
+    argv = commands(dsn, demo)[command]
+    expected = ids_in(json_of(*argv))
+    if command == "divergences":  # the rows name requests, their devices and baselines' are in the JSON only
+        found = json_of(*argv)
+        expected = {i["request_id"] for g in found["groups"] for i in g["deviating"]}
+        expected |= {d for g in found["groups"] for i in g["deviating"] for d in i["device"].split(",") if d}
+    status, shown = run_on_terminal([*STAGETRACE, *argv], columns)
+    assert status == 0, shown
+    assert expected and "Traceback" not in shown
+    assert_ids_whole(shown, expected)
+
+
+def test_trace_at_80_columns_shows_host_rank_gpu_and_settings(demo_store):
+    dsn, demo = demo_store
+    argv = commands(dsn, demo)["trace"]
+    trace = json_of(*argv)
+    status, shown = run_on_terminal([*STAGETRACE, *argv], 80)
+    assert status == 0, shown
+    hosts = {s["host"] for s in trace["spans"]}
+    assert all(host in shown for host in hosts)
+    assert all(f"{s['stage']}[{s['rank']}]" in shown for s in trace["spans"] if s.get("rank"))
+    decode = next(s for s in trace["spans"] if s.get("stage") == "decode")
+    assert decode["attributes"]["gpu.uuid"] in shown
+    assert f"decode.batch_size={decode['attributes']['decode.batch_size']}" in shown  # settings, not hidden
+
+
+@pytest.mark.parametrize("command", ["trace", "explain", "divergences"])
+def test_piped_output_is_plain_tab_separated_text(demo_store, command):
+    dsn, demo = demo_store
+    argv = commands(dsn, demo)[command]
+    run = subprocess.run([*STAGETRACE, *argv], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert not BOX.search(run.stdout) and "\x1b[" not in run.stdout  # no box drawing, no colour
+    assert_ids_whole(run.stdout, ids_in(json_of(*argv)) if command != "divergences" else set())
+    # each table: a header row, then rows with as many tab-separated fields
+    for block in re.split(r"\n(?=# )|\n\n", run.stdout):
+        rows = [line.split("\t") for line in block.splitlines() if "\t" in line]
+        assert all(len(row) == len(rows[0]) for row in rows), block
+
+
+def test_divergences_open_with_a_tally_that_counts_the_rows(demo_store):
+    dsn, demo = demo_store
+    found = json_of("divergences", "--since", "1d", "--store", dsn)
+    rows = [i for g in found["groups"] for i in g["deviating"]]
+    assert sum(t["requests"] for t in found["tally"]) == len(rows) > 0
+    assert all(t["hosts"] and t["first_seen"] <= t["last_seen"] for t in found["tally"])
+    assert all(i["host"] for i in rows)
+    run = subprocess.run([*STAGETRACE, "divergences", "--since", "1d", "--store", dsn], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.stdout.index("# by cause") < run.stdout.index("# deviating requests")
+    top = found["tally"][0]
+    assert f"{top['cause']}\t{top['stage']}\t{top['requests']}\t" in run.stdout
+
+
+def test_the_demo_summary_keeps_its_example_ids_whole_at_80_columns(tmp_path):
+    dsn = f"chdb://{tmp_path / 'store'}"
+    status, shown = run_on_terminal([*STAGETRACE, "demo", "--requests", "200", "--store", dsn], 80)
+    assert status == 0, shown
+    examples = set(re.findall(r"explain (req-[0-9a-f]+)", shown))
+    assert examples and "deviating outputs:" in shown
+    assert_ids_whole(shown, examples)
+
+
+# --- paper cuts: each a one-line answer ---------------------------------------------------------------------
+
+
+def one_line_failure(*argv: str) -> str:
+    run = subprocess.run([*STAGETRACE, *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, (run.stdout, run.stderr)
+    assert run.stderr.count("\n") == 1 and run.stderr.startswith("stagetrace: ") and "Traceback" not in run.stderr
+    return run.stderr
+
+
+def test_durations_take_days_and_weeks_and_a_negative_one_is_one_line(demo_store):
+    dsn, _ = demo_store
+    for since in ("10d", "2w"):
+        assert json_of("divergences", "--since", since, "--store", dsn)["deviating"] > 0
+    message = one_line_failure("divergences", "--since", "-1h", "--store", dsn)
+    assert "--since: '-1h' is not a positive duration" in message and "usage:" not in message
+
+
+def test_an_unreachable_server_is_one_line_naming_the_reason():
+    message = one_line_failure("trace", "some-request", "--store", "http://127.0.0.1:9/")
+    assert "cannot reach ClickHouse at http://default@127.0.0.1:9/stagetrace: connection refused" in message
+    assert "HTTPConnectionPool" not in message and "Driver Exception" not in message
+
+
+def test_a_read_command_never_creates_a_store(tmp_path):
+    typo = tmp_path / "stroe"
+    for argv in (["trace", "r-1"], ["explain", "r-1"], ["divergences"]):
+        message = one_line_failure(*argv, "--store", f"chdb://{typo}")
+        assert f"no store at {typo}" in message
+    assert not typo.exists()
