@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", metavar="DURATION", default="24h",
                    help="peers: requests with the same input this close in time (default 24h)")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.add_argument("--html", metavar="FILE", type=Path,
+                   help="also write a self-contained incident report page (inline SVG, no network) to FILE")
     p.set_defaults(run=_explain)
 
     p = commands.add_parser("divergences", parents=[store], help="every group of same-input requests whose outputs disagree")
@@ -191,6 +193,14 @@ def _explain(args) -> int:
         except lookup.NotFound as exc:
             print(f"stagetrace: {exc} in {store.location.redacted()}", file=sys.stderr)
             return 1
+        if args.html:
+            from stagetrace.report import incident_html
+
+            try:
+                args.html.write_text(incident_html(store, report), encoding="utf-8")
+            except OSError as exc:
+                raise _UsageError(f"--html: cannot write {args.html}: {exc.strerror or exc}") from None
+            print(f"wrote the incident report {args.html}", file=sys.stderr)
     if args.json:
         json.dump(report, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")

@@ -278,6 +278,10 @@ class Samples:
             for device in sorted(names):
                 self._by_device[(host, device)].append((name, series))
 
+    def series(self, host: str, device: str) -> list[tuple[str, Series]]:
+        """The (metric name, series) pairs read for ``device`` (as spans name it) on ``host``."""
+        return list(self._by_device.get((host, device), ()))
+
     def window(self, host: str, start_ns: int, end_ns: int, lookback: int = 1) -> tuple[int, int] | None:
         """From ``lookback`` scrapes before the last one at or before ``start`` to the first at or after ``end``."""
         scrapes = self._scrape_times.get(host)

@@ -1,0 +1,196 @@
+"""``stagetrace explain REQUEST_ID --html FILE``: one self-contained HTML page to attach to an incident ticket.
+
+It holds what ``explain`` concluded and what it saw: the verdict, the request's and the baseline's waterfalls
+side by side with the divergent stage marked, the stage-by-stage digest comparison, the ranked causes with
+their evidence, and for each hardware cause the counter's samples around the stage's window, the window
+shaded. Everything is inline (CSS, SVG): the page fetches nothing, runs no script, and prints as it shows.
+IDs are in ``<code>`` elements that never wrap and select whole with one click.
+"""
+
+from __future__ import annotations
+
+from html import escape
+
+from stagetrace import lookup
+from stagetrace.analysis.hardware import Samples
+from stagetrace.store import Store
+
+CAUSES_SHOWN = 8
+_STYLE = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#1d232b;max-width:1400px}
+h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #d5dae0}
+code{font:13px ui-monospace,Menlo,Consolas,monospace;white-space:nowrap;user-select:all;background:#f1f3f5;
+padding:0 3px;border-radius:3px}
+.verdict{font-weight:600;padding:2px 8px;border-radius:4px;color:#fff}.diverged{background:#c92a2a}
+.agrees{background:#2b8a3e}.summary{font-weight:600;margin:10px 0}
+.pair{display:grid;grid-template-columns:1fr 1fr;gap:16px}.pair>div{min-width:0}
+table{border-collapse:collapse;margin:4px 0}th,td{border:1px solid #d5dae0;padding:3px 8px;text-align:left;
+vertical-align:top}th{background:#f1f3f5}td.num{text-align:right}tr.marked td{background:#fff0f0}
+.differs{color:#c92a2a;font-weight:600}svg{display:block;max-width:100%;height:auto}
+svg text{font:11px ui-monospace,Menlo,Consolas,monospace;fill:#1d232b}
+@media print{body{margin:0}.pair{grid-template-columns:1fr}h2{break-after:avoid}section{break-inside:avoid}}
+"""
+
+
+def _code(text: str) -> str:
+    return f"<code>{escape(text)}</code>"
+
+
+def _span_label(span: lookup.Span) -> str:
+    return (span.stage or span.name) + (f"[{span.rank}]" if span.rank else "")
+
+
+def waterfall_svg(trace: lookup.Trace, marked_stage: str | None, width: int = 640) -> str:
+    """One trace's spans as bars on a shared time axis; the spans of ``marked_stage`` in red and labelled."""
+    row, label_w, top = 18, 170, 20
+    plot_w = width - label_w - 60
+    total = max(trace.duration_ns, 1)
+    height = top + row * len(trace.spans) + 8
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
+             f'height="{height}" role="img" aria-label="waterfall of trace {escape(trace.trace_id)}">',
+             f'<text x="{label_w}" y="12">0 ms</text>'
+             f'<text x="{label_w + plot_w}" y="12" text-anchor="end">{trace.duration_ns / 1e6:.2f} ms</text>']  # fmt: skip
+    for i, span in enumerate(trace.spans):
+        y = top + i * row
+        marked = bool(marked_stage) and span.stage == marked_stage
+        x = label_w + (span.start_ns - trace.start_ns) / total * plot_w
+        w = max(2.0, span.duration_ns / total * plot_w)
+        colour = "#c92a2a" if marked else "#1c7ed6"
+        if marked:
+            parts.append(f'<rect class="marked-row" x="0" y="{y - 2}" width="{width}" height="{row}" fill="#fff0f0"/>')
+        parts.append(f'<text x="4" y="{y + 11}">{escape(_span_label(span))}</text>'
+                     f'<rect class="bar{" marked" if marked else ""}" data-stage="{escape(span.stage or "")}" '
+                     f'x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 6}" fill="{colour}"/>'
+                     f'<text x="{x + w + 4:.1f}" y="{y + 11}">{span.duration_ns / 1e6:.2f}</text>')  # fmt: skip
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def series_svg(times: list[int], values: list[float], window: tuple[int, int], title: str, width: int = 640) -> str:
+    """A counter's samples as a step line, the stage's window shaded."""
+    height, left, right, top, bottom = 170, 60, 16, 22, 30
+    t0, t1 = min([*times, window[0]]), max([*times, window[1]])
+    v0, v1 = min([*values, 0.0]), max(values, default=1.0)  # from zero: a counter born at 1 still shows its rise
+    span_t, span_v = max(t1 - t0, 1), (v1 - v0) or 1.0
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def x(t: int) -> float:
+        return left + (t - t0) / span_t * plot_w
+
+    def y(v: float) -> float:
+        return top + plot_h - (v - v0) / span_v * plot_h
+
+    points = []
+    for i, (t, v) in enumerate(zip(times, values)):
+        if i:
+            points.append(f"{x(t):.1f},{y(values[i - 1]):.1f}")  # a counter holds its value until the next scrape
+        points.append(f"{x(t):.1f},{y(v):.1f}")
+    wx, ww = x(window[0]), max(2.0, x(window[1]) - x(window[0]))
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
+            f'height="{height}" role="img" aria-label="{escape(title)}">'
+            f'<text x="{left}" y="14">{escape(title)}</text>'
+            f'<rect class="window" x="{wx:.1f}" y="{top}" width="{ww:.1f}" height="{plot_h}" fill="#ffc9c9"/>'
+            f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#868e96"/>'
+            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#868e96"/>'
+            f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{v1:g}</text>'
+            f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{v0:g}</text>'
+            f'<text x="{left}" y="{height - 8}">{escape(lookup.iso_ns(t0)[11:19])} UTC</text>'
+            f'<text x="{left + plot_w}" y="{height - 8}" text-anchor="end">{escape(lookup.iso_ns(t1)[11:19])} UTC</text>'
+            f'<polyline class="series" points="{" ".join(points)}" fill="none" stroke="#1c7ed6" stroke-width="2"/>'
+            "</svg>")  # fmt: skip
+
+
+def _value(text: str) -> str:
+    """A cause's value: an ID-like one (no spaces: a GPU UUID, a version) whole in ``<code>``."""
+    if not text:
+        return "(unset)"
+    return _code(text) if " " not in text else escape(text)
+
+
+def _evidence(cause: dict) -> str:
+    if "requests_with_value" in cause:
+        return escape(f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged "
+                      f"here, {cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with "
+                      "the baseline's")  # fmt: skip
+    if cause["kind"] == "hardware":
+        rank = f"rank {escape(str(cause['rank']))}: " if cause.get("rank") else ""
+        return f"{rank}on {_code(cause['device'])} ({escape(cause['host'])})"
+    if cause["kind"] == "rollout":
+        return escape(cause["rollout"]["summary"])
+    return escape(cause.get("reason") or cause.get("device") or "")
+
+
+def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict]) -> list[str]:
+    """For each hardware cause: the counter's samples on its device around the stage's window."""
+    charts = []
+    for cause in causes:
+        if cause["kind"] != "hardware":
+            continue
+        spans = [s for s in trace.spans if s.stage == cause["stage"]
+                 and (not cause.get("rank") or s.rank == cause["rank"])]  # fmt: skip
+        if not spans:
+            continue
+        start = min(s.start_ns for s in spans)
+        end = max(s.start_ns + s.duration_ns for s in spans)
+        samples = Samples(store, [cause["host"]], start, end)
+        for name, series in samples.series(cause["host"], cause["device"]):
+            if name != cause["name"] or series.labels != cause.get("labels", series.labels):
+                continue
+            charts.append(f'<figure class="counter">{series_svg(series.times, series.values, (start, end), name)}'
+                          f"<figcaption>{escape(name)} on {_code(cause['device'])} ({escape(cause['host'])}): "
+                          f"{escape(cause['value'])} while {escape(cause['stage'])} ran (shaded)</figcaption></figure>")  # fmt: skip
+    return charts
+
+
+def incident_html(store: Store, report: dict) -> str:
+    """The page for ``report`` (``Explainer.explain``'s), reading the traces and counters it needs from ``store``."""
+    trace = lookup.by_trace_id(store, report["trace_id"])
+    baseline = report.get("baseline")
+    baseline_trace = lookup.by_request_id(store, baseline["request_id"]) if baseline else None
+    stage = report.get("first_divergent_stage")
+    causes = (report.get("causes") or [])[:CAUSES_SHOWN]
+    verdict = "diverged" if report["diverged"] else "agrees"
+    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
+           f"<title>stagetrace: request {escape(report['request_id'])} {verdict}</title>",
+           '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'; '
+           'img-src data:">', f"<style>{_STYLE}</style></head><body>",
+           f'<h1>Request {_code(report["request_id"])} <span class="verdict {verdict}" id="verdict">{verdict}</span></h1>',
+           f"<div>trace {_code(report['trace_id'])}</div>"]  # fmt: skip
+    if baseline:
+        out.append(f"<div>baseline request {_code(baseline['request_id'])} ({escape(baseline['how'])}, "
+                   f"{baseline['support']} of {baseline['group_size']} requests with this input)</div>")  # fmt: skip
+    out.append(f'<p class="summary" id="summary">{escape(report["summary"])}</p>')
+    out.append('<section><h2>Waterfalls</h2><div class="pair">')
+    out.append(f'<div id="waterfall-request"><h3>this request</h3>{waterfall_svg(trace, stage)}</div>')
+    if baseline_trace is not None:
+        out.append(f'<div id="waterfall-baseline"><h3>baseline</h3>{waterfall_svg(baseline_trace, stage)}</div>')
+    out.append("</div></section>")
+    if report.get("stages"):
+        out.append('<section><h2>Stages against the baseline</h2><table id="stages"><tr><th>stage</th><th>input</th>'
+                   "<th>output</th></tr>")  # fmt: skip
+        for row in report["stages"]:
+            name = row["stage"] + (f"[{row['rank']}]" if row["rank"] else "")
+            cells = (("missing", "missing") if not row["present"] else
+                     tuple("same" if same else "differs" for same in (row["input_matches"], row["output_matches"])))  # fmt: skip
+            marked = ' class="marked"' if row["stage"] == stage else ""
+            out.append(f"<tr{marked}><td>{escape(name)}</td>"
+                       + "".join(f'<td class="{c}">{c}</td>' for c in cells) + "</tr>")  # fmt: skip
+        out.append("</table></section>")
+    if causes:
+        out.append('<section><h2>Causes, best first</h2><table id="causes"><tr><th>#</th><th>cause</th><th>kind</th>'
+                   "<th>value</th><th>baseline</th><th>score</th><th>evidence</th></tr>")  # fmt: skip
+        for i, cause in enumerate(causes, 1):
+            kind = cause["kind"] + (" (weak)" if cause.get("weak") else "")
+            out.append(f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(kind)}</td>"
+                       f"<td>{_value(cause['value'])}</td><td>{_value(cause['baseline_value'])}"
+                       f"</td><td class=num>{cause['score']:.2f}</td><td>{_evidence(cause)}</td></tr>")  # fmt: skip
+        out.append("</table></section>")
+    charts = _counter_charts(store, trace, causes)
+    if charts:
+        out.append('<section id="counters"><h2>Counters around the stage</h2>' + "".join(charts) + "</section>")
+    out.append(f"<footer><p>stagetrace explain, {escape(lookup.iso_ns(trace.start_ns)[:19])} UTC request</p></footer>")
+    out.append("</body></html>")
+    return "\n".join(out)
+
+
+__all__ = ["incident_html", "series_svg", "waterfall_svg"]

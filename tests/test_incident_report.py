@@ -1,0 +1,82 @@
+"""``explain --html``: the incident report page, loaded by a real browser with no network.
+
+Debian's ``chromium`` (headless) loads the file inside a new network namespace (``unshare -n``: no
+interface but a down loopback, so any fetch would fail and show), dumps the DOM it rendered, logs the
+page's console to stderr, and takes a screenshot kept in ``test-artifacts/`` (``STAGETRACE_TEST_ARTIFACTS``).
+The class of case: a deviation with a hardware cause on a store the demo filled, where the page must carry
+the verdict, both waterfalls with the divergent stage marked, and the counter's samples around the stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+STAGETRACE = [sys.executable, "-m", "stagetrace"]
+ARTIFACTS = Path(os.environ.get("STAGETRACE_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+
+
+@pytest.fixture(scope="module")
+def hardware_deviation(tmp_path_factory):
+    """(store DSN, the JSON explanation) of a request the demo's faulty GPU corrupted."""
+    dsn = f"chdb://{tmp_path_factory.mktemp('report') / 'store'}"
+    run = subprocess.run([*STAGETRACE, "demo", "--requests", "300", "--store", dsn, "--json"], capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    request = next(t["request_id"] for t in json.loads(run.stdout)["truth"] if t["cause"] == "gpu_xid_errors_total")
+    explained = subprocess.run([*STAGETRACE, "explain", request, "--store", dsn, "--json"], capture_output=True,
+                               text=True, timeout=300)  # fmt: skip
+    return dsn, json.loads(explained.stdout)
+
+
+def browser(component, *args: str) -> subprocess.CompletedProcess:
+    chromium = component("chromium", package="chromium")
+    isolate = [shutil.which("unshare"), "-n"] if os.geteuid() == 0 and shutil.which("unshare") else None
+    if isolate is None:
+        message = "unshare -n (root) is needed to load the page without a network"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return subprocess.run([*isolate, chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                           "--enable-logging=stderr", "--v=0", *args], capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+def test_the_report_renders_offline_with_verdict_waterfalls_marked_stage_and_counter(component, hardware_deviation,
+                                                                                      tmp_path):  # fmt: skip
+    dsn, report = hardware_deviation
+    page = tmp_path / "incident.html"
+    run = subprocess.run([*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0 and f"wrote the incident report {page}" in run.stderr, run.stderr
+    html = page.read_text()
+    assert not re.search(r'\s(src|href)="', html)  # nothing to fetch: styles and charts are inline
+
+    loaded = browser(component, "--dump-dom", page.as_uri())
+    assert loaded.returncode == 0, loaded.stderr
+    dom = loaded.stdout
+    assert re.search(r'id="verdict"[^>]*>diverged<', dom)
+    assert report["request_id"] in dom and report["baseline"]["request_id"] in dom and report["trace_id"] in dom
+    stage = report["first_divergent_stage"]
+    for side in ("waterfall-request", "waterfall-baseline"):
+        block = dom[dom.index(f'id="{side}"'):]
+        block = block[:block.index("</svg>")]
+        assert re.search(rf'class="bar marked" data-stage="{stage}"', block), side  # the divergent stage, marked
+        assert block.count('class="bar') >= 5  # every stage of the pipeline
+    hardware = next(c for c in report["causes"] if c["kind"] == "hardware")
+    counters = dom[dom.index('id="counters"'):]
+    assert hardware["name"] in counters and hardware["device"] in counters
+    assert 'class="window"' in counters and re.search(r'class="series" points="[\d., ]+"', counters)
+    console = [line for line in loaded.stderr.splitlines() if "CONSOLE" in line]
+    assert not console, console  # no console message at all: no script, nothing blocked
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "incident-report.png"
+    taken = browser(component, "--window-size=1300,1800", f"--screenshot={shot}", page.as_uri())
+    assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr
