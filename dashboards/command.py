@@ -50,6 +50,8 @@ def run(args) -> int:
             store=args.store, host=args.clickhouse_host, port=args.clickhouse_port, protocol=args.clickhouse_protocol,
             secure=args.clickhouse_secure, user=args.clickhouse_user, database=args.clickhouse_database,
         )  # fmt: skip
+        if settings.through_agent:
+            print(settings.through_agent)
         if args.to_dir:
             for path in write_tree(args.to_dir, settings, args.provisioning_path):
                 print(f"wrote {path}")

@@ -16,10 +16,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
-from stagetrace import config
+from stagetrace import config, through_agent
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import alert_rules, build_all, render
 from stagetrace.store import StoreError, parse_dsn
@@ -53,6 +54,8 @@ class ClickHouseSettings:
     user: str = "default"
     database: str = config.DEFAULT_DATABASE
     password: str = field(default="", repr=False)
+    # an embedded store: Grafana reads it through the agent's query endpoint; what to tell the operator
+    through_agent: str = ""
 
     def json_data(self) -> dict:
         return {
@@ -85,12 +88,14 @@ def settings_from(
         raise ProvisionError(str(exc)) from None
     server = None if location.embedded else location
     host = host or os.environ.get(ENV_HOST) or (server.host if server else None)
+    note = ""
     if not host:
-        raise ProvisionError(
-            "Grafana reads ClickHouse over the network and the store is embedded (chdb): give --clickhouse-host "
-            f"(or {ENV_HOST}), the host where `stagetrace agent --query-listen` serves it or a ClickHouse server, "
-            "or a server store with --store http(s)://host:8123/db"
-        )
+        if not location.path:
+            raise ProvisionError(
+                "an in-memory store cannot be shared with Grafana: give --store chdb:///path (served by `stagetrace "
+                f"agent`), a server store with --store http(s)://host:8123/db, or --clickhouse-host (or {ENV_HOST})"
+            )
+        host, port, note = _through_agent(location, port)
     protocol = protocol or os.environ.get(ENV_PROTOCOL) or "http"
     if protocol not in PROTOCOLS:
         raise ProvisionError(f"ClickHouse protocol {protocol!r}: use native or http")
@@ -104,7 +109,21 @@ def settings_from(
     password = _password()
     if password is None:  # the store's own credentials when Grafana connects as the same user
         password = server.password if server and server.username == user else ""
-    return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password)
+    return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password, note)
+
+
+def _through_agent(location, port: int | None) -> tuple[str, int, str]:
+    """Grafana reads an embedded store through the query endpoint of the agent that holds it: the address it
+    advertises, else the agent's default one; and what the operator needs to know about it."""
+    record = through_agent.advertised(location)
+    url = urlsplit(f"http://{through_agent.DEFAULT_QUERY_LISTEN}" if record is None else record["query"])
+    host, port = url.hostname or "127.0.0.1", port or url.port or 8123
+    state = (f"the agent (pid {record.get('pid')}) serves it at {host}:{port}" if record else
+             f"start `stagetrace agent --store chdb://{location.path}`, which serves it at {host}:{port}")  # fmt: skip
+    token = (f"; the agent needs its token: give Grafana it as {ENV_PASSWORD}" if record and record.get("token") else "")
+    reach = ("run Grafana on this host's network (docker run --network host ...)" if host in ("127.0.0.1", "::1", "localhost")
+             else f"Grafana must reach {host}:{port}")  # fmt: skip
+    return host, port, f"the store is embedded: Grafana reads it through the agent's query endpoint; {state}; {reach}{token}"
 
 
 def _port(text: str | None) -> int | None:

@@ -330,3 +330,22 @@ def test_read_statements_are_admitted(sql, fmt):
 def test_everything_else_is_refused(sql):
     with pytest.raises(Refused):
         read_only_format(sql)
+
+
+def test_provisioning_an_embedded_store_points_grafana_at_the_agent_that_serves_it(agent, tmp_path):
+    """``provision --to-dir`` on the default kind of store (embedded): the data source is the agent's query
+    endpoint, and a ClickHouse HTTP client with exactly the provisioned settings reads the spans there."""
+    import yaml
+
+    done = stagetrace("provision", "--to-dir", str(tmp_path), "--store", agent.dsn)
+    assert done.returncode == 0, done.stderr
+    assert f"the agent (pid {agent.process.pid}) serves it at 127.0.0.1:{agent.query_port}" in done.stdout
+    assert "--network host" in done.stdout
+    (source,) = yaml.safe_load((tmp_path / "datasources" / "stagetrace.yaml").read_text())["datasources"]
+    data = source["jsonData"]
+    assert (data["host"], data["port"], data["protocol"]) == ("127.0.0.1", agent.query_port, "http")
+    send_request(agent.endpoints["otlp"], "grafana-1")
+    trace_json("grafana-1", agent.dsn)
+    client = clickhouse_connect.get_client(host=data["host"], port=data["port"], username=data["username"],
+                                           database=data["defaultDatabase"])  # fmt: skip
+    assert client.command("SELECT count() FROM otel_traces WHERE SpanAttributes['stagetrace.request.id'] = 'grafana-1'") >= 1

@@ -348,7 +348,8 @@ def test_cli_provisions_with_the_token_from_a_file_and_never_prints_secrets(graf
         (["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"], {}, "no Grafana token: set GRAFANA_TOKEN"),
         (["--grafana-url", "http://admin:admin@grafana:3000", "--clickhouse-host", "ch"], {"GRAFANA_TOKEN": "glsa_example_token"},
          "carries credentials"),
-        (["--grafana-url", "http://grafana:3000"], {"GRAFANA_TOKEN": "glsa_example_token"}, "--clickhouse-host"),
+        (["--grafana-url", "http://grafana:3000", "--store", "chdb://memory"], {"GRAFANA_TOKEN": "glsa_example_token"},
+         "--clickhouse-host"),
         (["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"],
          {"GRAFANA_TOKEN_FILE": "/nonexistent/token"}, "cannot read the token file"),
     ],
@@ -373,8 +374,12 @@ def test_settings_come_from_flags_then_environment_then_the_store_dsn(monkeypatc
     reader = settings_from(store="https://writer@ch.example:8443/metrics", protocol="native")
     assert (reader.port, reader.protocol, reader.user, reader.password) == (9440, "native", "reader", "reader-pw")
     assert "reader-pw" not in repr(reader)
-    with pytest.raises(ProvisionError, match="--clickhouse-host"):
-        settings_from(store="chdb:///tmp/x")
+    # an embedded store: through the query endpoint the agent serves it at (none runs: its default address)
+    embedded = settings_from(store="chdb:///tmp/no-agent-here")
+    assert (embedded.host, embedded.port, embedded.protocol) == ("127.0.0.1", 8123, "http")
+    assert "start `stagetrace agent --store chdb:///tmp/no-agent-here`" in embedded.through_agent
+    with pytest.raises(ProvisionError, match="in-memory store cannot be shared"):
+        settings_from(store="chdb://memory")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from stagetrace import __version__, config, lookup, schema
 from stagetrace.store import StoreError, open_store, parse_dsn
+from stagetrace.through_agent import DEFAULT_QUERY_LISTEN
 
 
 def _store_option() -> argparse.ArgumentParser:
@@ -119,9 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="OTLP/HTTP receiver for spans and metrics, or 'none' (default 127.0.0.1:4318)")
     p.add_argument("--otlp-grpc", metavar="HOST:PORT", default="127.0.0.1:4317",
                    help="OTLP/gRPC receiver for spans and metrics, or 'none' (default 127.0.0.1:4317)")
-    p.add_argument("--query-listen", metavar="HOST:PORT", default="127.0.0.1:8123",
-                   help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands, or 'none' "
-                        "(default 127.0.0.1:8123)")
+    p.add_argument("--query-listen", metavar="HOST:PORT", default=DEFAULT_QUERY_LISTEN,
+                   help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands and "
+                        f"Grafana, or 'none' (default {DEFAULT_QUERY_LISTEN})")
     p.add_argument("--token-file", metavar="FILE",
                    help="bearer token required by the OTLP receiver and the query endpoint "
                         "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")

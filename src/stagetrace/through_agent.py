@@ -18,6 +18,7 @@ from stagetrace import httpd
 from stagetrace.errors import StoreError, StoreLockedError
 
 AGENT_FILE = "agent.json"
+DEFAULT_QUERY_LISTEN = "127.0.0.1:8123"  # the agent's --query-listen: ClickHouse's own HTTP port, for Grafana
 
 READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESC", "DESCRIBE", "EXISTS"})
 READ_ONLY_MESSAGE = (
@@ -63,14 +64,24 @@ def read_only_format(sql: str) -> str | None:
 # --- the client, in other processes ------------------------------------------------------------------------
 
 
-def client(location, locked: StoreLockedError) -> ReadOnlyClient:
-    """A read-only client to the query endpoint of the agent holding ``location``; raises ``locked`` when none does."""
+def advertised(location) -> dict | None:
+    """What the agent serving the embedded store at ``location`` records of itself (``pid``, ``query`` URL,
+    ``token``: whether one is needed, ``otlp``...), or None when no agent recorded itself there."""
     try:
         record = json.loads((Path(location.path) / AGENT_FILE).read_text())
-        url = urlsplit(record["query"])
-        host, port = url.hostname, url.port
-    except (OSError, ValueError, KeyError, TypeError):
-        raise locked from None
+        urlsplit(record["query"]).port  # noqa: B018 - a record without a usable URL is no record
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def client(location, locked: StoreLockedError) -> ReadOnlyClient:
+    """A read-only client to the query endpoint of the agent holding ``location``; raises ``locked`` when none does."""
+    record = advertised(location)
+    if record is None:
+        raise locked
+    url = urlsplit(record["query"])
+    host, port = url.hostname, url.port
     if locked.pid is not None and record.get("pid") != locked.pid:
         raise locked from None  # a record left behind by an agent that is gone; the holder is another process
     holder = f"store {location.redacted()} is held by the stagetrace agent (pid {record.get('pid')})"
@@ -120,4 +131,4 @@ class ReadOnlyClient:
 
 
 
-__all__ = ["AGENT_FILE", "READ_ONLY_MESSAGE", "ReadOnlyClient", "Refused", "client", "read_only_format"]
+__all__ = ["AGENT_FILE", "DEFAULT_QUERY_LISTEN", "READ_ONLY_MESSAGE", "advertised", "ReadOnlyClient", "Refused", "client", "read_only_format"]
