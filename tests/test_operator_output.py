@@ -180,3 +180,30 @@ def test_a_read_command_never_creates_a_store(tmp_path):
         message = one_line_failure(*argv, "--store", f"chdb://{typo}")
         assert f"no store at {typo}" in message
     assert not typo.exists()
+
+
+def test_a_store_on_a_read_only_filesystem_is_read_in_place(demo_store, tmp_path):
+    """A real read-only bind mount of the demo's store (as a snapshot or another host's disk is mounted):
+    the read commands give what they give on the writable store."""
+    import os
+    import shutil
+
+    dsn, demo = demo_store
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        message = "a read-only bind mount needs root and mount(8)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    mounted = tmp_path / "read-only"
+    mounted.mkdir()
+    subprocess.run(["mount", "--bind", dsn.removeprefix("chdb://"), str(mounted)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(mounted)], check=True)
+        assert not os.access(mounted, os.W_OK)
+        argv = commands(dsn, demo)["trace"]
+        on_the_mount = [*argv[:-1], f"chdb://{mounted}"]
+        assert json_of(*on_the_mount) == json_of(*argv)
+        found = json_of("divergences", "--since", "1d", "--store", f"chdb://{mounted}")
+        assert found["deviating"] == json_of("divergences", "--since", "1d", "--store", dsn)["deviating"] > 0
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)

@@ -117,7 +117,8 @@ def _check_database(name: str) -> None:
 class Store:
     """An open store: a clickhouse-connect client and the database the tables live in.
 
-    ``read_only`` when it is an embedded store read through the query endpoint of the agent that holds it.
+    ``read_only`` when it is an embedded store read through the query endpoint of the agent that holds it, or
+    one on a filesystem this process cannot write (read in place, see ``_open_read_only``).
     """
 
     def __init__(self, client, location: Location, read_only: bool = False):
@@ -156,8 +157,11 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
         raise StoreError(f"no store at {location.path} (a typo? the default is {config.default_store_path()}; "
                          "`stagetrace demo` or `stagetrace agent` creates one)")  # fmt: skip
     try:
-        client = _open_embedded(location) if location.embedded else _open_server(location)
-        store = Store(client, location)
+        if must_exist and location.embedded and location.path and not os.access(location.path, os.W_OK | os.X_OK):
+            store = Store(_open_read_only(location), location, read_only=True)
+        else:
+            client = _open_embedded(location) if location.embedded else _open_server(location)
+            store = Store(client, location)
     except StoreLockedError as locked:
         if not agent_fallback:
             raise
@@ -198,6 +202,38 @@ def _open_embedded(location: Location):
                 f"close it before opening {location.redacted()}"
             ) from None
         raise StoreError(f"cannot open the embedded store {location.redacted()}: {message}") from None
+
+
+def _open_read_only(location: Location):
+    """An embedded store the process cannot write (a read-only mount, a snapshot, another user's store) for
+    reading: chdb must write where its engine runs, so it runs in a scratch directory and attaches the store's
+    tables where they lie, through a read-only disk (without deduplication logs, which it would write)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import clickhouse_connect
+
+    root = Path(location.path).resolve()
+    tables = sorted((root / "metadata" / location.database).glob("*.sql"))
+    scratch = tempfile.mkdtemp(prefix="stagetrace-read-only-")
+    atexit.register(shutil.rmtree, scratch, True)
+    try:
+        client = clickhouse_connect.get_client(interface="chdb", path=scratch,
+                                               chdb_options={"custom_local_disks_base_directory": str(root.parent)})  # fmt: skip
+        client.command("CREATE DATABASE IF NOT EXISTS {db:Identifier}", parameters={"db": location.database})
+        disk = f"disk = disk(type = 'local', path = '{root}/', readonly = 1)"
+        for table in tables:
+            ddl = table.read_text()
+            if not ddl.startswith("ATTACH TABLE _ ") or "MergeTree" not in ddl:
+                continue  # views: nothing to read through them
+            ddl = ddl.replace("ATTACH TABLE _", f"ATTACH TABLE `{location.database}`.`{table.stem}`", 1)
+            ddl = re.sub(r"non_replicated_deduplication_window = \d+", "non_replicated_deduplication_window = 0", ddl)
+            ddl = f"{ddl.rstrip()}, {disk}" if "\nSETTINGS " in ddl else f"{ddl.rstrip()} SETTINGS {disk}"
+            client.command(ddl)
+    except Exception as exc:
+        raise StoreError(f"cannot read the read-only store {location.redacted()}: {_first_line(exc)}") from None
+    return client
 
 
 def _check_writable(path: Path) -> None:
