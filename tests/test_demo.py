@@ -7,6 +7,7 @@ the spans, metric samples and truth table back with SQL.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -22,6 +23,7 @@ from stagetrace.digest import digest
 from stagetrace.store import open_store
 
 REQUESTS, NODES, SEED = 600, 4, 11
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _demo(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -324,6 +326,10 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "stagetrace" / "store").is_dir()
     assert "served 1000 requests" in done.stdout
+    # the README's figure for this run is what it prints
+    low, high = map(int, re.search(r"With the defaults, about (\d+)–(\d+)% of requests deviate", README.read_text()).groups())
+    deviating = int(re.search(r"deviating outputs: (\d+)", done.stdout)[1])
+    assert low <= deviating / 10 <= high
     commands = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ") and "stagetrace " in line]
     assert sum(" trace req-" in c for c in commands) == sum(" explain req-" in c for c in commands) == 3
     assert any(c.endswith(" divergences") for c in commands)

@@ -141,9 +141,15 @@ def test_divergences_open_with_a_tally_that_counts_the_rows(demo_store):
     assert f"{top['cause']}\t{top['stage']}\t{top['requests']}\t" in run.stdout
 
 
-def test_the_demo_summary_keeps_its_example_ids_whole_at_80_columns(tmp_path):
-    dsn = f"chdb://{tmp_path / 'store'}"
-    status, shown = run_on_terminal([*STAGETRACE, "demo", "--requests", "200", "--store", dsn], 80)
+@pytest.mark.parametrize("columns", [80, 200, None])  # None: piped
+def test_the_demo_summary_keeps_its_example_ids_whole(tmp_path, columns):
+    argv = [*STAGETRACE, "demo", "--requests", "150", "--store", f"chdb://{tmp_path / 'store'}"]
+    if columns is None:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        status, shown = run.returncode, run.stdout
+        assert not BOX.search(shown) and "\x1b[" not in shown
+    else:
+        status, shown = run_on_terminal(argv, columns)
     assert status == 0, shown
     examples = set(re.findall(r"explain (req-[0-9a-f]+)", shown))
     assert examples and "deviating outputs:" in shown
