@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:4318"
 MAX_BODY_BYTES = 20 * 1024 * 1024  # the Collector's otlp receiver default (confighttp max_request_body_size)
 MAX_SPANS = 50_000  # in one request
+MAX_IN_FLIGHT = 8  # HTTP requests served at once (bodies in memory: at most 8 x MAX_BODY_BYTES); beyond, 503
 RETRY_AFTER_S = 2
 CLOSE_FLUSH_S = 10.0  # on close, how long the receiver goes on storing what it wrote ahead
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
@@ -337,15 +338,18 @@ class OtlpReceiver:
     """
 
     def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None):  # fmt: skip
+                 max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None,
+                 max_in_flight: int = MAX_IN_FLIGHT):  # fmt: skip
         self.token = token
         self.max_body_bytes = max_body_bytes
         self.max_spans = max_spans
+        self.max_in_flight = max_in_flight
         self.writer = DurableWriter(store, "spans", spool_dir=spool_dir)
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
-            self.listener = httpd.start(handler, listen, "stagetrace-otlp") if listen is not None else None
+            self.listener = (httpd.start(handler, listen, "stagetrace-otlp", max_in_flight=max_in_flight)
+                             if listen is not None else None)  # fmt: skip
         except BaseException:
             self.writer.close()
             raise
@@ -433,6 +437,10 @@ class _OtlpHandler(httpd.Handler):
             self._error(exc, answer_as)
             return
         self.reply(200, encode(response, answer_as), answer_as)
+
+    def too_busy(self):
+        self._error(OtlpError(503, f"more than {self.receiver.max_in_flight} requests in flight: retry later",
+                              retry=True, body_read=False), PROTOBUF)  # fmt: skip
 
     def _not_allowed(self):
         self._error(OtlpError(405, f"{self.command} is not allowed: OTLP/HTTP uses POST", body_read=False), PROTOBUF)

@@ -10,7 +10,10 @@ exits 0.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
+import platform
 import re
 import signal
 import threading
@@ -23,12 +26,23 @@ from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
-from stagetrace.store import open_store
+from stagetrace.store import open_store, parse_dsn
 
 logger = logging.getLogger("stagetrace.agent")
 
 _INTERVAL = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d|w)\s*")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(|b|kib|mib|gib|tib|kb|mb|gb|tb)\s*", re.IGNORECASE)
+_BYTES = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+LOW_PRIORITY_NICE = 10  # added to the agent's niceness: the GPUs' own host processes go first
+# the embedded engine's background pool (merges), from its default of 16: enough for a node agent's inserts
+LOW_PRIORITY_ENGINE = {"background_pool_size": 2}
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set system call's number
+_IOPRIO_BEST_EFFORT_LOWEST = (2 << 13) | 7  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7), as `ionice -c2 -n7`
 
 
 class AgentError(Exception):
@@ -42,6 +56,34 @@ def parse_interval(text: str) -> float:
     if seconds <= 0:
         raise ValueError(f"{text!r} is not a positive duration: write e.g. 500ms, 5s, 1m, 1h, 10d or 2w")
     return seconds
+
+
+def parse_size(text: str) -> int:
+    """``1GiB``, ``512MiB``, ``1000000`` -> bytes; ValueError says how to write it."""
+    match = _SIZE.fullmatch(text)
+    size = int(float(match[1]) * _BYTES[match[2].lower()]) if match else 0
+    if size <= 0:
+        raise ValueError(f"{text!r} is not a positive size: write e.g. 1GiB, 512MiB or 1000000")
+    return size
+
+
+def lower_priority() -> list[str]:
+    """Lower the CPU (nice) and I/O (best effort, lowest level) priority of this thread, which on Linux the
+    threads it starts afterwards inherit: call it before any other starts. What was lowered, for the log."""
+    done = []
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, os.getpriority(os.PRIO_PROCESS, 0) + LOW_PRIORITY_NICE))
+        done.append(f"nice {os.getpriority(os.PRIO_PROCESS, 0)}")
+    except (OSError, AttributeError) as exc:
+        logger.warning("cannot lower the CPU priority: %s", exc)
+    number = _IOPRIO_SET.get(platform.machine())
+    if number is not None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(number, 1, 0, _IOPRIO_BEST_EFFORT_LOWEST) == 0:  # IOPRIO_WHO_PROCESS, this thread
+            done.append("I/O best-effort 7")
+        else:
+            logger.warning("cannot lower the I/O priority: %s", os.strerror(ctypes.get_errno()))
+    return done
 
 
 class SerializedNode:
@@ -97,18 +139,24 @@ def _exposed(listen: str, what: str, token: str | None) -> None:
 
 def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
         otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
-        otlp_grpc: str | None = None) -> int:  # fmt: skip
+        otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
+        low_priority: bool | None = None) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
-    of the query endpoint (None: off); ``token``, when given, is required by all three.
+    of the query endpoint (None: off); ``token``, when given, is required by all three; ``query_limits`` bound
+    each query of the endpoint. ``low_priority`` (None: for an embedded store) lowers the agent's CPU and I/O
+    priority and the embedded engine's background pool.
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
+    embedded = parse_dsn(store).embedded
+    low = embedded if low_priority is None else low_priority
+    lowered = (lower_priority() + (["2 merge threads"] if embedded else [])) if low else []
     with contextlib.ExitStack() as cleanup:  # undone in reverse: signals, listeners, writers (flush), store, node
         cleanup.callback(node.close)
         # Never through another agent's query endpoint: this agent must hold the store it writes.
-        opened = open_store(store, agent_fallback=False)
+        opened = open_store(store, agent_fallback=False, engine_options=LOW_PRIORITY_ENGINE if low and embedded else None)
         cleanup.callback(opened.close)
         writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False)
         cleanup.callback(writer.close)
@@ -135,7 +183,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         location = opened.location
         if query_listen and location.embedded and location.path:
             _exposed(query_listen, "the query endpoint", token)
-            endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, token=token), query_listen,
+            endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, token=token, limits=query_limits),
+                             query_listen,
                              "--query-listen", " for queries")  # fmt: skip
             cleanup.callback(endpoint.close)
             endpoints["query"] = endpoint.url
@@ -146,6 +195,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             "serving %s, writing every %gs to %s (collectors: %s)", server.url, interval_s,
             location.redacted(), ", ".join(c.name for c in node.collectors) or "none",
         )  # fmt: skip
+        if lowered:
+            logger.info("running at low priority: %s (--no-low-priority to turn off)", ", ".join(lowered))
         if "otlp" in endpoints:
             logger.info("receiving OTLP/HTTP at %s/v1/traces and /v1/metrics", endpoints["otlp"])
         if "otlp_grpc" in endpoints:
@@ -166,4 +217,5 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     return 0
 
 
-__all__ = ["AgentError", "SerializedNode", "failed_collectors", "parse_interval", "run", "samples_json"]
+__all__ = ["AgentError", "SerializedNode", "failed_collectors", "lower_priority", "parse_interval", "parse_size", "run",
+           "samples_json"]

@@ -123,6 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--query-listen", metavar="HOST:PORT", default=DEFAULT_QUERY_LISTEN,
                    help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands and "
                         f"Grafana, or 'none' (default {DEFAULT_QUERY_LISTEN})")
+    limits = p.add_argument_group(
+        "query endpoint limits", "Applied to every query; no client can raise them. Each has an environment variable: "
+        "STAGETRACE_QUERY_TIMEOUT, _MAX_MEMORY, _MAX_THREADS, _MAX_RESULT_ROWS, _MAX_RESULT_BYTES, _MAX_CONCURRENT.")  # fmt: skip
+    limits.add_argument("--query-timeout", metavar="DURATION", help="per query (default 30s)")
+    limits.add_argument("--query-max-memory", metavar="SIZE", help="per query, e.g. 512MiB (default 1GiB)")
+    limits.add_argument("--query-max-threads", metavar="N", help="engine threads per query (default 2)")
+    limits.add_argument("--query-max-result-rows", metavar="N", help="rows in a result (default 1000000)")
+    limits.add_argument("--query-max-result-bytes", metavar="SIZE", help="bytes in a result (default 256MiB)")
+    limits.add_argument("--query-max-concurrent", metavar="N",
+                        help="queries in flight, one running; beyond, 503 with Retry-After (default 16)")
+    p.add_argument("--low-priority", action=argparse.BooleanOptionalAction, default=None,
+                   help="nice 10, lowest best-effort I/O class and 2 engine merge threads (default: on for an "
+                        "embedded store)")
     p.add_argument("--token-file", metavar="FILE",
                    help="bearer token required by the OTLP receiver and the query endpoint "
                         "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")
@@ -300,13 +313,15 @@ def _agent(args) -> int:
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
+        limits = _query_limits(args)
         node = _node(args)
     except (ValueError, httpd.TokenError) as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
     try:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
-                         otlp_grpc=otlp_grpc, query_listen=query_listen, token=token)  # fmt: skip
+                         otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
+                         low_priority=args.low_priority)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
@@ -327,6 +342,25 @@ def _joined_durations(argv: list[str]) -> list[str]:
         out.append(argv[i])
         i += 1
     return out
+
+
+def _query_limits(args):
+    """The query endpoint's limits: each from its option, else its environment variable, else the default."""
+    from stagetrace.agent import parse_interval, parse_size
+    from stagetrace.hub import QueryLimits
+
+    parsers = {"timeout_s": parse_interval, "max_memory_bytes": parse_size, "max_result_bytes": parse_size}
+    chosen = {}
+    for field, (option, variable) in QueryLimits.OPTIONS.items():
+        text = getattr(args, option[2:].replace("-", "_")) or os.environ.get(variable)
+        if text is None:
+            continue
+        parse = parsers.get(field)
+        try:
+            chosen[field] = parse(text) if parse else int(text)
+        except ValueError as exc:
+            raise ValueError(f"{option} ({variable}): {exc if parse else f'{text!r} is not a whole number'}") from None
+    return QueryLimits(**chosen)
 
 
 def main(argv: list[str] | None = None) -> int:

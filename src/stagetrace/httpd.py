@@ -134,6 +134,31 @@ class Handler(BaseHTTPRequestHandler):
     # Seconds a connection may stay silent (idle keep-alive, or a body that stops short of its length):
     # without it each such client holds a thread forever. The stdlib closes the connection quietly.
     timeout = 120
+    slots: threading.BoundedSemaphore | None = None  # requests in flight at once (``start``'s max_in_flight)
+    _holding = False
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.slots is not None:
+            if not self.slots.acquire(blocking=False):
+                self.too_busy()
+                return False
+            self._holding = True
+        return True
+
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        finally:
+            if self._holding:
+                self._holding = False
+                self.slots.release()
+
+    def too_busy(self) -> None:
+        """The answer when ``slots`` are all taken (the body is left unread): 503 with Retry-After."""
+        self.reply(503, b"too many requests in flight: retry later\n", "text/plain; charset=UTF-8",
+                   {"Retry-After": "1"}, close=True)  # fmt: skip
 
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         pass
@@ -141,17 +166,21 @@ class Handler(BaseHTTPRequestHandler):
     def reply(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None,
               close: bool = False) -> None:  # fmt: skip
         """Send a complete response; ``close`` when the request body was not read, so the connection is not reused."""
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if close:
-            self.send_header("Connection", "close")
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            if close:
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client is gone: nobody to answer
             self.close_connection = True
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+            return
         if close:
             self._linger()
 
@@ -202,9 +231,12 @@ class Listener:
         self.thread.join(timeout=5)
 
 
-def start(handler: type[Handler], listen: str, name: str) -> Listener:
-    """Serve ``handler`` on ``listen`` in a thread; OSError when the address cannot be bound."""
+def start(handler: type[Handler], listen: str, name: str, max_in_flight: int | None = None) -> Listener:
+    """Serve ``handler`` on ``listen`` in a thread, at most ``max_in_flight`` requests at once (the others are
+    answered ``too_busy``); OSError when the address cannot be bound."""
     address, port = parse_listen(listen)
+    if max_in_flight:
+        handler = type(handler.__name__, (handler,), {"slots": threading.BoundedSemaphore(max_in_flight)})
     server = (_Server6 if ":" in address else _Server)((address, port), handler)
     thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()

@@ -13,6 +13,14 @@ engine session with ``readonly = 1``. That session cannot change settings, so se
 are ignored rather than refused (clickhouse-connect and Grafana send some with every query); a ``SETTINGS``
 clause in the SQL is refused by the engine.
 
+**Limits.** The agent runs next to the GPUs it watches, so every query runs under ``QueryLimits``: a time
+limit, a memory limit, a thread count and result caps, set on the session before ``readonly = 1`` (which no
+client can undo), so a runaway query ends with ClickHouse's own error (``Code: 159 … TIMEOUT_EXCEEDED``,
+``Code: 241 … MEMORY_LIMIT_EXCEEDED``). Queries run one at a time; beyond ``max_concurrent`` in flight
+(running or waiting) a request gets 503 with ``Retry-After`` (``Code: 202 … TOO_MANY_SIMULTANEOUS_QUERIES``).
+A query whose client disconnects is cancelled (``KILL QUERY`` from a control session, within 0.1 s), and
+so is every running query when the endpoint closes (the agent stopping).
+
 The agent records the endpoint in ``<store>/agent.json`` (removed when it stops). ``open_store`` reads it when
 the store is locked and returns a read-only Store through clickhouse-connect's HTTP client
 (``stagetrace.through_agent``, the client half, below ``store``; this module is the server half), so every
@@ -25,9 +33,12 @@ import json
 import logging
 import os
 import re
+import select
+import socket
 import threading
 import time
 import uuid
+from dataclasses import dataclass, fields
 from email.parser import BytesParser
 from email.policy import HTTP
 from pathlib import Path
@@ -40,6 +51,42 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_LISTEN = "127.0.0.1:8123"
 MAX_QUERY_BYTES = 4 * 1024 * 1024
+WATCH_EVERY_S = 0.1  # how often a running query's client is checked: a query left behind ends this soon
+_MARK = "/* stagetrace-query "  # prefixed to each query, so that the control session can name it in KILL QUERY
+
+
+@dataclass(frozen=True)
+class QueryLimits:
+    """What one query through the endpoint may use, and how many may be in flight. Each field has an agent
+    option and an environment variable (``OPTIONS``)."""
+
+    timeout_s: float = 30.0  # max_execution_time
+    max_memory_bytes: int = 1 << 30  # max_memory_usage
+    max_threads: int = 2
+    max_result_rows: int = 1_000_000
+    max_result_bytes: int = 256 << 20
+    max_concurrent: int = 16  # in flight: one runs, the others wait their turn
+
+    # each field's agent option and environment variable
+    OPTIONS = {"timeout_s": ("--query-timeout", "STAGETRACE_QUERY_TIMEOUT"),
+               "max_memory_bytes": ("--query-max-memory", "STAGETRACE_QUERY_MAX_MEMORY"),
+               "max_threads": ("--query-max-threads", "STAGETRACE_QUERY_MAX_THREADS"),
+               "max_result_rows": ("--query-max-result-rows", "STAGETRACE_QUERY_MAX_RESULT_ROWS"),
+               "max_result_bytes": ("--query-max-result-bytes", "STAGETRACE_QUERY_MAX_RESULT_BYTES"),
+               "max_concurrent": ("--query-max-concurrent", "STAGETRACE_QUERY_MAX_CONCURRENT")}  # fmt: skip
+
+    def __post_init__(self):
+        for field in fields(self):
+            if not getattr(self, field.name) > 0:
+                option, variable = self.OPTIONS[field.name]
+                raise ValueError(f"{option} ({variable}) must be positive, not {getattr(self, field.name)!r}")
+
+    def settings(self) -> dict[str, str]:
+        """The engine settings the limits are, for every query of the session."""
+        return {"max_execution_time": f"{self.timeout_s:g}", "max_memory_usage": str(self.max_memory_bytes),
+                "max_threads": str(self.max_threads), "max_result_rows": str(self.max_result_rows),
+                "max_result_bytes": str(self.max_result_bytes), "result_overflow_mode": "'throw'",
+                "timeout_overflow_mode": "'throw'"}  # fmt: skip
 
 # --- the endpoint, in the agent ---------------------------------------------------------------------------
 
@@ -49,7 +96,8 @@ _HTTP_STATUS = {
     **dict.fromkeys((164, 497, 516), 403),  # READONLY, ACCESS_DENIED, AUTHENTICATION_FAILED
     **dict.fromkeys((46, 47, 50, 60, 81, 115), 404),  # unknown function, identifier, type, table, database, setting
 }
-_ERROR_NAMES = {36: "BAD_ARGUMENTS", 62: "SYNTAX_ERROR", 164: "READONLY", 516: "AUTHENTICATION_FAILED"}
+_ERROR_NAMES = {36: "BAD_ARGUMENTS", 62: "SYNTAX_ERROR", 164: "READONLY", 202: "TOO_MANY_SIMULTANEOUS_QUERIES",
+                516: "AUTHENTICATION_FAILED"}
 _CODE = re.compile(r"Code: (\d+)\.")
 
 
@@ -67,13 +115,20 @@ def _content_type(fmt: str) -> str:
 class QueryEndpoint:
     """The read-only ClickHouse HTTP interface on ``listen`` to the embedded engine at ``path`` (held by this process)."""
 
-    def __init__(self, path: str, listen: str = DEFAULT_LISTEN, *, token: str | None = None):
+    def __init__(self, path: str, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
+                 limits: QueryLimits | None = None):  # fmt: skip
         import chdb
 
+        self.limits = limits or QueryLimits()
         # a session of its own on the engine this process has open: readonly here leaves the writers alone
         self._session = chdb.connect(os.path.realpath(path))
-        self._session.query("SET readonly = 1", "TabSeparated")
+        for name, value in self.limits.settings().items():
+            self._session.query(f"SET {name} = {value}", "TabSeparated")
+        self._session.query("SET readonly = 1", "TabSeparated")  # from here on no query can change a setting
+        self._control = chdb.connect(os.path.realpath(path))  # cancels queries: KILL QUERY, never a client's SQL
         self._lock = threading.Lock()  # one query at a time on the session (its USE state is shared)
+        self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
+        self._closing = threading.Event()
         self._database = ""
         self.version, self.timezone = self._session.query("SELECT version(), timezone()", "TabSeparated") \
             .bytes().decode().split()  # fmt: skip
@@ -83,6 +138,7 @@ class QueryEndpoint:
             self.listener = httpd.start(handler, listen, "stagetrace-query")
         except BaseException:
             self._session.close()
+            self._control.close()
             raise
 
     @property
@@ -90,18 +146,59 @@ class QueryEndpoint:
         return self.listener.url
 
     def close(self) -> None:
+        """Stop serving: running queries are cancelled first, so closing never waits for one."""
+        self._closing.set()
+        self._kill(_MARK)
         self.listener.close()
         with self._lock:
             self._session.close()
+        self._control.close()
 
-    def run(self, sql: str, fmt: str, params: dict[str, str], database: str):
-        """The engine's result object for a checked read query, in ``database`` (ClickHouse's ``default`` if none)."""
+    def admit(self) -> bool:
+        """Take a place among the queries in flight; False when all ``max_concurrent`` are taken."""
+        return self._slots.acquire(blocking=False)
+
+    def release(self) -> None:
+        self._slots.release()
+
+    def run(self, sql: str, fmt: str, params: dict[str, str], database: str, gone=lambda: False):
+        """The engine's result object for a checked read query, in ``database`` (ClickHouse's ``default`` if none);
+        None when its client went away (``gone()``) or the endpoint closed before it ran. A running query whose
+        client goes away is cancelled."""
         database = database or "default"
-        with self._lock:
+        mark = f"{_MARK}{uuid.uuid4().hex} */"
+        while not self._lock.acquire(timeout=WATCH_EVERY_S):  # waiting its turn: no need to wait for a client gone
+            if gone() or self._closing.is_set():
+                return None
+        try:
+            if gone() or self._closing.is_set():
+                return None
             if database != self._database:
                 self._session.query(f"USE {schema.identifier(database, 'database name')}", "TabSeparated")
                 self._database = database
-            return self._session.query(sql, fmt, params=params)
+            done = threading.Event()
+            watcher = threading.Thread(target=self._watch, args=(mark, gone, done), name="stagetrace-query-watch",
+                                       daemon=True)  # fmt: skip
+            watcher.start()
+            try:
+                return self._session.query(f"{mark}\n{sql}", fmt, params=params)
+            finally:
+                done.set()
+        finally:
+            self._lock.release()
+
+    def _watch(self, mark: str, gone, done: threading.Event) -> None:
+        while not done.wait(WATCH_EVERY_S):
+            if gone() or self._closing.is_set():
+                self._kill(mark)
+                return
+
+    def _kill(self, mark: str) -> None:
+        try:  # the KILL statement's own text starts with KILL: it never matches itself
+            self._control.query("KILL QUERY WHERE startsWith(query, {mark:String}) ASYNC", "TabSeparated",
+                                params={"mark": mark})  # fmt: skip
+        except Exception as exc:  # a query that just ended, a session closing: nothing left to cancel
+            logger.debug("KILL QUERY: %s", exc)
 
     def error_body(self, code: int, message: str) -> bytes:
         return f"Code: {code}. DB::Exception: {message}. ({_ERROR_NAMES.get(code, 'UNKNOWN')}) (version {self.version})\n".encode()
@@ -150,6 +247,14 @@ class _QueryHandler(httpd.Handler):
             return True
         return False
 
+    def _client_gone(self) -> bool:
+        """Whether the client closed its connection: readable, yet nothing to read (or reset)."""
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except OSError:
+            return True
+
     def _fail(self, status: int, code: int, message: str, close: bool = False) -> None:
         self.reply(status, self.endpoint.error_body(code, message), "text/plain; charset=UTF-8",
                    {"X-ClickHouse-Exception-Code": str(code)}, close=close)  # fmt: skip
@@ -178,9 +283,14 @@ class _QueryHandler(httpd.Handler):
             self._fail(400, 36, "the query is not valid UTF-8")
             return
         query_params = {name[6:]: value for name, value in params.items() if name.startswith("param_")}
+        if not self.endpoint.admit():
+            limit = self.endpoint.limits.max_concurrent
+            self.reply(503, self.endpoint.error_body(202, f"Too many simultaneous queries. Maximum: {limit}"),
+                       "text/plain; charset=UTF-8", {"X-ClickHouse-Exception-Code": "202", "Retry-After": "1"})  # fmt: skip
+            return
         started = time.monotonic_ns()
         try:
-            result = self.endpoint.run(sql, fmt, query_params, params.get("database", ""))
+            result = self.endpoint.run(sql, fmt, query_params, params.get("database", ""), self._client_gone)
         except schema.SchemaError as exc:
             self._fail(400, 36, str(exc))
             return
@@ -190,6 +300,11 @@ class _QueryHandler(httpd.Handler):
             code = int(match[1]) if match else 0
             self.reply(_HTTP_STATUS.get(code, 500), text.encode() + b"\n", "text/plain; charset=UTF-8",
                        {"X-ClickHouse-Exception-Code": str(code)})  # fmt: skip
+            return
+        finally:
+            self.endpoint.release()
+        if result is None:  # its client went away, or the agent is stopping: nobody to answer
+            self.close_connection = True
             return
         data = result.bytes()
         summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
@@ -235,4 +350,4 @@ def withdraw(path: Path) -> None:
         pass
 
 
-__all__ = ["DEFAULT_LISTEN", "QueryEndpoint", "advertise", "withdraw"]
+__all__ = ["DEFAULT_LISTEN", "QueryEndpoint", "QueryLimits", "advertise", "withdraw"]
