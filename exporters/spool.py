@@ -16,13 +16,15 @@ insert; before that insert it *seals* them as a group (renames each to ``….<re
 and the group's token is the insert's deduplication token, so a replay after a crash inserts the same group
 under the same token and adds nothing. The tokens of the requests stored are kept (``<slot>/landed``, the
 last ``RECENT_TOKENS``), so a sender's retry of a request whose answer it never got is recognised and not
-stored twice. Records are never dropped to make room: a full spool refuses the request (the sender retries). A process holds its slot by an flock on ``<slot>/lock``; the next free slot goes
-to the next process writing the same store, and a process adopts the segments of slots nobody holds (a
+stored twice. Records are never dropped to make room: a full spool refuses the request (the sender retries).
+
+A process holds its slot by an flock on ``<slot>/lock``; the next free slot goes to the next process writing
+the same store, and a process adopts the segments of slots nobody holds (a
 predecessor that died), so what a dead process spooled is replayed by whoever writes next. A process that
 cannot write the store because the agent holds it writes into ``<kind>/inbox`` instead, which the agent's
 writers adopt every few seconds.
 
-The spool is bounded by ``max_bytes``; when a new segment would exceed it, the oldest segments are dropped,
+The spool is bounded by ``max_bytes``; when a new batch would exceed it, the oldest segments are dropped,
 counted in ``stagetrace_dropped_spans_total`` / ``stagetrace_dropped_metric_samples_total`` (by ``reason``)
 and logged.
 
