@@ -20,6 +20,17 @@ STAGES = "stagetrace_stages"
 STAGE = "Stage"
 PIPELINE_ORDER = "[" + ", ".join(f"'{stage}'" for stage in PIPELINE_STAGES) + "]"
 DURATION_MS = "Duration / 1e6"
+# One row per request whose all-reduce ran on TP ranks: the hosts its ranks ran on (the TP group), how many
+# distinct ranks reported a span, and the group's size as the ranks say. Fewer ranks than the size: a rank's
+# host stopped reporting (a node failed mid-run, or its spans no longer arrive).
+TP_REQUESTS = (
+    "(SELECT TraceId, any(ServiceName) AS ServiceName, min(Start) AS RequestStart, "
+    "arraySort(groupUniqArray(HostName)) AS HostList, arrayStringConcat(HostList, ' ') AS Hosts, "
+    "uniqExact(Rank) AS Ranks, "
+    f"max(toUInt32OrZero(Attributes['{conventions.TP_SIZE}'])) AS TpSize FROM {STAGES} "
+    "WHERE Stage = 'allreduce' AND Rank != '' AND $__timeFilter(Start) GROUP BY TraceId)"
+)
+MISSING_RANKS_RATIO = "countIf(Ranks < TpSize) / nullIf(count(), 0)"
 
 # -- per-stage ratios, as fractions of the stage's spans; NULL (Grafana's "No data") rather than NaN without spans
 CACHE_HIT_RATIO = "countIf(Attributes['cache.hit'] = 'true') / nullIf(count(), 0)"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import overview
 from stagetrace.dashboards._sql import (
-    DEVIATING_RATIO, DURATION_MS, REQUESTS_WITH_MAJORITY, STAGE, STAGES, TRUNCATED_RATIO, aggregate,
+    DEVIATING_RATIO, DURATION_MS, MISSING_RANKS_RATIO, REQUESTS_WITH_MAJORITY, STAGE, STAGES, TP_REQUESTS,
+    TRUNCATED_RATIO, aggregate,
 )  # fmt: skip
 
 FOLDER_TITLE = FOLDER_UID = "stagetrace"
@@ -80,6 +81,19 @@ RULES = (
         "More than 5% of assembled contexts were cut to fit the token budget (context.truncated): the model saw "
         "less than retrieval found, and outputs change with it.",
         "Context truncation rate",
+    ),
+    PipelineRule(
+        "stagetrace-tp-group-degraded", "TP group degraded",
+        aggregate(TP_REQUESTS, "RequestStart", {"missing_ranks": MISSING_RANKS_RATIO},
+                  labels={"service": "ServiceName", "hosts": "Hosts"}, where=["TpSize > 1"], having=ENOUGH,
+                  over_time=False),
+        0.01, 300, "2m",
+        "{{ $labels.service }}: TP group on {{ $labels.hosts }} is missing ranks in "
+        "{{ humanizePercentage $values.A.Value }} of requests",
+        "Requests whose all-reduce ran on these hosts carry fewer rank spans than the group's parallel.tp_size: a "
+        "host of the tensor-parallel group stopped reporting (failed mid-run, or its agent or network is down). "
+        "The TP groups panel on the RDMA dashboard shows when each host was last seen.",
+        "Deviating-output rate",
     ),
 )  # fmt: skip
 

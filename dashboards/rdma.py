@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import (
-    DURATION_MS, HOST, NETDEV, NIC_PORT, STAGE, STAGES, aggregate, any_selected, counter, gauge,
+    DURATION_MS, HOST, MISSING_RANKS_RATIO, NETDEV, NIC_PORT, STAGE, STAGES, TP_REQUESTS, aggregate, any_selected,
+    counter, gauge,
 )  # fmt: skip
 
 UID = "stagetrace-rdma"
@@ -123,6 +124,23 @@ def panels() -> list[dict]:
                                labels={"host": HOST}, where=[f"{STAGE} = 'allreduce'", HOST_FILTER]),
                      "ms", width=8,
                      description="The pipeline's own all-reduce stage spans per host: what the requests felt."),
+        p.row("Tensor-parallel groups"),
+        p.timeseries("Requests missing TP ranks",
+                     aggregate(f"(SELECT *, arrayJoin(HostList) AS Host FROM {TP_REQUESTS})", "RequestStart",
+                               {"missing": MISSING_RANKS_RATIO}, labels={"host": "Host"},
+                               where=["TpSize > 1", any_selected("Host", "host")]),
+                     "percentunit", max_value=1, width=12,
+                     description="Per host taking part in tensor-parallel all-reduces: the share of its requests with "
+                                 "fewer rank spans than parallel.tp_size. When a host of a TP group fails mid-run, "
+                                 "the other hosts' requests lose its ranks (the alert names the group)."),
+        p.table("TP hosts, last seen",
+                "SELECT HostName AS host, max(Start) AS last_seen, "
+                "arrayStringConcat(arraySort(groupUniqArray(Rank)), ' ') AS ranks, count() AS rank_spans "
+                f"FROM {STAGES} WHERE Stage = 'allreduce' AND Rank != '' AND $__timeFilter(Start) "
+                f"AND {HOST_FILTER} GROUP BY host ORDER BY last_seen",
+                "none", width=12,
+                description="Every host that ran all-reduce ranks in the time range, with the last moment one of "
+                            "its rank spans started: the host of a degraded group is the one last seen earliest."),
     ]  # fmt: skip
 
 

@@ -35,6 +35,7 @@ STAGE_INPUT_CONTENT = "stagetrace.stage.input_content"
 STAGE_OUTPUT_CONTENT = "stagetrace.stage.output_content"
 NONDETERMINISTIC = "stagetrace.nondeterministic"
 TP_RANK = "parallel.tp_rank"
+TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-parallel group has
 HOST = "host.name"  # resource attribute
 
 # Pipeline order; other stage names are allowed and come after these, by start time.
