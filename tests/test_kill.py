@@ -96,7 +96,7 @@ class Sender(threading.Thread):
             self.acknowledged += [f"{s.context.span_id:016x}" for s in batch]
 
 
-def test_every_span_acknowledged_through_twenty_kills_of_the_agent_is_stored_exactly_once(tmp_path):
+def test_every_span_acknowledged_through_twenty_kills_of_the_agent_is_stored_exactly_once(tmp_path, caplog):
     agent = Agent(tmp_path)
     agent.start()
     stop = threading.Event()
@@ -121,7 +121,9 @@ def test_every_span_acknowledged_through_twenty_kills_of_the_agent_is_stored_exa
     counts = span_counts(f"chdb://{agent.store}")
     acknowledged = [span_id for sender in senders for span_id in sender.acknowledged]
     assert all(len(sender.acknowledged) > 200 for sender in senders), [len(s.acknowledged) for s in senders]
-    assert sum(sender.attempts for sender in senders) > 0  # the kills were felt
+    # the kills were felt: an export failed, or the exporters' own retries met a refused or closed connection
+    retried = [r for r in caplog.records if r.name.startswith("opentelemetry.exporter") and "Transient error" in r.getMessage()]
+    assert sum(sender.attempts for sender in senders) + len(retried) > 0
     assert {span_id: counts.get(span_id) for span_id in acknowledged} == dict.fromkeys(acknowledged, 1)
     assert set(counts.values()) == {1}  # not even a span sent but never acknowledged is stored twice
 
