@@ -1,6 +1,7 @@
 """The wheel must hold every subpackage: an editable install hides a package missing from pyproject."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,3 +73,14 @@ def test_wheel_from_a_clean_copy_imports_every_subpackage(tmp_path):
     assert result.stdout.strip() == "ok", result.stderr
     script = subprocess.run([env / "bin" / "stagetrace", "--version"], capture_output=True, text=True, env=clean_env)
     assert script.stdout.startswith("stagetrace "), script.stderr
+
+
+def test_the_readme_otlp_example_is_installed_by_the_otlp_extra():
+    """The README's plain-SDK example imports the official OTLP exporters: `pip install '.[otlp]'` brings them."""
+    readme = (ROOT / "README.md").read_text()
+    imported = set(re.findall(r"from opentelemetry\.exporter\.otlp\.proto\.(\w+)\.trace_exporter import", readme))
+    assert imported == {"grpc", "http"}
+    assert "pip install '.[otlp]'" in readme
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["otlp"]
+    names = {re.split(r"[<>=!~\[ ]", requirement)[0] for requirement in extra}
+    assert names == {f"opentelemetry-exporter-otlp-proto-{protocol}" for protocol in imported}
