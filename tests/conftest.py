@@ -8,6 +8,7 @@ where a missing component fails the run.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -80,6 +81,17 @@ def demo_dsn(tmp_path_factory):
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return dsn
+
+
+@pytest.fixture(scope="session")
+def cli_demo(tmp_path_factory):
+    """(DSN, the JSON it printed) of a ``stagetrace demo --requests 300`` store that tests read only through the
+    CLI, in other processes: this one never opens it, so they never find it locked."""
+    dsn = f"chdb://{tmp_path_factory.mktemp('cli-demo') / 'store'}"
+    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return dsn, json.loads(done.stdout)
 
 
 @pytest.fixture(scope="module")

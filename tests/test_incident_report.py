@@ -24,13 +24,10 @@ ARTIFACTS = Path(os.environ.get("STAGETRACE_TEST_ARTIFACTS", Path(__file__).reso
 
 
 @pytest.fixture(scope="module")
-def hardware_deviation(tmp_path_factory):
+def hardware_deviation(cli_demo):
     """(store DSN, the JSON explanation) of a request the demo's faulty GPU corrupted."""
-    dsn = f"chdb://{tmp_path_factory.mktemp('report') / 'store'}"
-    run = subprocess.run([*STAGETRACE, "demo", "--requests", "300", "--store", dsn, "--json"], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    request = next(t["request_id"] for t in json.loads(run.stdout)["truth"] if t["cause"] == "gpu_xid_errors_total")
+    dsn, demo = cli_demo
+    request = next(t["request_id"] for t in demo["truth"] if t["cause"] == "gpu_xid_errors_total")
     explained = subprocess.run([*STAGETRACE, "explain", request, "--store", dsn, "--json"], capture_output=True,
                                text=True, timeout=300)  # fmt: skip
     return dsn, json.loads(explained.stdout)

@@ -23,14 +23,9 @@ ID_LIKE = re.compile(r"req-[0-9a-f]+|GPU-[0-9a-f-]+")
 BOX = re.compile("[─━│┃┏┓┗┛┡┩╇┳┻█]")
 
 
-@pytest.fixture(scope="module")
-def demo_store(tmp_path_factory):
-    """A demo run's store and the JSON the demo printed."""
-    dsn = f"chdb://{tmp_path_factory.mktemp('operator') / 'store'}"
-    run = subprocess.run([*STAGETRACE, "demo", "--requests", "300", "--store", dsn, "--json"], capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    return dsn, json.loads(run.stdout)
+@pytest.fixture
+def demo_store(cli_demo):
+    return cli_demo
 
 
 def json_of(*argv: str) -> dict:

@@ -39,8 +39,6 @@ _BYTES = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 
           "gb": 10**9, "tb": 10**12}  # fmt: skip
 
 LOW_PRIORITY_NICE = 10  # added to the agent's niceness: the GPUs' own host processes go first
-# the embedded engine's background pool (merges), from its default of 16: enough for a node agent's inserts
-LOW_PRIORITY_ENGINE = {"background_pool_size": 2}
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set system call's number
 _IOPRIO_BEST_EFFORT_LOWEST = (2 << 13) | 7  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7), as `ionice -c2 -n7`
 
@@ -146,17 +144,17 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
     of the query endpoint (None: off); ``token``, when given, is required by all three; ``query_limits`` bound
     each query of the endpoint. ``low_priority`` (None: for an embedded store) lowers the agent's CPU and I/O
-    priority and the embedded engine's background pool.
+    priority, its engine threads' included.
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
     embedded = parse_dsn(store).embedded
     low = embedded if low_priority is None else low_priority
-    lowered = (lower_priority() + (["2 merge threads"] if embedded else [])) if low else []
+    lowered = lower_priority() if low else []
     with contextlib.ExitStack() as cleanup:  # undone in reverse: signals, listeners, writers (flush), store, node
         cleanup.callback(node.close)
         # Never through another agent's query endpoint: this agent must hold the store it writes.
-        opened = open_store(store, agent_fallback=False, engine_options=LOW_PRIORITY_ENGINE if low and embedded else None)
+        opened = open_store(store, agent_fallback=False)
         cleanup.callback(opened.close)
         writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False)
         cleanup.callback(writer.close)

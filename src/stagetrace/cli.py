@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument("--query-max-concurrent", metavar="N",
                         help="queries in flight, one running; beyond, 503 with Retry-After (default 16)")
     p.add_argument("--low-priority", action=argparse.BooleanOptionalAction, default=None,
-                   help="nice 10, lowest best-effort I/O class and 2 engine merge threads (default: on for an "
+                   help="nice 10 and the lowest best-effort I/O class, for the engine's threads too (default: on for an "
                         "embedded store)")
     p.add_argument("--token-file", metavar="FILE",
                    help="bearer token required by the OTLP receiver and the query endpoint "

@@ -18,7 +18,7 @@ limit, a memory limit, a thread count and result caps, set on the session before
 client can undo), so a runaway query ends with ClickHouse's own error (``Code: 159 … TIMEOUT_EXCEEDED``,
 ``Code: 241 … MEMORY_LIMIT_EXCEEDED``). Queries run one at a time; beyond ``max_concurrent`` in flight
 (running or waiting) a request gets 503 with ``Retry-After`` (``Code: 202 … TOO_MANY_SIMULTANEOUS_QUERIES``).
-A query whose client disconnects is cancelled (``KILL QUERY`` from a control session, within 0.1 s), and
+A query whose client disconnects is cancelled (checked every 0.1 s; ``KILL QUERY`` from a control session), and
 so is every running query when the endpoint closes (the agent stopping).
 
 The agent records the endpoint in ``<store>/agent.json`` (removed when it stops). ``open_store`` reads it when

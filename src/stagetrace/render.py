@@ -245,18 +245,21 @@ def hardware_rises(out: Output, rises: list[dict]) -> None:
 # --- explain ------------------------------------------------------------------------------------------------
 
 
-def _evidence(cause: dict) -> str:
+def evidence(cause: dict, text=str, device=str) -> str:
+    """What a cause rests on, in a line; ``text`` and ``device`` render its words and its device's name (the
+    incident report escapes the one and puts the other in ``<code>``)."""
     if "requests_with_value" in cause:
-        return (f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
-                f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the baseline's")
+        return text(f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
+                    f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the "
+                    "baseline's")  # fmt: skip
     if cause["kind"] == "hardware":
-        rank = f"rank {cause['rank']}: " if cause.get("rank") else ""
-        return f"{rank}on {cause['device']} ({cause['host']})"
+        rank = text(f"rank {cause['rank']}: ") if cause.get("rank") else ""
+        return f"{rank}{text('on ')}{device(cause['device'])} {text('(' + cause['host'] + ')')}"
     if cause["kind"] == "rollout":
-        return cause["rollout"]["summary"]
+        return text(cause["rollout"]["summary"])
     if cause["kind"] == "nondeterminism":
-        return cause["reason"]
-    return cause.get("device") or ""
+        return text(cause["reason"])
+    return text(cause.get("device") or "")
 
 
 def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
@@ -281,7 +284,7 @@ def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
                                for same in (stage["input_matches"], stage["output_matches"]))])  # fmt: skip
     out.table("stages against the baseline", [Column("stage", keep=True), Column("input"), Column("output")], stages)
     causes = [[cause["name"], cause["kind"] + (" (weak)" if cause.get("weak") else ""), cause["value"] or "(unset)",
-               cause["baseline_value"] or "(unset)", f"{cause['score']:.2f}", _evidence(cause)]
+               cause["baseline_value"] or "(unset)", f"{cause['score']:.2f}", evidence(cause)]
               for cause in (report.get("causes") or ())[:causes_shown]]  # fmt: skip
     columns = [Column("cause", keep=True), Column("kind"), Column("value"), Column("baseline"),
                Column("score", right=True), Column("evidence")]  # fmt: skip
@@ -361,5 +364,5 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: s
         out.line(f"  {command} divergences{store_flag}")
 
 
-__all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "explanation",
+__all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "evidence", "explanation",
            "hardware_rises", "progress_bar", "waterfall"]

@@ -13,6 +13,7 @@ from html import escape
 
 from stagetrace import lookup
 from stagetrace.analysis.hardware import Samples
+from stagetrace.render import evidence
 from stagetrace.store import Store
 
 CAUSES_SHOWN = 8
@@ -107,19 +108,6 @@ def _value(text: str) -> str:
     return _code(text) if " " not in text else escape(text)
 
 
-def _evidence(cause: dict) -> str:
-    if "requests_with_value" in cause:
-        return escape(f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged "
-                      f"here, {cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with "
-                      "the baseline's")  # fmt: skip
-    if cause["kind"] == "hardware":
-        rank = f"rank {escape(str(cause['rank']))}: " if cause.get("rank") else ""
-        return f"{rank}on {_code(cause['device'])} ({escape(cause['host'])})"
-    if cause["kind"] == "rollout":
-        return escape(cause["rollout"]["summary"])
-    return escape(cause.get("reason") or cause.get("device") or "")
-
-
 def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict]) -> list[str]:
     """For each hardware cause: the counter's samples on its device around the stage's window."""
     charts = []
@@ -183,7 +171,7 @@ def incident_html(store: Store, report: dict) -> str:
             kind = cause["kind"] + (" (weak)" if cause.get("weak") else "")
             out.append(f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(kind)}</td>"
                        f"<td>{_value(cause['value'])}</td><td>{_value(cause['baseline_value'])}"
-                       f"</td><td class=num>{cause['score']:.2f}</td><td>{_evidence(cause)}</td></tr>")  # fmt: skip
+                       f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>")  # fmt: skip
         out.append("</table></section>")
     charts = _counter_charts(store, trace, causes)
     if charts:

@@ -144,14 +144,13 @@ class Store:
 
 
 def open_store(dsn: str | Location | None = None, *, create_schema: bool = True, agent_fallback: bool = True,
-               must_exist: bool = False, engine_options: dict | None = None) -> Store:  # fmt: skip
+               must_exist: bool = False) -> Store:  # fmt: skip
     """Open the store ``dsn`` names, creating the database and tables unless told not to.
 
     An embedded store held by ``stagetrace agent`` is opened read-only through the agent's query endpoint
     (``stagetrace.through_agent``), unless ``agent_fallback`` is False: then StoreLockedError, as for any other holder.
     ``must_exist`` (the commands that read): a store that is not there is a StoreError, never created empty
-    (a typo in a path would otherwise show an empty store). ``engine_options``: server settings for an embedded
-    engine this process starts (``background_pool_size``, ...).
+    (a typo in a path would otherwise show an empty store).
     """
     location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
     if must_exist and location.embedded and location.path and not (Path(location.path) / "metadata").is_dir():
@@ -161,7 +160,7 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
         if must_exist and location.embedded and location.path and not os.access(location.path, os.W_OK | os.X_OK):
             store = Store(_open_read_only(location), location, read_only=True)
         else:
-            client = _open_embedded(location, engine_options) if location.embedded else _open_server(location)
+            client = _open_embedded(location) if location.embedded else _open_server(location)
             store = Store(client, location)
     except StoreLockedError as locked:
         if not agent_fallback:
@@ -187,15 +186,14 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _open_embedded(location: Location, engine_options: dict | None = None):
+def _open_embedded(location: Location):
     import clickhouse_connect
 
     if location.path:
         _check_writable(Path(location.path))
         _check_not_locked(Path(location.path))
     try:
-        return clickhouse_connect.get_client(interface="chdb", path=location.path or None,
-                                             chdb_options=engine_options or None)  # fmt: skip
+        return clickhouse_connect.get_client(interface="chdb", path=location.path or None)
     except Exception as exc:
         message = _first_line(exc)
         if "already initialized with path" in message:
