@@ -17,10 +17,10 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
@@ -53,29 +53,128 @@ class SourceUnavailable(Exception):
     """The collector's source is not on this machine (or not now); the message says which and why."""
 
 
-@dataclass
+def path_or_none(text: str) -> Path | None:
+    """A path setting whose empty text means "not set"."""
+    return Path(text) if text else None
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a,b,,c`` -> ``("a", "b", "c")``."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting a collector reads, as data: an :class:`Options` attribute, its flag and its environment fallback.
+
+    ``parse`` turns the flag's or the variable's text into the value and raises ValueError, with a message a
+    person can act on, for text it refuses. ``default`` is text (parsed the same way), a value, or a
+    zero-argument callable called when the options are built. The first non-empty variable of ``env`` wins.
+    """
+
+    name: str
+    parse: Callable[[str], Any]
+    default: Any = None
+    env: str | tuple[str, ...] = ()
+    flag: str | None = None
+    help: str = ""
+    metavar: str = "VALUE"
+    shown_default: str = ""  # the default in words, for help, where it is not text (a callable, "" meaning something)
+
+    def __post_init__(self):
+        if not self.name.isidentifier() or self.name.startswith("_") or self.name == "from_args":
+            raise ValueError(f"setting name {self.name!r} is not an attribute name Options can take")
+        if self.flag is not None and not self.flag.startswith("--"):
+            raise ValueError(f"setting {self.name}: flag {self.flag!r} must start with --")
+        if isinstance(self.env, str):
+            object.__setattr__(self, "env", (self.env,))
+
+    def value(self, text: str | None = None, environ: Mapping[str, str] = os.environ):
+        """The flag's text if given, else the first set variable, else the default; ValueError names the source."""
+        source = self.flag
+        if text is None:
+            source, text = next(((name, environ[name]) for name in self.env if environ.get(name)), (None, None))
+        if text is None:
+            if callable(self.default):
+                return self.default()
+            return self.parse(self.default) if isinstance(self.default, str) else self.default
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+
+    def help_text(self) -> str:
+        """The flag's help: what it sets, its default when that is text, and its variables."""
+        shown = self.shown_default or (self.default if isinstance(self.default, str) else "")
+        notes = [f"default {shown}"] if shown else []
+        notes += [f"env {' or '.join(self.env)}"] if self.env else []
+        text = f"{self.help} ({'; '.join(notes)})" if notes else self.help
+        return text.replace("%", "%%")  # argparse formats help with %
+
+
 class Options:
-    """Settings every collector may read; each is an argument with an environment fallback."""
+    """The value of every setting of every registered collector: ``Options(sysfs=..., host=...)``.
 
-    host: str = field(default_factory=lambda: os.environ.get("STAGETRACE_HOST") or socket.gethostname())
-    # node_exporter's --path.sysfs: the RDMA collector reads <sysfs>/class/infiniband
-    sysfs: Path = field(default_factory=lambda: Path(os.environ.get("STAGETRACE_SYSFS", "/sys")))
-    # a directory of recorded NVML snapshots instead of the real library (tests, the demo)
-    nvml_fixture: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_NVML_FIXTURE"))
-    mps_pipe_dir: Path = field(default_factory=lambda: Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")))
-    # recorded `nvidia-cuda-mps-control` answers instead of running the binary (tests, the demo)
-    mps_fixture: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_MPS_FIXTURE"))
-    # netdevs the ethtool collector reads (empty: those behind RDMA ports, else every non-loopback one)
-    netdevs: tuple[str, ...] = field(default_factory=lambda: tuple(filter(None, os.environ.get("STAGETRACE_NETDEVS", "").split(","))))
-    ethtool_include: str = field(default_factory=lambda: os.environ.get("STAGETRACE_ETHTOOL_INCLUDE", ""))
-    ethtool_fixture: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_ETHTOOL_FIXTURE"))
-    # the directory NCCL Inspector dumps into (NCCL_INSPECTOR_PROM_DUMP=1 with NCCL_INSPECTOR_DUMP_DIR)
-    nccl_dir: Path | None = field(default_factory=lambda: _path_env("STAGETRACE_NCCL_DIR") or _path_env("NCCL_INSPECTOR_DUMP_DIR"))
+    A keyword sets a value as it is given; an omitted setting takes its environment variable, else its
+    default. The settings are those collectors declare (:attr:`Collector.settings`), so the built-in
+    collectors' modules are imported first. An unknown keyword raises TypeError, as a dataclass would.
+    """
+
+    def __init__(self, **values):
+        settings = all_settings()
+        unknown = sorted(values.keys() - {s.name for s in settings})
+        if unknown:
+            raise TypeError(f"Options() got an unexpected keyword argument {', '.join(map(repr, unknown))}")
+        for setting in settings:
+            setattr(self, setting.name, values[setting.name] if setting.name in values else setting.value())
+
+    @classmethod
+    def from_args(cls, args, environ: Mapping[str, str] = os.environ) -> Options:
+        """The options of a command line parsed with :func:`add_arguments`' flags: each flag, else its variable,
+        else the default. Raises ValueError, naming the flag or the variable, for text a setting refuses."""
+        flags = {s.name: getattr(args, s.name, None) for s in all_settings() if s.flag}
+        return cls(**{s.name: s.value(flags.get(s.name), environ) for s in all_settings()})
+
+    def __repr__(self) -> str:
+        return f"Options({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
 
 
-def _path_env(name: str) -> Path | None:
-    value = os.environ.get(name)
-    return Path(value) if value else None
+# A setting several collectors read lives here; one only a collector reads lives in its module.
+HOST = Setting(
+    "host", str, socket.gethostname, env="STAGETRACE_HOST", flag="--host", metavar="NAME",
+    help="the host label on every series", shown_default="this machine's hostname",
+)  # fmt: skip
+# node_exporter's --path.sysfs: the RDMA collector reads <sysfs>/class/infiniband, the ethtool one <sysfs>/class/net
+SYSFS = Setting(
+    "sysfs", Path, "/sys", env="STAGETRACE_SYSFS", flag="--sysfs", metavar="DIR",
+    help="sysfs root the RDMA and ethtool collectors read",
+)  # fmt: skip
+SHARED_SETTINGS: tuple[Setting, ...] = (HOST, SYSFS)
+
+
+def all_settings() -> tuple[Setting, ...]:
+    """The shared settings, then each registered collector's, in registration order (built-in modules first)."""
+    from stagetrace.collectors import available  # the package imports this module: import it late
+
+    available()
+    seen: dict[str, Setting] = {}
+    for setting in (*SHARED_SETTINGS, *(s for cls in REGISTRY.values() for s in cls.settings)):
+        seen.setdefault(setting.name, setting)
+    return tuple(seen.values())
+
+
+def add_arguments(group) -> None:
+    """Add a flag for every setting that has one to an argparse parser or group; its value stays text until
+    :meth:`Options.from_args` parses it, so a refused value is one line naming the flag, not argparse's usage."""
+    for setting in all_settings():
+        if setting.flag:
+            group.add_argument(setting.flag, dest=setting.name, metavar=setting.metavar, default=None,
+                               help=setting.help_text())  # fmt: skip
 
 
 class Samples:
@@ -105,10 +204,12 @@ class Samples:
 
 
 class Collector:
-    """One hardware source. Subclasses set ``name`` and implement ``collect``."""
+    """One hardware source. Subclasses set ``name``, declare the ``settings`` they read and implement ``collect``."""
 
     name: ClassVar[str] = ""
     default_enabled: ClassVar[bool] = True
+    # what the collector reads from ``self.options``; the registry makes their flags and environment fallbacks
+    settings: ClassVar[tuple[Setting, ...]] = ()
 
     def __init__(self, options: Options):
         self.options = options
@@ -128,6 +229,16 @@ def register(cls: type[Collector]) -> type[Collector]:
     """Class decorator: make a collector available under ``cls.name`` (node_exporter's registerCollector)."""
     if not cls.name or cls.name in REGISTRY:
         raise ValueError(f"collector name {cls.name!r} is empty or already registered")
+    declared = {s.name: s for s in SHARED_SETTINGS}
+    declared.update((s.name, s) for c in REGISTRY.values() for s in c.settings)
+    flags = {s.flag: s for s in declared.values() if s.flag}
+    for setting in cls.settings:
+        other = declared.get(setting.name) or flags.get(setting.flag)
+        if other is not None and other is not setting:  # the same Setting object may be read by several collectors
+            raise ValueError(f"collector {cls.name}: setting {setting.name} ({setting.flag}) is already declared")
+        declared[setting.name] = setting
+        if setting.flag:
+            flags[setting.flag] = setting
     REGISTRY[cls.name] = cls
     return cls
 

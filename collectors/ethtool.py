@@ -37,7 +37,18 @@ import socket
 import struct
 from pathlib import Path
 
-from stagetrace.collectors.base import COUNTER, Collector, MetricSpec, Samples, SourceUnavailable, register
+from stagetrace.collectors.base import (
+    COUNTER,
+    SYSFS,
+    Collector,
+    MetricSpec,
+    Samples,
+    Setting,
+    SourceUnavailable,
+    comma_list,
+    path_or_none,
+    register,
+)
 from stagetrace.collectors.rdma import rdma_netdevs
 
 logger = logging.getLogger("stagetrace.collectors.ethtool")
@@ -212,29 +223,29 @@ PFC_PAUSE_FRAMES = MetricSpec(
     "Pause frames per priority (mlx5 rx|tx_prio<N>_pause); "
     "priority=\"global\": link-level pause frames (rx|tx_global_pause).",
     PFC_LABELS,
-)  # fmt: skip
+)
 PFC_PAUSE_DURATION = MetricSpec(
     "nic_pfc_pause_duration_seconds_total", COUNTER,
     "Time paused per priority (mlx5 rx|tx_prio<N>_pause_duration, in microseconds there; "
     "priority=\"global\": rx|tx_global_pause_duration).",
     PFC_LABELS, "seconds",
-)  # fmt: skip
+)
 DISCARDS = MetricSpec(
     "nic_discards_total", COUNTER,
     "Packets the port dropped for lack of buffers, i.e. congestion (mlx5 rx|tx_discards_phy).",
     ("netdev", "direction"),
-)  # fmt: skip
+)
 OUT_OF_BUFFER = MetricSpec(
     "nic_out_of_buffer_total", COUNTER,
     "Packets dropped because a receive queue had no software buffers (mlx5 rx_out_of_buffer).",
     LABELS,
-)  # fmt: skip
+)
 PAUSE_STORMS = MetricSpec(
     "nic_pause_storm_events_total", COUNTER,
     "Pause storms: level=\"warning\" the port paused too long, \"error\" it timed out and stopped sending pause frames "
     "(mlx5 tx_pause_storm_warning|error_events).",
     ("netdev", "level"),
-)  # fmt: skip
+)
 
 # (full-match pattern of the driver's name, spec, constant labels); named groups fill the other labels.
 # The driver's durations are microseconds; the series are in seconds.
@@ -262,11 +273,27 @@ def included_spec(stat: str) -> MetricSpec:
     return MetricSpec(f"nic_ethtool_{name}_total", COUNTER, f"Driver statistic {stat} (ethtool -S).", LABELS)
 
 
+NETDEVS = Setting(
+    "netdevs", comma_list, "", env="STAGETRACE_NETDEVS", flag="--netdevs", metavar="LIST",
+    help="comma-separated netdevs the ethtool collector reads",
+    shown_default="those behind RDMA ports, else every non-loopback one",
+)  # fmt: skip
+INCLUDE = Setting(
+    "ethtool_include", str, "", env="STAGETRACE_ETHTOOL_INCLUDE", flag="--ethtool-include", metavar="REGEX",
+    help="also export every ethtool statistic whose name this regular expression matches",
+)  # fmt: skip
+FIXTURE = Setting(
+    "ethtool_fixture", path_or_none, env="STAGETRACE_ETHTOOL_FIXTURE", flag="--ethtool-fixture", metavar="FILE",
+    help="recorded ethtool statistics instead of the ioctl",
+)  # fmt: skip
+
+
 @register
 class EthtoolCollector(Collector):
     """PFC pause, discard and pause-storm counters of the NICs that carry RDMA traffic."""
 
     name = "ethtool"
+    settings = (SYSFS, NETDEVS, INCLUDE, FIXTURE)
 
     def __init__(self, options):
         super().__init__(options)

@@ -28,6 +28,7 @@ import pynvml
 
 from stagetrace.collectors.base import COUNTER, GAUGE, Collector, MetricSpec, Options, Samples, SourceUnavailable, register
 from stagetrace.collectors.nvml import (
+    NVML_FIXTURE,
     NVML_ERRORS,
     CachedReads,
     NvmlSource,
@@ -274,6 +275,7 @@ class GpuCollector(Collector):
     """NVIDIA GPUs through NVML: one set of ``gpu_*`` series per GPU, labelled gpu, uuid, model."""
 
     name = "gpu"
+    settings = (NVML_FIXTURE,)
 
     def __init__(
         self, options: Options, *, source: NvmlSource | None = None, clock: Callable[[], float] = time.monotonic

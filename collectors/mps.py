@@ -39,8 +39,26 @@ from pathlib import Path
 from statistics import fmean
 from typing import Protocol
 
-from stagetrace.collectors.base import GAUGE, Collector, MetricSpec, Options, Samples, SourceUnavailable, register
-from stagetrace.collectors.nvml import NVML_ERRORS, CachedReads, NvmlSource, error_name, nvml_source, write_json_atomic
+from stagetrace.collectors.base import (
+    GAUGE,
+    Collector,
+    MetricSpec,
+    Options,
+    Samples,
+    Setting,
+    SourceUnavailable,
+    path_or_none,
+    register,
+)
+from stagetrace.collectors.nvml import (
+    NVML_ERRORS,
+    NVML_FIXTURE,
+    CachedReads,
+    NvmlSource,
+    error_name,
+    nvml_source,
+    write_json_atomic,
+)
 
 logger = logging.getLogger("stagetrace.collectors.mps")
 
@@ -164,6 +182,16 @@ def write_mps_fixture(directory: Path | str, answers: dict[str, str | None]) -> 
     return path
 
 
+PIPE_DIR = Setting(
+    "mps_pipe_dir", Path, "/tmp/nvidia-mps", env="CUDA_MPS_PIPE_DIRECTORY", flag="--mps-pipe-dir", metavar="DIR",
+    help="the MPS control daemon's pipe directory",
+)  # fmt: skip
+FIXTURE = Setting(
+    "mps_fixture", path_or_none, env="STAGETRACE_MPS_FIXTURE", flag="--mps-fixture", metavar="DIR",
+    help="recorded nvidia-cuda-mps-control answers instead of the binary",
+)  # fmt: skip
+
+
 def mps_control(options: Options) -> MpsControl:
     return RecordedControl(options.mps_fixture) if options.mps_fixture else BinaryControl(options.mps_pipe_dir)
 
@@ -190,6 +218,7 @@ class MpsCollector(Collector):
     """CUDA MPS: daemon state from the control pipe, clients per GPU from NVML."""
 
     name = "mps"
+    settings = (NVML_FIXTURE, PIPE_DIR, FIXTURE)
 
     def __init__(self, options: Options, *, control: MpsControl | None = None, nvml: NvmlSource | None = None):
         super().__init__(options)

@@ -32,7 +32,9 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stagetrace.collectors.base import COUNTER, GAUGE, Collector, MetricSpec, Samples, SourceUnavailable, register
+from stagetrace.collectors.base import (
+    COUNTER, GAUGE, Collector, MetricSpec, Samples, Setting, SourceUnavailable, path_or_none, register,
+)  # fmt: skip
 
 logger = logging.getLogger("stagetrace.collectors.nccl")
 
@@ -102,11 +104,19 @@ def _uuid(path: Path) -> str:
     return raw if raw.startswith(("GPU-", "MIG-")) else f"GPU-{raw}"
 
 
+# NCCL_INSPECTOR_DUMP_DIR: the plugin's own variable, so an agent started in the job's environment finds the dumps
+DUMP_DIR = Setting(
+    "nccl_dir", path_or_none, env=("STAGETRACE_NCCL_DIR", "NCCL_INSPECTOR_DUMP_DIR"), flag="--nccl-dir", metavar="DIR",
+    help="the directory NCCL Inspector dumps into (its NCCL_INSPECTOR_DUMP_DIR)",
+)  # fmt: skip
+
+
 @register
 class NcclCollector(Collector):
     """NCCL Inspector's per-GPU collective performance, read from its Prometheus dump directory."""
 
     name = "nccl"
+    settings = (DUMP_DIR,)
     # Opt-in: only nodes whose jobs run the Inspector plugin have dumps to read (--collectors ...,nccl).
     default_enabled = False
     # Seconds: ten dump intervals at the plugin's 30 s minimum in Prometheus mode. None keeps every dump

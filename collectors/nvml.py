@@ -56,7 +56,13 @@ from typing import Any, Protocol
 
 import pynvml
 
-from stagetrace.collectors.base import Options, SourceUnavailable
+from stagetrace.collectors.base import Options, Setting, SourceUnavailable, path_or_none
+
+# Read by the gpu and mps collectors, which both declare it.
+NVML_FIXTURE = Setting(
+    "nvml_fixture", path_or_none, env="STAGETRACE_NVML_FIXTURE", flag="--nvml-fixture", metavar="DIR",
+    help="recorded NVML snapshots instead of the real library",
+)  # fmt: skip
 
 logger = logging.getLogger("stagetrace.collectors.gpu")
 

@@ -3,7 +3,13 @@
 Per port ``<device>/ports/<n>/``: the PMA counters in ``counters/`` (byte counters count 4-byte
 words, so they are multiplied by 4), every driver counter in ``hw_counters/`` as
 ``rdma_<file>_total``, the link's ``rate``, ``state`` and ``phys_state``, and ``rdma_port_info``
-with the port's netdev (from ``gid_attrs/ndevs``), link layer and the device's firmware and HCA type.
+with the port's netdev (from ``gid_attrs/ndevs``), link layer, the device's firmware and HCA type, and
+the port's rail.
+
+Rails: one port per rail per host, rail N joining NIC N of every host. ``--rdma-rails``
+(``STAGETRACE_RDMA_RAILS``) lists them as ``NAME=DEVICE[:PORT]`` or bare ``DEVICE[:PORT]`` (port 1 when
+left out; a bare entry's rail is ``DEVICE/PORT``), e.g. ``rail0=mlx5_0,rail1=mlx5_3:1``; a port not listed
+is no rail (``rail=""``). Without a list every port is a rail named ``<device>/<port>``.
 
 A file that is missing, reads ``N/A (no PMA)`` (i40iw and other drivers without a PMA) or that the
 driver refuses (EINVAL, EPERM, EOPNOTSUPP, ...) is skipped, never the whole device: procfs, which
@@ -12,12 +18,26 @@ node_exporter uses, drops the device there instead, and an operator sees every c
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
 from functools import lru_cache
 
-from stagetrace.collectors.base import COUNTER, GAUGE, INFO, Collector, MetricSpec, Samples, SourceUnavailable, register
+from stagetrace.collectors.base import (
+    COUNTER,
+    GAUGE,
+    INFO,
+    SYSFS,
+    Collector,
+    MetricSpec,
+    Samples,
+    Setting,
+    SourceUnavailable,
+    register,
+)
+
+logger = logging.getLogger("stagetrace.collectors")
 
 LABELS = ("device", "port")
 
@@ -121,7 +141,57 @@ STATE = MetricSpec("rdma_port_state", GAUGE, "Logical state: 1 DOWN, 2 INIT, 3 A
 PHYSICAL_STATE = MetricSpec(
     "rdma_port_physical_state", GAUGE, "Physical state: 2 Polling, 3 Disabled, 5 LinkUp, 6 LinkErrorRecovery, ...", LABELS
 )
-INFO_SPEC = MetricSpec("rdma_port_info", INFO, "RDMA port: its netdev, link layer, firmware and HCA type.", LABELS)
+INFO_SPEC = MetricSpec(
+    "rdma_port_info", INFO, "RDMA port: its netdev, link layer, firmware, HCA type and rail.", LABELS
+)
+
+_RAIL_FORMS = "write NAME=DEVICE[:PORT] or DEVICE[:PORT], comma-separated, e.g. rail0=mlx5_0,rail1=mlx5_1:1"
+_DEVICE_NAME = re.compile(r"[^\s=:/,]+")
+
+
+def parse_rails(text: str) -> tuple[tuple[str, str, str], ...]:
+    """``rail0=mlx5_0,mlx5_1:2`` -> ``(("rail0", "mlx5_0", "1"), ("mlx5_1/2", "mlx5_1", "2"))``: (rail, device, port).
+
+    Empty text is no list (every port is a rail). ValueError, in one line that says what to write, for an
+    entry without a name or a device, a port that is not a number, a port in two rails, or a rail of two ports.
+    """
+    rails: list[tuple[str, str, str]] = []
+    rail_of: dict[tuple[str, str], str] = {}
+    port_of: dict[str, tuple[str, str]] = {}
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        name, equals, target = (part.strip() for part in entry.rpartition("=")) if "=" in entry else ("", "", entry)
+        if equals and not name:
+            raise ValueError(f"rail entry {entry!r} has no rail name before '=': {_RAIL_FORMS}")
+        if "=" in name:
+            raise ValueError(f"rail entry {entry!r} has more than one '=': {_RAIL_FORMS}")
+        device, colon, port = target.partition(":")
+        if not device:
+            raise ValueError(f"rail entry {entry!r} names no RDMA device: {_RAIL_FORMS}")
+        if not _DEVICE_NAME.fullmatch(device):
+            raise ValueError(f"rail entry {entry!r}: {device!r} is not a device name as in /sys/class/infiniband")
+        if colon and not (port.isascii() and port.isdigit() and int(port) >= 1):
+            raise ValueError(f"rail entry {entry!r}: port {port!r} is not a port number (1, 2, ...), e.g. {device}:1")
+        port = str(int(port)) if colon else "1"
+        name = name or f"{device}/{port}"
+        if (device, port) in rail_of:
+            other = rail_of[(device, port)]
+            where = "twice" if other == name else f"in two rails, {other!r} and {name!r}"
+            raise ValueError(f"port {device}:{port} is listed {where}: a port belongs to one rail")
+        if name in port_of:
+            first = ":".join(port_of[name])
+            raise ValueError(f"rail {name!r} has two ports, {first} and {device}:{port}: a host has one port per rail")
+        rail_of[(device, port)], port_of[name] = name, (device, port)
+        rails.append((name, device, port))
+    return tuple(rails)
+
+
+RAILS = Setting(
+    "rails", parse_rails, "", env="STAGETRACE_RDMA_RAILS", flag="--rdma-rails", metavar="LIST",
+    help="RDMA ports as rails, comma-separated NAME=DEVICE[:PORT] or DEVICE[:PORT] (rail DEVICE/PORT, port 1 "
+         "unless given); a port not listed is no rail", shown_default="every port is a rail named DEVICE/PORT",
+)  # fmt: skip
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -235,17 +305,37 @@ class RdmaCollector(Collector):
     """RDMA NIC ports from sysfs, node_exporter's infiniband collector with the driver's hw_counters."""
 
     name = "rdma"
+    settings = (SYSFS, RAILS)
+
+    def __init__(self, options):
+        super().__init__(options)
+        self._missing_rails: tuple[str, ...] = ()  # listed rails whose port is not under sysfs, as last logged
+
+    def rail(self, device: str, port: str) -> str:
+        """The port's rail: as listed in ``rails``, "" for a port not listed, ``<device>/<port>`` without a list."""
+        rails = self.options.rails
+        if not rails:
+            return f"{device}/{port}"
+        return next((name for name, d, p in rails if (d, p) == (device, port)), "")
 
     def collect(self, out: Samples) -> None:
         root = _infiniband_root(self.options.sysfs)
         devices: dict[str, tuple[str, str]] = {}
+        seen = set()
         for device, port, port_dir in _ports(root):
             if device not in devices:
                 devices[device] = (_read(f"{root}/{device}/fw_ver") or "", _read(f"{root}/{device}/hca_type") or "")
-            self._collect_port(out, device, port, port_dir, *devices[device])
+            self._collect_port(out, device, port, port_dir, *devices[device], self.rail(device, port))
+            seen.add((device, port))
+        missing = tuple(f"{name}={d}:{p}" for name, d, p in self.options.rails if (d, p) not in seen)
+        if missing and missing != self._missing_rails:  # a typo in --rdma-rails, or a port gone: say so once
+            logger.warning("rdma: rails name ports that are not under %s: %s", root, ", ".join(missing))
+        self._missing_rails = missing
 
     @staticmethod
-    def _collect_port(out: Samples, device: str, port: str, port_dir: str, fw_ver: str, hca_type: str) -> None:
+    def _collect_port(
+        out: Samples, device: str, port: str, port_dir: str, fw_ver: str, hca_type: str, rail: str
+    ) -> None:
         counters = f"{port_dir}/counters"
         for file in _list(counters):
             spec = PORT_COUNTERS.get(file)
@@ -264,5 +354,5 @@ class RdmaCollector(Collector):
                 out.add(spec, value, device=device, port=port)
         link_layer = _read(f"{port_dir}/link_layer") or ""
         netdev = _port_netdev(port_dir, link_layer)
-        info = {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver, "hca_type": hca_type}
+        info = {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver, "hca_type": hca_type, "rail": rail}
         out.add(INFO_SPEC, info, device=device, port=port)

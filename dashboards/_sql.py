@@ -117,6 +117,8 @@ def aggregate(
 GPU = "concat(ResourceAttributes['host.name'], ' GPU ', Attributes['gpu'])"
 NIC_PORT = "concat(ResourceAttributes['host.name'], ' ', Attributes['device'], '/', Attributes['port'])"
 NETDEV = "concat(ResourceAttributes['host.name'], ' ', Attributes['netdev'])"
+# rdma_np_cnp_sent_total -> np_cnp_sent: the driver's own counter name, which is what operators search for
+SHORT_NAME = "replaceRegexpOne(MetricName, '^(rdma|nic)_(.*?)(_total)?$', '\\\\2')"
 
 
 def _metric_names(metrics: str | Iterable[str]) -> str:
@@ -178,3 +180,97 @@ def counter(
         samples += " WHERE sample > 1"
     total = "sum(increase) / $__interval_s" if per_second else "sum(increase)"
     return aggregate(f"({samples})", "TimeUnix", {value: total + scale}, labels={k: k for k in labels})
+
+
+# -- rails: the RDMA ports the collector names a rail (rdma_port_info's ``rail`` label; by default every port)
+RAIL_FILTER = (
+    "(ResourceAttributes['host.name'], Attributes['device'], Attributes['port']) IN ("
+    "SELECT ResourceAttributes['host.name'], Attributes['device'], Attributes['port'] FROM otel_metrics_gauge "
+    "WHERE MetricName = 'rdma_port_info' AND Attributes['rail'] != '' AND $__timeFilter(TimeUnix))"
+)
+RAIL = "concat(ResourceAttributes['host.name'], ' ', Attributes['rail'])"
+
+
+def rail_bytes(where: Iterable[str] = ()) -> str:
+    """Per interval, host and rail port: bytes per second both ways (transmit + receive), reset-safe."""
+    return counter(["rdma_port_transmit_bytes_total", "rdma_port_receive_bytes_total"],
+                   {"host": HOST, "port": NIC_PORT}, "bytes", where=[RAIL_FILTER, *where])  # fmt: skip
+
+
+def rail_rates(where: Iterable[str] = ()) -> str:
+    """Per interval, host and rail port: the negotiated data rate (bytes per second)."""
+    return gauge("rdma_port_rate_bytes_per_second", {"host": HOST, "port": NIC_PORT}, "rate",
+                 where=[RAIL_FILTER, *where], function="min")  # fmt: skip
+
+
+# -- weight transfer (conventions: one sync span per step, one span per link)
+def _attr(key: str) -> str:
+    return f"SpanAttributes['{key}']"
+
+
+WEIGHT_SYNCS = (
+    f"(SELECT TraceId, Timestamp AS Start, Duration, ServiceName, StatusCode, "
+    f"toInt64OrZero({_attr(conventions.WEIGHTS_STEP)}) AS Step, toFloat64OrZero({_attr(conventions.SYNC_BYTES)}) AS Bytes, "
+    f"toUInt32OrZero({_attr(conventions.SYNC_SOURCE_RANKS)}) AS SourceRanks, "
+    f"toUInt32OrZero({_attr(conventions.SYNC_DESTINATION_RANKS)}) AS DestinationRanks "
+    f"FROM otel_traces WHERE {conventions.IS_WEIGHT_SYNC_SQL} AND $__timeFilter(Timestamp))"
+)
+WEIGHT_LINKS = (
+    f"(SELECT TraceId, Timestamp AS Start, Duration, StatusCode, toFloat64OrZero({_attr(conventions.LINK_BYTES)}) AS Bytes, "
+    f"concat({_attr(conventions.LINK_SOURCE_HOST)}, ' ', {_attr(conventions.LINK_SOURCE_DEVICE)}) AS SourceNic, "
+    f"concat({_attr(conventions.LINK_DESTINATION_HOST)}, ' ', {_attr(conventions.LINK_DESTINATION_DEVICE)}) AS DestinationNic, "
+    f"{_attr(conventions.LINK_DESTINATION_GPU)} AS DestinationGpu "
+    f"FROM otel_traces WHERE mapContains(SpanAttributes, '{conventions.LINK_BYTES}') AND $__timeFilter(Timestamp))"
+)
+# each NIC's negotiated rate, the last in the range (for a link's line rate)
+NIC_RATES = (
+    f"(SELECT concat({HOST}, ' ', Attributes['device']) AS Nic, argMax(Value, TimeUnix) AS Rate "
+    "FROM otel_metrics_gauge WHERE MetricName = 'rdma_port_rate_bytes_per_second' AND $__timeFilter(TimeUnix) "
+    "GROUP BY Nic)"
+)
+# Per sync and side (source, destination): each NIC's bytes and line rate.
+_SYNC_NICS = (
+    f"(SELECT TraceId, Side, Nic, NicBytes, Rate FROM ("
+    f"SELECT TraceId, 'source' AS Side, SourceNic AS Nic, sum(Bytes) AS NicBytes FROM {WEIGHT_LINKS} GROUP BY TraceId, Nic "
+    f"UNION ALL SELECT TraceId, 'destination' AS Side, DestinationNic AS Nic, sum(Bytes) AS NicBytes FROM {WEIGHT_LINKS} "
+    f"GROUP BY TraceId, Nic) AS n LEFT JOIN {NIC_RATES} AS r USING (Nic))"
+)
+# One row per sync: its throughput against the line rate of the NICs it used (the slower side's sum), and the
+# share of its bytes through the busiest NIC of each side. Fan-in: a side's busiest NIC carried FAN_IN_FACTOR
+# times its even share (1 / that side's ranks) or more.
+_SHARE = "maxIf(NicBytes, Side = '{side}') / nullIf(sumIf(NicBytes, Side = '{side}'), 0)"
+SYNC_SUMMARY = (
+    "(SELECT s.TraceId AS TraceId, s.Start AS Start, s.ServiceName AS ServiceName, s.Step AS Step, "
+    "s.Bytes AS Bytes, s.Duration / 1e9 AS Seconds, s.Bytes / nullIf(Seconds, 0) AS Throughput, "
+    "s.StatusCode AS StatusCode, s.SourceRanks AS SourceRanks, s.DestinationRanks AS DestinationRanks, "
+    "least(n.SourceRate, n.DestinationRate) AS LineRate, Throughput / nullIf(LineRate, 0) AS LineRateShare, "
+    "n.BusiestSource AS BusiestSource, n.SourceShare AS SourceShare, "
+    "n.BusiestDestination AS BusiestDestination, n.DestinationShare AS DestinationShare, "
+    f"(SourceRanks >= 2 AND SourceShare >= least(1, {conventions.FAN_IN_FACTOR} / SourceRanks)) "
+    f"OR (DestinationRanks >= 2 AND DestinationShare >= least(1, {conventions.FAN_IN_FACTOR} / DestinationRanks)) AS FanIn "
+    f"FROM {WEIGHT_SYNCS} AS s INNER JOIN ("
+    "SELECT TraceId, sumIf(Rate, Side = 'source') AS SourceRate, sumIf(Rate, Side = 'destination') AS DestinationRate, "
+    "argMaxIf(Nic, NicBytes, Side = 'source') AS BusiestSource, "
+    f"{_SHARE.format(side='source')} AS SourceShare, "
+    "argMaxIf(Nic, NicBytes, Side = 'destination') AS BusiestDestination, "
+    f"{_SHARE.format(side='destination')} AS DestinationShare "
+    f"FROM {_SYNC_NICS} GROUP BY TraceId) AS n ON s.TraceId = n.TraceId)"
+)
+
+# Which weights each inference GPU serves: per GPU, the step of its latest decode span, when that step first served
+# there, and its fleet's step (the median of its service's GPUs' steps: one GPU ahead, a canary, moves no one).
+GPU_STEP_SPANS = (
+    f"(SELECT ServiceName, HostName, Attributes['{conventions.GPU_UUID}'] AS Gpu, "
+    f"toInt64OrZero(Attributes['{conventions.WEIGHTS_STEP}']) AS Step, Start FROM {STAGES} "
+    f"WHERE Stage = 'decode' AND Gpu != '' AND match(Attributes['{conventions.WEIGHTS_STEP}'], '^-?[0-9]+$') "
+    "AND $__timeFilter(Start))"
+)
+GPU_STEPS = (
+    "(SELECT ServiceName, HostName, Gpu, Step, Arrived, LastSeen, FleetStep, FleetStep - Step AS StepsBehind FROM ("
+    "SELECT ServiceName, HostName, Gpu, argMax(Step, Last) AS Step, argMax(First, Last) AS Arrived, "
+    "max(Last) AS LastSeen FROM (SELECT ServiceName, HostName, Gpu, Step, min(Start) AS First, max(Start) AS Last "
+    f"FROM {GPU_STEP_SPANS} GROUP BY ServiceName, HostName, Gpu, Step) GROUP BY ServiceName, HostName, Gpu) AS g "
+    "INNER JOIN (SELECT ServiceName, toInt64(quantileExact(0.5)(Step)) AS FleetStep FROM ("
+    f"SELECT ServiceName, Gpu, argMax(Step, Start) AS Step FROM {GPU_STEP_SPANS} GROUP BY ServiceName, Gpu) "
+    "GROUP BY ServiceName) AS f USING (ServiceName))"
+)

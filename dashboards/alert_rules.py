@@ -12,10 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagetrace.dashboards import _panels as p
-from stagetrace.dashboards import overview
+from stagetrace.dashboards import build_all
+from stagetrace.dashboards import fabric, overview, weights
 from stagetrace.dashboards._sql import (
-    DEVIATING_RATIO, DURATION_MS, MISSING_RANKS_RATIO, REQUESTS_WITH_MAJORITY, STAGE, STAGES, TP_REQUESTS,
-    TRUNCATED_RATIO, aggregate,
+    DEVIATING_RATIO, DURATION_MS, GPU_STEPS, MISSING_RANKS_RATIO, REQUESTS_WITH_MAJORITY, STAGE, STAGES, SYNC_SUMMARY,
+    TP_REQUESTS, TRUNCATED_RATIO, aggregate,
 )  # fmt: skip
 
 FOLDER_TITLE = FOLDER_UID = "stagetrace"
@@ -25,6 +26,8 @@ ORG_ID = 1
 # Too few requests make a ratio or a percentile noise: groups below this are left out of evaluation.
 MIN_SAMPLES = 20
 ENOUGH = f"count() >= {MIN_SAMPLES}"
+# A GPU more steps behind its fleet than this serves older weights than the rest: it missed a sync.
+MAX_STEPS_BEHIND = 0
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,8 @@ class PipelineRule:
     pending: str  # how long the condition must hold ("for")
     summary: str
     description: str
-    panel: str  # title of the overview panel the alert links to
+    panel: str  # title of the panel the alert links to
+    dashboard: str = overview.UID  # the uid of that panel's dashboard
 
 
 RULES = (
@@ -92,8 +96,30 @@ RULES = (
         "{{ humanizePercentage $values.A.Value }} of requests",
         "Requests whose all-reduce ran on these hosts carry fewer rank spans than the group's parallel.tp_size: a "
         "host of the tensor-parallel group stopped reporting (failed mid-run, or its agent or network is down). "
-        "The TP groups panel on the RDMA dashboard shows when each host was last seen.",
-        "Deviating-output rate",
+        "The Fabric dashboard's TP hosts panel shows when each host was last seen and last scraped.",
+        "Requests missing TP ranks", fabric.UID,
+    ),
+    PipelineRule(
+        "stagetrace-weights-behind", "GPU serves older weights",
+        "SELECT ServiceName AS service, HostName AS host, Gpu AS gpu, toString(FleetStep) AS fleet_step, "
+        f"toFloat64(StepsBehind) AS steps_behind FROM {GPU_STEPS}",
+        MAX_STEPS_BEHIND, 300, "1m",
+        "{{ $labels.host }} {{ $labels.gpu }} serves weights {{ $values.A.Value }} step(s) behind its fleet "
+        "(step {{ $labels.fleet_step }})",
+        "The GPU's latest decode spans carry an older model.weights.step than most GPUs of its service: it missed a "
+        "weight sync and its outputs come from older weights. The Weights dashboard shows when each step arrived; "
+        "`stagetrace explain` on one of its requests names the step.",
+        "Step served per GPU", weights.UID,
+    ),
+    PipelineRule(
+        "stagetrace-weights-fan-in", "Weight syncs funnel through one NIC",
+        f"SELECT ServiceName AS service, countIf(FanIn) / count() AS fan_in FROM {SYNC_SUMMARY} GROUP BY service",
+        0.5, 1800, "0s",
+        "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of weight syncs funnel through one NIC",
+        "Most weight syncs of the last 30 minutes sent most of their bytes through one NIC (the rank-0 pattern: "
+        "gather on one training GPU, send from there), so they run at one NIC's speed. Writing each rank's shard "
+        "from every training GPU uses every NIC.",
+        "Fan-in: busiest NIC's share", weights.UID,
     ),
 )  # fmt: skip
 
@@ -131,11 +157,11 @@ def _data(rule: PipelineRule) -> list[dict]:
     return [query, threshold]
 
 
-def _panel_id(title: str) -> int:
-    for panel in overview.build()["panels"]:
-        if panel["title"] == title:
+def _panel_id(rule: PipelineRule) -> int:
+    for panel in build_all()[rule.dashboard]["panels"]:
+        if panel["title"] == rule.panel:
             return panel["id"]
-    raise LookupError(f"the overview dashboard has no panel titled {title!r}")
+    raise LookupError(f"the {rule.dashboard} dashboard has no panel titled {rule.panel!r}")
 
 
 def _rule(rule: PipelineRule) -> dict:
@@ -156,7 +182,7 @@ def _rule(rule: PipelineRule) -> dict:
 
 def file_provisioning() -> dict:
     """``provisioning/alerting/stagetrace.yaml``: the rule group, in Grafana's file format."""
-    rules = [{**_rule(r), "dashboardUid": overview.UID, "panelId": _panel_id(r.panel)} for r in RULES]
+    rules = [{**_rule(r), "dashboardUid": r.dashboard, "panelId": _panel_id(r)} for r in RULES]
     return {
         "apiVersion": 1,
         "groups": [{"orgId": ORG_ID, "name": GROUP, "folder": FOLDER_TITLE, "interval": f"{INTERVAL_S}s",
@@ -169,7 +195,7 @@ def api_rule_group() -> dict:
     rules = []
     for rule in RULES:
         body = _rule(rule)
-        body["annotations"] = {**body["annotations"], "__dashboardUid__": overview.UID,
-                               "__panelId__": str(_panel_id(rule.panel))}  # fmt: skip
+        body["annotations"] = {**body["annotations"], "__dashboardUid__": rule.dashboard,
+                               "__panelId__": str(_panel_id(rule))}  # fmt: skip
         rules.append({**body, "orgID": ORG_ID, "folderUID": FOLDER_UID, "ruleGroup": GROUP})
     return {"title": GROUP, "folderUid": FOLDER_UID, "interval": INTERVAL_S, "rules": rules}

@@ -1,4 +1,4 @@
-"""RDMA fabric: per-port throughput, congestion, retransmits and timeouts, link state, PFC, NCCL all-reduce.
+"""RDMA ports: per-port throughput, congestion, retransmits and timeouts, link state, PFC, NCCL bus bandwidth.
 
 RDMA series are per (host, device, port); ethtool's PFC series are per netdev and are matched to the
 selected RDMA devices through ``rdma_port_info``'s netdev label.
@@ -7,10 +7,7 @@ selected RDMA devices through ``rdma_port_info``'s netdev label.
 from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
-from stagetrace.dashboards._sql import (
-    DURATION_MS, HOST, MISSING_RANKS_RATIO, NETDEV, NIC_PORT, STAGE, STAGES, TP_REQUESTS, aggregate, any_selected,
-    counter, gauge,
-)  # fmt: skip
+from stagetrace.dashboards._sql import HOST, NETDEV, NIC_PORT, SHORT_NAME, any_selected, counter, gauge
 
 UID = "stagetrace-rdma"
 
@@ -25,8 +22,6 @@ NETDEV_FILTERS = [
     "AND Attributes['device'] IN (${nic:singlequote})), $nic)",
 ]
 BY_PORT = {"port": NIC_PORT}
-# rdma_np_cnp_sent_total -> np_cnp_sent: the driver's own counter name, which is what operators search for
-SHORT_NAME = "replaceRegexpOne(MetricName, '^(rdma|nic)_(.*?)(_total)?$', '\\\\2')"
 
 
 def port_counter(metrics: str | list[str], value: str, **options) -> str:
@@ -106,41 +101,13 @@ def panels() -> list[dict]:
                      "short", bars=True, width=24,
                      description="Pause-storm events the driver detected, packets dropped for lack of buffers."),
         p.row("NCCL"),
-        p.timeseries("NCCL all-reduce time",
-                     gauge("nccl_collective_time_seconds",
-                           {"gpu": "concat(ResourceAttributes['host.name'], ' CUDA ', Attributes['cuda_device'])",
-                            "size": "Attributes['message_size']"},
-                           "seconds", where=[HOST_FILTER, "Attributes['collective'] = 'AllReduce'"], function="max"),
-                     "s", width=8, description="Mean all-reduce time per message size, from NCCL Inspector dumps."),
         p.timeseries("NCCL all-reduce bus bandwidth",
                      gauge("nccl_collective_bus_bandwidth_bytes_per_second",
                            {"gpu": "concat(ResourceAttributes['host.name'], ' CUDA ', Attributes['cuda_device'])",
                             "size": "Attributes['message_size']"},
                            "bandwidth", where=[HOST_FILTER, "Attributes['collective'] = 'AllReduce'"]),
-                     "Bps", width=8, description="Bus bandwidth of all-reduce per message size (NCCL Inspector)."),
-        p.timeseries("All-reduce stage time (spans)",
-                     aggregate(STAGES, "Start",
-                               {"p50": f"quantile(0.5)({DURATION_MS})", "p99": f"quantile(0.99)({DURATION_MS})"},
-                               labels={"host": HOST}, where=[f"{STAGE} = 'allreduce'", HOST_FILTER]),
-                     "ms", width=8,
-                     description="The pipeline's own all-reduce stage spans per host: what the requests felt."),
-        p.row("Tensor-parallel groups"),
-        p.timeseries("Requests missing TP ranks",
-                     aggregate(f"(SELECT *, arrayJoin(HostList) AS Host FROM {TP_REQUESTS})", "RequestStart",
-                               {"missing": MISSING_RANKS_RATIO}, labels={"host": "Host"},
-                               where=["TpSize > 1", any_selected("Host", "host")]),
-                     "percentunit", max_value=1, width=12,
-                     description="Per host taking part in tensor-parallel all-reduces: the share of its requests with "
-                                 "fewer rank spans than parallel.tp_size. When a host of a TP group fails mid-run, "
-                                 "the other hosts' requests lose its ranks (the alert names the group)."),
-        p.table("TP hosts, last seen",
-                "SELECT HostName AS host, max(Start) AS last_seen, "
-                "arrayStringConcat(arraySort(groupUniqArray(Rank)), ' ') AS ranks, count() AS rank_spans "
-                f"FROM {STAGES} WHERE Stage = 'allreduce' AND Rank != '' AND $__timeFilter(Start) "
-                f"AND {HOST_FILTER} GROUP BY host ORDER BY last_seen",
-                "none", width=12,
-                description="Every host that ran all-reduce ranks in the time range, with the last moment one of "
-                            "its rank spans started: the host of a degraded group is the one last seen earliest."),
+                     "Bps", width=24, description="Bus bandwidth of all-reduce per message size (NCCL Inspector); "
+                                                  "its time beside the fabric's counters is on the Fabric dashboard."),
     ]  # fmt: skip
 
 
@@ -148,6 +115,6 @@ def build() -> dict:
     return p.dashboard(
         UID, "stagetrace: RDMA fabric",
         "Per NIC port: throughput, congestion (CNP, ECN), retransmits and ack timeouts, sequence errors, link downs, "
-        "PFC pause frames and time per priority, NCCL all-reduce time and bus bandwidth.",
+        "PFC pause frames and time per priority, NCCL all-reduce bus bandwidth.",
         panels(), variables(),
     )  # fmt: skip

@@ -1,9 +1,11 @@
 """The RDMA collector on the committed 8-port mlx5 sysfs fixture, and against node_exporter on the same tree."""
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -12,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stagetrace.collectors.base import Node, Options
-from stagetrace.collectors.rdma import PORT_COUNTERS, RdmaCollector, rdma_netdevs
+from stagetrace.cli import build_parser
+from stagetrace.collectors.rdma import PORT_COUNTERS, RdmaCollector, parse_rails, rdma_netdevs
 from stagetrace.exporters.prometheus import registry_for
 
 SYSFS = Path(__file__).parent / "fixtures" / "node" / "sys"
@@ -122,14 +125,105 @@ def test_missing_and_unreadable_files_are_skipped_without_failing_the_device(cop
     assert value(registry, "rdma_port_rate_bytes_per_second", "mlx5_2") is None
     assert value(registry, "rdma_local_ack_timeout_err_total", "mlx5_2") is None
     assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_2") == 4 * file_value("mlx5_2", "counters/port_xmit_data")
-    info = {"netdev": "ens2f0np0", "link_layer": "Ethernet", "fw_ver": "", "hca_type": "MT4129"}
+    info = {"netdev": "ens2f0np0", "link_layer": "Ethernet", "fw_ver": "", "hca_type": "MT4129", "rail": "mlx5_2/1"}
     assert value(registry, "rdma_port_info", "mlx5_2", **info) == 1
 
 
-def test_info_names_netdev_link_layer_firmware_and_hca_type():
+def test_info_names_netdev_link_layer_firmware_hca_type_and_rail():
     registry = scrape(SYSFS)
-    info = {"netdev": "ens1f0np0", "link_layer": "Ethernet", "fw_ver": "28.39.2048", "hca_type": "MT4129"}
+    info = {"netdev": "ens1f0np0", "link_layer": "Ethernet", "fw_ver": "28.39.2048", "hca_type": "MT4129",
+            "rail": "mlx5_0/1"}  # fmt: skip
     assert value(registry, "rdma_port_info", "mlx5_0", **info) == 1
+
+
+# --- rails ----------------------------------------------------------------------------------------------------
+
+
+def rails_by_port(sysfs: Path, rails: str | None = None, env: dict | None = None) -> dict[tuple[str, str], str]:
+    """{(device, port): rail} of rdma_port_info, the options built as the command line builds them."""
+    argv = ["collect", "--once"] + (["--rdma-rails", rails] if rails is not None else [])
+    options = Options.from_args(build_parser().parse_args(argv), environ=env or {})
+    options.sysfs, options.host = sysfs, "node-a"
+    families = Node([RdmaCollector(options)], "node-a").collect()
+    return {(s.labels["device"], s.labels["port"]): s.labels["rail"]
+            for f in families if f.name == "rdma_port" for s in f.samples if s.name == "rdma_port_info"}  # fmt: skip
+
+
+@pytest.fixture
+def three_ports(tmp_path) -> Path:
+    """mlx5_0 with ports 1 and 2, and mlx5_1 with port 1."""
+    ib = tmp_path / "sys" / "class" / "infiniband"
+    for device in ("mlx5_0", "mlx5_1"):
+        shutil.copytree(IB / device, ib / device)
+    shutil.copytree(ib / "mlx5_0" / "ports" / "1", ib / "mlx5_0" / "ports" / "2")
+    return tmp_path / "sys"
+
+
+def test_by_default_every_port_is_a_rail_named_device_slash_port(three_ports):
+    expected = {("mlx5_0", "1"): "mlx5_0/1", ("mlx5_0", "2"): "mlx5_0/2", ("mlx5_1", "1"): "mlx5_1/1"}
+    assert rails_by_port(three_ports) == expected
+    assert rails_by_port(three_ports, "") == expected  # an empty list is no list
+    assert rails_by_port(SYSFS) == {(f"mlx5_{i}", "1"): f"mlx5_{i}/1" for i in range(8)}
+
+
+def test_a_rail_list_names_its_ports_and_leaves_the_others_without_a_rail(three_ports, caplog):
+    explicit = {("mlx5_0", "1"): "", ("mlx5_0", "2"): "rail0", ("mlx5_1", "1"): "mlx5_1/1"}
+    with caplog.at_level(logging.WARNING, logger="stagetrace.collectors"):
+        assert rails_by_port(three_ports, "rail0=mlx5_0:2, mlx5_1") == explicit
+        assert rails_by_port(three_ports, env={"STAGETRACE_RDMA_RAILS": "rail0=mlx5_0:2,mlx5_1:1"}) == explicit
+        # the flag wins over the variable
+        assert rails_by_port(three_ports, "r=mlx5_0", env={"STAGETRACE_RDMA_RAILS": "rail0=mlx5_0:2"}) == {
+            ("mlx5_0", "1"): "r", ("mlx5_0", "2"): "", ("mlx5_1", "1"): ""}  # fmt: skip
+    assert not caplog.records
+    assert Options(rails=parse_rails("a=mlx5_1")).rails == (("a", "mlx5_1", "1"),)
+
+
+def test_a_listed_port_that_is_not_there_is_logged_once(three_ports, caplog):
+    collector = RdmaCollector(Options(sysfs=three_ports, host="node-a", rails=parse_rails("r0=mlx5_0,r1=mlx5-1")))
+    registry = scrape(three_ports, Node([collector], "node-a"))
+    with caplog.at_level(logging.WARNING, logger="stagetrace.collectors"):
+        for _ in range(3):
+            assert registry.get_sample_value("stagetrace_collector_success", {"collector": "rdma", "host": "node-a"})
+    assert caplog.messages == [f"rdma: rails name ports that are not under {three_ports}/class/infiniband: r1=mlx5-1:1"]
+
+
+MALFORMED = {
+    "=mlx5_0": "rail entry '=mlx5_0' has no rail name before '='",
+    "a=": "rail entry 'a=' names no RDMA device",
+    "a=:1": "rail entry 'a=:1' names no RDMA device",
+    "a=b=mlx5_0": "rail entry 'a=b=mlx5_0' has more than one '='",
+    "a=mlx5/0": "rail entry 'a=mlx5/0': 'mlx5/0' is not a device name as in /sys/class/infiniband",
+    "mlx5_0:x": "rail entry 'mlx5_0:x': port 'x' is not a port number",
+    "a=mlx5_0:": "rail entry 'a=mlx5_0:': port '' is not a port number",
+    "mlx5_0:0": "rail entry 'mlx5_0:0': port '0' is not a port number",
+    "a=mlx5_0,b=mlx5_0:1": "port mlx5_0:1 is listed in two rails, 'a' and 'b': a port belongs to one rail",
+    "mlx5_0,mlx5_0:1": "port mlx5_0:1 is listed twice",
+    "a=mlx5_0,a=mlx5_1": "rail 'a' has two ports, mlx5_0:1 and mlx5_1:1: a host has one port per rail",
+    "mlx5_1/1=mlx5_0,mlx5_1": "rail 'mlx5_1/1' has two ports, mlx5_0:1 and mlx5_1:1",
+}
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_a_malformed_rail_list_is_refused_at_parse_time_naming_the_flag_or_the_variable(text):
+    args = build_parser().parse_args(["collect", "--once", "--rdma-rails", text])
+    with pytest.raises(ValueError) as flag:
+        Options.from_args(args, environ={})
+    assert str(flag.value).startswith(f"--rdma-rails: {MALFORMED[text]}") and "\n" not in str(flag.value)
+    with pytest.raises(ValueError) as variable:
+        Options.from_args(build_parser().parse_args(["collect", "--once"]), environ={"STAGETRACE_RDMA_RAILS": text})
+    assert str(variable.value).startswith(f"STAGETRACE_RDMA_RAILS: {MALFORMED[text]}")
+
+
+def test_collect_with_a_malformed_rail_list_prints_one_line_and_exits_2(tmp_path):
+    env = {**os.environ, "STAGETRACE_RDMA_RAILS": ""}
+    done = subprocess.run([sys.executable, "-m", "stagetrace", "collect", "--once", "--sysfs", str(SYSFS),
+                           "--collectors", "rdma", "--rdma-rails", "=mlx5_0"],
+                          check=False, capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "stagetrace: --rdma-rails: rail entry '=mlx5_0' has no rail name before '=': "
+        "write NAME=DEVICE[:PORT] or DEVICE[:PORT], comma-separated, e.g. rail0=mlx5_0,rail1=mlx5_1:1\n"
+    )
 
 
 def test_rdma_netdevs_maps_roce_ports_and_skips_infiniband_ones(copied_sysfs):
@@ -282,7 +376,7 @@ def test_every_value_node_exporter_exports_is_ours(node_exporter_samples):
     assert compared >= 8 * (len(PORT_COUNTERS) + 3) - 1
     assert ("port_transmit_wait_total", "mlx5_7", "1") not in theirs  # both skip the N/A (no PMA) file
     for device, labels in their_info.items():
-        info = {"netdev": rdma_netdevs(SYSFS)[(device, "1")], "link_layer": "Ethernet",
+        info = {"netdev": rdma_netdevs(SYSFS)[(device, "1")], "link_layer": "Ethernet", "rail": f"{device}/1",
                 "fw_ver": labels["firmware_version"], "hca_type": labels["hca_type"]}  # fmt: skip
         assert value(ours, "rdma_port_info", device, **info) == 1
     assert len(their_info) == 8

@@ -73,13 +73,15 @@ def _variables(dashboard: dict) -> dict[str, dict]:
     return {v["name"]: v for v in dashboard["templating"]["list"]}
 
 
-def test_the_five_dashboards_and_their_variables():
+def test_the_seven_dashboards_and_their_variables():
     expected = {
         "stagetrace-overview": {"datasource", "service", "host"},
         "stagetrace-trace-lookup": {"datasource", "request_id"},
         "stagetrace-divergences": {"datasource", "service", "host"},
         "stagetrace-gpu": {"datasource", "host", "gpu"},
         "stagetrace-rdma": {"datasource", "host", "nic"},
+        "stagetrace-fabric": {"datasource", "host"},
+        "stagetrace-weights": {"datasource", "service"},
     }
     assert set(DASHBOARDS) == set(expected)
     for uid, names in expected.items():

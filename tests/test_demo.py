@@ -1,7 +1,8 @@
 """``stagetrace demo``: ground truth checked against what the store recorded, and the numbers that make it credible.
 
 The demo runs once (module fixture) through the real CLI into a real embedded store; the tests read
-the spans, metric samples and truth table back with SQL.
+the spans, metric samples and truth table back with SQL. These tests are of the pipeline (its service, its
+hosts); the fabric and weights half hour the demo also plays has tests of its own (``test_fabric_demo``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import pytest
 
 from stagetrace import demo
 from stagetrace.demo import faults, world
-from stagetrace.demo.pipeline import REMOTE_RANKS, DocCache
+from stagetrace.demo.pipeline import REMOTE_RANKS, SERVICE_NAME, DocCache
 from stagetrace.digest import digest
 from stagetrace.store import open_store
 
 REQUESTS, NODES, SEED = 600, 4, 11
+PIPELINE = {"service": SERVICE_NAME}  # query parameter: the pipeline's rows, not the fabric scenario's
+PIPELINE_HOST = "match(ResourceAttributes['host.name'], '^gpu-node-[0-9]+$')"
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -45,22 +48,24 @@ def recorded(run):
     dsn, _ = run
     with open_store(dsn) as store:
         requests = store.client.query(
-            "SELECT RequestId, TraceId, HostName, InputDigest, OutputDigest FROM {db:Identifier}.stagetrace_requests",
-            parameters={"db": store.database},
+            "SELECT RequestId, TraceId, HostName, InputDigest, OutputDigest FROM {db:Identifier}.stagetrace_requests "
+            "WHERE ServiceName = {service:String}",
+            parameters={"db": store.database, **PIPELINE},
         ).result_rows
         stages = store.client.query(
             """SELECT TraceId, SpanAttributes['stagetrace.stage'], SpanAttributes['stagetrace.stage.input_digest'],
                       SpanAttributes['stagetrace.stage.output_digest'], SpanAttributes
-               FROM {db:Identifier}.otel_traces WHERE mapContains(SpanAttributes, 'stagetrace.stage')""",
-            parameters={"db": store.database},
+               FROM {db:Identifier}.otel_traces WHERE mapContains(SpanAttributes, 'stagetrace.stage')
+               AND ServiceName = {service:String}""",
+            parameters={"db": store.database, **PIPELINE},
         ).result_rows
         truth = store.client.query(
             "SELECT RequestId, Stage, Cause, Expected, Nondeterministic FROM {db:Identifier}.stagetrace_demo_truth",
             parameters={"db": store.database},
         ).result_rows
         metrics = store.client.query(
-            """SELECT ResourceAttributes['host.name'], MetricName, Attributes, max(Value) - min(Value), max(Value)
-               FROM {db:Identifier}.otel_metrics_sum GROUP BY 1, 2, 3""",
+            f"""SELECT ResourceAttributes['host.name'], MetricName, Attributes, max(Value) - min(Value), max(Value)
+               FROM {{db:Identifier}}.otel_metrics_sum WHERE {PIPELINE_HOST} GROUP BY 1, 2, 3""",
             parameters={"db": store.database},
         ).result_rows
     by_trace = defaultdict(dict)
@@ -234,11 +239,13 @@ def test_a_tp_group_across_two_hosts_records_one_allreduce_span_per_rank(run):
             """SELECT TraceId, ResourceAttributes['host.name'], SpanAttributes['parallel.tp_rank'],
                       SpanAttributes['net.rdma.devices'], SpanAttributes['stagetrace.stage.input_digest'],
                       SpanAttributes['stagetrace.stage.output_digest']
-               FROM {db:Identifier}.otel_traces WHERE SpanAttributes['stagetrace.stage'] = 'allreduce'""",
-            parameters={"db": store.database},
+               FROM {db:Identifier}.otel_traces WHERE SpanAttributes['stagetrace.stage'] = 'allreduce'
+               AND ServiceName = {service:String}""",
+            parameters={"db": store.database, **PIPELINE},
         ).result_rows
-        hosts = dict(store.client.query("SELECT TraceId, HostName FROM {db:Identifier}.stagetrace_requests",
-                                        parameters={"db": store.database}).result_rows)  # fmt: skip
+        hosts = dict(store.client.query("SELECT TraceId, HostName FROM {db:Identifier}.stagetrace_requests "
+                                        "WHERE ServiceName = {service:String}",
+                                        parameters={"db": store.database, **PIPELINE}).result_rows)  # fmt: skip
     by_trace = defaultdict(list)
     for trace_id, *span in rows:
         by_trace[trace_id].append(span)
@@ -347,7 +354,8 @@ def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tm
 
     def requests() -> tuple[int, int]:
         with open_store(dsn) as store:
-            return store.client.query("SELECT count(), uniqExact(RequestId) FROM stagetrace.stagetrace_requests").result_rows[0]
+            return store.client.query("SELECT count(), uniqExact(RequestId) FROM stagetrace.stagetrace_requests "
+                                      "WHERE ServiceName = {service:String}", parameters=PIPELINE).result_rows[0]
 
     first = _demo(*small)
     assert first.returncode == 0, first.stderr

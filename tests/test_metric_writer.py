@@ -39,7 +39,7 @@ def test_counters_are_cumulative_monotonic_sums_and_the_rest_gauges(store):
     assert gauges["rdma_port_info"]["Value"] == 1
     assert gauges["rdma_port_info"]["Attributes"] == {
         "device": "mlx5_3", "port": "1", "netdev": "ens2f1np1", "link_layer": "Ethernet",
-        "fw_ver": "28.39.2048", "hca_type": "MT4129",
+        "fw_ver": "28.39.2048", "hca_type": "MT4129", "rail": "mlx5_3/1",
     }  # fmt: skip
     assert "rdma_port_state" not in sums and "rdma_port_transmit_bytes_total" not in gauges
     success = store.client.command(

@@ -1,4 +1,4 @@
-"""A tensor-parallel group whose host fails mid-run: the Grafana rule and the RDMA dashboard's TP panels.
+"""A tensor-parallel group whose host fails mid-run: the Grafana rule and the Fabric dashboard's TP panels.
 
 The class of case: a TP=4 group over two hosts (ranks 0-1 on one, 2-3 on the other) serves requests; then one
 host stops reporting and the group's requests carry only the other host's rank spans. Spans are written by the
@@ -75,7 +75,7 @@ def test_a_host_that_fails_mid_run_degrades_its_tp_group_and_is_last_seen_first(
                     failed_at + timedelta(minutes=5))  # fmt: skip
     assert degraded == [{"service": "tp-svc", "hosts": "node-a", "missing_ranks": 1}]  # fires: above 0.01
 
-    panels = {panel["title"]: panel for panel in build_all()["stagetrace-rdma"]["panels"]}
+    panels = {panel["title"]: panel for panel in build_all()["stagetrace-fabric"]["panels"]}
     last_seen = rows(store, panels["TP hosts, last seen"]["targets"][0]["rawSql"], T0, failed_at + timedelta(minutes=5))
     assert [r["host"] for r in last_seen] == ["node-b", "node-a"]  # the failed host is the one last seen first
     assert last_seen[0]["last_seen"] < failed_at.strftime("%Y-%m-%d %H:%M:%S") <= last_seen[1]["last_seen"]

@@ -30,30 +30,21 @@ def _store_option() -> argparse.ArgumentParser:
 
 
 def _collector_options() -> argparse.ArgumentParser:
-    """Options shared by the commands that run collectors; each dest is an ``Options`` field."""
+    """Options shared by the commands that run collectors: ``--collectors`` and the flags the collectors declare."""
+    from stagetrace.collectors import add_arguments
+
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("collectors")
+    group = parent.add_argument_group("collectors", "Each setting: its flag, else its environment variable, else default.")
     group.add_argument("--collectors", metavar="LIST", help="comma-separated collectors to run (default: every default-enabled one)")
-    group.add_argument("--sysfs", metavar="DIR", type=Path, help="sysfs root the RDMA collector reads (default /sys, env STAGETRACE_SYSFS)")
-    group.add_argument("--nvml-fixture", metavar="DIR", type=Path, help="recorded NVML snapshots instead of the real library")
-    group.add_argument("--mps-fixture", metavar="DIR", type=Path, help="recorded nvidia-cuda-mps-control answers instead of the binary")
-    group.add_argument("--nccl-dir", metavar="DIR", type=Path, help="the directory NCCL Inspector dumps into (its NCCL_INSPECTOR_DUMP_DIR)")
-    group.add_argument("--ethtool-fixture", metavar="FILE", type=Path, help="recorded ethtool statistics instead of the ioctl")
+    add_arguments(group)
     return parent
 
 
 def _node(args):
-    """The Node of the collectors the command line names (ValueError for an unknown name)."""
-    from dataclasses import fields
+    """The Node of the collectors the command line names (ValueError for an unknown name or a refused setting)."""
+    from stagetrace.collectors import Options, build_node
 
-    from stagetrace.collectors import build_node
-    from stagetrace.collectors.base import Options
-
-    options = Options()
-    for option in fields(Options):
-        if getattr(args, option.name, None) is not None:
-            setattr(options, option.name, getattr(args, option.name))
-    return build_node(args.collectors, options)
+    return build_node(args.collectors, Options.from_args(args))
 
 
 def _log_to_stderr(prefix: str) -> None:

@@ -37,6 +37,25 @@ NONDETERMINISTIC = "stagetrace.nondeterministic"
 TP_RANK = "parallel.tp_rank"
 TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-parallel group has
 HOST = "host.name"  # resource attribute
+GPU_UUID = "gpu.uuid"
+WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with
+
+# -- weight transfer (RL: after each training step the trainer pushes the new weights into the inference GPUs).
+# One span per sync, the root of its own trace, carrying the step, the bytes and how many ranks send and receive;
+# below it one span per link (a source NIC writing to a destination NIC), or per destination. A sync span is not
+# a request, although it is a trace's root.
+SYNC_BYTES = "weights.sync.bytes"  # total bytes the sync moved
+SYNC_SOURCE_RANKS = "weights.sync.source_ranks"  # how many training ranks hold the weights (could send)
+SYNC_DESTINATION_RANKS = "weights.sync.destination_ranks"  # how many inference ranks receive them
+LINK_BYTES = "weights.link.bytes"
+LINK_SOURCE_HOST, LINK_SOURCE_RANK, LINK_SOURCE_DEVICE = (
+    "weights.link.source.host", "weights.link.source.rank", "weights.link.source.device")  # fmt: skip
+LINK_DESTINATION_HOST, LINK_DESTINATION_RANK, LINK_DESTINATION_DEVICE, LINK_DESTINATION_GPU = (
+    "weights.link.destination.host", "weights.link.destination.rank", "weights.link.destination.device",
+    "weights.link.destination.gpu.uuid")  # fmt: skip
+# A sync funnels through one NIC (the rank-0 pattern: gather on training rank 0, send from there) when one NIC
+# of a side carries at least this many times its even share of the bytes (1 / that side's ranks).
+FAN_IN_FACTOR = 2.0
 
 # Pipeline order; other stage names are allowed and come after these, by start time.
 PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decode")
@@ -322,10 +341,13 @@ ATTRIBUTE_REQUEST_ID_SQL = (
     + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]" for k in REQUEST_ID_ALIASES)
     + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}], '')"
 )
-# A request root: a span with a request ID that is not one of stagetrace's own stage spans, or a trace's root
-# span (its trace ID then stands for the request ID). Stages named by other conventions may be roots too:
+# A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync), or
+# a trace's root span (its trace ID then stands for the request ID). Stages named by other conventions may be roots too:
 # vLLM's llm_request is both the request and its decode stage.
-IS_REQUEST_ROOT_SQL = f"NOT {IS_EXPLICIT_STAGE_SQL} AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
+IS_WEIGHT_SYNC_SQL = f"mapContains(SpanAttributes, {_quote(SYNC_BYTES)})"
+IS_REQUEST_ROOT_SQL = (
+    f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
+)
 REQUEST_ID_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} AS _rid != '', _rid, TraceId)"
 REQUEST_ID_SOURCE_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} != '', 'attribute', 'trace')"
 REQUEST_INPUT_DIGEST_SQL = _first_sql(REQUEST_INPUT_DIGEST_SOURCES)

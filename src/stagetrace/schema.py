@@ -16,7 +16,7 @@ from stagetrace import conventions as cv
 # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
 # 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
 # 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -311,7 +311,8 @@ WHERE Stage != ''""",
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
-REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
+REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
+            6: ("stagetrace_requests_mv",)}  # fmt: skip
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
 NEW_COLUMNS = {
     4: (("stagetrace_requests", "Source LowCardinality(String) CODEC(ZSTD(1))"),

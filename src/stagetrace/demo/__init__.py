@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stagetrace.demo import faults, world
+from stagetrace.demo import fabric, faults, world
 from stagetrace.demo.pipeline import DONE, RequestSpec, Result, node_main
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
@@ -63,6 +63,8 @@ class DemoResult:
     deviating: list[str]  # outputs that differ from the majority of comparable requests (see _conclude)
     truth: list[Truth]
     truncated_nodes: set[str] = field(default_factory=set)
+    fabric_spans: int = 0  # the fabric and weights scenario's (demo.fabric)
+    fabric_samples: int = 0
 
     def to_json(self) -> dict:
         return {
@@ -97,7 +99,7 @@ def request_specs(requests: int, nodes: int, seed: int, salt: int = 0) -> dict[i
 
 # what a demo run writes; --fresh empties them first
 _TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "stagetrace_requests",
-           "stagetrace_stages", "stagetrace_divergences", TRUTH_TABLE)  # fmt: skip
+           "stagetrace_stages", "stagetrace_divergences", TRUTH_TABLE, fabric.TRUTH_TABLE)  # fmt: skip
 
 
 def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progress=None,
@@ -124,6 +126,7 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
                                      parameters={"db": store.database, "table": table})  # fmt: skip
         else:
             salt = time.time_ns()
+    fabric_spans, fabric_samples = _play_fabric(store, seed + salt)
     specs = request_specs(requests, nodes, seed, salt)
     plan = faults.observed(faults.plan(nodes), {node: [s.position for s in served] for node, served in specs.items()})
     hardware_dir = tempfile.mkdtemp(prefix="stagetrace-demo-hw-")
@@ -143,7 +146,18 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
             if proc.is_alive():
                 proc.kill()
         shutil.rmtree(hardware_dir, ignore_errors=True)
-    return _conclude(store, results, spans, samples, plan)
+    result = _conclude(store, results, spans, samples, plan)
+    result.fabric_spans, result.fabric_samples = fabric_spans, fabric_samples
+    return result
+
+
+def _play_fabric(store: Store, seed: int) -> tuple[int, int]:
+    """The fabric and weights half hour before now (``demo.fabric``), with its ground truth; rows written."""
+    spans, metrics, truth, t0 = fabric.play(time.time_ns(), seed)
+    written = _insert_spans(store, spans)
+    samples = sum(_insert_metrics(store, table, rows) for table, rows in metrics.items())
+    fabric.write_truth(store, truth, t0)
+    return written, samples
 
 
 def _has_run(store: Store) -> bool:
