@@ -20,13 +20,13 @@ STAGES = "stagetrace_stages"
 STAGE = "Stage"
 PIPELINE_ORDER = "[" + ", ".join(f"'{stage}'" for stage in PIPELINE_STAGES) + "]"
 DURATION_MS = "Duration / 1e6"
-# One row per request whose all-reduce ran on TP ranks: the hosts its ranks ran on (the TP group), how many
-# distinct ranks reported a span, and the group's size as the ranks say. Fewer ranks than the size: a rank's
+# One row per request whose all-reduce ran on TP ranks: the hosts its ranks ran on, the host of its lowest rank
+# (the group's head), how many distinct ranks reported a span, and the group's size as the ranks say. Fewer ranks than the size: a rank's
 # host stopped reporting (a node failed mid-run, or its spans no longer arrive).
 TP_REQUESTS = (
     "(SELECT TraceId, any(ServiceName) AS ServiceName, min(Start) AS RequestStart, "
     "arraySort(groupUniqArray(HostName)) AS HostList, arrayStringConcat(HostList, ' ') AS Hosts, "
-    "uniqExact(Rank) AS Ranks, "
+    "uniqExact(Rank) AS Ranks, argMin(HostName, toUInt32OrZero(Rank)) AS Head, "
     f"max(toUInt32OrZero(Attributes['{conventions.TP_SIZE}'])) AS TpSize FROM {STAGES} "
     "WHERE Stage = 'allreduce' AND Rank != '' AND $__timeFilter(Start) GROUP BY TraceId)"
 )

@@ -26,6 +26,9 @@ ORG_ID = 1
 # Too few requests make a ratio or a percentile noise: groups below this are left out of evaluation.
 MIN_SAMPLES = 20
 ENOUGH = f"count() >= {MIN_SAMPLES}"
+# Rank spans reach the store a few seconds after their request's root (each host's exporter batches every 5 s by
+# default): the newest requests are left out of rank counts, or they would look as if they lost ranks.
+SPAN_LAG_S = 10
 # A GPU more steps behind its fleet than this serves older weights than the rest: it missed a sync.
 MAX_STEPS_BEHIND = 0
 
@@ -88,14 +91,19 @@ RULES = (
     ),
     PipelineRule(
         "stagetrace-tp-group-degraded", "TP group degraded",
-        aggregate(TP_REQUESTS, "RequestStart", {"missing_ranks": MISSING_RANKS_RATIO},
-                  labels={"service": "ServiceName", "hosts": "Hosts"}, where=["TpSize > 1"], having=ENOUGH,
+        # grouped by the group's head, not by the hosts of each request: a request that lost a host's ranks has
+        # another host list, and would form a new group too small to count
+        aggregate(TP_REQUESTS, "RequestStart",
+                  {"hosts": "arrayStringConcat(arraySort(groupUniqArrayArray(HostList)), ' ')",
+                   "missing_ranks": MISSING_RANKS_RATIO},
+                  labels={"service": "ServiceName", "head": "Head"},
+                  where=["TpSize > 1", f"RequestStart <= $__toTime - {SPAN_LAG_S}"], having=ENOUGH,
                   over_time=False),
-        0.01, 300, "2m",
-        "{{ $labels.service }}: TP group on {{ $labels.hosts }} is missing ranks in "
+        0.01, 300, "0s",
+        "{{ $labels.service }}: TP group of {{ $labels.head }} ({{ $labels.hosts }}) is missing ranks in "
         "{{ humanizePercentage $values.A.Value }} of requests",
-        "Requests whose all-reduce ran on these hosts carry fewer rank spans than the group's parallel.tp_size: a "
-        "host of the tensor-parallel group stopped reporting (failed mid-run, or its agent or network is down). "
+        "Requests whose all-reduce this group ran carry fewer rank spans than its parallel.tp_size: a host of the "
+        "tensor-parallel group stopped reporting (failed mid-run, or its agent or network is down). "
         "The Fabric dashboard's TP hosts panel shows when each host was last seen and last scraped.",
         "Requests missing TP ranks", fabric.UID,
     ),

@@ -68,12 +68,12 @@ def test_a_host_that_fails_mid_run_degrades_its_tp_group_and_is_last_seen_first(
     serve(store, 5, failed_at, ("node-a",))  # node-b is gone: its ranks' spans no longer arrive
 
     healthy = rows(store, RULE.sql, failed_at - timedelta(seconds=RULE.window_s), failed_at)
-    assert healthy == [{"service": "tp-svc", "hosts": "node-a node-b", "missing_ranks": 0}]
+    assert healthy == [{"service": "tp-svc", "head": "node-a", "hosts": "node-a node-b", "missing_ranks": 0}]
     assert all(r["missing_ranks"] <= RULE.threshold for r in healthy)  # no alert while the group is whole
 
     degraded = rows(store, RULE.sql, failed_at + timedelta(minutes=5) - timedelta(seconds=RULE.window_s),
                     failed_at + timedelta(minutes=5))  # fmt: skip
-    assert degraded == [{"service": "tp-svc", "hosts": "node-a", "missing_ranks": 1}]  # fires: above 0.01
+    assert degraded == [{"service": "tp-svc", "head": "node-a", "hosts": "node-a", "missing_ranks": 1}]  # fires: above 0.01
 
     panels = {panel["title"]: panel for panel in build_all()["stagetrace-fabric"]["panels"]}
     last_seen = rows(store, panels["TP hosts, last seen"]["targets"][0]["rawSql"], T0, failed_at + timedelta(minutes=5))
