@@ -185,9 +185,13 @@ class Samples:
 
     def add(self, spec: MetricSpec, value, **labels) -> None:
         """Add one series; ``labels`` must be exactly ``spec.labels``. Info metrics take a dict as value."""
-        if labels.keys() != set(spec.labels):
+        try:
+            values = tuple(str(labels[k]) for k in spec.labels)
+        except KeyError:
+            values = None
+        if values is None or len(labels) != len(spec.labels):
             raise ValueError(f"{spec.name}: labels {sorted(labels)} do not match {list(spec.labels)}")
-        self._values.setdefault(spec, []).append((tuple(str(labels[k]) for k in spec.labels), value))
+        self._values.setdefault(spec, []).append((values, value))
 
     def families(self, host: str) -> Iterator[Metric]:
         for spec, series in self._values.items():

@@ -205,10 +205,14 @@ def hw_counter_spec(file: str) -> MetricSpec:
     return _counter(f"rdma_{_NAME_UNSAFE.sub('_', file)}_total", help)
 
 
-def _read(path: str) -> str | None:
-    """The file's text, or None for a file that is missing or that the driver refuses to read."""
+def _read(path: str, dir_fd: int | None = None) -> str | None:
+    """The file's text, or None for a file that is missing or that the driver refuses to read.
+
+    ``dir_fd``: ``path`` is relative to that open directory, so the kernel walks one name instead of the
+    whole path through sysfs' symlinks (about 20% of a scrape's time on a port's 60 files).
+    """
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
     except OSError:
         return None
     try:
@@ -219,14 +223,26 @@ def _read(path: str) -> str | None:
         os.close(fd)
 
 
+def _read_all(directory: str, names=None, keep=lambda name: True) -> dict[str, str | None]:
+    """Files of ``directory`` (``names``, else every file ``keep`` accepts, in name order), read through one
+    directory descriptor; {} when the directory cannot be opened."""
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return {}
+    try:
+        if names is None:
+            names = sorted(name for name in os.listdir(dir_fd) if keep(name))
+        return {name: _read(name, dir_fd) for name in names}
+    finally:
+        os.close(dir_fd)
+
+
 def _list(path: str) -> list[str]:
     try:
         return sorted(os.listdir(path))
     except OSError:
         return []
-
-
-_U64 = re.compile(r"[0-9]{1,20}")
 
 
 def _number(text: str | None) -> int | None:
@@ -235,7 +251,8 @@ def _number(text: str | None) -> int | None:
     The kernel prints counters as plain decimal u64: ``int()`` alone would also take ``-5``, ``1_000`` and
     thousands of digits (a float overflow in the exposition), none of which a counter file holds.
     """
-    if not text or not _U64.fullmatch(text):
+    # isascii() and isdigit(): 0-9 only, and faster than a regex on every file of every scrape
+    if not text or len(text) > 20 or not (text.isascii() and text.isdigit()):
         return None
     value = int(text)
     return value if value < 1 << 64 else None
@@ -337,22 +354,22 @@ class RdmaCollector(Collector):
         out: Samples, device: str, port: str, port_dir: str, fw_ver: str, hca_type: str, rail: str
     ) -> None:
         counters = f"{port_dir}/counters"
-        for file in _list(counters):
-            spec = PORT_COUNTERS.get(file)
-            if spec is not None and (value := _number(_read(f"{counters}/{file}"))) is not None:
-                out.add(spec, value * 4 if file in WORD_COUNTERS else value, device=device, port=port)
+        for file, text in _read_all(counters, keep=PORT_COUNTERS.__contains__).items():
+            if (value := _number(text)) is not None:
+                out.add(PORT_COUNTERS[file], value * 4 if file in WORD_COUNTERS else value, device=device, port=port)
         hw_counters = f"{port_dir}/hw_counters"
-        for file in _list(hw_counters):
-            if file not in _NOT_COUNTERS and (value := _number(_read(f"{hw_counters}/{file}"))) is not None:
+        for file, text in _read_all(hw_counters, keep=lambda f: f not in _NOT_COUNTERS).items():
+            if (value := _number(text)) is not None:
                 out.add(hw_counter_spec(file), value, device=device, port=port)
+        link = _read_all(port_dir, ("rate", "state", "phys_state", "link_layer"))
         for spec, value in (
-            (RATE, _rate_bytes_per_second(_read(f"{port_dir}/rate"))),
-            (STATE, _state_id(_read(f"{port_dir}/state"))),
-            (PHYSICAL_STATE, _state_id(_read(f"{port_dir}/phys_state"))),
+            (RATE, _rate_bytes_per_second(link.get("rate"))),
+            (STATE, _state_id(link.get("state"))),
+            (PHYSICAL_STATE, _state_id(link.get("phys_state"))),
         ):
             if value is not None:
                 out.add(spec, value, device=device, port=port)
-        link_layer = _read(f"{port_dir}/link_layer") or ""
+        link_layer = link.get("link_layer") or ""
         netdev = _port_netdev(port_dir, link_layer)
         info = {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver, "hca_type": hca_type, "rail": rail}
         out.add(INFO_SPEC, info, device=device, port=port)
