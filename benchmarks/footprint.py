@@ -75,10 +75,11 @@ def footprint(quick: bool) -> list[Figure]:
             ready = time.monotonic() - started
             time.sleep(2)  # two intervals: the first writes create the store's parts
             cpu0, t0 = _cpu_seconds(agent.pid), time.monotonic()
-            rss = []
+            rss, anon = [], []
             while time.monotonic() - t0 < seconds:
                 time.sleep(1)
                 rss.append(_status_mb(agent.pid, "VmRSS"))
+                anon.append(_status_mb(agent.pid, "RssAnon"))
             cpu1, t1 = _cpu_seconds(agent.pid), time.monotonic()
             peak = _status_mb(agent.pid, "VmHWM")
             if agent.poll() is not None:
@@ -102,6 +103,8 @@ def footprint(quick: bool) -> list[Figure]:
         Figure(f"agent CPU, 1 s interval, 4 collectors, {seconds} s window", share, "% of a core", "aim", 2.0),
         Figure("agent resident memory (VmRSS), largest in the window", max(rss), "MB", "aim", 150.0),
         Figure("agent peak resident memory since start (VmHWM)", peak, "MB", "aim", 150.0),
+        Figure("agent private memory (RssAnon: VmRSS less the engine library's file-backed pages)", max(anon), "MB",
+               "aim", 200.0),
         Figure("agent start-up until /metrics answers", ready, "s"),
         Figure("metric samples the agent wrote per interval", rows / intervals, "rows"),
     ]  # fmt: skip

@@ -138,13 +138,14 @@ def _exposed(listen: str, what: str, token: str | None) -> None:
 def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
         otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
-        low_priority: bool | None = None) -> int:  # fmt: skip
+        low_priority: bool | None = None, insert_every_s: float = 10.0) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
     of the query endpoint (None: off); ``token``, when given, is required by all three; ``query_limits`` bound
     each query of the endpoint. ``low_priority`` (None: for an embedded store) lowers the agent's CPU and I/O
-    priority, its engine threads' included.
+    priority, its engine threads' included. Samples are inserted at most every ``insert_every_s`` (at least
+    every interval), so a short interval costs scrapes, not engine inserts.
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
@@ -156,7 +157,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         # Never through another agent's query endpoint: this agent must hold the store it writes.
         opened = open_store(store, agent_fallback=False)
         cleanup.callback(opened.close)
-        writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False)
+        writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False,
+                                        insert_every_s=max(insert_every_s, interval_s))  # fmt: skip
         cleanup.callback(writer.close)
         server = _bind(lambda: serve(shared, listen), listen, "--listen")
         cleanup.callback(server.close)
@@ -190,7 +192,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         for sig in (signal.SIGTERM, signal.SIGINT):
             cleanup.callback(signal.signal, sig, signal.signal(sig, lambda *_: stop.set()))
         logger.info(
-            "serving %s, writing every %gs to %s (collectors: %s)", server.url, interval_s,
+            "serving %s, sampling every %gs into %s (collectors: %s)", server.url, interval_s,
             location.redacted(), ", ".join(c.name for c in node.collectors) or "none",
         )  # fmt: skip
         if lowered:

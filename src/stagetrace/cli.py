@@ -106,7 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("agent", parents=[store, collectors], help="serve /metrics, receive OTLP, write to ClickHouse, share an embedded store read-only")
     p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:9464", help="where /metrics is served (default 127.0.0.1:9464)")
-    p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are written, e.g. 500ms, 5s, 1m (default 5s)")
+    p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are taken, e.g. 500ms, 5s, 1m (default 5s)")
+    p.add_argument("--insert-every", metavar="DURATION", default=os.environ.get("STAGETRACE_INSERT_EVERY", "10s"),
+                   help="how often samples are inserted into the store, at least every interval "
+                        "(default 10s, env STAGETRACE_INSERT_EVERY)")
     p.add_argument("--otlp", metavar="HOST:PORT", default="127.0.0.1:4318",
                    help="OTLP/HTTP receiver for spans and metrics, or 'none' (default 127.0.0.1:4318)")
     p.add_argument("--otlp-grpc", metavar="HOST:PORT", default="127.0.0.1:4317",
@@ -301,6 +304,10 @@ def _agent(args) -> int:
             interval = agent.parse_interval(args.interval)
         except ValueError as exc:
             raise ValueError(f"--interval: {exc}") from None
+        try:
+            insert_every = agent.parse_interval(args.insert_every)
+        except ValueError as exc:
+            raise ValueError(f"--insert-every: {exc}") from None
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
@@ -312,13 +319,13 @@ def _agent(args) -> int:
     try:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
-                         low_priority=args.low_priority)  # fmt: skip
+                         low_priority=args.low_priority, insert_every_s=insert_every)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
 
 
-DURATION_OPTIONS = ("--since", "--window", "--interval")
+DURATION_OPTIONS = ("--since", "--window", "--interval", "--insert-every")
 
 
 def _joined_durations(argv: list[str]) -> list[str]:
