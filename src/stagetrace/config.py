@@ -13,6 +13,7 @@ ENV_SERVICE_NAME = "STAGETRACE_SERVICE_NAME"
 ENV_RECORD_CONTENT = "STAGETRACE_RECORD_CONTENT"
 
 DEFAULT_DATABASE = "stagetrace"
+DEFAULT_QUERY_LISTEN = "127.0.0.1:8123"  # the agent's --query-listen: ClickHouse's own HTTP port, for Grafana
 DEFAULT_SERVICE_NAME = "inference"
 
 

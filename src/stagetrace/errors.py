@@ -1,4 +1,4 @@
-"""The store's expected failures, below every module that opens or reaches a store."""
+"""The store's expected failures, below every module that opens or reaches a store (and the command line)."""
 
 from __future__ import annotations
 
@@ -15,4 +15,8 @@ class StoreLockedError(StoreError):
         self.pid = pid
 
 
-__all__ = ["StoreError", "StoreLockedError"]
+class SchemaError(ValueError):
+    """A database or cluster name that cannot be used as a ClickHouse identifier."""
+
+
+__all__ = ["SchemaError", "StoreError", "StoreLockedError"]

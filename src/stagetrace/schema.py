@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from stagetrace import conventions as cv
+from stagetrace.errors import SchemaError  # re-exported: callers catch it from here
 
 # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
 # 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
@@ -19,10 +20,6 @@ from stagetrace import conventions as cv
 SCHEMA_VERSION = 6
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
-
-
-class SchemaError(ValueError):
-    """A database or cluster name that cannot be used as a ClickHouse identifier."""
 
 
 def identifier(name: str, what: str = "name") -> str:

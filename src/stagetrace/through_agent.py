@@ -14,11 +14,11 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from stagetrace import httpd
+from stagetrace import config, httpd
 from stagetrace.errors import StoreError, StoreLockedError
 
 AGENT_FILE = "agent.json"
-DEFAULT_QUERY_LISTEN = "127.0.0.1:8123"  # the agent's --query-listen: ClickHouse's own HTTP port, for Grafana
+DEFAULT_QUERY_LISTEN = config.DEFAULT_QUERY_LISTEN
 
 READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESC", "DESCRIBE", "EXISTS"})
 READ_ONLY_MESSAGE = (
