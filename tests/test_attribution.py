@@ -48,7 +48,7 @@ def checked(report: dict) -> dict:
     assert all(s > 0 for s in scores), f"every listed cause scores above zero: {scores}"
     for cause in causes:
         assert CAUSE_KEYS <= set(cause), f"cause lacks {sorted(CAUSE_KEYS - set(cause))}: {cause}"
-        assert cause["kind"] in ("attribute", "hardware", "rollout", "nondeterminism"), cause
+        assert cause["kind"] in ("attribute", "hardware", "rollout", "nondeterminism", "weights"), cause
         assert isinstance(cause["weak"], bool), cause
         if cause["kind"] == "hardware":
             assert {"host", "device", "rank"} <= set(cause), cause
@@ -364,7 +364,7 @@ def test_one_gpu_a_weight_step_behind_is_blamed_on_the_step(store):
 
     report = explain(store, stale[-1])
     assert report["diverged"] and report["first_divergent_stage"] == "decode", report["summary"]
-    assert verdict(top(report)) == ("attribute", "decode", "model.weights.step", "1199", "1200"), report["causes"][:3]
+    assert verdict(top(report)) == ("weights", "decode", "model.weights.step", "1199", "1200"), report["causes"][:3]
     assert top(report)["weak"] is False
     assert report["divergent_ranks"] == [], "decode runs as one span here: no rank"
     assert "model.weights.step" in report["summary"] and "1199" in report["summary"]

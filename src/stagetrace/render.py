@@ -259,6 +259,11 @@ def evidence(cause: dict, text=str, device=str) -> str:
         return text(cause["rollout"]["summary"])
     if cause["kind"] == "nondeterminism":
         return text(cause["reason"])
+    if cause["kind"] == "weights":
+        behind = f"({cause['host']}) {cause['steps_behind']} step{'s' if cause['steps_behind'] != 1 else ''} behind"
+        fleet = (f"{cause['gpus_on_fleet_step']}/{cause['gpus']} other GPUs on step {cause['fleet_step']} since "
+                 f"{_seen(cause['fleet_step_since'])}")  # fmt: skip
+        return f"{device(cause['gpu'])} {text(behind + '; ' + fleet)}"
     return text(cause.get("device") or "")
 
 
@@ -347,6 +352,9 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: s
     out.line(f"served {result.requests} requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
              f"{result.spans} spans, {result.metric_samples} hardware samples")  # fmt: skip
     out.line(f"deviating outputs: {len(result.deviating)} (same input, an output other than the majority's)")
+    if result.fabric_spans:
+        out.line(f"and the half hour before: a TP=16 pair on two rails, RL weight syncs, {result.fabric_spans} spans and "
+                 f"{result.fabric_samples} samples (Fabric and Weights dashboards; truth in stagetrace_demo_fabric)")
     causes: dict[tuple[str, str], list[str]] = {}
     for t in result.truth:
         causes.setdefault((t.stage, t.cause), []).append(t.request_id)

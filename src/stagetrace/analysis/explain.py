@@ -220,6 +220,11 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
             return f"{lead} as expected: {rollout['summary']} {tail}"
         return (f"{lead}: {top.evidence['host']} still had {top.name} {top.value} after the fleet moved to "
                 f"{top.baseline_value} ({rollout['hosts']}/{rollout['of_hosts']} hosts) {tail}")  # fmt: skip
+    if top.kind == "weights":
+        ev = top.evidence
+        return (f"{lead}: {ev['gpu']} ({ev['host']}) used weights of step {top.value} ({top.name}) while its fleet "
+                f"served {top.baseline_value} ({ev['gpus_on_fleet_step']}/{ev['gpus']} other GPUs, since "
+                f"{ev['fleet_step_since'][:19].replace('T', ' ')} UTC): it missed a weight sync {tail}")  # fmt: skip
     if top.kind == "hardware":
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
         change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")
