@@ -187,11 +187,11 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _open_embedded(location: Location):
-    import clickhouse_connect
-
     if location.path:
         _check_writable(Path(location.path))
         _check_not_locked(Path(location.path))
+    import clickhouse_connect  # after the checks: a store an agent holds is read without the driver (0.2 s)
+
     try:
         return clickhouse_connect.get_client(interface="chdb", path=location.path or None)
     except Exception as exc:

@@ -91,11 +91,9 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
         raise StoreError(f"{holder}: {exc}") from None
     if record.get("token") and token is None:
         raise StoreError(f"{holder}, whose query endpoint needs a token: set {httpd.ENV_TOKEN} or {httpd.ENV_TOKEN_FILE}")
-    import clickhouse_connect
-
+    connection = AgentClient(host, port, token, location.database)
     try:
-        connection = clickhouse_connect.get_client(host=host, port=port, access_token=token, database=location.database,
-                                               connect_timeout=5, compress=False, autogenerate_session_id=False)  # fmt: skip
+        connection.command("SELECT 1")
     except Exception as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StoreError(f"{holder}, but its query endpoint {url.geturl()} does not answer: {reason}") from None
@@ -106,8 +104,125 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
     return ReadOnlyClient(connection, refusal)
 
 
+class QueryResult:
+    """What the commands read of a query's answer, as clickhouse-connect's ``QueryResult`` has it."""
+
+    def __init__(self, column_names: tuple[str, ...], result_rows: list[tuple]):
+        self.column_names = column_names
+        self.result_rows = result_rows
+
+
+class AgentClient:
+    """The agent's query endpoint through the standard library's HTTP client: reads only, bound parameters, the
+    answer as JSON converted by column type. The commands that read (``trace``, ``explain``, ``divergences``)
+    need no more, and loading no driver keeps them quick to start (clickhouse-connect takes 0.2 s to import)."""
+
+    def __init__(self, host: str, port: int, token: str | None, database: str, timeout_s: float = 60.0):
+        import http.client
+
+        self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        self._headers = {"Content-Type": "text/plain; charset=utf-8", "Connection": "keep-alive",
+                         **({"Authorization": f"Bearer {token}"} if token else {})}  # fmt: skip
+        self.database = database
+
+    def query(self, sql: str, parameters: dict | None = None, settings: dict | None = None) -> QueryResult:
+        import http.client
+        from urllib.parse import urlencode
+
+        params = {"database": self.database, **{f"param_{k}": _param_text(v) for k, v in (parameters or {}).items()}}
+        body = f"{sql.rstrip().rstrip(';')}\nFORMAT JSONCompact".encode()
+        path = f"/?{urlencode(params)}"
+        try:
+            status, answer = self._post(path, body)
+        except (ConnectionError, OSError, http.client.HTTPException):
+            self._connection.close()  # a kept-alive connection the endpoint closed meanwhile: opened again, once
+            status, answer = self._post(path, body)
+        if status != 200:
+            raise StoreError(f"the agent's query endpoint answered {status}: "
+                             f"{answer.decode(errors='replace').strip().splitlines()[0] if answer.strip() else ''}")  # fmt: skip
+        result = json.loads(answer)
+        types = [_converter(column["type"]) for column in result["meta"]]
+        rows = [tuple(convert(value) for convert, value in zip(types, row)) for row in result["data"]]
+        return QueryResult(tuple(column["name"] for column in result["meta"]), rows)
+
+    def _post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        self._connection.request("POST", path, body, self._headers)
+        response = self._connection.getresponse()
+        return response.status, response.read()
+
+    def command(self, sql: str, parameters: dict | None = None, settings: dict | None = None):
+        """One value for one cell, the first row's values for several, as clickhouse-connect's ``command``."""
+        rows = self.query(sql, parameters, settings).result_rows
+        if not rows:
+            return ""
+        return rows[0][0] if len(rows[0]) == 1 else list(rows[0])
+
+    def close(self) -> None:
+        self._connection.close()
+
+
+def _param_text(value) -> str:
+    """A bound parameter's value as the HTTP interface parses it (TSV escaping; arrays as literals)."""
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_literal(v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    text = str(value)
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n")
+
+
+def _literal(value) -> str:
+    if isinstance(value, str):
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return str(value)
+
+
+def _converter(type_name: str):
+    """JSON value -> Python value for a ClickHouse type, as clickhouse-connect returns it (64-bit integers come
+    quoted; DateTime as naive UTC)."""
+    inner = type_name
+    for wrapper in ("LowCardinality(", "Nullable("):
+        if inner.startswith(wrapper):
+            inner = inner[len(wrapper):-1]
+    if inner.startswith("Array("):
+        element = _converter(inner[6:-1])
+        return lambda v: None if v is None else [element(x) for x in v]
+    if inner.startswith("Map("):
+        value_type = _converter(_split_top(inner[4:-1])[1])
+        return lambda v: None if v is None else {k: value_type(x) for k, x in v.items()}
+    if inner.startswith("Tuple("):
+        # named elements (``Tuple(a String, b UInt8)``) carry their name before the type
+        elements = [_converter(t.split(" ", 1)[1] if re.match(r"[A-Za-z_]\w* [A-Z]", t) else t)
+                    for t in _split_top(inner[6:-1])]  # fmt: skip
+        return lambda v: None if v is None else tuple(c(x) for c, x in zip(elements, v))
+    if inner.startswith(("Int", "UInt")):
+        return lambda v: None if v is None else int(v)
+    if inner.startswith(("Float", "Decimal")):
+        return lambda v: None if v is None else float(v)
+    if inner == "Bool":
+        return lambda v: None if v is None else bool(v)
+    if inner.startswith(("DateTime", "Date")):
+        from datetime import datetime
+
+        return lambda v: None if v is None else datetime.fromisoformat(v[:26] if "." in v else v)
+    return lambda v: v
+
+
+def _split_top(text: str) -> list[str]:
+    """``String, Array(String)`` -> its two top-level parts."""
+    parts, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    parts.append(text[start:].strip())
+    return parts
+
+
 class ReadOnlyClient:
-    """clickhouse-connect's client to the agent; writes fail here, before they are sent, with ``refusal``."""
+    """A client to the agent; writes fail here, before they are sent, with ``refusal``."""
 
     def __init__(self, client, refusal: str):
         self._client = client
@@ -131,4 +246,5 @@ class ReadOnlyClient:
 
 
 
-__all__ = ["AGENT_FILE", "DEFAULT_QUERY_LISTEN", "READ_ONLY_MESSAGE", "advertised", "ReadOnlyClient", "Refused", "client", "read_only_format"]
+__all__ = ["AGENT_FILE", "DEFAULT_QUERY_LISTEN", "READ_ONLY_MESSAGE", "AgentClient", "QueryResult", "advertised",
+           "ReadOnlyClient", "Refused", "client", "read_only_format"]
