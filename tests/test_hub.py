@@ -349,3 +349,32 @@ def test_provisioning_an_embedded_store_points_grafana_at_the_agent_that_serves_
     client = clickhouse_connect.get_client(host=data["host"], port=data["port"], username=data["username"],
                                            database=data["defaultDatabase"])  # fmt: skip
     assert client.command("SELECT count() FROM otel_traces WHERE SpanAttributes['stagetrace.request.id'] = 'grafana-1'") >= 1
+
+
+def test_the_read_commands_client_returns_what_clickhouse_connect_returns(agent):
+    """``through_agent.AgentClient`` (the standard library's HTTP, JSON by column type) against clickhouse-connect
+    on the same endpoint, for every type the read commands' queries return, and bound parameters of each kind."""
+    import clickhouse_connect
+
+    from stagetrace.through_agent import AgentClient
+
+    url = urllib.parse.urlsplit(agent.endpoints["query"])
+    sql = """SELECT {s:String} AS s, {n:Int64} AS n, toUInt64(18446744073709551615) AS big, toFloat64(0.25) AS f,
+                    map('k', 'v', 'tab', 'a\tb') AS m, {a:Array(String)} AS a, [[1, 2], [3]] AS nested,
+                    toNullable('') AS nothing, CAST(NULL, 'Nullable(Int32)') AS null, true AS yes,
+                    toDateTime64('2026-12-03 10:00:00.123456789', 9, 'UTC') AS t, (1, 'x') AS pair,
+                    CAST((2, 'y'), 'Tuple(a UInt8, b String)') AS named, toLowCardinality('lc') AS lc,
+                    arrayJoin([1, 2]) AS row"""
+    parameters = {"s": "it's a \\ back\tslash\nline", "n": -42, "a": ["x'y", "z\\w", ""]}
+    ours = AgentClient(url.hostname, url.port, None, "stagetrace")
+    theirs = clickhouse_connect.get_client(host=url.hostname, port=url.port, compress=False,
+                                           autogenerate_session_id=False)  # fmt: skip
+    try:
+        expected = theirs.query(sql, parameters=parameters)
+        got = ours.query(sql, parameters=parameters)
+        assert got.column_names == tuple(expected.column_names)
+        assert got.result_rows == [tuple(row) for row in expected.result_rows]
+        assert ours.command("SELECT count() FROM system.one") == 1
+    finally:
+        ours.close()
+        theirs.close()

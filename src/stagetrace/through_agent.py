@@ -191,9 +191,11 @@ def _converter(type_name: str):
         value_type = _converter(_split_top(inner[4:-1])[1])
         return lambda v: None if v is None else {k: value_type(x) for k, x in v.items()}
     if inner.startswith("Tuple("):
-        # named elements (``Tuple(a String, b UInt8)``) carry their name before the type
-        elements = [_converter(t.split(" ", 1)[1] if re.match(r"[A-Za-z_]\w* [A-Z]", t) else t)
-                    for t in _split_top(inner[6:-1])]  # fmt: skip
+        parts = _split_top(inner[6:-1])
+        if all(re.match(r"[A-Za-z_]\w* [A-Z]", part) for part in parts):  # named: a dict, as clickhouse-connect has it
+            named = [(name, _converter(kind)) for name, kind in (part.split(" ", 1) for part in parts)]
+            return lambda v: None if v is None else {name: c(v[name]) for name, c in named}
+        elements = [_converter(part) for part in parts]
         return lambda v: None if v is None else tuple(c(x) for c, x in zip(elements, v))
     if inner.startswith(("Int", "UInt")):
         return lambda v: None if v is None else int(v)
