@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "footprint", "storage",
-           "soak", "durability")
+MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "startup", "footprint",
+           "storage", "soak", "durability")
 
 
 @dataclass(frozen=True)
