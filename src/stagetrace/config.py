@@ -11,6 +11,8 @@ ENV_STORE_PASSWORD = "STAGETRACE_STORE_PASSWORD"
 ENV_STORE_PASSWORD_FILE = "STAGETRACE_STORE_PASSWORD_FILE"
 ENV_SERVICE_NAME = "STAGETRACE_SERVICE_NAME"
 ENV_RECORD_CONTENT = "STAGETRACE_RECORD_CONTENT"
+ENV_TOKEN = "STAGETRACE_AGENT_TOKEN"  # the agent's token, required by its listeners when set
+ENV_TOKEN_FILE = "STAGETRACE_AGENT_TOKEN_FILE"
 
 DEFAULT_DATABASE = "stagetrace"
 DEFAULT_QUERY_LISTEN = "127.0.0.1:8123"  # the agent's --query-listen: ClickHouse's own HTTP port, for Grafana
@@ -40,3 +42,21 @@ def service_name() -> str:
 
 def record_content() -> bool:
     return os.environ.get(ENV_RECORD_CONTENT, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class TokenError(Exception):
+    """The token file cannot be read or is empty; the message is one line a person can act on."""
+
+
+def load_token(path: str | Path | None = None) -> str | None:
+    """The token from ``path``, else ``$STAGETRACE_AGENT_TOKEN_FILE``, else ``$STAGETRACE_AGENT_TOKEN``; None if unset."""
+    path = path or os.environ.get(ENV_TOKEN_FILE)
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise TokenError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+        if not token:
+            raise TokenError(f"the token file {path} is empty: write the token into it, or leave the option out")
+        return token
+    return os.environ.get(ENV_TOKEN, "").strip() or None

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import base64
 import hmac
-import os
 import socket
 import threading
 import time
 import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
+from stagetrace.config import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, load_token  # re-exported
 from stagetrace.exporters.prometheus import parse_listen
-
-ENV_TOKEN = "STAGETRACE_AGENT_TOKEN"
-ENV_TOKEN_FILE = "STAGETRACE_AGENT_TOKEN_FILE"
 
 _LINGER_S = 2.0
 _LINGER_BYTES = 64 * 1024 * 1024
@@ -88,24 +84,6 @@ def _read_chunked(rfile, limit: int) -> bytes:
         if len(chunk) < size or rfile.readline(3).strip():
             raise HttpError(400, "chunked body ended early", body_read=False)
         chunks.append(chunk)
-
-
-class TokenError(Exception):
-    """The token file cannot be read or is empty; the message is one line a person can act on."""
-
-
-def load_token(path: str | Path | None = None) -> str | None:
-    """The token from ``path``, else ``$STAGETRACE_AGENT_TOKEN_FILE``, else ``$STAGETRACE_AGENT_TOKEN``; None if unset."""
-    path = path or os.environ.get(ENV_TOKEN_FILE)
-    if path:
-        try:
-            token = Path(path).read_text().strip()
-        except OSError as exc:
-            raise TokenError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
-        if not token:
-            raise TokenError(f"the token file {path} is empty: write the token into it, or leave the option out")
-        return token
-    return os.environ.get(ENV_TOKEN, "").strip() or None
 
 
 def authorized(header: str | None, token: str | None) -> bool:

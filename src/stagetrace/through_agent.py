@@ -4,7 +4,7 @@ chdb locks an embedded store to one process. ``stagetrace agent`` shares the sto
 query endpoint (``stagetrace.hub``, the server half) and records it in ``<store>/agent.json``; ``open_store``
 asks this module for a client to it when the store is locked. Writes are refused here before they are sent,
 with a message that says where spans can go instead, and again by the endpoint. This module sits below
-``stagetrace.store`` (it imports only ``errors`` and ``httpd``), so neither half imports the other's caller.
+``stagetrace.store`` (it imports only ``errors`` and ``config``), so neither half imports the other's caller.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from stagetrace import config, httpd
+from stagetrace import config
 from stagetrace.errors import StoreError, StoreLockedError
 
 AGENT_FILE = "agent.json"
@@ -86,11 +86,11 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
         raise locked from None  # a record left behind by an agent that is gone; the holder is another process
     holder = f"store {location.redacted()} is held by the stagetrace agent (pid {record.get('pid')})"
     try:
-        token = httpd.load_token()
-    except httpd.TokenError as exc:
+        token = config.load_token()
+    except config.TokenError as exc:
         raise StoreError(f"{holder}: {exc}") from None
     if record.get("token") and token is None:
-        raise StoreError(f"{holder}, whose query endpoint needs a token: set {httpd.ENV_TOKEN} or {httpd.ENV_TOKEN_FILE}")
+        raise StoreError(f"{holder}, whose query endpoint needs a token: set {config.ENV_TOKEN} or {config.ENV_TOKEN_FILE}")
     connection = AgentClient(host, port, token, location.database)
     try:
         connection.command("SELECT 1")
