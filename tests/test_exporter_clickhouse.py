@@ -17,7 +17,7 @@ class CountingInserts:
         self._insert = client.insert
 
         def insert(table, data, **kwargs):
-            self.calls.append(len(data))
+            self.calls.append(len(data[0]) if kwargs.get("column_oriented") else len(data))  # rows, as rows or columns
             return self._insert(table, data, **kwargs)
 
         client.insert = insert
