@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 # Module names, which are the collectors' names, in the order their series appear in a scrape.
-MODULES = ("gpu", "mps", "rdma", "ethtool", "nccl")
+MODULES = ("gpu", "mps", "rdma", "ethtool", "nccl", "kubernetes")
 
 
 def available(names: tuple[str, ...] | None = None) -> dict[str, type[Collector]]:
@@ -43,10 +43,11 @@ def available(names: tuple[str, ...] | None = None) -> dict[str, type[Collector]
 
 
 def build_node(names: str | list[str] | None = None, options: Options | None = None) -> Node:
-    """A :class:`Node` of the named collectors (``"gpu,rdma"``), or of every default-enabled one."""
+    """A :class:`Node` of the named collectors (``"gpu,rdma"``), or of every one enabled by default for these
+    options (:meth:`Collector.enabled_by_default`)."""
     options = options or Options()
     if names is None:
-        wanted = [n for n, cls in available().items() if cls.default_enabled]
+        wanted = [n for n, cls in available().items() if cls.enabled_by_default(options)]
     else:
         wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
     known = available(tuple(wanted))

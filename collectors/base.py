@@ -218,6 +218,12 @@ class Collector:
     def __init__(self, options: Options):
         self.options = options
 
+    @classmethod
+    def enabled_by_default(cls, options: Options) -> bool:
+        """Whether a node built without named collectors runs this one: ``default_enabled``, unless the
+        collector looks for its source first (the kubernetes collector runs where the kubelet's socket is)."""
+        return cls.default_enabled
+
     def collect(self, out: Samples) -> None:
         """Read the source now and add its samples; raise SourceUnavailable when it is absent."""
         raise NotImplementedError

@@ -1,7 +1,10 @@
-"""GPU & MPS: how busy, hot and throttled each GPU is, its XID and ECC events, and MPS co-tenancy.
+"""GPU & MPS: how busy, hot and throttled each GPU is, its XID and ECC events, MPS co-tenancy, and who holds it.
 
-Reads the samples the gpu and mps collectors write to ClickHouse (``stagetrace agent``), the same
-samples the trace-lookup dashboard and divergence analysis read.
+Reads the samples the gpu, mps and kubernetes collectors write to ClickHouse (``stagetrace agent``), the
+same samples the trace-lookup dashboard and divergence analysis read. The Kubernetes row sets the
+scheduler's view (the kubelet's PodResources) beside the hardware's, joined by the physical GPU's UUID:
+a card two pods share through MPS replicas shows as one GPU with two allocations and two MPS clients,
+and a node whose device plugin advertises two devices for it as counted twice.
 """
 
 from __future__ import annotations
@@ -18,6 +21,116 @@ BY_GPU = {"gpu": GPU}
 
 def gpu_gauge(metric: str, value: str, **options) -> str:
     return gauge(metric, BY_GPU, value, where=GPU_FILTERS, **options)
+
+
+# -- Kubernetes: the kubernetes collector's series, latest scrape of each host, joined with gpu_up and mps_clients
+
+# the newest scrape of each host's kubelet in the range: k8s_gpu_sharing_factor is in every successful one
+LATEST_KUBELET_SCRAPE = (
+    "(ResourceAttributes['host.name'], TimeUnix) IN (SELECT ResourceAttributes['host.name'], max(TimeUnix) "
+    "FROM otel_metrics_gauge WHERE MetricName = 'k8s_gpu_sharing_factor' AND $__timeFilter(TimeUnix) GROUP BY 1)"
+)
+
+
+def _latest_by_gpu(metric: str, value: str, alias: str) -> str:
+    """The newest ``value`` of ``metric`` per host and UUID in the range, as ``host, uuid, alias``."""
+    return (f"SELECT {HOST} AS host, Attributes['uuid'] AS uuid, argMax({value}, TimeUnix) AS {alias} "
+            f"FROM otel_metrics_gauge WHERE MetricName = '{metric}' AND $__timeFilter(TimeUnix) "
+            f"AND {HOST_FILTER} GROUP BY host, uuid")  # fmt: skip
+
+
+def who_holds_each_gpu() -> str:
+    return f"""
+        SELECT a.host AS host, g.gpu AS gpu, a.uuid AS uuid, a.resource AS resource, a.device_id AS device_id,
+               a.namespace AS namespace, a.pod AS pod, a.container AS container, n.allocations AS allocations,
+               m.clients AS mps_clients, f.factor AS sharing_factor
+        FROM (SELECT {HOST} AS host, Attributes['uuid'] AS uuid, Attributes['resource'] AS resource,
+                     Attributes['device_id'] AS device_id, Attributes['namespace'] AS namespace,
+                     Attributes['pod'] AS pod, Attributes['container'] AS container
+              FROM otel_metrics_gauge
+              WHERE MetricName = 'k8s_gpu_allocation_info' AND $__timeFilter(TimeUnix) AND {LATEST_KUBELET_SCRAPE}
+                AND {" AND ".join(GPU_FILTERS)}) AS a
+        LEFT JOIN ({_latest_by_gpu("k8s_gpu_allocations_per_physical", "Value", "allocations")}) AS n
+            ON a.host = n.host AND a.uuid = n.uuid
+        LEFT JOIN ({_latest_by_gpu("gpu_up", "Attributes['gpu']", "gpu")}) AS g ON a.host = g.host AND a.uuid = g.uuid
+        LEFT JOIN ({_latest_by_gpu("mps_clients", "Value", "clients")}) AS m ON a.host = m.host AND a.uuid = m.uuid
+        LEFT JOIN (SELECT {HOST} AS host, argMax(Value, TimeUnix) AS factor FROM otel_metrics_gauge
+                   WHERE MetricName = 'k8s_gpu_sharing_factor' AND $__timeFilter(TimeUnix) AND {HOST_FILTER}
+                   GROUP BY host) AS f ON a.host = f.host
+        ORDER BY host, gpu, uuid, device_id, namespace, pod
+        SETTINGS join_use_nulls = 1
+    """
+
+
+def scheduler_counts() -> str:
+    """Per host and GPU resource, at the newest scrape: what the scheduler counts beside the physical GPUs."""
+    verdict = ("multiIf(physical = 0, 'no devices advertised', advertised = physical * factor, 'as intended', "
+               "advertised > physical * factor AND advertised % physical = 0, "
+               "concat('each GPU counted ', if(intDiv(advertised, physical) = 2, 'twice', "
+               "concat(toString(intDiv(advertised, physical)), ' times'))), "
+               "advertised > physical * factor, 'more devices than GPUs x sharing factor', "
+               "'fewer devices than GPUs x sharing factor')")  # fmt: skip
+    return f"""
+        SELECT host, resource, advertised, allocated, physical AS physical_gpus, nvml.gpus AS nvml_gpus,
+               factor AS sharing_factor,
+               if(allocated > advertised AND advertised > 0, 'more allocated than advertised', {verdict}) AS verdict
+        FROM (SELECT {HOST} AS host, Attributes['resource'] AS resource,
+                     toUInt64(anyIf(Value, MetricName = 'k8s_gpu_allocatable_devices')) AS advertised,
+                     toUInt64(anyIf(Value, MetricName = 'k8s_gpu_allocated_devices')) AS allocated,
+                     toUInt64(anyIf(Value, MetricName = 'k8s_gpu_physical_devices')) AS physical
+              FROM otel_metrics_gauge
+              WHERE MetricName IN ('k8s_gpu_allocatable_devices', 'k8s_gpu_allocated_devices', 'k8s_gpu_physical_devices')
+                AND $__timeFilter(TimeUnix) AND {LATEST_KUBELET_SCRAPE} AND {HOST_FILTER}
+              GROUP BY host, resource) AS d
+        INNER JOIN (SELECT {HOST} AS host, toUInt64(argMax(Value, TimeUnix)) AS factor FROM otel_metrics_gauge
+                    WHERE MetricName = 'k8s_gpu_sharing_factor' AND $__timeFilter(TimeUnix) AND {HOST_FILTER}
+                    GROUP BY host) AS f USING (host)
+        LEFT JOIN (SELECT {HOST} AS host, uniqExact(Attributes['uuid']) AS gpus FROM otel_metrics_gauge
+                   WHERE MetricName = 'gpu_up' AND $__timeFilter(TimeUnix) AND {HOST_FILTER}
+                   GROUP BY host) AS nvml USING (host)
+        ORDER BY host, resource
+        SETTINGS join_use_nulls = 1
+    """
+
+
+def kubernetes_panels() -> list[dict]:
+    node_resource = {"node": f"concat({HOST}, ' ', Attributes['resource'])"}
+    return [
+        p.row("Kubernetes: who holds each GPU"),
+        p.table("Who holds each GPU", who_holds_each_gpu(), "none", height=8, sort_by="allocations",
+                overrides=[p.override("allocations", custom_cellOptions={"type": "color-background"},
+                                      thresholds={"mode": "absolute", "steps": [
+                                          {"color": "transparent", "value": None}, {"color": "orange", "value": 2}]}),
+                           p.override("mps_clients", noValue="no MPS")],
+                description="Each device the kubelet allocated to a container (PodResources List), at its newest scrape, "
+                            "and the physical GPU behind it: replica IDs <uuid>::<n> (MPS or time-slicing) resolve to "
+                            "one UUID. allocations counts the devices allocated on that GPU, mps_clients the MPS "
+                            "client processes NVML sees on it: a card a TTS service and a worker share shows twice "
+                            "here, with allocations 2 and mps_clients 2, as one GPU in the panels above."),
+        p.table("What the scheduler counts", scheduler_counts(), "none", height=6,
+                overrides=[p.override("verdict", custom_cellOptions={"type": "color-text"}, mappings=[
+                    {"type": "value", "options": {"as intended": {"color": "green", "index": 0}}},
+                    {"type": "regex", "options": {"pattern": "^(each|more|fewer).*", "result": {"color": "red", "index": 1}}},
+                ])],
+                description="Per node and GPU resource, at the newest scrape: the devices the device plugin advertises "
+                            "(the scheduler's capacity), those allocated (its used), the physical GPUs behind them "
+                            "(and how many NVML sees), and the agent's --gpu-sharing-factor. A node advertising 2 "
+                            "nvidia.com/gpu devices for 1 physical GPU with the factor 1 is the used: 2, capacity: 1 "
+                            "state: each GPU counted twice, and the node closed to further pods."),
+        p.timeseries("Allocations per physical GPU",
+                     gauge("k8s_gpu_allocations_per_physical",
+                           {"gpu": f"concat({HOST}, ' ', Attributes['uuid'])"}, "allocations", where=GPU_FILTERS,
+                           function="max"),
+                     "short", description="Devices allocated on each physical GPU, whatever their replica IDs: above "
+                                          "the sharing factor, pods share a card they were each promised."),
+        p.timeseries("Devices advertised, allocated and physical",
+                     gauge(["k8s_gpu_allocatable_devices", "k8s_gpu_allocated_devices", "k8s_gpu_physical_devices"],
+                           {**node_resource, "measure": "replaceRegexpOne(MetricName, '^k8s_gpu_(.*)_devices$', '\\\\1')"},
+                           "devices", where=[HOST_FILTER], function="max"),
+                     "short", description="The kubelet's allocatable devices (capacity), allocated devices (used) "
+                                          "and the physical GPUs behind them, per node and resource: allocatable "
+                                          "above physical times the sharing factor is the double count."),
+    ]  # fmt: skip
 
 
 def variables() -> list[dict]:
@@ -93,15 +206,19 @@ def panels() -> list[dict]:
                      "short", description="MPS server instances and whether the control daemon answers (1)."),
         p.timeseries("Collector health",
                      gauge("stagetrace_collector_success", {"host": HOST, "collector": "Attributes['collector']"},
-                           "success", where=[HOST_FILTER, "Attributes['collector'] IN ('gpu', 'mps')"], function="min"),
+                           "success", where=[HOST_FILTER, "Attributes['collector'] IN ('gpu', 'mps', 'kubernetes')"],
+                           function="min"),
                      "bool", max_value=1,
-                     description="Whether the gpu and mps collectors' last scrapes succeeded (0: source unavailable)."),
+                     description="Whether the gpu, mps and kubernetes collectors' last scrapes succeeded (0: source "
+                                 "unavailable)."),
+        *kubernetes_panels(),
     ]  # fmt: skip
 
 
 def build() -> dict:
     return p.dashboard(
         UID, "stagetrace: GPU & MPS",
-        "Utilization, memory, power, clocks and throttle reasons, XID and ECC events, MPS clients per GPU.",
+        "Utilization, memory, power, clocks and throttle reasons, XID and ECC events, MPS clients per GPU, and the "
+        "pods the kubelet allocated each GPU to.",
         panels(), variables(),
     )  # fmt: skip

@@ -13,6 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -53,6 +55,26 @@ def component():
         return path
 
     return need
+
+
+@pytest.fixture
+def kubelet():
+    """``kubelet(answers_dir)`` starts a PodResources gRPC server on a unix socket answering with the recorded
+    answers in ``answers_dir`` (``List.json``, ``GetAllocatableResources.json``) and returns the socket's path.
+    The sockets get a short directory of their own: a unix socket's path may not exceed 107 bytes."""
+    from stagetrace.collectors.podresources import RecordedKubelet
+
+    directory = Path(tempfile.mkdtemp(prefix="kubelet-"))
+    servers: list[RecordedKubelet] = []
+
+    def start(answers: Path) -> Path:
+        servers.append(RecordedKubelet(directory / f"{len(servers)}.sock", answers).start())
+        return servers[-1].socket_path
+
+    yield start
+    for server in servers:
+        server.stop()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

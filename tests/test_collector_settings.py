@@ -102,6 +102,11 @@ BUILT_IN = [  # attribute, flag, variables, default, a value's text, that value
     ("ethtool_fixture", "--ethtool-fixture", ["STAGETRACE_ETHTOOL_FIXTURE"], None, "/x.json", Path("/x.json")),
     ("nccl_dir", "--nccl-dir", ["STAGETRACE_NCCL_DIR", "NCCL_INSPECTOR_DUMP_DIR"], None, "/x", Path("/x")),
     ("rails", "--rdma-rails", ["STAGETRACE_RDMA_RAILS"], (), "r0=mlx5_0", (("r0", "mlx5_0", "1"),)),
+    ("kubelet_socket", "--kubelet-socket", ["STAGETRACE_KUBELET_SOCKET"],
+     Path("/var/lib/kubelet/pod-resources/kubelet.sock"), "/x.sock", Path("/x.sock")),
+    ("gpu_resources", "--gpu-resources", ["STAGETRACE_GPU_RESOURCES"], ("nvidia.com/gpu*", "nvidia.com/mig-*"),
+     "amd.com/gpu,,x", ("amd.com/gpu", "x")),
+    ("gpu_sharing_factor", "--gpu-sharing-factor", ["STAGETRACE_GPU_SHARING_FACTOR"], 1, "2", 2),
     ("host", "--host", ["STAGETRACE_HOST"], None, "n7", "n7"),
 ]
 

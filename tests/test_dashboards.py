@@ -339,3 +339,26 @@ def test_xid_panel_counts_a_series_first_event_and_not_history_before_the_range(
     for row in rows:
         events[row[names.index("gpu")]] = events.get(row[names.index("gpu")], 0) + float(row[names.index("events")])
     assert events == {"xid-test GPU 0": 2, "xid-test GPU 1": 1}
+
+
+def test_gpu_dashboard_names_the_demos_gpu_shared_through_mps(demo_store, window):
+    """The demo's last node shares GPU 3 between two pods through MPS replicas and advertises 2 devices per GPU:
+    one card with two allocations and two MPS clients, and its node's GPUs counted twice. The other nodes run no
+    kubelet, and the panels name none of them."""
+    from stagetrace.demo import faults
+
+    shared = faults.plan(4)[-1].host
+    everything = {"host": Variable((ALL,)), "gpu": Variable((ALL,))}
+
+    def table(title: str) -> list[dict]:
+        names, _, rows = run(demo_store, expand(_panel_sql("stagetrace-gpu", title), window, everything))
+        return [dict(zip(names, row)) for row in rows]
+
+    counts = {row["host"]: row for row in table("What the scheduler counts")}
+    assert (counts[shared]["advertised"], counts[shared]["physical_gpus"], counts[shared]["nvml_gpus"]) == (8, 4, 4)
+    assert counts[shared]["verdict"] == "each GPU counted twice"
+    assert set(counts) == {shared}
+    held = [row for row in table("Who holds each GPU") if row["allocations"] == 2]
+    assert sorted((row["host"], row["gpu"], row["namespace"], row["pod"], row["mps_clients"]) for row in held) == [
+        (shared, "3", "rag-demo", "worker-0", 2), (shared, "3", "voice", "tts-0", 2)]  # fmt: skip
+    assert len({row["uuid"] for row in held}) == 1 and len({row["device_id"] for row in held}) == 2

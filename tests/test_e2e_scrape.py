@@ -1,8 +1,9 @@
 """End-to-end scrape of the committed fixture node, diffed against a committed expected file (node_exporter's e2e test).
 
 The fixture node has 8 GPUs (NVML snapshots recorded in NVML's own shapes: no GPU exists here), MPS
-control answers, 8 RDMA ports as a sysfs tree, 4 dual-port NICs' ethtool statistics and NCCL
-Inspector dumps. ``stagetrace collect --once`` runs as a real process over them; the series that
+control answers, 8 RDMA ports as a sysfs tree, 4 dual-port NICs' ethtool statistics, NCCL
+Inspector dumps, and a kubelet serving its pods' PodResources over gRPC on a unix socket (the
+answers under tests/fixtures/kubelet/h200-node). ``stagetrace collect --once`` runs as a real process over them; the series that
 cannot be deterministic (scrape durations, dump ages) are dropped before the diff. A change to a
 name, a help text or a label shows up here as a diff. Regenerate with
 ``STAGETRACE_UPDATE_GOLDEN=1 bash scripts/test tests/test_e2e_scrape.py``.
@@ -18,28 +19,31 @@ import sys
 from pathlib import Path
 
 FIXTURES = Path(__file__).parent / "fixtures" / "node"
+KUBELET = Path(__file__).parent / "fixtures" / "kubelet" / "h200-node"
 EXPECTED = FIXTURES / "expected.prom"
 NONDETERMINISTIC = ("stagetrace_collector_duration_seconds", "nccl_inspector_dump_age_seconds")
 
 
-def scrape(tmp_path: Path) -> str:
+def scrape(tmp_path: Path, kubelet_socket: Path) -> str:
     # NCCL dumps older than five minutes are stale by design: copies with a fresh mtime (not copy2's old one).
     nccl = shutil.copytree(FIXTURES / "nccl", tmp_path / "nccl", copy_function=shutil.copy)
     done = subprocess.run(
-        [sys.executable, "-m", "stagetrace", "collect", "--once", "--collectors", "gpu,mps,rdma,ethtool,nccl",
+        [sys.executable, "-m", "stagetrace", "collect", "--once", "--collectors",
+         "gpu,mps,rdma,ethtool,nccl,kubernetes",
          "--sysfs", str(FIXTURES / "sys"), "--nvml-fixture", str(FIXTURES / "nvml"),
          "--mps-fixture", str(FIXTURES / "mps"), "--ethtool-fixture", str(FIXTURES / "ethtool" / "statistics.json"),
-         "--nccl-dir", str(nccl)],
+         "--nccl-dir", str(nccl), "--kubelet-socket", str(kubelet_socket)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "STAGETRACE_HOST": "fixture-node"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
+    assert "stagetrace:" not in done.stderr, done.stderr  # no GPU of this node is shared or counted twice
     return "".join(
         line + "\n" for line in done.stdout.splitlines() if not line.split("{")[0].split(" ")[0] in NONDETERMINISTIC
     )
 
 
-def test_fixture_node_scrape_matches_expected(tmp_path):
-    scraped = scrape(tmp_path)
+def test_fixture_node_scrape_matches_expected(tmp_path, kubelet):
+    scraped = scrape(tmp_path, kubelet(KUBELET))
     if os.environ.get("STAGETRACE_UPDATE_GOLDEN") == "1":
         EXPECTED.write_text(scraped)
     diff = "".join(difflib.unified_diff(EXPECTED.read_text().splitlines(True), scraped.splitlines(True),
@@ -47,6 +51,7 @@ def test_fixture_node_scrape_matches_expected(tmp_path):
     assert not diff, diff
     assert 'stagetrace_collector_success{collector="nccl",host="fixture-node"} 1.0' in scraped
     assert 'stagetrace_collector_success{collector="gpu",host="fixture-node"} 1.0' in scraped
+    assert 'stagetrace_collector_success{collector="kubernetes",host="fixture-node"} 1.0' in scraped
 
 
 def test_expected_scrape_passes_promtool_check_metrics(component):

@@ -11,9 +11,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from stagetrace import __version__, config, lookup, schema
-from stagetrace.store import StoreError, open_store, parse_dsn
-from stagetrace.through_agent import DEFAULT_QUERY_LISTEN
+# Only what building the parser needs: each command imports what it uses, so `--help` and a lookup through the
+# agent load neither the embedded engine nor the OpenTelemetry SDK.
+from stagetrace import __version__, config
+from stagetrace.config import DEFAULT_QUERY_LISTEN
+from stagetrace.errors import SchemaError, StoreError
 
 
 def _store_option() -> argparse.ArgumentParser:
@@ -52,7 +54,9 @@ def _log_to_stderr(prefix: str) -> None:
     logging.getLogger("stagetrace").setLevel(logging.INFO)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
+    """The whole command line; ``collector_flags=False`` leaves out the flags the collectors declare (importing
+    every collector to learn them), for a command line that runs neither ``collect`` nor ``agent``."""
     parser = argparse.ArgumentParser(prog="stagetrace", description="Tracing for stateless GPU inference pipelines.")
     parser.add_argument("--version", action="version", version=f"stagetrace {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -97,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="add this run beside an earlier one (its own request IDs; counts then cover both)")
     p.set_defaults(run=_demo)
 
-    collectors = _collector_options()
+    collectors = _collector_options() if collector_flags else argparse.ArgumentParser(add_help=False)
     p = commands.add_parser("collect", parents=[collectors], help="print one snapshot of every collector")
     p.add_argument("--once", action="store_true", help="one snapshot (the only mode; `agent` collects continuously)")
     p.add_argument("--format", choices=("prometheus", "json"), default="prometheus", help="text exposition or JSON samples")
@@ -142,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _schema(args) -> int:
+    from stagetrace import schema
+    from stagetrace.store import open_store, parse_dsn
+
     if args.print:
         database = parse_dsn(args.store).database
         print(";\n\n".join(schema.statements(database, args.cluster)) + ";")
@@ -157,7 +164,9 @@ def _trace(args) -> int:
     if bool(args.request_id) == bool(args.trace_id):
         print("stagetrace trace: give a REQUEST_ID or --trace-id TRACE_ID", file=sys.stderr)
         return 2
+    from stagetrace import lookup
     from stagetrace.analysis.hardware import context
+    from stagetrace.store import open_store
 
     with open_store(args.store, must_exist=True) as store:
         try:
@@ -192,7 +201,9 @@ class _UsageError(Exception):
 
 
 def _explain(args) -> int:
+    from stagetrace import lookup
     from stagetrace.analysis.explain import Explainer
+    from stagetrace.store import open_store
 
     window = _duration_ns(args.window, "--window")
     with open_store(args.store, must_exist=True) as store:
@@ -221,6 +232,7 @@ def _explain(args) -> int:
 
 def _divergences(args) -> int:
     from stagetrace.analysis import divergences
+    from stagetrace.store import open_store
 
     since = _duration_ns(args.since, "--since")
     if args.limit < 0:
@@ -240,6 +252,7 @@ def _divergences(args) -> int:
 def _demo(args) -> int:
     from stagetrace import demo
     from stagetrace.render import Output, demo_summary, progress_bar
+    from stagetrace.store import open_store
 
     with open_store(args.store) as store, progress_bar("serving requests", enabled=not args.json) as progress:
         try:
@@ -271,6 +284,7 @@ def _invocation() -> str:
 
 def _collect(args) -> int:
     from stagetrace.agent import failed_collectors, samples_json
+    from stagetrace.collectors.kubernetes import diagnose
     from stagetrace.exporters.prometheus import exposition
 
     _log_to_stderr("stagetrace")
@@ -288,6 +302,10 @@ def _collect(args) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(exposition(families).decode())
+    # the scheduler's view against the hardware's (a shared GPU counted twice), on stderr: stdout stays the samples
+    diagnosis = diagnose(families)
+    if diagnosis:
+        print(f"stagetrace: {diagnosis}", file=sys.stderr)
     # a collector asked for by name that could not collect is an error; an absent default one is not
     return 1 if args.collectors and failed_collectors(families) else 0
 
@@ -362,10 +380,12 @@ def _query_limits(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(_joined_durations(sys.argv[1:] if argv is None else list(argv)))
+    argv = _joined_durations(sys.argv[1:] if argv is None else list(argv))
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(collector_flags=command in ("collect", "agent")).parse_args(argv)
     try:
         return args.run(args)
-    except (StoreError, schema.SchemaError, _UsageError) as exc:
+    except (StoreError, SchemaError, _UsageError) as exc:
         print(f"stagetrace: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

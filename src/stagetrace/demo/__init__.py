@@ -126,7 +126,6 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
                                      parameters={"db": store.database, "table": table})  # fmt: skip
         else:
             salt = time.time_ns()
-    fabric_spans, fabric_samples = _play_fabric(store, seed + salt)
     specs = request_specs(requests, nodes, seed, salt)
     plan = faults.observed(faults.plan(nodes), {node: [s.position for s in served] for node, served in specs.items()})
     hardware_dir = tempfile.mkdtemp(prefix="stagetrace-demo-hw-")
@@ -136,10 +135,15 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
     slots = ctx.Array("q", [specs[cfg.index][0].index if specs[cfg.index] else DONE for cfg in plan], lock=False)
     procs = [ctx.Process(target=node_main, args=(cfg, seed, specs[cfg.index], messages, hardware_dir, slots),
                          name=cfg.host) for cfg in plan]  # fmt: skip
+    # the fabric half hour plays in a process of its own meanwhile: the nodes wait on each other in lockstep
+    fabric_end, fabric_rows = ctx.Pipe(duplex=False)
+    procs.append(ctx.Process(target=_fabric_main, args=(time.time_ns(), seed + salt, fabric_rows), name="fabric"))
     try:
         for proc in procs:
             proc.start()
+        fabric_rows.close()
         results, spans, samples = _receive(store, messages, len(plan), requests, procs, progress)
+        fabric_spans, fabric_samples = _store_fabric(store, fabric_end)
     finally:
         for proc in procs:
             proc.join(timeout=5)
@@ -151,9 +155,24 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
     return result
 
 
-def _play_fabric(store: Store, seed: int) -> tuple[int, int]:
-    """The fabric and weights half hour before now (``demo.fabric``), with its ground truth; rows written."""
-    spans, metrics, truth, t0 = fabric.play(time.time_ns(), seed)
+def _fabric_main(end_ns: int, seed: int, conn) -> None:
+    try:
+        conn.send(("done", fabric.play(end_ns, seed)))
+    except BaseException as exc:  # the parent reports it
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def _store_fabric(store: Store, conn) -> tuple[int, int]:
+    """The fabric and weights half hour before the run (``demo.fabric``) and its ground truth, written."""
+    try:
+        kind, payload = conn.recv() if conn.poll(NODE_TIMEOUT_S) else ("failed", f"no answer in {NODE_TIMEOUT_S} s")
+    except EOFError:
+        kind, payload = "failed", "it exited without an answer"
+    if kind != "done":
+        raise DemoError(f"the fabric scenario failed: {payload}")
+    spans, metrics, truth, t0 = payload
     written = _insert_spans(store, spans)
     samples = sum(_insert_metrics(store, table, rows) for table, rows in metrics.items())
     fabric.write_truth(store, truth, t0)

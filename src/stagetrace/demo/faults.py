@@ -45,6 +45,11 @@ Not faults, and recorded as such in the ground truth:
   most hosts, and node 0 comes last, between the end of its burst and the start of its NIC timeouts.
 - one in eight distinct inputs belongs to a tenant that samples at temperature 0.8 without a seed;
   its outputs differ by design (``nondeterministic``).
+
+Not a fault of any output, and not in the ground truth: the last node's device plugin shares its GPUs
+through MPS (two replicas each), and a TTS service and a worker, two pods, share its GPU 3
+(``shared_gpu``, ``demo.hardware``): the scheduler counts that card twice and the node's 4 GPUs as 8,
+which the kubernetes collector's series and the GPU dashboard show. No span runs on GPU 3.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class NodeConfig:
     restarted_weights_from: float | None = None  # the GPU restarted from an older weight step
     tp_remote_host: str | None = None  # TP ranks 2-3 run on this host (ranks 0-1 on the node's own)
     remote_seq_errors: tuple[float, float, float] | None = None  # on the remote host's NIC: (from, to, probability)
+    shared_gpu: bool = False  # MPS replicas on every GPU, GPU 3 held by two pods: the scheduler's double count
 
     def index_version(self, position: float) -> str:
         return NEW_INDEX if position >= self.index_rebuilt_at else OLD_INDEX
@@ -220,4 +226,5 @@ def plan(nodes: int) -> list[NodeConfig]:
         fields.update(template_from=template_from[i], template_wave=template_wave, index_wave=index_wave)
         if "tp_remote_host" in fields:
             fields["tp_remote_host"] = remote_host(nodes)
+    settings[-1]["shared_gpu"] = True
     return [NodeConfig(i, f"gpu-node-{i + 1:02d}", **settings[i]) for i in range(nodes)]

@@ -2,9 +2,18 @@
 
 The NIC is a sysfs tree in the ``/sys/class/infiniband`` layout (mlx5 port and hw counters, the
 data counters in 4-byte words as the kernel keeps them); the GPUs are NVML snapshots in the gpu
-collector's recorded-fixture format. Every host has its own tree, including the remote host of a
-two-host TP group, and its samples carry its own ``host.name``. The workload and the faults advance the counters; sampling
-writes both out and scrapes them with the ``rdma`` and ``gpu`` collectors into metric rows.
+collector's recorded-fixture format; on the node that shares a GPU, a kubelet serves the node's
+PodResources over gRPC on a unix socket beside them (``<host>/kubelet/kubelet.sock``, recorded answers
+in the same folder), which the kubernetes collector reads as it reads a real kubelet. Every host has its own tree, including
+the remote host of a two-host TP group, and its samples carry its own ``host.name``. The workload
+and the faults advance the counters; sampling writes them out and scrapes them with the ``rdma``,
+``gpu`` (and there ``mps`` and ``kubernetes``) collectors into metric rows.
+
+Each node's pod ``rag-demo/<host>-engine`` holds its GPUs. A node with ``shared_gpu`` runs NVIDIA's
+device plugin with MPS sharing (2 replicas per GPU, device IDs ``<uuid>::0`` and ``<uuid>::1``) and
+an MPS daemon: the engine holds replica 0 of GPUs 0-2, and a TTS service and a worker, two pods, hold
+GPU 3's two replicas and run on it as its two MPS clients. The scheduler then counts 8 GPUs where
+there are 4, and GPU 3 as used twice: the state the kubernetes collector names (no span runs on GPU 3).
 """
 
 from __future__ import annotations
@@ -14,7 +23,9 @@ from pathlib import Path
 
 from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Options
-from stagetrace.collectors.nvml import gpu_snapshot, write_nvml_fixture, xid_event
+from stagetrace.collectors.mps import write_mps_fixture
+from stagetrace.collectors.nvml import gpu_snapshot, process_info, write_nvml_fixture, xid_event
+from stagetrace.collectors.podresources import RecordedKubelet, write_answers
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import metric_rows
 
@@ -27,9 +38,16 @@ _HW_COUNTERS = ("local_ack_timeout_err", "roce_adp_retrans", "out_of_sequence", 
                 "np_cnp_sent", "rp_cnp_handled", "np_ecn_marked_roce_packets")  # fmt: skip
 
 
+SHARED_GPU = GPUS - 1  # the GPU two pods share on a node with shared_gpu
+MPS_REPLICAS = 2
+MPS_SERVER, MPS_CLIENTS = 4100, (4201, 4202)  # PIDs of the MPS server and of the TTS service and the worker
+SHARING_PODS = (("voice", "tts-0", "tts"), ("rag-demo", "worker-0", "worker"))  # namespace, pod, container
+
+
 class NodeHardware:
-    def __init__(self, host: str, directory: str, seed: int):
+    def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False):
         self.host = host
+        self.shared_gpu = shared_gpu
         self.root = Path(directory) / host
         self.nic = NIC
         self.gpu_uuids = [f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}" for u in
@@ -41,9 +59,17 @@ class NodeHardware:
             memory = state["nvmlDeviceGetMemoryInfo"]
             memory["used"] = int(memory["total"] * 0.8)
             memory["free"] = memory["total"] - memory["reserved"] - memory["used"]
+        if shared_gpu:  # the TTS service's and the worker's processes on the shared GPU, through MPS
+            gpu = self.gpus[SHARED_GPU]
+            gpu["nvmlDeviceGetComputeRunningProcesses"] = [process_info(MPS_SERVER, 600 * 2**20)]
+            gpu["nvmlDeviceGetMPSComputeRunningProcesses"] = [process_info(pid, 40 * 2**30) for pid in MPS_CLIENTS]
         self._write_static()
-        options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.root / "nvml")
-        self._collectors = build_node(["gpu", "rdma"], options)
+        # The kubelet starts with the first scrape: gRPC starts threads, and the node forks its TP ranks first. Only
+        # the node that shares a GPU runs one: a gRPC server in every node process doubled the demo's time.
+        self.kubelet = RecordedKubelet(self.root / "kubelet" / "kubelet.sock", self.root / "kubelet") if shared_gpu else None
+        options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.root / "nvml", mps_fixture=self.root / "mps",
+                          **({"kubelet_socket": self.kubelet.socket_path} if self.kubelet else {}))  # fmt: skip
+        self._collectors = build_node(["gpu", "rdma", *(["mps", "kubernetes"] if shared_gpu else [])], options)
         self._nic_collectors = build_node(["rdma"], options)
         self._started_ns = time.time_ns()
 
@@ -82,16 +108,54 @@ class NodeHardware:
         state["nvmlDeviceGetTotalEccErrors"]["NVML_MEMORY_ERROR_TYPE_UNCORRECTED"]["NVML_VOLATILE_ECC"] += 1
 
     # -- what the collectors read
-    def sample_rows(self, nic_only: bool = False) -> dict[str, list[tuple]]:
-        """One scrape of the host's GPUs and NIC (``nic_only``: of its NIC alone), as metric rows."""
+    def scrape(self, nic_only: bool = False) -> list:
+        """One scrape of the host's GPUs, NIC and kubelet (``nic_only``: of its NIC alone), as metric families."""
         self._write_counters()
-        if not nic_only:
-            write_nvml_fixture(self.root / "nvml", self.gpus)
-        now = time.time_ns()
-        collectors = self._nic_collectors if nic_only else self._collectors
-        return metric_rows(collectors.collect(), self.host, now, start_ns=self._started_ns)
+        if nic_only:
+            return list(self._nic_collectors.collect())
+        write_nvml_fixture(self.root / "nvml", self.gpus)
+        if self.kubelet:
+            self.kubelet.start()
+        return list(self._collectors.collect())
+
+    def sample_rows(self, nic_only: bool = False) -> dict[str, list[tuple]]:
+        """One scrape (``scrape``) as metric rows."""
+        families = self.scrape(nic_only)
+        return metric_rows(families, self.host, time.time_ns(), start_ns=self._started_ns)
+
+    def close(self) -> None:
+        self._collectors.close()
+        if self.kubelet:
+            self.kubelet.stop()
+
+    def pods(self) -> dict[str, dict]:
+        """The kubelet's answers: ``List`` (pods and the devices each container holds) and
+        ``GetAllocatableResources`` (the devices the device plugin advertises), in proto3 JSON form."""
+        replicas = MPS_REPLICAS if self.shared_gpu else 1
+
+        def device(uuid: str, replica: int) -> dict:
+            ids = [f"{uuid}::{replica}" if self.shared_gpu else uuid]
+            return {"resourceName": "nvidia.com/gpu", "deviceIds": ids, "topology": {"nodes": [{"ID": "0"}]}}
+
+        engine = [device(u, 0) for i, u in enumerate(self.gpu_uuids) if not (self.shared_gpu and i == SHARED_GPU)]
+        pods = [{"name": f"{self.host}-engine", "namespace": "rag-demo", "containers": [
+            {"name": "engine", "devices": engine, "cpuIds": [str(c) for c in range(2, 18)]}]}]  # fmt: skip
+        if self.shared_gpu:
+            pods += [{"name": pod, "namespace": namespace,
+                      "containers": [{"name": container, "devices": [device(self.gpu_uuids[SHARED_GPU], replica)]}]}
+                     for replica, (namespace, pod, container) in enumerate(SHARING_PODS)]  # fmt: skip
+        pods.append({"name": f"nvidia-device-plugin-{self.host}", "namespace": "kube-system",
+                     "containers": [{"name": "nvidia-device-plugin"}]})  # fmt: skip
+        allocatable = {"devices": [device(u, r) for u in self.gpu_uuids for r in range(replicas)],
+                       "cpuIds": [str(c) for c in range(2, 64)]}  # fmt: skip
+        return {"List": {"podResources": pods}, "GetAllocatableResources": allocatable}
 
     def _write_static(self) -> None:
+        if self.shared_gpu:
+            write_answers(self.root / "kubelet", self.pods())
+            write_mps_fixture(self.root / "mps", {
+                "get_server_list": f"{MPS_SERVER}\n", f"get_client_list {MPS_SERVER}": "".join(f"{p}\n" for p in MPS_CLIENTS),
+                "get_default_active_thread_percentage": "50.0\n"})  # fmt: skip
         device = self.root / "sys" / "class" / "infiniband" / NIC
         port = device / "ports" / "1"
         files = {

@@ -183,7 +183,7 @@ class Node:
         self.model = world.Model(seed)
         self.indexes = world.corpora(seed)
         self.cache = DocCache(CACHE_CAPACITY, CACHE_TTL_S, config.cache_key_has_version)
-        self.hardware = NodeHardware(config.host, hardware_dir, seed)
+        self.hardware = NodeHardware(config.host, hardware_dir, seed, shared_gpu=config.shared_gpu)
         # the remote host of a two-host TP group: its own NIC and GPUs, sampled by this node
         self.remote = NodeHardware(config.tp_remote_host, hardware_dir, seed) if config.tp_remote_host else None
         self._remote_tracer = None
@@ -235,6 +235,9 @@ class Node:
             if remote_provider:
                 remote_provider.shutdown()
             tp.close()
+            for hardware in (self.hardware, self.remote):
+                if hardware:
+                    hardware.close()
 
     def _events(self, spec: RequestSpec) -> None:
         if self.config.xid_at is not None and not self._xid_done and spec.position >= self.config.xid_at:
