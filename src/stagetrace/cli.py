@@ -166,6 +166,7 @@ def _trace(args) -> int:
         return 2
     from stagetrace import lookup
     from stagetrace.analysis.hardware import context
+    from stagetrace.analysis.pods import gpu_pods
     from stagetrace.store import open_store
 
     with open_store(args.store, must_exist=True) as store:
@@ -175,14 +176,16 @@ def _trace(args) -> int:
             print(f"stagetrace: {exc} in {store.location.redacted()}", file=sys.stderr)
             return 1
         hardware = context(store, found)
+        pods = gpu_pods(store, found)
     if args.json:
-        json.dump({**found.to_json(), "hardware": hardware}, sys.stdout, indent=2, ensure_ascii=False)
+        json.dump({**found.to_json(), "hardware": hardware, "pods": pods}, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
-        from stagetrace.render import Output, hardware_rises, waterfall
+        from stagetrace.render import Output, gpu_holders, hardware_rises, waterfall
 
         out = Output()
         waterfall(out, found)
+        gpu_holders(out, pods)
         hardware_rises(out, hardware)
     return 0
 

@@ -230,6 +230,15 @@ def waterfall(out: Output, trace: Trace) -> None:
             out.line(f"{span.name} ({span.service}): {engine_timings(span)}")
 
 
+def gpu_holders(out: Output, pods: list[dict]) -> None:
+    """Which pods held the request's GPUs (the kubelet's allocations), and which of them served it."""
+    rows = [[Text(p["gpu"]), p["host"], " ".join(p["held_by"]), " ".join(p["served_by"])] for p in pods]
+    columns = [Column("gpu", keep=True), Column("host", keep=True), Column("held by (kubelet)", keep=True),
+               Column("this request's pod", keep=True)]  # fmt: skip
+    if rows:
+        out.table("pods on its GPUs", columns, rows)
+
+
 def hardware_rises(out: Output, rises: list[dict]) -> None:
     """Error counters that rose on the request's GPUs and NICs while its stages ran."""
     rows = []
@@ -254,7 +263,8 @@ def evidence(cause: dict, text=str, device=str) -> str:
                     "baseline's")  # fmt: skip
     if cause["kind"] == "hardware":
         rank = text(f"rank {cause['rank']}: ") if cause.get("rank") else ""
-        return f"{rank}{text('on ')}{device(cause['device'])} {text('(' + cause['host'] + ')')}"
+        shared = text(", shared with " + " ".join(cause["co_tenants"])) if cause.get("co_tenants") else ""
+        return f"{rank}{text('on ')}{device(cause['device'])} {text('(' + cause['host'] + ')')}{shared}"
     if cause["kind"] == "rollout":
         return text(cause["rollout"]["summary"])
     if cause["kind"] == "nondeterminism":
@@ -373,4 +383,4 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: s
 
 
 __all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "evidence", "explanation",
-           "hardware_rises", "progress_bar", "waterfall"]
+           "gpu_holders", "hardware_rises", "progress_bar", "waterfall"]

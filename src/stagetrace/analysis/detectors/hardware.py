@@ -8,11 +8,13 @@ rank, and a fifth of it, as weak evidence, when it rose for both.
 
 from __future__ import annotations
 
+from stagetrace.analysis import pods
 from stagetrace.analysis.causes import Cause
 from stagetrace.analysis.detectors import Case, register
 from stagetrace.analysis.hardware import Rise, devices
 
 BOTH_ROSE_WEIGHT = 0.2
+CO_TENANCY = "mps_clients"  # another MPS client on the GPU: the kubelet's allocations name its pod
 _DEVICE_LABELS = ("uuid", "device", "gpu", "port", "model", "netdev", "interface")
 
 
@@ -43,6 +45,11 @@ class HardwareSignals:
             for rise in _rises(case.samples, span):
                 both = before.get(_kind(rise), 0.0) > 0
                 evidence = {"host": host, "device": rise.device, "rank": rank or None, "labels": rise.labels}
+                if rise.metric == CO_TENANCY:  # the pods that held the GPU beside the request's own
+                    held = pods.holders(case.store, [span], span.start_ns, span.start_ns + span.duration_ns)
+                    others = [p for p in held.get((host, rise.device), []) if p != pods.own_pod(span)]
+                    if others:
+                        evidence["co_tenants"] = others
                 if window:
                     evidence["window_ns"] = list(window)
                 if rise.typical is not None:  # a relative signal: against the series' own usual level
