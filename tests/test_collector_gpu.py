@@ -20,6 +20,8 @@ import pytest
 from stagetrace.collectors.base import Node, Options, Samples, SourceUnavailable
 from stagetrace.collectors.gpu import GpuCollector, record_nvml_fixture
 from stagetrace.collectors.nvml import FixtureSource, PynvmlSource, gpu_snapshot, write_nvml_fixture, xid_event
+from tests.samples import scrape as scrape_node
+from tests.samples import series, value
 
 FIXTURES = Path(__file__).parent / "fixtures" / "node"
 NODE_NVML = FIXTURES / "nvml"
@@ -28,22 +30,7 @@ MiB = 2**20
 
 def scrape(collector) -> dict[str, list[tuple[dict, float]]]:
     """One scrape through a Node (adds host, success and duration), as name → [(labels, value)]."""
-    result: dict[str, list[tuple[dict, float]]] = {}
-    for family in Node([collector], host="n1").collect():
-        for sample in family.samples:
-            result.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return result
-
-
-def series(result, name, **labels) -> list[tuple[dict, float]]:
-    wanted = {k: str(v) for k, v in labels.items()}
-    return [(lbl, v) for lbl, v in result.get(name, []) if wanted.items() <= lbl.items()]
-
-
-def value(result, name, **labels) -> float:
-    found = series(result, name, **labels)
-    assert len(found) == 1, f"{name}{labels}: {len(found)} series"
-    return found[0][1]
+    return scrape_node(Node([collector], host="n1"))
 
 
 class CountingSource(FixtureSource):

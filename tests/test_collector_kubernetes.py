@@ -39,6 +39,7 @@ from stagetrace.collectors.podresources import (
 
 from stagetrace.cli import main
 from stagetrace.demo.hardware import NodeHardware
+from tests.samples import scrape, series, value
 
 KUBELET = Path(__file__).parent / "fixtures" / "kubelet"
 NODE = Path(__file__).parent / "fixtures" / "node"
@@ -50,25 +51,6 @@ SHARED_DIAGNOSIS = (
     f"{SHARED_UUID} is allocated 2 times (2 pods: batch/worker-0, voice/tts-0) with 2 MPS clients; "
     "the node advertises 2 nvidia.com/gpu devices for 1 physical GPU: the scheduler counts it twice"
 )
-
-
-def scrape(node: Node) -> dict[str, list[tuple[dict, float]]]:
-    result: dict[str, list[tuple[dict, float]]] = {}
-    for family in node.collect():
-        for sample in family.samples:
-            result.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return result
-
-
-def series(result, name, **labels):
-    wanted = {k: str(v) for k, v in labels.items()}
-    return [(lbl, v) for lbl, v in result.get(name, []) if wanted.items() <= lbl.items()]
-
-
-def value(result, name, **labels) -> float:
-    found = series(result, name, **labels)
-    assert len(found) == 1, f"{name}{labels}: {len(found)} series"
-    return found[0][1]
 
 
 @pytest.fixture

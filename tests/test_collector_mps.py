@@ -17,28 +17,10 @@ import pytest
 from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Node, Options
 from stagetrace.collectors.mps import BinaryControl, MpsCollector, write_mps_fixture
+from tests.samples import scrape, series, value
 
 FIXTURES = Path(__file__).parent / "fixtures" / "node"
 ONE_GPU = "one-gpu-two-clients"
-
-
-def scrape(node: Node) -> dict[str, list[tuple[dict, float]]]:
-    result: dict[str, list[tuple[dict, float]]] = {}
-    for family in node.collect():
-        for sample in family.samples:
-            result.setdefault(sample.name, []).append((sample.labels, sample.value))
-    return result
-
-
-def series(result, name, **labels):
-    wanted = {k: str(v) for k, v in labels.items()}
-    return [(lbl, v) for lbl, v in result.get(name, []) if wanted.items() <= lbl.items()]
-
-
-def value(result, name, **labels) -> float:
-    found = series(result, name, **labels)
-    assert len(found) == 1, f"{name}{labels}: {len(found)} series"
-    return found[0][1]
 
 
 def test_one_gpu_shared_by_two_mps_clients_is_one_device_with_two_clients():
