@@ -6,7 +6,7 @@ import fcntl
 import os
 import pty
 import re
-import select
+import selectors
 import struct
 import subprocess
 import termios
@@ -22,10 +22,12 @@ def run_on_terminal(argv: list[str], columns: int, env: dict | None = None, time
     process = subprocess.Popen(argv, stdin=follower, stdout=follower, stderr=follower, env=environment, close_fds=True)
     os.close(follower)
     chunks = []
+    # a selector, not select(): the test process may hold more than 1,024 descriptors by the time it runs this
+    waiting = selectors.DefaultSelector()
+    waiting.register(leader, selectors.EVENT_READ)
     try:
         while True:
-            ready, _, _ = select.select([leader], [], [], timeout_s)
-            if not ready:
+            if not waiting.select(timeout_s):
                 process.kill()
                 raise TimeoutError(f"{argv} printed nothing for {timeout_s} s")
             try:
@@ -36,6 +38,7 @@ def run_on_terminal(argv: list[str], columns: int, env: dict | None = None, time
                 break
             chunks.append(data)
     finally:
+        waiting.close()
         os.close(leader)
     status = process.wait(timeout=timeout_s)
     return status, _ANSI.sub("", b"".join(chunks).decode("utf-8", "replace")).replace("\r\n", "\n")

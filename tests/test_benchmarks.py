@@ -18,8 +18,9 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         assert line in written
     rows = [line for line in written.splitlines() if line.startswith("| collection |")]
     assert [r.split(" | ")[1].split(",")[0].split(" (")[0] for r in rows] == [
-        "RDMA collector", "RDMA collector", "whole-node snapshot in-process", "`stagetrace collect --once` process"
-    ]
+        "RDMA collector", "RDMA collector", "RDMA collector", "whole-node snapshot in-process",
+        "`stagetrace collect --once` process",
+    ]  # against node_exporter, node_exporter on the same files, coreutils cat
     assert all(line in result.stdout for line in rows)
     rdma = rows[0].split(" | ")
     assert rdma[2].endswith(" ms")
@@ -29,8 +30,9 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
     for name, count, baselines in (
         ("instrumentation", 2, ["bare OpenTelemetry SDK"] * 2),
         ("export", 2, ["raw columnar client.insert"] * 2),
-        ("lookup", 5, ["", "full scan", "full scan", "same filter through the bloom-filter", "full scan"]),
-        ("footprint", 5, ["aim", "aim", "aim", "", ""]),
+        ("lookup", 6, ["", "full scan", "full scan", "same filter through the bloom-filter", "full scan", "aim"]),
+        ("startup", 2, ["aim", "`python -c pass`"]),
+        ("footprint", 6, ["aim", "aim", "aim", "aim", "", ""]),
         ("storage", 4, [""] * 4),  # and one row per table a view fills from otel_traces
         ("conventions", 2, ["as stagetrace-convention spans", "stagetrace-convention requests"]),
         ("otlp_ingest", 1, ["OTLP/HTTP, same spans"]),

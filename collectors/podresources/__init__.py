@@ -26,9 +26,13 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-import grpc
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
-from google.protobuf.message import DecodeError, Message
+# gRPC's core logs to stderr on its own (a kubelet closing its connection, in its format); the collector says
+# what failed once, in its own line. Read when grpc is first imported (as the OTLP/gRPC receiver does).
+os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+
+import grpc  # noqa: E402
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory  # noqa: E402
+from google.protobuf.message import DecodeError, Message  # noqa: E402
 
 PROTO = Path(__file__).with_name("api.proto")
 
