@@ -399,3 +399,32 @@ def test_a_socket_that_answers_garbage_bytes_is_unavailable(socket_dir):
         stop.set()
         thread.join()
         listener.close()
+
+
+def test_the_agent_logs_the_diagnosis_once_while_it_holds(kubelet, tmp_path):
+    """The agent scrapes every interval; the one line is logged when it appears, not at every scrape."""
+    import signal
+    import subprocess
+    import sys
+
+    sock = kubelet(SHARED)
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "gpu,mps,kubernetes", "--kubelet-socket", str(sock),
+         "--nvml-fixture", str(NODE / "nvml" / ONE_GPU), "--mps-fixture", str(NODE / "mps" / ONE_GPU),
+         "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "200ms",
+         "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none"],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "sampling every" not in log.read_text():  # serving: it has scraped once
+            assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(2)  # ten more scrapes
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=60) == 0
+    text = log.read_text()
+    assert text.count(SHARED_DIAGNOSIS) == 1, text
+    assert f"stagetrace agent: {SHARED_DIAGNOSIS}" in text.splitlines()

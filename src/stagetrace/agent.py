@@ -207,14 +207,30 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             why = "an in-memory store cannot be shared" if location.embedded else "other commands reach the server directly"
             logger.info("no query endpoint: %s", why)
         due = time.monotonic()
+        said = None
         while True:
-            writer.write(shared.collect())
+            families = shared.collect()
+            writer.write(families)
+            said = _say_diagnosis(families, said)
             # keep the cadence; after a stall (slow store, suspended host) start again from now
             due = max(due + interval_s, time.monotonic())
             if stop.wait(due - time.monotonic()):
                 break
         logger.info("stopping")
     return 0
+
+
+def _say_diagnosis(families, said: str | None) -> str | None:
+    """Log the kubernetes collector's one-line diagnosis (a GPU the scheduler counts twice) when it changes."""
+    from stagetrace.collectors.kubernetes import diagnose
+
+    line = diagnose(families)
+    if line != said:
+        if line:
+            logger.warning("%s", line)
+        elif said:
+            logger.info("the kubelet's GPU allocations agree with the hardware again")
+    return line
 
 
 __all__ = ["AgentError", "SerializedNode", "failed_collectors", "lower_priority", "parse_interval", "parse_size", "run",
