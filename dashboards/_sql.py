@@ -257,20 +257,19 @@ SYNC_SUMMARY = (
     f"FROM {_SYNC_NICS} GROUP BY TraceId) AS n ON s.TraceId = n.TraceId)"
 )
 
-# Which weights each inference GPU serves: per GPU, the step of its latest decode span, when that step first served
-# there, and its fleet's step (the median of its service's GPUs' steps: one GPU ahead, a canary, moves no one).
+# Which weights each inference GPU serves (conventions: a GPU's step and its fleet's): per GPU, its step, when that
+# step first served there, and its fleet's step.
 GPU_STEP_SPANS = (
     f"(SELECT ServiceName, HostName, Attributes['{conventions.GPU_UUID}'] AS Gpu, "
-    f"toInt64OrZero(Attributes['{conventions.WEIGHTS_STEP}']) AS Step, Start FROM {STAGES} "
-    f"WHERE Stage = 'decode' AND Gpu != '' AND match(Attributes['{conventions.WEIGHTS_STEP}'], '^-?[0-9]+$') "
-    "AND $__timeFilter(Start))"
+    f"{conventions.STEP_SQL} AS Step, Start FROM {STAGES} "
+    f"WHERE Stage = 'decode' AND Gpu != '' AND {conventions.IS_STEP_SQL} AND $__timeFilter(Start))"
 )
 GPU_STEPS = (
     "(SELECT ServiceName, HostName, Gpu, Step, Arrived, LastSeen, FleetStep, FleetStep - Step AS StepsBehind FROM ("
     "SELECT ServiceName, HostName, Gpu, argMax(Step, Last) AS Step, argMax(First, Last) AS Arrived, "
     "max(Last) AS LastSeen FROM (SELECT ServiceName, HostName, Gpu, Step, min(Start) AS First, max(Start) AS Last "
     f"FROM {GPU_STEP_SPANS} GROUP BY ServiceName, HostName, Gpu, Step) GROUP BY ServiceName, HostName, Gpu) AS g "
-    "INNER JOIN (SELECT ServiceName, toInt64(quantileExact(0.5)(Step)) AS FleetStep FROM ("
+    f"INNER JOIN (SELECT ServiceName, {conventions.fleet_step_sql('Step')} AS FleetStep FROM ("
     f"SELECT ServiceName, Gpu, argMax(Step, Start) AS Step FROM {GPU_STEP_SPANS} GROUP BY ServiceName, Gpu) "
     "GROUP BY ServiceName) AS f USING (ServiceName))"
 )

@@ -165,11 +165,16 @@ def _data(rule: PipelineRule) -> list[dict]:
     return [query, threshold]
 
 
-def _panel_id(rule: PipelineRule) -> int:
-    for panel in build_all()[rule.dashboard]["panels"]:
-        if panel["title"] == rule.panel:
-            return panel["id"]
-    raise LookupError(f"the {rule.dashboard} dashboard has no panel titled {rule.panel!r}")
+def _panel_ids() -> dict[str, int]:
+    """Each rule's panel ID on its dashboard, from one build of the dashboards."""
+    built = build_all()
+    ids = {}
+    for rule in RULES:
+        found = [panel["id"] for panel in built[rule.dashboard]["panels"] if panel["title"] == rule.panel]
+        if not found:
+            raise LookupError(f"the {rule.dashboard} dashboard has no panel titled {rule.panel!r}")
+        ids[rule.uid] = found[0]
+    return ids
 
 
 def _rule(rule: PipelineRule) -> dict:
@@ -190,7 +195,8 @@ def _rule(rule: PipelineRule) -> dict:
 
 def file_provisioning() -> dict:
     """``provisioning/alerting/stagetrace.yaml``: the rule group, in Grafana's file format."""
-    rules = [{**_rule(r), "dashboardUid": r.dashboard, "panelId": _panel_id(r)} for r in RULES]
+    panel_ids = _panel_ids()
+    rules = [{**_rule(r), "dashboardUid": r.dashboard, "panelId": panel_ids[r.uid]} for r in RULES]
     return {
         "apiVersion": 1,
         "groups": [{"orgId": ORG_ID, "name": GROUP, "folder": FOLDER_TITLE, "interval": f"{INTERVAL_S}s",
@@ -200,10 +206,10 @@ def file_provisioning() -> dict:
 
 def api_rule_group() -> dict:
     """The body of ``PUT /api/v1/provisioning/folder/{folder}/rule-groups/{group}``."""
-    rules = []
+    rules, panel_ids = [], _panel_ids()
     for rule in RULES:
         body = _rule(rule)
         body["annotations"] = {**body["annotations"], "__dashboardUid__": rule.dashboard,
-                               "__panelId__": str(_panel_id(rule))}  # fmt: skip
+                               "__panelId__": str(panel_ids[rule.uid])}  # fmt: skip
         rules.append({**body, "orgID": ORG_ID, "folderUID": FOLDER_UID, "ruleGroup": GROUP})
     return {"title": GROUP, "folderUid": FOLDER_UID, "interval": INTERVAL_S, "rules": rules}

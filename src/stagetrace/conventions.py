@@ -15,6 +15,7 @@ producer is a line here, not a change in four modules.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 
@@ -53,6 +54,27 @@ LINK_SOURCE_HOST, LINK_SOURCE_RANK, LINK_SOURCE_DEVICE = (
 LINK_DESTINATION_HOST, LINK_DESTINATION_RANK, LINK_DESTINATION_DEVICE, LINK_DESTINATION_GPU = (
     "weights.link.destination.host", "weights.link.destination.rank", "weights.link.destination.device",
     "weights.link.destination.gpu.uuid")  # fmt: skip
+# Which weights a GPU serves: the step of its latest decode span, counted only when it is a whole number (SGLang's
+# weight_version "default" orders nothing); its fleet's step is the median of its service's GPUs' steps, so one
+# canary ahead moves no one. The dashboards' board and alert and the weights detector share both rules.
+_STEP = re.compile(r"-?[0-9]+")
+
+
+def weights_step(attributes: dict[str, str]) -> int | None:
+    """A span's ``model.weights.step`` as a number, None when it has none (same rule as ``IS_STEP_SQL``)."""
+    text = attributes.get(WEIGHTS_STEP, "")
+    return int(text) if _STEP.fullmatch(text) else None
+
+
+IS_STEP_SQL = f"match(Attributes['{WEIGHTS_STEP}'], '^{_STEP.pattern}$')"  # over stagetrace_stages
+STEP_SQL = f"toInt64OrZero(Attributes['{WEIGHTS_STEP}'])"  # where IS_STEP_SQL holds
+
+
+def fleet_step_sql(steps: str) -> str:
+    """The fleet's step from its GPUs' latest steps ``steps`` (an aggregate argument)."""
+    return f"toInt64(quantileExact(0.5)({steps}))"
+
+
 # A sync funnels through one NIC (the rank-0 pattern: gather on training rank 0, send from there) when one NIC
 # of a side carries at least this many times its even share of the bytes (1 / that side's ranks).
 FAN_IN_FACTOR = 2.0

@@ -166,7 +166,7 @@ def _shown_attributes(attrs: dict[str, str]) -> str:
     """Settings worth seeing (batch size, index version, model), whole; content, digests, IDs and the GPU
     (its own column) are not shown."""
     return " ".join(f"{k}={v}" for k, v in attrs.items()
-                    if not conventions.is_content(k) and k not in conventions.DIGEST_KEYS and k != "gpu.uuid"
+                    if not conventions.is_content(k) and k not in conventions.DIGEST_KEYS and k != conventions.GPU_UUID
                     and k not in conventions.REQUEST_ID_ALIASES
                     and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX)))  # fmt: skip
 

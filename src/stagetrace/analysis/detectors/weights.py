@@ -1,9 +1,8 @@
 """A GPU that serves older weights than its fleet: it missed a weight sync.
 
-The step a GPU serves is that of its latest decode span; its fleet's step is the median (ClickHouse's
-``quantileExact(0.5)``) of the latest steps of the service's *other* GPUs over the ``WINDOW_S`` before
-the request: the dashboards' definition (``dashboards._sql.GPU_STEPS``), read over the request's own
-recent past. Only numeric steps count. A request whose decode ran with a lower step than its fleet's
+The step a GPU serves and its fleet's step follow ``conventions`` (the rules the dashboards' board and
+alert use): the step of its latest decode span, and the median of the service's *other* GPUs' steps, here
+over the ``WINDOW_S`` before the request. Only numeric steps count. A request whose decode ran with a lower step than its fleet's
 (with TP ranks, the lowest of its ranks') ran on weights the fleet had left behind. Steps are
 settings, compared by identity: 1199 is behind 1200 however close. A step above the fleet's is a
 canary ahead of it, not this cause; with fewer than ``MIN_GPUS`` other GPUs there is no fleet to lag.
@@ -15,11 +14,9 @@ behind and since when, unless an expected rollout (a sync still in its wave) exp
 
 from __future__ import annotations
 
-import re
-
 from stagetrace.analysis.causes import Cause, attribute_causes
 from stagetrace.analysis.detectors import Case, register
-from stagetrace.conventions import GPU_UUID, HOST, WEIGHTS_STEP
+from stagetrace.conventions import GPU_UUID, HOST, IS_STEP_SQL, STEP_SQL, WEIGHTS_STEP, fleet_step_sql, weights_step
 from stagetrace.lookup import iso_ns
 
 WINDOW_S = 600  # the other GPUs' decode spans this long before the request tell the step each serves
@@ -29,21 +26,20 @@ MIN_GPUS = 2  # other GPUs of the service, at least, for a fleet step
 # the same step difference (see ``_score``), so the merged entry for ``model.weights.step`` is this one.
 SCORE = 0.97
 CEILING = 1.0  # an expected rollout's score: never reached
-_STEP = re.compile(r"-?[0-9]+")
 
 # Per other GPU of the service in the window: its latest step, and when it first served each step.
 STEPS_SQL = f"""
-SELECT count(), toInt64(quantileExact(0.5)(Latest)), groupArray(Latest), groupArray(Firsts)
+SELECT count(), {fleet_step_sql("Latest")}, groupArray(Latest), groupArray(Firsts)
 FROM (
     SELECT Gpu, argMax(Step, Last) AS Latest, groupArray((Step, First)) AS Firsts
     FROM (
-        SELECT Attributes['{GPU_UUID}'] AS Gpu, toInt64OrZero(Attributes['{WEIGHTS_STEP}']) AS Step,
+        SELECT Attributes['{GPU_UUID}'] AS Gpu, {STEP_SQL} AS Step,
                toUnixTimestamp64Nano(min(Start)) AS First, max(Start) AS Last
         FROM {{db:Identifier}}.stagetrace_stages
         WHERE Stage = 'decode' AND ServiceName = {{service:String}}
           AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
           AND Gpu != '' AND NOT has({{own:Array(String)}}, Gpu)
-          AND match(Attributes['{WEIGHTS_STEP}'], '^-?[0-9]+$')
+          AND {IS_STEP_SQL}
         GROUP BY Gpu, Step)
     GROUP BY Gpu)
 """
@@ -56,8 +52,8 @@ class StaleWeights:
     def detect(self, case: Case) -> list[Cause]:
         if case.stage != "decode":
             return []
-        ranks = [(int(s.attributes[WEIGHTS_STEP]), rank, s) for rank, s in case.spans.items()
-                 if _STEP.fullmatch(s.attributes.get(WEIGHTS_STEP, "")) and s.attributes.get(GPU_UUID)]  # fmt: skip
+        ranks = [(step, rank, s) for rank, s in case.spans.items()
+                 if (step := weights_step(s.attributes)) is not None and s.attributes.get(GPU_UUID)]  # fmt: skip
         if not ranks:
             return []
         step, _, span = min(ranks, key=lambda r: r[0])
