@@ -7,8 +7,13 @@ from stagetrace.collectors.base import Node
 
 def scrape(node: Node) -> dict[str, list[tuple[dict, float]]]:
     """One scrape of ``node``, as name -> [(labels, value)]."""
+    return by_name(node.collect())
+
+
+def by_name(families) -> dict[str, list[tuple[dict, float]]]:
+    """Metric families' samples as name -> [(labels, value)]."""
     result: dict[str, list[tuple[dict, float]]] = {}
-    for family in node.collect():
+    for family in families:
         for sample in family.samples:
             result.setdefault(sample.name, []).append((sample.labels, sample.value))
     return result

@@ -39,7 +39,7 @@ from stagetrace.collectors.podresources import (
 
 from stagetrace.cli import main
 from stagetrace.demo.hardware import NodeHardware
-from tests.samples import scrape, series, value
+from tests.samples import by_name, scrape, series, value
 
 KUBELET = Path(__file__).parent / "fixtures" / "kubelet"
 NODE = Path(__file__).parent / "fixtures" / "node"
@@ -126,10 +126,7 @@ def test_h200_node_each_gpu_once_and_who_holds_it(kubelet):
     node = build_node("gpu,mps,kubernetes", options)
     families = list(node.collect())
     node.close()
-    result = {}
-    for family in families:
-        for sample in family.samples:
-            result.setdefault(sample.name, []).append((sample.labels, sample.value))
+    result = by_name(families)
     assert value(result, "stagetrace_collector_success", collector="kubernetes") == 1
     assert [(lbl["resource"], v) for lbl, v in series(result, "k8s_gpu_allocatable_devices")] == [("nvidia.com/gpu", 8)]
     assert value(result, "k8s_gpu_physical_devices", resource="nvidia.com/gpu") == 8
@@ -155,10 +152,7 @@ def test_one_gpu_shared_by_two_pods_through_mps_replicas(kubelet):
     node = build_node("gpu,mps,kubernetes", shared_options(kubelet(SHARED)))
     families = list(node.collect())
     node.close()
-    result = {}
-    for family in families:
-        for sample in family.samples:
-            result.setdefault(sample.name, []).append((sample.labels, sample.value))
+    result = by_name(families)
 
     (gpu,) = series(result, "gpu_up")
     assert gpu[0]["uuid"] == SHARED_UUID  # how many physical GPUs: 1

@@ -39,6 +39,7 @@ from opentelemetry.trace import Status, StatusCode
 from stagetrace import conventions as cv
 from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Options
+from stagetrace.demo.hardware import port_files
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import _Resources, metric_rows, span_row
 
@@ -129,16 +130,9 @@ class Host:
 
     def _write(self) -> None:
         """The files whose text changed since the last scrape (a write costs more than the collector's read)."""
-        sysfs = self.root / "sys" / "class" / "infiniband"
         files = {}
         for port in self.ports.values():
-            device = sysfs / port.device
-            files |= {device / "fw_ver": "28.39.1002", device / "hca_type": "MT4129", device / "node_type": "1: CA",
-                      device / "ports/1/rate": port.rate, device / "ports/1/state": "4: ACTIVE",
-                      device / "ports/1/phys_state": "5: LinkUp", device / "ports/1/link_layer": "Ethernet",
-                      device / "ports/1/gid_attrs/ndevs/0": port.netdev}  # fmt: skip
-            files |= {device / "ports/1/counters" / k: str(v) for k, v in port.counters.items()}
-            files |= {device / "ports/1/hw_counters" / k: str(v) for k, v in port.hw.items()}
+            files |= port_files(self.root / "sys", port.device, port.rate, port.netdev, port.counters, port.hw)
         files[self.root / "ethtool.json"] = json.dumps({p.netdev: p.pause for p in self.ports.values()})
         if self.collective_us is not None:
             labels = (f'node="{self.name}",gpu="GPU0",comm_name="tp_group",n_nodes="2",nranks="{TP_SIZE}",'

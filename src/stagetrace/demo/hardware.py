@@ -44,6 +44,23 @@ MPS_SERVER, MPS_CLIENTS = 4100, (4201, 4202)  # PIDs of the MPS server and of th
 SHARING_PODS = (("voice", "tts-0", "tts"), ("rag-demo", "worker-0", "worker"))  # namespace, pod, container
 
 
+def port_files(sysfs: Path, device: str, rate: str, netdev: str, counters: dict | None = None,
+               hw_counters: dict | None = None) -> dict[Path, str]:
+    """The files of an mlx5 RoCE device with one active port, under ``<sysfs>/class/infiniband`` (text without
+    its newline): the device's firmware and type, the port's link, its netdev, and ``counters/`` and
+    ``hw_counters/`` as given (data counters in the kernel's 4-byte words)."""
+    root = sysfs / "class" / "infiniband" / device
+    port = root / "ports" / "1"
+    files = {
+        root / "fw_ver": "28.39.1002", root / "hca_type": "MT4129", root / "node_type": "1: CA",
+        port / "rate": rate, port / "state": "4: ACTIVE", port / "phys_state": "5: LinkUp",
+        port / "link_layer": "Ethernet", port / "gid_attrs" / "ndevs" / "0": netdev,
+    }  # fmt: skip
+    files |= {port / "counters" / name: str(value) for name, value in (counters or {}).items()}
+    files |= {port / "hw_counters" / name: str(value) for name, value in (hw_counters or {}).items()}
+    return files
+
+
 class NodeHardware:
     def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False):
         self.host = host
@@ -156,14 +173,7 @@ class NodeHardware:
             write_mps_fixture(self.root / "mps", {
                 "get_server_list": f"{MPS_SERVER}\n", f"get_client_list {MPS_SERVER}": "".join(f"{p}\n" for p in MPS_CLIENTS),
                 "get_default_active_thread_percentage": "50.0\n"})  # fmt: skip
-        device = self.root / "sys" / "class" / "infiniband" / NIC
-        port = device / "ports" / "1"
-        files = {
-            device / "fw_ver": "28.39.1002", device / "hca_type": "MT4129", device / "node_type": "1: CA",
-            port / "rate": "400 Gb/sec (4X NDR)", port / "state": "4: ACTIVE", port / "phys_state": "5: LinkUp",
-            port / "link_layer": "Ethernet", port / "gid_attrs" / "ndevs" / "0": NETDEV,
-        }  # fmt: skip
-        for path, text in files.items():
+        for path, text in port_files(self.root / "sys", NIC, "400 Gb/sec (4X NDR)", NETDEV).items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text + "\n")
 
