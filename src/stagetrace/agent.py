@@ -208,10 +208,12 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             logger.info("no query endpoint: %s", why)
         due = time.monotonic()
         said = None
+        diagnosing = any(c.name == "kubernetes" for c in node.collectors)  # nothing to read on every scrape else
         while True:
             families = shared.collect()
             writer.write(families)
-            said = _say_diagnosis(families, said)
+            if diagnosing:
+                said = _say_diagnosis(families, said)
             # keep the cadence; after a stall (slow store, suspended host) start again from now
             due = max(due + interval_s, time.monotonic())
             if stop.wait(due - time.monotonic()):
