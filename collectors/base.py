@@ -47,6 +47,11 @@ class MetricSpec:
         # client_python appends the unit to a name that does not end in it; the name must carry it already
         if self.unit and not self.name.removesuffix("_total").endswith(f"_{self.unit}"):
             raise ValueError(f"{self.name}: the name must end in its unit, _{self.unit}")
+        # Samples keys every series by its spec: hash the five fields once, not at each of a scrape's adds
+        object.__setattr__(self, "_hash", hash((self.name, self.type, self.help, self.labels, self.unit)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class SourceUnavailable(Exception):
@@ -186,12 +191,22 @@ class Samples:
     def add(self, spec: MetricSpec, value, **labels) -> None:
         """Add one series; ``labels`` must be exactly ``spec.labels``. Info metrics take a dict as value."""
         try:
-            values = tuple(str(labels[k]) for k in spec.labels)
+            values = tuple([str(labels[k]) for k in spec.labels])  # a list first: faster than a generator
         except KeyError:
             values = None
         if values is None or len(labels) != len(spec.labels):
             raise ValueError(f"{spec.name}: labels {sorted(labels)} do not match {list(spec.labels)}")
-        self._values.setdefault(spec, []).append((values, value))
+        self.add_series(spec, values, value)
+
+    def add_series(self, spec: MetricSpec, label_values: tuple[str, ...], value) -> None:
+        """:meth:`add` with the label values as text in ``spec.labels`` order: for a collector adding many series
+        under the same labels (a port's counters), without a keyword dict and a conversion per series."""
+        if len(label_values) != len(spec.labels):
+            raise ValueError(f"{spec.name}: {len(label_values)} label values for labels {list(spec.labels)}")
+        series = self._values.get(spec)
+        if series is None:
+            series = self._values[spec] = []
+        series.append((label_values, value))
 
     def families(self, host: str) -> Iterator[Metric]:
         for spec, series in self._values.items():

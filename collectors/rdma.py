@@ -36,6 +36,7 @@ from stagetrace.collectors.base import (
     SourceUnavailable,
     register,
 )
+from stagetrace.collectors.sysfs import HeldFiles, read_once
 
 logger = logging.getLogger("stagetrace.collectors")
 
@@ -205,39 +206,6 @@ def hw_counter_spec(file: str) -> MetricSpec:
     return _counter(f"rdma_{_NAME_UNSAFE.sub('_', file)}_total", help)
 
 
-def _read(path: str, dir_fd: int | None = None) -> str | None:
-    """The file's text, or None for a file that is missing or that the driver refuses to read.
-
-    ``dir_fd``: ``path`` is relative to that open directory, so the kernel walks one name instead of the
-    whole path through sysfs' symlinks (about 20% of a scrape's time on a port's 60 files).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        return os.read(fd, 4096).decode("ascii", "replace").strip()
-    except OSError:  # EINVAL, EOPNOTSUPP, EIO: what a driver answers for a counter it cannot read
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_all(directory: str, names=None, keep=lambda name: True) -> dict[str, str | None]:
-    """Files of ``directory`` (``names``, else every file ``keep`` accepts, in name order), read through one
-    directory descriptor; {} when the directory cannot be opened."""
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return {}
-    try:
-        if names is None:
-            names = sorted(name for name in os.listdir(dir_fd) if keep(name))
-        return {name: _read(name, dir_fd) for name in names}
-    finally:
-        os.close(dir_fd)
-
-
 def _list(path: str) -> list[str]:
     try:
         return sorted(os.listdir(path))
@@ -274,16 +242,17 @@ def _rate_bytes_per_second(text: str | None) -> float | None:
     return rate if math.isfinite(rate) and rate >= 0 else None  # float() also takes "nan", "inf", "-1"
 
 
-def _port_netdev(port_dir: str, link_layer: str) -> str:
-    """The netdev of a RoCE port: the first GID that names one (unused GID indexes answer EINVAL)."""
+def _port_netdev(port_dir: str, link_layer: str) -> tuple[str, str]:
+    """The netdev of a RoCE port and the GID index that names it: the first that does (unused GID indexes answer
+    EINVAL); ``("", "")`` for none."""
     if link_layer != "Ethernet":  # InfiniBand GIDs have no netdev: every index would answer EINVAL
-        return ""
+        return "", ""
     ndevs = f"{port_dir}/gid_attrs/ndevs"
     for index in sorted(_list(ndevs), key=lambda name: int(name) if name.isdigit() else 1 << 30):
-        netdev = _read(f"{ndevs}/{index}")
+        netdev = read_once(f"{ndevs}/{index}")
         if netdev:
-            return netdev
-    return ""
+            return netdev, index
+    return "", ""
 
 
 def _ports(root: str):
@@ -311,7 +280,7 @@ def rdma_netdevs(sysfs="/sys") -> dict[tuple[str, str], str]:
         return {}
     found = {}
     for device, port, port_dir in _ports(root):
-        netdev = _port_netdev(port_dir, _read(f"{port_dir}/link_layer") or "")
+        netdev, _ = _port_netdev(port_dir, read_once(f"{port_dir}/link_layer") or "")
         if netdev:
             found[(device, port)] = netdev
     return found
@@ -327,6 +296,8 @@ class RdmaCollector(Collector):
     def __init__(self, options):
         super().__init__(options)
         self._missing_rails: tuple[str, ...] = ()  # listed rails whose port is not under sysfs, as last logged
+        self._files = HeldFiles()  # every counter file, held open between scrapes
+        self._gid_index: dict[str, str] = {}  # port directory -> the GID index that named its netdev
 
     def rail(self, device: str, port: str) -> str:
         """The port's rail: as listed in ``rails``, "" for a port not listed, ``<device>/<port>`` without a list."""
@@ -338,30 +309,37 @@ class RdmaCollector(Collector):
     def collect(self, out: Samples) -> None:
         root = _infiniband_root(self.options.sysfs)
         devices: dict[str, tuple[str, str]] = {}
-        seen = set()
+        seen: set[tuple[str, str]] = set()
+        read: set[str] = set()  # the directories read this scrape: the rest are gone, and their files let go
         for device, port, port_dir in _ports(root):
             if device not in devices:
-                devices[device] = (_read(f"{root}/{device}/fw_ver") or "", _read(f"{root}/{device}/hca_type") or "")
+                read.add(device_dir := f"{root}/{device}")
+                about = self._files.read(device_dir, ("fw_ver", "hca_type"))
+                devices[device] = (about.get("fw_ver") or "", about.get("hca_type") or "")
             self._collect_port(out, device, port, port_dir, *devices[device], self.rail(device, port))
+            read.update((port_dir, f"{port_dir}/counters", f"{port_dir}/hw_counters", f"{port_dir}/gid_attrs/ndevs"))
             seen.add((device, port))
+        self._files.forget_except(read)
+        self._gid_index = {port_dir: index for port_dir, index in self._gid_index.items() if port_dir in read}
         missing = tuple(f"{name}={d}:{p}" for name, d, p in self.options.rails if (d, p) not in seen)
         if missing and missing != self._missing_rails:  # a typo in --rdma-rails, or a port gone: say so once
             logger.warning("rdma: rails name ports that are not under %s: %s", root, ", ".join(missing))
         self._missing_rails = missing
 
-    @staticmethod
+    def close(self) -> None:
+        self._files.close()
+
     def _collect_port(
-        out: Samples, device: str, port: str, port_dir: str, fw_ver: str, hca_type: str, rail: str
+        self, out: Samples, device: str, port: str, port_dir: str, fw_ver: str, hca_type: str, rail: str
     ) -> None:
-        counters = f"{port_dir}/counters"
-        for file, text in _read_all(counters, keep=PORT_COUNTERS.__contains__).items():
+        files, labels = self._files, (device, port)
+        for file, text in files.read(f"{port_dir}/counters", keep=PORT_COUNTERS.__contains__).items():
             if (value := _number(text)) is not None:
-                out.add(PORT_COUNTERS[file], value * 4 if file in WORD_COUNTERS else value, device=device, port=port)
-        hw_counters = f"{port_dir}/hw_counters"
-        for file, text in _read_all(hw_counters, keep=lambda f: f not in _NOT_COUNTERS).items():
+                out.add_series(PORT_COUNTERS[file], labels, value * 4 if file in WORD_COUNTERS else value)
+        for file, text in files.read(f"{port_dir}/hw_counters", keep=lambda f: f not in _NOT_COUNTERS).items():
             if (value := _number(text)) is not None:
-                out.add(hw_counter_spec(file), value, device=device, port=port)
-        link = _read_all(port_dir, ("rate", "state", "phys_state", "link_layer"))
+                out.add_series(hw_counter_spec(file), labels, value)
+        link = files.read(port_dir, ("rate", "state", "phys_state", "link_layer"))
         for spec, value in (
             (RATE, _rate_bytes_per_second(link.get("rate"))),
             (STATE, _state_id(link.get("state"))),
@@ -370,6 +348,19 @@ class RdmaCollector(Collector):
             if value is not None:
                 out.add(spec, value, device=device, port=port)
         link_layer = link.get("link_layer") or ""
-        netdev = _port_netdev(port_dir, link_layer)
-        info = {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver, "hca_type": hca_type, "rail": rail}
-        out.add(INFO_SPEC, info, device=device, port=port)
+        out.add(INFO_SPEC, {"netdev": self._netdev(port_dir, link_layer), "link_layer": link_layer, "fw_ver": fw_ver,
+                            "hca_type": hca_type, "rail": rail}, device=device, port=port)  # fmt: skip
+
+    def _netdev(self, port_dir: str, link_layer: str) -> str:
+        """The port's netdev, read from the GID index that last named it (one held file, not a listing of up to
+        255 indexes a scrape); looked for anew when that index names none."""
+        index = self._gid_index.get(port_dir)
+        if index and link_layer == "Ethernet":
+            netdev = self._files.read(f"{port_dir}/gid_attrs/ndevs", (index,)).get(index)
+            if netdev:
+                return netdev
+        netdev, found = _port_netdev(port_dir, link_layer)
+        if found != index:
+            self._files.forget(f"{port_dir}/gid_attrs/ndevs")  # it holds the old index's file
+            self._gid_index[port_dir] = found
+        return netdev

@@ -1,5 +1,6 @@
 """The RDMA collector on the committed 8-port mlx5 sysfs fixture, and against node_exporter on the same tree."""
 
+import gc
 import logging
 import os
 import shutil
@@ -16,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stagetrace.collectors.base import Node, Options
 from stagetrace.cli import build_parser
 from stagetrace.collectors.rdma import PORT_COUNTERS, RdmaCollector, parse_rails, rdma_netdevs
-from stagetrace.exporters.prometheus import registry_for
+from stagetrace.exporters.prometheus import exposition, registry_for
 
 SYSFS = Path(__file__).parent / "fixtures" / "node" / "sys"
 IB = SYSFS / "class" / "infiniband"
@@ -249,6 +250,103 @@ def test_absent_infiniband_class_reports_success_0_and_logs_once(tmp_path, caplo
         shutil.copytree(SYSFS, tmp_path, dirs_exist_ok=True)  # the driver is loaded: the source comes back
         assert registry.get_sample_value("stagetrace_collector_success", {"host": "node-a", "collector": "rdma"}) == 1
         assert "collector rdma: source is back" in caplog.messages
+
+
+# --- files held open between scrapes (collectors.sysfs) ------------------------------------------------------
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_one_collector_reads_each_scrape_anew_as_files_change_appear_and_go(copied_sysfs):
+    """One collector over many scrapes, as the agent runs it: values rewritten in place, a counter file added, one
+    removed, one replaced by rename, and a whole device gone and back, each seen at the next scrape."""
+    registry = scrape(copied_sysfs)
+    port = copied_sysfs / "class/infiniband/mlx5_1/ports/1"
+    assert value(registry, "rdma_port_transmit_packets_total", "mlx5_1") == file_value("mlx5_1", "counters/port_xmit_packets")
+    (port / "counters/port_xmit_packets").write_text("123456789\n")  # in place, as the kernel's counters change
+    assert value(registry, "rdma_port_transmit_packets_total", "mlx5_1") == 123456789
+    (port / "hw_counters/req_cqe_error").unlink()
+    (port / "hw_counters/new_driver_counter").write_text("77\n")
+    tmp = port / "counters/.port_rcv_packets"
+    tmp.write_text("42\n")
+    tmp.replace(port / "counters/port_rcv_packets")  # a new inode under the old name
+    assert value(registry, "rdma_req_cqe_error_total", "mlx5_1") is None
+    assert value(registry, "rdma_new_driver_counter_total", "mlx5_1") == 77
+    assert value(registry, "rdma_port_receive_packets_total", "mlx5_1") == 42
+    device = copied_sysfs / "class/infiniband/mlx5_5"
+    shutil.move(device, copied_sysfs / "mlx5_5.unloaded")
+    assert value(registry, "rdma_port_state", "mlx5_5") is None
+    shutil.move(copied_sysfs / "mlx5_5.unloaded", device)
+    assert value(registry, "rdma_port_state", "mlx5_5") == 4
+
+
+def test_held_descriptors_stay_level_over_scrapes_and_are_released_when_ports_go_and_on_close(copied_sysfs):
+    gc.collect()  # earlier tests' collectors let their files go when collected
+    before = _open_descriptors()
+    collector = RdmaCollector(Options(sysfs=copied_sysfs, host="node-a"))
+    registry = scrape(copied_sysfs, Node([collector], "node-a"))
+    for _ in range(2):  # the second holds the file of each port's netdev, which the first found
+        assert value(registry, "rdma_port_state", "mlx5_0") == 4
+    held = _open_descriptors() - before
+    files_per_port = sum(1 for f in (IB / "mlx5_0/ports/1").glob("*counters/*"))
+    assert held >= 8 * files_per_port  # every counter of the 8 ports is held...
+    for _ in range(20):
+        registry.get_sample_value("rdma_port_state", {"host": "node-a", "device": "mlx5_0", "port": "1"})
+    assert _open_descriptors() - before == held  # ...and no scrape opens more
+    shutil.rmtree(copied_sysfs / "class/infiniband/mlx5_7")
+    assert value(registry, "rdma_port_state", "mlx5_0") == 4
+    assert _open_descriptors() - before < held  # the gone device's files are let go
+    collector.close()
+    assert _open_descriptors() == before
+
+
+def test_with_few_descriptors_to_spare_files_are_read_without_holding_them(tmp_path):
+    """A process whose open-file limit (hard, so it cannot be raised) leaves no room to hold 472 files reads them
+    with open, read and close: the same samples."""
+    script = tmp_path / "few.py"
+    script.write_text(f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))
+from pathlib import Path
+from stagetrace.collectors.base import Node, Options
+from stagetrace.collectors.rdma import RdmaCollector
+from stagetrace.exporters.prometheus import exposition
+node = Node([RdmaCollector(Options(sysfs=Path({str(SYSFS)!r}), host="node-a"))], "node-a")
+for _ in range(3):
+    text = exposition(list(node.collect())).decode()
+sys.stdout.write(text)
+""")
+    few = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
+    plenty = exposition(list(Node([RdmaCollector(Options(sysfs=SYSFS, host="node-a"))], "node-a").collect())).decode()
+
+    def without_durations(text):
+        return [line for line in text.splitlines() if "duration_seconds" not in line]
+
+    assert without_durations(few) == without_durations(plenty)
+    assert "rdma_local_ack_timeout_err_total" in few
+
+
+def test_a_held_real_sysfs_attribute_reads_its_new_value(tmp_path):
+    """The kernel behaviour the held files rest on, on a real sysfs attribute: the loopback interface's
+    ``rx_packets``, held open, reads the packets sent since, with no reopen."""
+    from stagetrace.collectors.sysfs import HeldFiles
+
+    statistics = "/sys/class/net/lo/statistics"
+    if not os.path.exists(f"{statistics}/rx_packets"):
+        pytest.skip("no /sys/class/net/lo here")
+    files = HeldFiles()
+    try:
+        first = int(files.read(statistics, ("rx_packets",))["rx_packets"])
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+            receiver.bind(("127.0.0.1", 0))
+            for _ in range(50):
+                sender.sendto(b"x", receiver.getsockname())
+        second = int(files.read(statistics, ("rx_packets",))["rx_packets"])
+    finally:
+        files.close()
+    assert second >= first + 50
 
 
 # --- conformance with Debian's prometheus-node-exporter on the same tree ---------------------------------------

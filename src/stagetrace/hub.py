@@ -250,8 +250,10 @@ class _QueryHandler(httpd.Handler):
     def _client_gone(self) -> bool:
         """Whether the client closed its connection: readable, yet nothing to read (or reset)."""
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            # poll, not select: the agent holds hundreds of sysfs files, so a socket's descriptor may exceed 1,023
+            poller = select.poll()
+            poller.register(self.connection, select.POLLIN)
+            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 
