@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.util import BoundedList
 
 from stagetrace import __version__
 from stagetrace.exporters import spool
@@ -64,22 +63,16 @@ def attribute_text(value) -> str:
     return str(value)
 
 
+_TEXT = {str}
+
+
 def attribute_map(attributes) -> dict[str, str]:
     if not attributes:
         return {}
+    # the usual case, every value text, in C: the map itself (the SDK's is read-only once the span ended)
+    if _TEXT.issuperset(map(type, attributes.values())):
+        return attributes if type(attributes) is dict else dict(attributes)
     return {k: v if type(v) is str else attribute_text(v) for k, v in attributes.items()}
-
-
-# ReadableSpan's public views copy (events, links) or iterate through collections.abc (attributes),
-# several µs a span; read the SDK's own containers when it has them, the public views otherwise.
-def _span_attributes(span):
-    raw = getattr(getattr(span, "_attributes", None), "_dict", None)
-    return raw if isinstance(raw, dict) else span.attributes
-
-
-def _span_sequence(span, private: str, public: str):
-    raw = getattr(span, private, None)
-    return raw if isinstance(raw, (tuple, BoundedList)) else getattr(span, public)
 
 
 class _Resources:
@@ -99,34 +92,72 @@ class _Resources:
         return attrs.get("service.name", ""), attrs
 
 
+class _Fields:
+    """What a row needs of a span, read through ReadableSpan's public properties: for any implementation."""
+
+    __slots__ = ("context", "parent", "resource", "scope", "start", "end", "status_code", "description", "name",
+                 "kind", "attributes", "events", "links")  # fmt: skip
+
+    def __init__(self, span):
+        self.context, self.parent, self.resource = span.context, span.parent, span.resource
+        self.scope, self.start, self.end = span.instrumentation_scope, span.start_time, span.end_time
+        self.status_code, self.description = span.status.status_code, span.status.description
+        self.name, self.kind, self.attributes = span.name, span.kind, span.attributes
+        self.events, self.links = span.events, span.links
+
+
+def _sdk_fields_are_known() -> bool:
+    """Whether this SDK's ReadableSpan keeps the private fields the fast path reads (checked once, at import)."""
+    try:
+        fields = vars(ReadableSpan(name="probe"))
+    except Exception:
+        return False
+    return {"_context", "_parent", "_resource", "_instrumentation_scope", "_start_time", "_end_time", "_status",
+            "_name", "_kind", "_attributes", "_events", "_links"} <= fields.keys()  # fmt: skip
+
+
+_SDK_FAST_PATH = _sdk_fields_are_known()
+
+
 def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
-    """One ``otel_traces`` row, in ``COLUMNS`` order."""
-    ctx = span.context
-    parent = span.parent
-    service, resource_attrs = resources.get(span.resource)
-    scope = span.instrumentation_scope
+    """One ``otel_traces`` row, in ``COLUMNS`` order.
+
+    The SDK's own spans are read through their private fields, where their public views copy (events,
+    links), wrap (attributes) or cost a property call each: 4.9 -> 3.3 µs a span, measured. Any other
+    ReadableSpan is read through the public API.
+    """
+    if _SDK_FAST_PATH and isinstance(span, ReadableSpan):
+        ctx, parent, resource, scope = span._context, span._parent, span._resource, span._instrumentation_scope
+        start, end, status, name, kind = span._start_time, span._end_time, span._status, span._name, span._kind
+        status_code, description = status._status_code, status._description
+        attributes = getattr(span._attributes, "_dict", span._attributes)  # BoundedAttributes' own dict
+        events = getattr(span._events, "_dq", span._events)  # BoundedList's deque (a tuple: sequence as is)
+        links = getattr(span._links, "_dq", span._links)
+    else:
+        f = _Fields(span)
+        ctx, parent, resource, scope, start, end = f.context, f.parent, f.resource, f.scope, f.start, f.end
+        status_code, description, name, kind = f.status_code, f.description, f.name, f.kind
+        attributes, events, links = f.attributes, f.events, f.links
+    service, resource_attrs = resources.get(resource)
     # the SDK takes any number for the times and does not check; the columns need integer nanoseconds
-    start = int(span.start_time or 0)
-    status = span.status
-    events = _span_sequence(span, "_events", "events")
-    links = _span_sequence(span, "_links", "links")
+    start = int(start or 0)
     trace_state = ctx.trace_state
     return (
         start,
-        f"{ctx.trace_id:032x}",
-        f"{ctx.span_id:016x}",
-        f"{parent.span_id:016x}" if parent is not None else "",
-        trace_state.to_header() if trace_state else "",
-        span.name,
-        _KIND[span.kind.value],
+        ctx.trace_id.to_bytes(16, "big").hex(),
+        ctx.span_id.to_bytes(8, "big").hex(),
+        parent.span_id.to_bytes(8, "big").hex() if parent is not None else "",
+        trace_state.to_header() if trace_state is not None and getattr(trace_state, "_dict", trace_state) else "",
+        name,
+        _KIND[kind.value],
         service,
         resource_attrs,
         scope.name if scope is not None else "",
         (scope.version or "") if scope is not None else "",
-        attribute_map(_span_attributes(span)),
-        max(0, int(span.end_time or start) - start),
-        _STATUS[status.status_code.value],
-        status.description or "",
+        attribute_map(attributes),
+        max(0, int(end or start) - start),
+        _STATUS[status_code.value],
+        description or "",
         *(_event_columns(events) if events else _NO_EVENTS),
         *(_link_columns(links) if links else _NO_LINKS),
     )

@@ -157,3 +157,32 @@ def test_rows_from_sdk_spans_and_from_plain_readable_spans_agree():
         instrumentation_scope=live.instrumentation_scope, kind=live.kind, status=live.status,
     )  # fmt: skip
     assert span_row(live, _Resources()) == span_row(plain, _Resources())
+
+    class PublicOnly:  # another SDK's span: only ReadableSpan's public properties
+        def __init__(self, span):
+            self._span = span
+
+        def __getattr__(self, name):
+            if name.startswith("_"):
+                raise AttributeError(name)
+            return getattr(self._span, name)
+
+    assert span_row(PublicOnly(live), _Resources()) == span_row(live, _Resources())
+
+
+def test_rows_keep_links_trace_state_and_parent_on_both_paths():
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import Link, SpanContext, TraceFlags, TraceState
+
+    from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
+
+    state = TraceState([("vendor", "v1")])
+    parent = SpanContext(0xAB, 0xCD, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
+    own = SpanContext(0xAB, 0xEF, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
+    span = ReadableSpan("s", context=own, parent=parent, links=(Link(parent, {"why": "retry"}),),
+                        start_time=100, end_time=90)  # fmt: skip
+    row = dict(zip(COLUMNS, span_row(span, _Resources())))
+    assert (row["TraceId"], row["SpanId"], row["ParentSpanId"]) == (f"{0xAB:032x}", f"{0xEF:016x}", f"{0xCD:016x}")
+    assert row["TraceState"] == "vendor=v1" and row["Links.TraceState"] == ["vendor=v1"]
+    assert row["Links.SpanId"] == [f"{0xCD:016x}"] and row["Links.Attributes"] == [{"why": "retry"}]
+    assert row["Duration"] == 0  # an end before the start is no negative duration
