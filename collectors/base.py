@@ -208,6 +208,12 @@ class Samples:
             series = self._values[spec] = []
         series.append((label_values, value))
 
+    def series(self) -> Iterator[tuple[MetricSpec, tuple[str, ...], Any]]:
+        """Every series added: (spec, label values in ``spec.labels`` order, value, a dict for info metrics)."""
+        for spec, series in self._values.items():
+            for values, value in series:
+                yield spec, values, value
+
     def families(self, host: str) -> Iterator[Metric]:
         for spec, series in self._values.items():
             names = ["host", *spec.labels]
@@ -283,8 +289,14 @@ class Node:
         self._unavailable: set[str] = set()
 
     def collect(self) -> Iterator[Metric]:
+        for samples in self.collect_samples():
+            yield from samples.families(self.host)
+
+    def collect_samples(self) -> list[Samples]:
+        """One scrape as :class:`Samples`: each collector's that succeeded, then the collectors' status. The
+        metric writer takes these as they are; :meth:`collect` makes client_python's families of them."""
         status = Samples()
-        families: list[Metric] = []
+        scraped: list[Samples] = []
         for collector in self.collectors:
             out = Samples()
             started = time.perf_counter()
@@ -292,9 +304,9 @@ class Node:
             status.add(DURATION, time.perf_counter() - started, collector=collector.name)
             status.add(SUCCESS, 1.0 if ok else 0.0, collector=collector.name)
             if ok:
-                families.extend(out.families(self.host))
-        yield from families
-        yield from status.families(self.host)
+                scraped.append(out)
+        scraped.append(status)
+        return scraped
 
     def _run(self, collector: Collector, out: Samples) -> bool:
         try:

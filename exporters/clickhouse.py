@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from stagetrace import __version__
+from stagetrace.collectors.base import COUNTER, INFO, Samples
 from stagetrace.exporters import spool
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.store import Location, Store, open_store
@@ -266,8 +267,9 @@ SUM_COLUMNS = (*METRIC_COLUMNS, "AggregationTemporality", "IsMonotonic")
 _CUMULATIVE = 2  # OTel AggregationTemporality: 1 delta, 2 cumulative
 
 
-def metric_rows(families, host: str, time_ns: int, start_ns: int | None = None) -> dict[str, list[tuple]]:
-    """``{table: rows}`` for client_python metric families (``Node.collect()``), sampled at ``time_ns``.
+def metric_rows(collected, host: str, time_ns: int, start_ns: int | None = None) -> dict[str, list[tuple]]:
+    """``{table: rows}`` for what a node collected, sampled at ``time_ns``: client_python metric families
+    (``Node.collect()``) or, without building families first, a node's ``Samples`` (``Node.collect_samples()``).
 
     Counters become cumulative monotonic sums that started at ``start_ns`` (default ``time_ns``);
     gauges and info metrics (value 1) become gauges. MetricName is the sample name as exposed
@@ -277,19 +279,30 @@ def metric_rows(families, host: str, time_ns: int, start_ns: int | None = None) 
     resource = {"host.name": host, "service.name": AGENT_SERVICE}
     gauges: list[tuple] = []
     sums: list[tuple] = []
-    for family in families:
-        counter = family.type == "counter"
-        for sample in family.samples:
+    start = start_ns or time_ns
+
+    def add(counter: bool, name: str, help: str, unit: str, attributes: dict, value: float) -> None:
+        row = (resource, AGENT_SERVICE, METRIC_SCOPE, __version__, name, help, unit, attributes)
+        if counter:
+            sums.append((*row, start, time_ns, value, _CUMULATIVE, True))
+        else:  # an OTel gauge point has no start time
+            gauges.append((*row, 0, time_ns, value))
+
+    for item in collected:
+        if isinstance(item, Samples):
+            for spec, values, value in item.series():
+                attributes = dict(zip(spec.labels, values))
+                if spec.type == INFO:  # the info's own labels join the series' labels; its value is 1
+                    add(False, spec.name, spec.help, "", {**attributes, **value}, 1.0)
+                else:
+                    add(spec.type == COUNTER, spec.name, spec.help, spec.unit, attributes, float(value))
+            continue
+        counter = item.type == "counter"
+        for sample in item.samples:
             if counter and sample.name.endswith("_created"):
                 continue
-            row = (
-                resource, AGENT_SERVICE, METRIC_SCOPE, __version__, sample.name, family.documentation, family.unit or "",
-                {k: v for k, v in sample.labels.items() if k != "host"},
-            )  # fmt: skip
-            if counter:
-                sums.append((*row, start_ns or time_ns, time_ns, float(sample.value), _CUMULATIVE, True))
-            else:  # an OTel gauge point has no start time
-                gauges.append((*row, 0, time_ns, float(sample.value)))
+            attributes = {k: v for k, v in sample.labels.items() if k != "host"}
+            add(counter, sample.name, item.documentation, item.unit or "", attributes, float(sample.value))
     return {GAUGE_TABLE: gauges, SUM_TABLE: sums}
 
 
@@ -339,10 +352,10 @@ class ClickHouseMetricWriter:
         """Rows not in the store yet: held in memory or in the spool."""
         return sum(map(len, self._held.values())) + self._writer.spooled_rows()
 
-    def write(self, families, time_ns: int | None = None) -> bool:
-        """Add one sample of ``families`` and insert everything held when an insert is due; False while the
-        store is failing."""
-        for table, rows in metric_rows(families, self.host, time_ns or time.time_ns(), self._started_ns).items():
+    def write(self, collected, time_ns: int | None = None) -> bool:
+        """Add one sample of what a node collected (families or ``Samples``, as :func:`metric_rows` takes) and insert
+        everything held when an insert is due; False while the store is failing."""
+        for table, rows in metric_rows(collected, self.host, time_ns or time.time_ns(), self._started_ns).items():
             self._held[table].extend(rows)
         now = time.monotonic()
         due = self._inserted_at is None or now - self._inserted_at >= self.insert_every_s

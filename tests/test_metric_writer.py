@@ -99,3 +99,28 @@ def test_close_writes_and_closes_a_store_it_opened(store_dsn):
 
     with open_store(store_dsn) as store:
         assert store.client.command("SELECT count() FROM stagetrace.otel_metrics_sum WHERE MetricName = 'rdma_link_downed_total'") == 8
+
+
+def test_a_nodes_samples_make_the_same_rows_as_its_families(kubelet):
+    """The agent writes ``Node.collect_samples()`` as they are, without client_python's families: every collector
+    of the fixture node (counters with units, gauges, info metrics with their own labels) gives the same rows."""
+    from stagetrace.collectors import build_node
+
+    fixture = SYSFS.parent
+    options = Options(sysfs=SYSFS, host="node-a", nvml_fixture=fixture / "nvml", mps_fixture=fixture / "mps",
+                      nccl_dir=fixture / "nccl", ethtool_fixture=fixture / "ethtool" / "statistics.json",
+                      kubelet_socket=kubelet(fixture.parent / "kubelet" / "h200-node"))  # fmt: skip
+    node = build_node("gpu,mps,rdma,ethtool,nccl,kubernetes", options)
+    scraped = node.collect_samples()
+    node.close()
+    families = [f for samples in scraped for f in samples.families("node-a")]
+    by_samples, by_families = metric_rows(scraped, "node-a", T0), metric_rows(families, "node-a", T0)
+
+    def key(row):  # the rows' attributes are dicts: compare them as sorted items
+        return tuple(sorted(v.items()) if isinstance(v, dict) else v for v in row)
+
+    for table in by_families:
+        assert sorted(map(key, by_samples[table])) == sorted(map(key, by_families[table]))
+    names = {row[4] for rows in by_samples.values() for row in rows}
+    assert {"gpu_utilization_ratio", "rdma_port_info", "k8s_gpu_allocation_info", "stagetrace_collector_success"} <= names
+    assert len(by_samples["otel_metrics_sum"]) > 100 and len(by_samples["otel_metrics_gauge"]) > 100

@@ -370,6 +370,11 @@ def statements(database: str = "stagetrace", cluster: str | None = None, *, view
 
 def installed_version(client, database: str) -> int:
     """The schema version recorded in ``database``, 0 when there is none yet."""
+    try:  # one query where the version table exists, as it does for every command but the first
+        return int(client.command("SELECT max(Version) FROM {db:Identifier}.stagetrace_schema_version",
+                                  parameters={"db": database}) or 0)  # fmt: skip
+    except Exception:  # no such table (or database): asked the long way, which tells the two apart
+        pass
     exists = client.command(
         "SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'stagetrace_schema_version'",
         parameters={"db": database},

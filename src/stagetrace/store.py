@@ -143,14 +143,27 @@ class Store:
         self.close()
 
 
+# The embedded engine's server settings for a node agent, which holds one node's store for days: its caches sized
+# for that rather than for a server (5 GiB each by default), and the memory worker, which reconciles the engine's
+# memory accounting with the process's, waking every second instead of every 100 ms (0.2% of a core, measured).
+AGENT_ENGINE = {
+    "mark_cache_size": str(64 << 20),
+    "index_mark_cache_size": str(16 << 20),
+    "primary_index_cache_size": str(64 << 20),
+    "query_condition_cache_size": str(16 << 20),
+    "memory_worker_period_ms": "1000",
+}
+
+
 def open_store(dsn: str | Location | None = None, *, create_schema: bool = True, agent_fallback: bool = True,
-               must_exist: bool = False) -> Store:  # fmt: skip
+               must_exist: bool = False, engine: dict[str, str] | None = None) -> Store:  # fmt: skip
     """Open the store ``dsn`` names, creating the database and tables unless told not to.
 
     An embedded store held by ``stagetrace agent`` is opened read-only through the agent's query endpoint
     (``stagetrace.through_agent``), unless ``agent_fallback`` is False: then StoreLockedError, as for any other holder.
     ``must_exist`` (the commands that read): a store that is not there is a StoreError, never created empty
-    (a typo in a path would otherwise show an empty store).
+    (a typo in a path would otherwise show an empty store). ``engine``: server settings for an embedded engine
+    this call starts (``AGENT_ENGINE``); chdb starts one engine per process, so they apply to its first store.
     """
     location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
     if must_exist and location.embedded and location.path and not (Path(location.path) / "metadata").is_dir():
@@ -160,7 +173,7 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
         if must_exist and location.embedded and location.path and not os.access(location.path, os.W_OK | os.X_OK):
             store = Store(_open_read_only(location), location, read_only=True)
         else:
-            client = _open_embedded(location) if location.embedded else _open_server(location)
+            client = _open_embedded(location, engine) if location.embedded else _open_server(location)
             store = Store(client, location)
     except StoreLockedError as locked:
         if not agent_fallback:
@@ -186,14 +199,14 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-def _open_embedded(location: Location):
+def _open_embedded(location: Location, engine: dict[str, str] | None = None):
     if location.path:
         _check_writable(Path(location.path))
         _check_not_locked(Path(location.path))
     import clickhouse_connect  # after the checks: a store an agent holds is read without the driver (0.2 s)
 
     try:
-        return clickhouse_connect.get_client(interface="chdb", path=location.path or None)
+        return clickhouse_connect.get_client(interface="chdb", path=location.path or None, chdb_options=engine or None)
     except Exception as exc:
         message = _first_line(exc)
         if "already initialized with path" in message:
