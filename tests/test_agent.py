@@ -251,3 +251,38 @@ def test_prometheus_scrapes_the_agent_and_sigterm_leaves_the_samples_in_the_stor
             parameters={"name": "rdma_port_transmit_bytes_total"},
         ).result_rows
     assert rows and set(rows) == {(4 * TRANSMIT_WORDS, True, "node-a")}
+
+
+def test_an_agent_writing_to_a_server_store_loads_no_engine_and_no_dataframe_library(tmp_path):
+    """With a server store the agent is a small process: no embedded engine, and none of the pandas, NumPy and
+    pyarrow that clickhouse-connect would import to check its inserts. The server is ClickHouse's HTTP interface
+    answered by the embedded engine in a process of its own (``benchmarks.clickhouse_http``; no ClickHouse server
+    runs here), which the agent's real HTTP client writes to."""
+    port = free_port()
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(tmp_path / "server"), str(port)],
+                              cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    log = tmp_path / "agent.log"
+    agent = None
+    try:
+        wait_for("the HTTP interface", lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5),
+                 process=server)  # fmt: skip
+        dsn = f"http://default:@127.0.0.1:{port}/stagetrace"
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--store", dsn,
+             "--listen", "127.0.0.1:0", "--interval", "500ms", "--otlp", "none", "--otlp-grpc", "none",
+             "--query-listen", "none"],
+            stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**ENV, "STAGETRACE_SPOOL_DIR": str(tmp_path / "spool")},
+        )  # fmt: skip
+        wait_for("the agent's 'serving' line", lambda: "serving" in log.read_text(), process=agent)  # schema made
+        with open_store(dsn, create_schema=False) as store:
+            query = "SELECT count() FROM stagetrace.otel_metrics_sum WHERE MetricName = 'rdma_port_transmit_bytes_total'"
+            wait_for("the agent's samples in the server store", lambda: store.client.command(query) >= 8, process=agent)
+        libraries = Path(f"/proc/{agent.pid}/maps").read_text()
+        for library in ("libchdb", "/pandas/", "/numpy/", "/pyarrow/"):
+            assert library not in libraries, f"the agent loaded {library}"
+    finally:
+        for process in (agent, server):
+            if process is not None:
+                process.terminate()
+                process.wait(timeout=30)

@@ -32,7 +32,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("export", 2, ["raw columnar client.insert"] * 2),
         ("lookup", 6, ["", "full scan", "full scan", "same filter through the bloom-filter", "full scan", "aim"]),
         ("startup", 2, ["aim", "`python -c pass`"]),
-        ("footprint", 6, ["aim", "aim", "aim", "aim", "", ""]),
+        ("footprint", 10, ["aim", "aim", "aim", "aim", "aim", "aim", "aim", "", "", ""]),
         ("storage", 4, [""] * 4),  # and one row per table a view fills from otel_traces
         ("conventions", 2, ["as stagetrace-convention spans", "stagetrace-convention requests"]),
         ("otlp_ingest", 1, ["OTLP/HTTP, same spans"]),

@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -309,8 +310,22 @@ def _describe_process(pid: int | None) -> str:
     return f"process {pid} ({command})" if command else f"process {pid}"
 
 
+def _without_dataframe_checks() -> None:
+    """clickhouse-connect tells a pandas DataFrame or a NumPy array from other insert data by importing pandas,
+    which imports NumPy and pyarrow: 70 MB an agent with a server store would load for nothing (stagetrace inserts
+    lists). Where this process has loaded neither itself, the driver is told they are absent."""
+    from clickhouse_connect.driver import options
+
+    if "pandas" not in sys.modules and "pd" not in vars(options):
+        options.pd = options.pd_time_test = None
+    if "numpy" not in sys.modules and "np" not in vars(options):
+        options.np = None
+
+
 def _open_server(location: Location):
     import clickhouse_connect
+
+    _without_dataframe_checks()
 
     try:
         client = clickhouse_connect.get_client(
