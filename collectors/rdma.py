@@ -14,6 +14,9 @@ is no rail (``rail=""``). Without a list every port is a rail named ``<device>/<
 A file that is missing, reads ``N/A (no PMA)`` (i40iw and other drivers without a PMA) or that the
 driver refuses (EINVAL, EPERM, EOPNOTSUPP, ...) is skipped, never the whole device: procfs, which
 node_exporter uses, drops the device there instead, and an operator sees every counter vanish.
+
+The files are held open between scrapes and read with one ``pread`` each (``collectors.sysfs``): a scrape of an
+8-port mlx5 node reads 472 files.
 """
 
 from __future__ import annotations

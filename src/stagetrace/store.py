@@ -206,6 +206,8 @@ def _open_embedded(location: Location, engine: dict[str, str] | None = None):
         _check_not_locked(Path(location.path))
     import clickhouse_connect  # after the checks: a store an agent holds is read without the driver (0.2 s)
 
+    _without_dataframe_checks()
+
     try:
         return clickhouse_connect.get_client(interface="chdb", path=location.path or None, chdb_options=engine or None)
     except Exception as exc:
@@ -312,8 +314,9 @@ def _describe_process(pid: int | None) -> str:
 
 def _without_dataframe_checks() -> None:
     """clickhouse-connect tells a pandas DataFrame or a NumPy array from other insert data by importing pandas,
-    which imports NumPy and pyarrow: 70 MB an agent with a server store would load for nothing (stagetrace inserts
-    lists). Where this process has loaded neither itself, the driver is told they are absent."""
+    which imports NumPy and pyarrow: 70 MB an agent with a server store would load for nothing, and pandas alone
+    for the embedded engine (which loads NumPy and pyarrow itself); stagetrace inserts lists. Where this process
+    has loaded them itself, the driver's checks stay."""
     from clickhouse_connect.driver import options
 
     if "pandas" not in sys.modules and "pd" not in vars(options):
