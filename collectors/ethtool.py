@@ -307,11 +307,12 @@ class EthtoolCollector(Collector):
         self._plan: dict[str, tuple[MetricSpec, dict[str, str]] | None] = {}
         self._included_names: dict[str, str] = {}  # metric name -> the statistic that owns it
         self._skipped: dict[str, str] = {}  # netdev -> why, so that each is logged once
+        self._gid_index: dict[str, str] = {}  # RDMA port directory -> the GID index that names its netdev
 
     def netdevs(self) -> list[str]:
         if self.options.netdevs:
             return list(dict.fromkeys(self.options.netdevs))
-        behind_rdma = sorted(set(rdma_netdevs(self.options.sysfs).values()))
+        behind_rdma = sorted(set(rdma_netdevs(self.options.sysfs, self._gid_index).values()))
         return behind_rdma or self.source.netdevs()
 
     def collect(self, out: Samples) -> None:

@@ -245,17 +245,25 @@ def _rate_bytes_per_second(text: str | None) -> float | None:
     return rate if math.isfinite(rate) and rate >= 0 else None  # float() also takes "nan", "inf", "-1"
 
 
-def _port_netdev(port_dir: str, link_layer: str) -> tuple[str, str]:
-    """The netdev of a RoCE port and the GID index that names it: the first that does (unused GID indexes answer
-    EINVAL); ``("", "")`` for none."""
+def _port_netdev(port_dir: str, link_layer: str, gid_index: dict[str, str] | None = None) -> str:
+    """The netdev of a RoCE port: the first GID that names one (unused GID indexes answer EINVAL).
+
+    ``gid_index`` (port directory -> GID index) remembers which index named it, so that a collector's later
+    scrapes read that one file instead of listing up to 255 indexes; looked for anew when it names none.
+    """
     if link_layer != "Ethernet":  # InfiniBand GIDs have no netdev: every index would answer EINVAL
-        return "", ""
+        return ""
     ndevs = f"{port_dir}/gid_attrs/ndevs"
+    known = gid_index.get(port_dir) if gid_index is not None else None
+    if known is not None and (netdev := read_once(f"{ndevs}/{known}")):
+        return netdev
     for index in sorted(_list(ndevs), key=lambda name: int(name) if name.isdigit() else 1 << 30):
         netdev = read_once(f"{ndevs}/{index}")
         if netdev:
-            return netdev, index
-    return "", ""
+            if gid_index is not None:
+                gid_index[port_dir] = index
+            return netdev
+    return ""
 
 
 def _ports(root: str):
@@ -275,15 +283,16 @@ def _infiniband_root(sysfs) -> str:
     return root
 
 
-def rdma_netdevs(sysfs="/sys") -> dict[tuple[str, str], str]:
-    """``{(device, port): netdev}`` of every RDMA port that has one (RoCE): ``{("mlx5_0", "1"): "ens1f0np0"}``."""
+def rdma_netdevs(sysfs="/sys", gid_index: dict[str, str] | None = None) -> dict[tuple[str, str], str]:
+    """``{(device, port): netdev}`` of every RDMA port that has one (RoCE): ``{("mlx5_0", "1"): "ens1f0np0"}``.
+    ``gid_index``: a dict the caller keeps between calls, as :func:`_port_netdev` takes it."""
     try:
         root = _infiniband_root(sysfs)
     except SourceUnavailable:
         return {}
     found = {}
     for device, port, port_dir in _ports(root):
-        netdev, _ = _port_netdev(port_dir, read_once(f"{port_dir}/link_layer") or "")
+        netdev = _port_netdev(port_dir, read_once(f"{port_dir}/link_layer") or "", gid_index)
         if netdev:
             found[(device, port)] = netdev
     return found
@@ -320,10 +329,9 @@ class RdmaCollector(Collector):
                 about = self._files.read(device_dir, ("fw_ver", "hca_type"))
                 devices[device] = (about.get("fw_ver") or "", about.get("hca_type") or "")
             self._collect_port(out, device, port, port_dir, *devices[device], self.rail(device, port))
-            read.update((port_dir, f"{port_dir}/counters", f"{port_dir}/hw_counters", f"{port_dir}/gid_attrs/ndevs"))
+            read.update((port_dir, f"{port_dir}/counters", f"{port_dir}/hw_counters"))
             seen.add((device, port))
         self._files.forget_except(read)
-        self._gid_index = {port_dir: index for port_dir, index in self._gid_index.items() if port_dir in read}
         missing = tuple(f"{name}={d}:{p}" for name, d, p in self.options.rails if (d, p) not in seen)
         if missing and missing != self._missing_rails:  # a typo in --rdma-rails, or a port gone: say so once
             logger.warning("rdma: rails name ports that are not under %s: %s", root, ", ".join(missing))
@@ -351,19 +359,6 @@ class RdmaCollector(Collector):
             if value is not None:
                 out.add(spec, value, device=device, port=port)
         link_layer = link.get("link_layer") or ""
-        out.add(INFO_SPEC, {"netdev": self._netdev(port_dir, link_layer), "link_layer": link_layer, "fw_ver": fw_ver,
+        netdev = _port_netdev(port_dir, link_layer, self._gid_index)
+        out.add(INFO_SPEC, {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver,
                             "hca_type": hca_type, "rail": rail}, device=device, port=port)  # fmt: skip
-
-    def _netdev(self, port_dir: str, link_layer: str) -> str:
-        """The port's netdev, read from the GID index that last named it (one held file, not a listing of up to
-        255 indexes a scrape); looked for anew when that index names none."""
-        index = self._gid_index.get(port_dir)
-        if index and link_layer == "Ethernet":
-            netdev = self._files.read(f"{port_dir}/gid_attrs/ndevs", (index,)).get(index)
-            if netdev:
-                return netdev
-        netdev, found = _port_netdev(port_dir, link_layer)
-        if found != index:
-            self._files.forget(f"{port_dir}/gid_attrs/ndevs")  # it holds the old index's file
-            self._gid_index[port_dir] = found
-        return netdev

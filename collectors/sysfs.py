@@ -5,9 +5,10 @@ A sysfs attribute makes its text anew on every read from offset 0 (kernfs' seq_f
 ``read`` and ``close`` take three and the kernel walks the path through sysfs' symlinks each time. A file
 rewritten in place, as a fixture tree is, reads anew the same way.
 
-Each directory is checked with one ``stat`` a scrape: when its inode or its modification time changed (a
-driver reload, a device replaced, a file added or removed) its files are opened anew, so a counter that
-appears is read and one that is gone is not. Descriptors are held while the process has plenty to spare (a
+Each directory is checked with one ``stat`` a scrape: when its inode or its modification time changed its
+files are opened anew. A driver reload or a replaced device makes new directories (new inodes); a fixture tree's
+directory changes its modification time when a file is added, removed or renamed into it. A held file that the
+kernel removed reads as an error, which is None. Descriptors are held while the process has plenty to spare (a
 quarter of its open-file limit, which :func:`raise_open_file_limit` first raises to the hard limit, as Go
 programs such as node_exporter do at start); beyond that, files are read with ``open``, ``read`` and ``close``.
 """
@@ -138,7 +139,10 @@ class HeldFiles:
             return None
         try:
             if names is None:
-                names = sorted(name for name in os.listdir(dir_fd) if keep(name))
+                try:
+                    names = sorted(name for name in os.listdir(dir_fd) if keep(name))
+                except OSError:
+                    return None  # listed again at the next read
             names = tuple(names)
             if not _take(len(names)):
                 entry = _Directory(identity, dict.fromkeys(names), held=False)

@@ -330,6 +330,7 @@ class ClickHouseMetricWriter:
         self.insert_every_s = insert_every_s
         self.insert_rows = insert_rows
         self._inserted_at: float | None = None
+        self._storing = True  # whether the last insert was taken
         self._writer = DurableWriter(self._store, "metrics", spool_dir=spool_dir, spool_max_bytes=spool_max_bytes)
         self.host = host
         self.max_held_rows = max_held_rows
@@ -356,15 +357,17 @@ class ClickHouseMetricWriter:
 
     def write(self, collected, time_ns: int | None = None) -> bool:
         """Add one sample of what a node collected (families or ``Samples``, as :func:`metric_rows` takes) and insert
-        everything held when an insert is due; False while the store is failing."""
+        everything held when an insert is due. False while the store is failing: the last insert's outcome. Between
+        inserts the samples are held in memory only (a ``kill -9`` loses at most ``insert_every_s`` of them)."""
         for table, rows in metric_rows(collected, self.host, time_ns or time.time_ns(), self._started_ns).items():
             self._held[table].extend(rows)
         now = time.monotonic()
         due = self._inserted_at is None or now - self._inserted_at >= self.insert_every_s
         if not due and max(map(len, self._held.values())) < self.insert_rows:
-            return True
+            return self._storing
         self._inserted_at = now
-        return self.flush()
+        self._storing = self.flush()
+        return self._storing
 
     def flush(self) -> bool:
         """Insert everything held; False when rows still wait (in memory or in the spool)."""

@@ -78,6 +78,31 @@ def test_rows_are_held_while_the_store_fails_and_written_when_it_works_again(sto
     assert any(m.startswith("inserts into") and "work again" in m for m in caplog.messages)
 
 
+def test_samples_are_inserted_on_their_own_cadence_and_close_inserts_what_is_held(store):
+    """``insert_every_s``: the first sample at once, later ones held until an insert is due (or ``insert_rows``
+    are held); while held, ``write`` answers with the last insert's outcome, and ``close`` inserts what is held."""
+    families = rdma_families()
+    sums = len(metric_rows(families, "node-a", T0)["otel_metrics_sum"])
+    count = "SELECT count() FROM stagetrace.otel_metrics_sum"
+    writer = ClickHouseMetricWriter(store, host="node-a", insert_every_s=3600, insert_rows=2 * sums)
+    assert writer.write(families, time_ns=T0)
+    assert store.client.command(count) == sums  # the first sample at once
+    assert writer.write(families, time_ns=T0 + 1)
+    assert store.client.command(count) == sums and writer.held_rows > sums  # held: not due, below insert_rows
+    assert writer.write(families, time_ns=T0 + 2)  # the third sample brings the sums to insert_rows
+    assert store.client.command(count) == 3 * sums and writer.held_rows == 0
+    assert writer.write(families, time_ns=T0 + 3)
+    (sum_ddl,) = [s for s in schema.statements() if "`otel_metrics_sum`" in s]
+    store.client.command("DROP TABLE stagetrace.otel_metrics_sum")
+    writer.insert_every_s = 0
+    assert not writer.write(families, time_ns=T0 + 4)  # due, and the store fails
+    writer.insert_every_s = 3600
+    assert not writer.write(families, time_ns=T0 + 5)  # not due: the last insert's outcome, not a success
+    store.client.command(sum_ddl)
+    assert writer.close()
+    assert store.client.command(count) == 3 * sums  # held through the failure, inserted by close
+
+
 def test_held_rows_are_bounded_by_dropping_the_oldest(store):
     families = rdma_families()
     per_write = len(metric_rows(families, "node-a", T0)["otel_metrics_sum"])
