@@ -297,6 +297,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
+# the series diagnose() reads: the agent builds families of these alone at each scrape
+DIAGNOSIS_INPUTS = frozenset({SHARING_FACTOR.name, ALLOCATION.name, PER_PHYSICAL.name, PHYSICAL.name, ALLOCATED.name,
+                              ALLOCATABLE.name, "mps_clients", "gpu_up"})  # fmt: skip
+
+
 def diagnose(families: Iterable) -> str | None:
     """One line naming a double-counted or over-allocated GPU in one node's scrape, or None when there is none.
 

@@ -26,7 +26,7 @@ from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
-from stagetrace.store import AGENT_ENGINE, open_store, parse_dsn
+from stagetrace.store import AGENT_ENGINE, open_store, parse_dsn, without_dataframe_checks
 
 logger = logging.getLogger("stagetrace.agent")
 
@@ -160,6 +160,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     lowered = lower_priority() if low else []
     with contextlib.ExitStack() as cleanup:  # undone in reverse: signals, listeners, writers (flush), store, node
         cleanup.callback(node.close)
+        without_dataframe_checks()
         # Never through another agent's query endpoint: this agent must hold the store it writes.
         opened = open_store(store, agent_fallback=False, engine=AGENT_ENGINE)
         cleanup.callback(opened.close)
@@ -231,9 +232,15 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
 def _say_diagnosis(collected, host: str, said: str | None) -> str | None:
     """Log the kubernetes collector's one-line diagnosis (a GPU the scheduler counts twice) when it changes."""
     from stagetrace.collectors.base import Samples
-    from stagetrace.collectors.kubernetes import diagnose
+    from stagetrace.collectors.kubernetes import DIAGNOSIS_INPUTS, diagnose
 
-    line = diagnose([f for item in collected for f in (item.families(host) if isinstance(item, Samples) else [item])])
+    read = Samples()  # only what the diagnosis reads: families of a whole scrape cost more than the scrape's rows
+    for item in collected:
+        if isinstance(item, Samples):
+            for spec, values, value in item.series():
+                if spec.name in DIAGNOSIS_INPUTS:
+                    read.add_series(spec, values, value)
+    line = diagnose(read.families(host))
     if line != said:
         if line:
             logger.warning("%s", line)

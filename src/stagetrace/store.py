@@ -206,8 +206,6 @@ def _open_embedded(location: Location, engine: dict[str, str] | None = None):
         _check_not_locked(Path(location.path))
     import clickhouse_connect  # after the checks: a store an agent holds is read without the driver (0.2 s)
 
-    _without_dataframe_checks()
-
     try:
         return clickhouse_connect.get_client(interface="chdb", path=location.path or None, chdb_options=engine or None)
     except Exception as exc:
@@ -312,11 +310,12 @@ def _describe_process(pid: int | None) -> str:
     return f"process {pid} ({command})" if command else f"process {pid}"
 
 
-def _without_dataframe_checks() -> None:
-    """clickhouse-connect tells a pandas DataFrame or a NumPy array from other insert data by importing pandas,
-    which imports NumPy and pyarrow: 70 MB an agent with a server store would load for nothing, and pandas alone
-    for the embedded engine (which loads NumPy and pyarrow itself); stagetrace inserts lists. Where this process
-    has loaded them itself, the driver's checks stay."""
+def without_dataframe_checks() -> None:
+    """For a process of stagetrace's own (the agent), which inserts lists: tell clickhouse-connect that pandas and
+    NumPy are absent where the process has not loaded them. The driver tells a DataFrame or an array from other
+    insert data by importing pandas, which imports NumPy and pyarrow: 70 MB an agent with a server store would load
+    for nothing, and pandas alone beside the embedded engine (which loads the other two). Not for ``open_store``
+    in general: it also runs in applications (the span exporter), whose own DataFrame calls must keep working."""
     from clickhouse_connect.driver import options
 
     if "pandas" not in sys.modules and "pd" not in vars(options):
@@ -327,8 +326,6 @@ def _without_dataframe_checks() -> None:
 
 def _open_server(location: Location):
     import clickhouse_connect
-
-    _without_dataframe_checks()
 
     try:
         client = clickhouse_connect.get_client(
