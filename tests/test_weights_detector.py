@@ -212,6 +212,23 @@ def test_a_canary_ahead_of_its_fleet_gets_no_weights_cause(store):
     fl.close()
 
 
+def test_of_three_gpus_one_canary_ahead_is_not_the_fleet_for_the_other_two(store):
+    """With three GPUs, a GPU explained has two others: a canary ahead and one on the old step. Half of them is no
+    majority, so the fleet's step stays the old one and a healthy GPU on it missed nothing."""
+    gpus = gpus_of(3)
+    canary, healthy = sorted(gpus)[0], sorted(gpus)[2]
+    fl = Fleet(store)
+    canary_from = fl.t0 + 8 * MINUTE
+    fl.serve(gpus, 20, lambda gpu, at: NEW if gpu == canary and at >= canary_from else OLD)
+    odd = fl.request(fl.t0 + 12 * MINUTE + 1 * SECOND, healthy, gpus[healthy], OLD, batch=48, odd="batch48")
+    fl.flush()
+    report = explain(store, odd["request_id"])
+    assert report["diverged"] and report["first_divergent_stage"] == "decode", report["summary"]
+    assert weights_causes(report) == [], report["causes"]
+    assert "missed a weight sync" not in report["summary"]
+    fl.close()
+
+
 def test_a_fleet_of_one_other_gpu_gets_no_weights_cause(store):
     fl = Fleet(store)
     behind, other = "GPU-01-6f1c", "GPU-02-6f1c"

@@ -55,7 +55,7 @@ LINK_DESTINATION_HOST, LINK_DESTINATION_RANK, LINK_DESTINATION_DEVICE, LINK_DEST
     "weights.link.destination.host", "weights.link.destination.rank", "weights.link.destination.device",
     "weights.link.destination.gpu.uuid")  # fmt: skip
 # Which weights a GPU serves: the step of its latest decode span, counted only when it is a whole number (SGLang's
-# weight_version "default" orders nothing); its fleet's step is the median of its service's GPUs' steps, so one
+# weight_version "default" orders nothing); its fleet's step is the (lower) median of its service's GPUs' steps, so one
 # canary ahead moves no one. The dashboards' board and alert and the weights detector share both rules.
 _STEP = re.compile(r"-?[0-9]+")
 
@@ -71,8 +71,9 @@ STEP_SQL = f"toInt64OrZero(Attributes['{WEIGHTS_STEP}'])"  # where IS_STEP_SQL h
 
 
 def fleet_step_sql(steps: str) -> str:
-    """The fleet's step from its GPUs' latest steps ``steps`` (an aggregate argument)."""
-    return f"toInt64(quantileExact(0.5)({steps}))"
+    """The fleet's step from its GPUs' latest steps ``steps`` (an aggregate argument): the lower median, so that a
+    step is the fleet's once more than half its GPUs serve it (of two GPUs, one canary ahead is not the fleet)."""
+    return f"toInt64(quantileExactLow(0.5)({steps}))"
 
 
 # A sync funnels through one NIC (the rank-0 pattern: gather on training rank 0, send from there) when one NIC
