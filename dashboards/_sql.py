@@ -188,7 +188,6 @@ RAIL_FILTER = (
     "SELECT ResourceAttributes['host.name'], Attributes['device'], Attributes['port'] FROM otel_metrics_gauge "
     "WHERE MetricName = 'rdma_port_info' AND Attributes['rail'] != '' AND $__timeFilter(TimeUnix))"
 )
-RAIL = "concat(ResourceAttributes['host.name'], ' ', Attributes['rail'])"
 
 
 def rail_bytes(where: Iterable[str] = ()) -> str:

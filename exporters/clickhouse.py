@@ -93,20 +93,6 @@ class _Resources:
         return attrs.get("service.name", ""), attrs
 
 
-class _Fields:
-    """What a row needs of a span, read through ReadableSpan's public properties: for any implementation."""
-
-    __slots__ = ("context", "parent", "resource", "scope", "start", "end", "status_code", "description", "name",
-                 "kind", "attributes", "events", "links")  # fmt: skip
-
-    def __init__(self, span):
-        self.context, self.parent, self.resource = span.context, span.parent, span.resource
-        self.scope, self.start, self.end = span.instrumentation_scope, span.start_time, span.end_time
-        self.status_code, self.description = span.status.status_code, span.status.description
-        self.name, self.kind, self.attributes = span.name, span.kind, span.attributes
-        self.events, self.links = span.events, span.links
-
-
 def _sdk_fields_are_known() -> bool:
     """Whether this SDK's ReadableSpan keeps the private fields the fast path reads (checked once, at import)."""
     try:
@@ -135,10 +121,10 @@ def span_row(span: ReadableSpan, resources: _Resources) -> tuple:
         events = getattr(span._events, "_dq", span._events)  # BoundedList's deque (a tuple: sequence as is)
         links = getattr(span._links, "_dq", span._links)
     else:
-        f = _Fields(span)
-        ctx, parent, resource, scope, start, end = f.context, f.parent, f.resource, f.scope, f.start, f.end
-        status_code, description, name, kind = f.status_code, f.description, f.name, f.kind
-        attributes, events, links = f.attributes, f.events, f.links
+        ctx, parent, resource, scope = span.context, span.parent, span.resource, span.instrumentation_scope
+        start, end, name, kind = span.start_time, span.end_time, span.name, span.kind
+        status_code, description = span.status.status_code, span.status.description
+        attributes, events, links = span.attributes, span.events, span.links
     service, resource_attrs = resources.get(resource)
     # the SDK takes any number for the times and does not check; the columns need integer nanoseconds
     start = int(start or 0)

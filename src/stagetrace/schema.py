@@ -373,18 +373,14 @@ def installed_version(client, database: str) -> int:
     try:  # one query where the version table exists, as it does for every command but the first
         return int(client.command("SELECT max(Version) FROM {db:Identifier}.stagetrace_schema_version",
                                   parameters={"db": database}) or 0)  # fmt: skip
-    except Exception:  # no such table (or database): asked the long way, which tells the two apart
-        pass
-    exists = client.command(
-        "SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'stagetrace_schema_version'",
-        parameters={"db": database},
-    )
-    if not int(exists):
+    except Exception:
+        exists = client.command(
+            "SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'stagetrace_schema_version'",
+            parameters={"db": database},
+        )
+        if int(exists):
+            raise  # the table is there: the store failed, and says why
         return 0
-    return int(
-        client.command("SELECT max(Version) FROM {db:Identifier}.stagetrace_schema_version", parameters={"db": database})
-        or 0
-    )
 
 
 def ensure_schema(client, database: str = "stagetrace", cluster: str | None = None) -> bool:

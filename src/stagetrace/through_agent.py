@@ -18,7 +18,6 @@ from stagetrace import config
 from stagetrace.errors import StoreError, StoreLockedError
 
 AGENT_FILE = "agent.json"
-DEFAULT_QUERY_LISTEN = config.DEFAULT_QUERY_LISTEN
 
 READ_STATEMENTS = frozenset({"SELECT", "WITH", "SHOW", "DESC", "DESCRIBE", "EXISTS"})
 READ_ONLY_MESSAGE = (
@@ -134,13 +133,18 @@ class AgentClient:
         path = f"/?{urlencode(params)}"
         try:
             status, answer = self._post(path, body)
+        except TimeoutError:
+            raise  # a slow query: sent again, it would take as long once more
         except (ConnectionError, OSError, http.client.HTTPException):
             self._connection.close()  # a kept-alive connection the endpoint closed meanwhile: opened again, once
             status, answer = self._post(path, body)
         if status != 200:
             raise StoreError(f"the agent's query endpoint answered {status}: "
                              f"{answer.decode(errors='replace').strip().splitlines()[0] if answer.strip() else ''}")  # fmt: skip
-        result = json.loads(answer)
+        try:
+            result = json.loads(answer)
+        except ValueError:
+            raise StoreError(f"the agent's query endpoint answered with {len(answer)} bytes that are not JSON") from None
         types = [_converter(column["type"]) for column in result["meta"]]
         rows = [tuple(convert(value) for convert, value in zip(types, row)) for row in result["data"]]
         return QueryResult(tuple(column["name"] for column in result["meta"]), rows)
@@ -248,5 +252,5 @@ class ReadOnlyClient:
 
 
 
-__all__ = ["AGENT_FILE", "DEFAULT_QUERY_LISTEN", "READ_ONLY_MESSAGE", "AgentClient", "QueryResult", "advertised",
+__all__ = ["AGENT_FILE", "READ_ONLY_MESSAGE", "AgentClient", "QueryResult", "advertised",
            "ReadOnlyClient", "Refused", "client", "read_only_format"]
