@@ -116,7 +116,7 @@ def _through_agent(location, port: int | None) -> tuple[str, int, str]:
     """Grafana reads an embedded store through the query endpoint of the agent that holds it: the address it
     advertises, else the agent's default one; and what the operator needs to know about it."""
     record = through_agent.advertised(location)
-    url = urlsplit(f"http://{through_agent.DEFAULT_QUERY_LISTEN}" if record is None else record["query"])
+    url = urlsplit(f"http://{config.DEFAULT_QUERY_LISTEN}" if record is None else record["query"])
     host, port = url.hostname or "127.0.0.1", port or url.port or 8123
     state = (f"the agent (pid {record.get('pid')}) serves it at {host}:{port}" if record else
              f"start `stagetrace agent --store chdb://{location.path}`, which serves it at {host}:{port}")  # fmt: skip

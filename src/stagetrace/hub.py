@@ -188,10 +188,11 @@ class QueryEndpoint:
             self._lock.release()
 
     def _watch(self, mark: str, gone, done: threading.Event) -> None:
+        # until the query ends: a KILL sent before the engine has registered the query (a loaded host, a low-priority
+        # agent) finds nothing, and one kill would leave the query running to its time limit
         while not done.wait(WATCH_EVERY_S):
             if gone() or self._closing.is_set():
                 self._kill(mark)
-                return
 
     def _kill(self, mark: str) -> None:
         try:  # the KILL statement's own text starts with KILL: it never matches itself
