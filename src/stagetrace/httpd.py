@@ -186,6 +186,9 @@ class Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True  # a stuck client must not keep the agent from exiting
     block_on_close = False
+    # the listen backlog: socketserver's 5 overflows when a fleet's exporters connect at once, and a connection the
+    # kernel could not queue may be reset instead of answered 503 (the kernel caps it at net.core.somaxconn)
+    request_queue_size = 128
 
 
 class _Server6(_Server):
