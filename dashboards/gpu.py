@@ -33,8 +33,9 @@ LATEST_KUBELET_SCRAPE = (
 
 
 def _latest_by_gpu(metric: str, value: str, alias: str) -> str:
-    """The newest ``value`` of ``metric`` per host and UUID in the range, as ``host, uuid, alias``."""
-    return (f"SELECT {HOST} AS host, Attributes['uuid'] AS uuid, argMax({value}, TimeUnix) AS {alias} "
+    """The newest ``value`` of ``metric`` per host and UUID in the range, as ``host, uuid, alias`` (nullable: a GPU
+    a LEFT JOIN finds no row for shows NULL, without the join_use_nulls setting a read-only data source refuses)."""
+    return (f"SELECT {HOST} AS host, Attributes['uuid'] AS uuid, toNullable(argMax({value}, TimeUnix)) AS {alias} "
             f"FROM otel_metrics_gauge WHERE MetricName = '{metric}' AND $__timeFilter(TimeUnix) "
             f"AND {HOST_FILTER} GROUP BY host, uuid")  # fmt: skip
 
@@ -54,11 +55,10 @@ def who_holds_each_gpu() -> str:
             ON a.host = n.host AND a.uuid = n.uuid
         LEFT JOIN ({_latest_by_gpu("gpu_up", "Attributes['gpu']", "gpu")}) AS g ON a.host = g.host AND a.uuid = g.uuid
         LEFT JOIN ({_latest_by_gpu("mps_clients", "Value", "clients")}) AS m ON a.host = m.host AND a.uuid = m.uuid
-        LEFT JOIN (SELECT {HOST} AS host, argMax(Value, TimeUnix) AS factor FROM otel_metrics_gauge
+        LEFT JOIN (SELECT {HOST} AS host, toNullable(argMax(Value, TimeUnix)) AS factor FROM otel_metrics_gauge
                    WHERE MetricName = 'k8s_gpu_sharing_factor' AND $__timeFilter(TimeUnix) AND {HOST_FILTER}
                    GROUP BY host) AS f ON a.host = f.host
         ORDER BY host, gpu, uuid, device_id, namespace, pod
-        SETTINGS join_use_nulls = 1
     """
 
 
@@ -85,11 +85,10 @@ def scheduler_counts() -> str:
         INNER JOIN (SELECT {HOST} AS host, toUInt64(argMax(Value, TimeUnix)) AS factor FROM otel_metrics_gauge
                     WHERE MetricName = 'k8s_gpu_sharing_factor' AND $__timeFilter(TimeUnix) AND {HOST_FILTER}
                     GROUP BY host) AS f USING (host)
-        LEFT JOIN (SELECT {HOST} AS host, uniqExact(Attributes['uuid']) AS gpus FROM otel_metrics_gauge
+        LEFT JOIN (SELECT {HOST} AS host, toNullable(uniqExact(Attributes['uuid'])) AS gpus FROM otel_metrics_gauge
                    WHERE MetricName = 'gpu_up' AND $__timeFilter(TimeUnix) AND {HOST_FILTER}
                    GROUP BY host) AS nvml USING (host)
         ORDER BY host, resource
-        SETTINGS join_use_nulls = 1
     """
 
 

@@ -5,11 +5,9 @@ senders are the plain OpenTelemetry SDK with the official OTLP exporter, the rea
 clickhouse-connect's ordinary HTTP client.
 """
 
+import importlib.util
 import json
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -31,55 +29,21 @@ from stagetrace import schema
 from stagetrace.through_agent import Refused, read_only_format
 from stagetrace.store import StoreError, StoreLockedError, open_store
 
+_spec = importlib.util.spec_from_file_location("stagetrace_tests_agents", Path(__file__).with_name("agents.py"))
+agents = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = agents
+_spec.loader.exec_module(agents)
+Agent, stagetrace, BASE_ENV, ENV, SYSFS = agents.Agent, agents.stagetrace, agents.BASE_ENV, agents.ENV, agents.SYSFS
+
 FIXTURES = Path(__file__).parent / "fixtures"
-SYSFS = FIXTURES / "node" / "sys"
 VLLM = FIXTURES / "vllm" / "llm_request.json"
 VLLM_ID = "chatcmpl-9f1c2e7a4b5d4e3f8a6b1c2d3e4f5a6b"
-BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STAGETRACE_AGENT_TOKEN")}
-ENV = {**BASE_ENV, "STAGETRACE_HOST": "node-a", "COLUMNS": "200"}
-
-
-class Agent:
-    """A running `stagetrace agent` and the endpoints it advertises in ``<store>/agent.json``."""
-
-    def __init__(self, directory: Path, *extra: str, env: dict | None = None):
-        directory.mkdir(parents=True, exist_ok=True)
-        self.store = directory / "store"
-        self.dsn = f"chdb://{self.store}"
-        self.log = directory / "agent.log"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-             "--store", self.dsn, "--listen", "127.0.0.1:0", "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0",
-             "--query-listen", "127.0.0.1:0", "--interval", "1s", *extra],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env={**ENV, **(env or {})},
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while not (self.store / "agent.json").exists():
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"the agent did not start: {self.log.read_text()}")
-            time.sleep(0.2)
-        self.endpoints = json.loads((self.store / "agent.json").read_text())
-        self.query_port = urllib.parse.urlsplit(self.endpoints["query"]).port
-
-    def stop(self) -> str:
-        self.process.send_signal(signal.SIGTERM)
-        assert self.process.wait(timeout=60) == 0, self.log.read_text()
-        log = self.log.read_text()
-        assert "Traceback" not in log, log
-        return log
-
-
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     running = Agent(tmp_path_factory.mktemp("hub"))
     yield running
     running.stop()
     assert not (running.store / "agent.json").exists()  # withdrawn on exit
-
-
-def stagetrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, timeout=120)  # fmt: skip
 
 
 def send_request(otlp: str, request_id: str, compression=Compression.NoCompression, headers=None) -> tuple[str, str]:
@@ -187,18 +151,18 @@ def test_clickhouse_connect_reads_through_the_agent_and_writes_are_refused(agent
         time.sleep(0.5)
     assert rows == [("inference.request", "Server", {"stagetrace.request.id": "cc-1"})]
     assert client.command("SELECT count() FROM stagetrace.stagetrace_requests WHERE RequestId = 'cc-1'") == 1
-    for write in (
-        lambda: client.command("INSERT INTO stagetrace.otel_traces (SpanName) VALUES ('x')"),
-        lambda: client.insert("otel_traces", [("x",)], column_names=["SpanName"], database="stagetrace"),
-        lambda: client.command("DROP TABLE stagetrace.otel_traces"),
-        lambda: client.query("SELECT 1; DROP TABLE stagetrace.otel_traces"),
-        lambda: client.query("SELECT 1 INTO OUTFILE '/tmp/stagetrace-hub-outfile'"),
-        lambda: client.query("SELECT * FROM file('/etc/passwd', 'LineAsString')"),  # readonly=1 in the engine
-        lambda: client.query("SELECT 1 SETTINGS readonly = 0"),
+    for write, code in (
+        (lambda: client.command("INSERT INTO stagetrace.otel_traces (SpanName) VALUES ('x')"), 164),  # READONLY
+        (lambda: client.insert("otel_traces", [("x",)], column_names=["SpanName"], database="stagetrace"), 164),
+        (lambda: client.command("DROP TABLE stagetrace.otel_traces"), 164),
+        (lambda: client.query("SELECT 1; DROP TABLE stagetrace.otel_traces"), 164),
+        (lambda: client.query("SELECT 1 INTO OUTFILE '/tmp/stagetrace-hub-outfile'"), 164),
+        (lambda: client.query("SELECT * FROM file('/etc/passwd', 'LineAsString')"), 497),  # ACCESS_DENIED
+        (lambda: client.query("SELECT 1 SETTINGS readonly = 0"), 164),
     ):
         with pytest.raises(DatabaseError) as refused:
             write()
-        assert refused.value.code == 164, refused.value  # READONLY
+        assert refused.value.code == code, refused.value
     assert client.command("SELECT count() FROM stagetrace.otel_traces WHERE SpanName = 'x'") == 0
     assert urllib.request.urlopen(f"{agent.endpoints['query']}/ping", timeout=5).read() == b"Ok.\n"
 

@@ -190,7 +190,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         location = opened.location
         if query_listen and location.embedded and location.path:
             _exposed(query_listen, "the query endpoint", token)
-            endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, token=token, limits=query_limits),
+            endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, database=location.database,
+                                                            token=token, limits=query_limits),
                              query_listen,
                              "--query-listen", " for queries")  # fmt: skip
             cleanup.callback(endpoint.close)

@@ -7,11 +7,12 @@ the query in ``?query=``, the POST body, or both (joined by a newline, as ClickH
 form; ``param_<name>`` values for ``{name:Type}`` placeholders; ``database``; ``default_format`` and any output
 ``FORMAT`` (clickhouse-connect reads ``Native``); errors with ``X-ClickHouse-Exception-Code``.
 
-Writes are refused twice: a conservative check admits one SELECT, WITH, SHOW, DESCRIBE or EXISTS statement
-per request and no ``INTO OUTFILE`` (which a readonly engine would still write), and every query runs in an
-engine session with ``readonly = 1``. That session cannot change settings, so settings sent as URL parameters
-are ignored rather than refused (clickhouse-connect and Grafana send some with every query); a ``SETTINGS``
-clause in the SQL is refused by the engine.
+Every statement is checked before it runs (``stagetrace.query_guard``): the engine's own parser decides that it is
+one read of the store's tables or of the few system tables clients ask for, and calls no function that reaches a
+file, the network, the server's state or its configuration; the text the engine formatted from that tree is what
+runs. Every query also runs in an engine session with ``readonly = 1``, which refuses writes and settings: settings
+sent as URL parameters are ignored rather than refused (clickhouse-connect and Grafana send some with every query);
+a ``SETTINGS`` clause in the SQL is refused by the engine. The session's database is always the store's.
 
 **Limits.** The agent runs next to the GPUs it watches, so every query runs under ``QueryLimits``: a time
 limit, a memory limit, a thread count and result caps, set on the session before ``readonly = 1`` (which no
@@ -45,6 +46,7 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from stagetrace import httpd, schema
+from stagetrace.query_guard import Denied, QueryGuard
 from stagetrace.through_agent import AGENT_FILE, READ_ONLY_MESSAGE, Refused, read_only_format
 
 logger = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ _HTTP_STATUS = {
     **dict.fromkeys((46, 47, 50, 60, 81, 115), 404),  # unknown function, identifier, type, table, database, setting
 }
 _ERROR_NAMES = {36: "BAD_ARGUMENTS", 62: "SYNTAX_ERROR", 164: "READONLY", 202: "TOO_MANY_SIMULTANEOUS_QUERIES",
-                516: "AUTHENTICATION_FAILED"}
+                497: "ACCESS_DENIED", 516: "AUTHENTICATION_FAILED"}
 _CODE = re.compile(r"Code: (\d+)\.")
 
 
@@ -113,9 +115,10 @@ def _content_type(fmt: str) -> str:
 
 
 class QueryEndpoint:
-    """The read-only ClickHouse HTTP interface on ``listen`` to the embedded engine at ``path`` (held by this process)."""
+    """The read-only ClickHouse HTTP interface on ``listen`` to the store's ``database`` in the embedded engine at
+    ``path`` (held by this process)."""
 
-    def __init__(self, path: str, listen: str = DEFAULT_LISTEN, *, token: str | None = None,
+    def __init__(self, path: str, listen: str = DEFAULT_LISTEN, *, database: str, token: str | None = None,
                  limits: QueryLimits | None = None):  # fmt: skip
         import chdb
 
@@ -125,11 +128,12 @@ class QueryEndpoint:
         for name, value in self.limits.settings().items():
             self._session.query(f"SET {name} = {value}", "TabSeparated")
         self._session.query("SET readonly = 1", "TabSeparated")  # from here on no query can change a setting
+        self._session.query(f"USE {schema.identifier(database, 'database name')}", "TabSeparated")
+        self.guard = QueryGuard(self._text, database)
         self._control = chdb.connect(os.path.realpath(path))  # cancels queries: KILL QUERY, never a client's SQL
         self._lock = threading.Lock()  # one query at a time on the session (its USE state is shared)
         self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
         self._closing = threading.Event()
-        self._database = ""
         self.version, self.timezone = self._session.query("SELECT version(), timezone()", "TabSeparated") \
             .bytes().decode().split()  # fmt: skip
         self.token = token
@@ -162,10 +166,9 @@ class QueryEndpoint:
         self._slots.release()
 
     def run(self, sql: str, fmt: str, params: dict[str, str], database: str, gone=lambda: False):
-        """The engine's result object for a checked read query, in ``database`` (ClickHouse's ``default`` if none);
-        None when its client went away (``gone()``) or the endpoint closed before it ran. A running query whose
-        client goes away is cancelled."""
-        database = database or "default"
+        """The engine's result object for ``sql`` once the guard admits it, and the format it is in (the
+        statement's FORMAT, else ``fmt``); None when its client went away (``gone()``) or the endpoint closed before it ran. A running query whose
+        client goes away is cancelled. Raises ``Denied`` for a statement the endpoint does not run."""
         mark = f"{_MARK}{uuid.uuid4().hex} */"
         while not self._lock.acquire(timeout=WATCH_EVERY_S):  # waiting its turn: no need to wait for a client gone
             if gone() or self._closing.is_set():
@@ -173,19 +176,22 @@ class QueryEndpoint:
         try:
             if gone() or self._closing.is_set():
                 return None
-            if database != self._database:
-                self._session.query(f"USE {schema.identifier(database, 'database name')}", "TabSeparated")
-                self._database = database
+            checked = self.guard.check(sql, params, database)
             done = threading.Event()
             watcher = threading.Thread(target=self._watch, args=(mark, gone, done), name="stagetrace-query-watch",
                                        daemon=True)  # fmt: skip
             watcher.start()
+            fmt = checked.format or fmt
             try:
-                return self._session.query(f"{mark}\n{sql}", fmt, params=params)
+                return self._session.query(f"{mark}\n{checked.sql}", fmt, params=params), fmt
             finally:
                 done.set()
         finally:
             self._lock.release()
+
+    def _text(self, sql: str, params: dict[str, str]) -> str:
+        """The answer to one of the guard's own statements, as text (the lock is held)."""
+        return self._session.query(sql, "TabSeparatedRaw", params=params).bytes().decode()
 
     def _watch(self, mark: str, gone, done: threading.Event) -> None:
         # until the query ends: a KILL sent before the engine has registered the query (a loaded host, a low-priority
@@ -277,11 +283,6 @@ class _QueryHandler(httpd.Handler):
         if not sql.strip():
             self.reply(200, b"Ok.\n", "text/plain; charset=UTF-8")  # what ClickHouse answers to a bare GET /
             return
-        try:
-            fmt = read_only_format(sql) or params.get("default_format") or "TabSeparated"
-        except Refused as exc:
-            self._fail(403, 164, str(exc))
-            return
         if text.encode() != body:
             self._fail(400, 36, "the query is not valid UTF-8")
             return
@@ -293,9 +294,10 @@ class _QueryHandler(httpd.Handler):
             return
         started = time.monotonic_ns()
         try:
-            result = self.endpoint.run(sql, fmt, query_params, params.get("database", ""), self._client_gone)
-        except schema.SchemaError as exc:
-            self._fail(400, 36, str(exc))
+            answer = self.endpoint.run(sql, params.get("default_format") or "TabSeparated", query_params,
+                                       params.get("database", ""), self._client_gone)  # fmt: skip
+        except Denied as exc:
+            self._fail(403, exc.code, str(exc))
             return
         except Exception as exc:  # the engine's exception carries ClickHouse's code and message
             text = str(exc).strip() or type(exc).__name__
@@ -306,9 +308,10 @@ class _QueryHandler(httpd.Handler):
             return
         finally:
             self.endpoint.release()
-        if result is None:  # its client went away, or the agent is stopping: nobody to answer
+        if answer is None:  # its client went away, or the agent is stopping: nobody to answer
             self.close_connection = True
             return
+        result, fmt = answer
         data = result.bytes()
         summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
                    "written_rows": "0", "written_bytes": "0", "result_bytes": str(len(data)),

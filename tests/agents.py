@@ -1,0 +1,49 @@
+"""A real `stagetrace agent` process for tests, and the CLI run as another process would run it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from pathlib import Path
+
+SYSFS = Path(__file__).parent / "fixtures" / "node" / "sys"
+BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STAGETRACE_AGENT_TOKEN")}
+ENV = {**BASE_ENV, "STAGETRACE_HOST": "node-a", "COLUMNS": "200"}
+
+
+class Agent:
+    """A running `stagetrace agent` and the endpoints it advertises in ``<store>/agent.json``."""
+
+    def __init__(self, directory: Path, *extra: str, env: dict | None = None):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.store = directory / "store"
+        self.dsn = f"chdb://{self.store}"
+        self.log = directory / "agent.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
+             "--store", self.dsn, "--listen", "127.0.0.1:0", "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0",
+             "--query-listen", "127.0.0.1:0", "--interval", "1s", *extra],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env={**ENV, **(env or {})},
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not (self.store / "agent.json").exists():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the agent did not start: {self.log.read_text()}")
+            time.sleep(0.2)
+        self.endpoints = json.loads((self.store / "agent.json").read_text())
+        self.query_port = urllib.parse.urlsplit(self.endpoints["query"]).port
+
+    def stop(self) -> str:
+        self.process.send_signal(signal.SIGTERM)
+        assert self.process.wait(timeout=60) == 0, self.log.read_text()
+        log = self.log.read_text()
+        assert "Traceback" not in log, log
+        return log
+
+
+def stagetrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True,
+                          env={**ENV, **(env or {})}, timeout=120)  # fmt: skip
