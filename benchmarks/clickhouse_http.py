@@ -21,6 +21,8 @@ import chdb
 import lz4.frame
 import zstandard
 
+from stagetrace.httpd import form_fields
+
 _FORMAT = re.compile(r"\bFORMAT\s+(\w+)\s*;?\s*$", re.I)
 _INSERT = re.compile(r"^\s*INSERT\s+INTO\s+(.+?)\s+FORMAT\s+Native\s*$", re.I | re.S)
 # what clickhouse-connect may put in the URL that is no engine setting
@@ -60,6 +62,9 @@ def serve(path: str, port: int) -> ThreadingHTTPServer:
         def _answer(self, body: bytes) -> None:
             url = urlsplit(self.path)
             params = dict(parse_qsl(url.query, keep_blank_values=True))
+            if (self.headers.get_content_type() or "") == "multipart/form-data":  # long parameters come this way
+                params.update(form_fields(self.headers["Content-Type"], body))
+                body = b""
             if url.path == "/ping":
                 return self._reply(200, b"Ok.\n")
             query = params.get("query", "")

@@ -90,11 +90,13 @@ class SerializedNode:
     def __init__(self, node: Node):
         self.node = node
         self._lock = threading.Lock()
+        self.analysis = None  # the live analyser's Stats, when it runs here
 
     def collect(self) -> list:
         with self._lock:
             # with what the exporters dropped, so /metrics and the store show losses, not only the collectors
-            return [*self.node.collect(), *spool.DROPPED.families(self.node.host)]
+            analysis = list(self.analysis.families(self.node.host)) if self.analysis else []
+            return [*self.node.collect(), *spool.DROPPED.families(self.node.host), *analysis]
 
     def collect_samples(self) -> list:
         """What the writer stores: the collectors' ``Samples`` as they are (building client_python's families of
@@ -144,14 +146,16 @@ def _exposed(listen: str, what: str, token: str | None) -> None:
 def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
         otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
-        low_priority: bool | None = None, insert_every_s: float = 10.0) -> int:  # fmt: skip
+        low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
     of the query endpoint (None: off); ``token``, when given, is required by all three; ``query_limits`` bound
     each query of the endpoint. ``low_priority`` (None: for an embedded store) lowers the agent's CPU and I/O
     priority, its engine threads' included. Samples are inserted at most every ``insert_every_s`` (at least
-    every interval), so a short interval costs scrapes, not engine inserts.
+    every interval), so a short interval costs scrapes, not engine inserts. ``analysis`` is the live analyser's
+    ``live.Schedule``, False for none, or None: every minute with an embedded store, none with a server store
+    (whose analyser is ``stagetrace analyse``, one per store).
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
@@ -197,6 +201,18 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             cleanup.callback(endpoint.close)
             endpoints["query"] = endpoint.url
             cleanup.callback(hub.withdraw, hub.advertise(location.path, **endpoints))
+        if analysis is None and embedded:
+            from stagetrace.analysis.live import Schedule
+
+            analysis = Schedule()
+        if analysis:
+            from stagetrace.analysis import live
+
+            shared.analysis = live.Stats()
+            _, analysing, thread = live.start(opened, analysis, shared.analysis)
+            cleanup.callback(thread.join, 30)  # a pass in progress ends before the store closes
+            cleanup.callback(analysing.set)
+            logger.info("analysing divergences every %gs (--analyse-every 0 to turn off)", analysis.every_s)
         for sig in (signal.SIGTERM, signal.SIGINT):
             cleanup.callback(signal.signal, sig, signal.signal(sig, lambda *_: stop.set()))
         logger.info(

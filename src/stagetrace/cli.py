@@ -137,7 +137,23 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="FILE",
                    help="bearer token required by the OTLP receiver and the query endpoint "
                         "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")
+    p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY"),
+                   help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
+                        "0 with a server store, where `stagetrace analyse` runs it; env STAGETRACE_ANALYSE_EVERY)")
     p.set_defaults(run=_agent)
+
+    p = commands.add_parser("analyse", parents=[store], help="the live divergence analysis as a loop, one per store")
+    p.add_argument("--every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY", "1m"),
+                   help="how often a pass runs (default 1m, env STAGETRACE_ANALYSE_EVERY)")
+    p.add_argument("--settle", metavar="DURATION",
+                   help="leave out requests this recent, whose spans may still arrive (default 10s, env "
+                        "STAGETRACE_ANALYSE_SETTLE; the agent's analyser reads the same variables)")
+    p.add_argument("--lookback", metavar="DURATION",
+                   help="same-input peers: requests this long before (default 1h, env STAGETRACE_ANALYSE_LOOKBACK)")
+    p.add_argument("--listen", metavar="HOST:PORT", default=os.environ.get("STAGETRACE_ANALYSE_LISTEN", "127.0.0.1:9465"),
+                   help="where the analyser's /metrics is served, or 'none' (default 127.0.0.1:9465)")
+    p.add_argument("--once", action="store_true", help="one pass, then exit (if this process gets the lease)")
+    p.set_defaults(run=_analyse)
 
     from stagetrace.dashboards.command import add_provision_parser  # its options live with the provisioner
 
@@ -329,6 +345,8 @@ def _agent(args) -> int:
             insert_every = agent.parse_interval(args.insert_every)
         except ValueError as exc:
             raise ValueError(f"--insert-every: {exc}") from None
+        analysis = None if args.analyse_every is None else (
+            False if args.analyse_every.strip() == "0" else _schedule(args.analyse_every, "--analyse-every"))
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
@@ -340,13 +358,93 @@ def _agent(args) -> int:
     try:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
-                         low_priority=args.low_priority, insert_every_s=insert_every)  # fmt: skip
+                         low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
 
 
-DURATION_OPTIONS = ("--since", "--window", "--interval", "--insert-every")
+DURATION_OPTIONS = ("--since", "--window", "--interval", "--insert-every", "--analyse-every", "--every", "--settle",
+                    "--lookback")
+
+
+def _schedule(every: str, flag: str, settle: str | None = None, lookback: str | None = None):
+    """The live analyser's schedule: each duration from its option, else its environment variable, else default."""
+    from stagetrace.agent import parse_interval
+    from stagetrace.analysis import live
+
+    texts = {flag: every, "--settle": settle or os.environ.get("STAGETRACE_ANALYSE_SETTLE"),
+             "--lookback": lookback or os.environ.get("STAGETRACE_ANALYSE_LOOKBACK")}  # fmt: skip
+    seconds = {}
+    for option, text in texts.items():
+        if text is None:
+            continue
+        try:
+            seconds[option] = 0.0 if text.strip() == "0" else parse_interval(text)
+        except ValueError as exc:
+            raise ValueError(f"{option}: {exc}") from None
+    if seconds[flag] <= 0:
+        raise ValueError(f"{flag} must be a positive duration such as 30s or 1m")
+    return live.Schedule(every_s=seconds[flag], settle_s=seconds.get("--settle", live.DEFAULT_SETTLE_S),
+                         lookback_s=seconds.get("--lookback", live.DEFAULT_LOOKBACK_S))
+
+
+def _analyse(args) -> int:
+    import signal
+    import socket
+    import threading
+
+    from stagetrace.analysis import live
+    from stagetrace.exporters.prometheus import parse_listen, serve
+    from stagetrace.store import open_store
+
+    _log_to_stderr("stagetrace analyse")
+    for noisy in ("clickhouse_connect", "urllib3"):  # each outage is one line of the analyser's own
+        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    try:
+        schedule = _schedule(args.every, "--every", args.settle, args.lookback)
+        listen = None if args.listen.lower() in ("none", "off") else args.listen
+        if listen:
+            parse_listen(listen)
+    except ValueError as exc:
+        print(f"stagetrace analyse: {exc}", file=sys.stderr)
+        return 2
+    with open_store(args.store) as store:
+        if store.read_only:
+            print(f"stagetrace analyse: store {store.location.redacted()} is read-only here: the agent that holds it "
+                  "runs the analysis itself (--analyse-every)", file=sys.stderr)  # fmt: skip
+            return 2
+        analyser = live.Analyser(store, schedule)
+        if args.once:
+            done = analyser.step()
+            analyser.release()
+            print("another analyser holds this store's lease" if done is None and not analyser.stats.failures
+                  else f"analysed {done.analysed} deviating requests" if done else "the pass failed")  # fmt: skip
+            return 0 if done else 1
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        server = None
+        if listen:
+
+            class Metrics:
+                def collect(self):
+                    return analyser.stats.families(os.environ.get("STAGETRACE_HOST") or socket.gethostname())
+
+            try:
+                server = serve(Metrics(), listen)
+            except OSError as exc:
+                print(f"stagetrace analyse: cannot listen on {listen}: {exc.strerror or exc} (choose another with "
+                      "--listen, or --listen none)", file=sys.stderr)  # fmt: skip
+                return 2
+            logging.getLogger("stagetrace").info("serving %s", server.url)
+        logging.getLogger("stagetrace").info("analysing %s every %gs", store.location.redacted(), schedule.every_s)
+        try:
+            analyser.run(stop)
+        finally:
+            if server:
+                server.close()
+    return 0
 
 
 def _joined_durations(argv: list[str]) -> list[str]:

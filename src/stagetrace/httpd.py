@@ -14,6 +14,8 @@ import threading
 import time
 import zlib
 from dataclasses import dataclass
+from email.parser import BytesParser
+from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from stagetrace.config import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, load_token  # re-exported
@@ -84,6 +86,17 @@ def _read_chunked(rfile, limit: int) -> bytes:
         if len(chunk) < size or rfile.readline(3).strip():
             raise HttpError(400, "chunked body ended early", body_read=False)
         chunks.append(chunk)
+
+
+def form_fields(content_type: str, body: bytes) -> dict[str, str]:
+    """The text fields of a multipart form (clickhouse-connect sends long parameters this way)."""
+    message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
+    fields = {}
+    for part in message.iter_parts():
+        if part.get_filename():
+            raise ValueError("external data (file parts) is not supported")
+        fields[part.get_param("name", header="content-disposition")] = part.get_content()
+    return fields
 
 
 def authorized(header: str | None, token: str | None) -> bool:
@@ -231,5 +244,5 @@ def is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
 
-__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized", "is_loopback",
+__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized", "form_fields", "is_loopback",
            "load_token", "start"]  # fmt: skip

@@ -40,8 +40,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, fields
-from email.parser import BytesParser
-from email.policy import HTTP
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
@@ -273,7 +271,7 @@ class _QueryHandler(httpd.Handler):
         params = dict(parse_qsl(url.query, keep_blank_values=True))
         try:
             if (self.headers.get_content_type() or "") == "multipart/form-data":
-                params.update(_form_fields(self.headers["Content-Type"], body))
+                params.update(httpd.form_fields(self.headers["Content-Type"], body))
                 body = b""
         except ValueError as exc:
             self._fail(400, 36, f"cannot read the form: {exc}")
@@ -322,17 +320,6 @@ class _QueryHandler(httpd.Handler):
             "X-ClickHouse-Query-Id": params.get("query_id") or str(uuid.uuid4()),
             "X-ClickHouse-Summary": json.dumps(summary, separators=(",", ":")),
         })  # fmt: skip
-
-
-def _form_fields(content_type: str, body: bytes) -> dict[str, str]:
-    """The text fields of a multipart form (clickhouse-connect sends long parameters this way)."""
-    message = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)
-    fields = {}
-    for part in message.iter_parts():
-        if part.get_filename():
-            raise ValueError("external data (file parts) is not supported")
-        fields[part.get_param("name", header="content-disposition")] = part.get_content()
-    return fields
 
 
 # --- discovery: agent.json in the store, read by open_store in other processes ----------------------------

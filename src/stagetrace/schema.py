@@ -17,7 +17,8 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
 # 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
 # 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
-SCHEMA_VERSION = 6
+# 6: deduplication on the views' tables; 7: stagetrace_analyser, the live analyser's lease and progress
+SCHEMA_VERSION = 7
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -235,6 +236,20 @@ SETTINGS index_granularity = 8192, {_DEDUP}""",
         """PARTITION BY toYYYYMM(RequestStart)
 ORDER BY (RequestId)""",
         "cityHash64(RequestId)",
+    ),
+    Table(
+        # the live analyser's lease and progress: one row per renewal; the newest row names the holder, until when
+        # it holds the lease, and the request start it has analysed through (analysis.live)
+        "stagetrace_analyser",
+        """
+    Holder String CODEC(ZSTD(1)),
+    Renewed DateTime64(3) CODEC(Delta, ZSTD(1)),
+    Expires DateTime64(3) CODEC(Delta, ZSTD(1)),
+    AnalysedUntil DateTime64(9) CODEC(Delta, ZSTD(1))""",
+        "MergeTree",
+        """ORDER BY Renewed
+TTL toDateTime(Renewed) + INTERVAL 7 DAY""",
+        "cityHash64(Holder)",
     ),
     Table(
         "stagetrace_schema_version",

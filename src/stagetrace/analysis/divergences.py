@@ -56,13 +56,20 @@ def _located(deviations: list[population.Deviation], where: dict[str, Divergence
     return [(d, where[d.trace_id]) for d in deviations if d.trace_id in where and where[d.trace_id].stage]
 
 
-def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100) -> dict:
-    """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full), grouped by input."""
+def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
+         analyse_from_ns: int = 0) -> dict:
+    """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
+    started at ``analyse_from_ns`` or later: the live analyser's new ones), grouped by input."""
     until_ns = until_ns or time.time_ns()
     t0 = until_ns - since_ns
     window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
+
+    def chosen(found: list[population.Deviation]) -> list[population.Deviation]:
+        recent = [d for d in found if d.start_ns >= analyse_from_ns]
+        return recent[-limit:] if limit else recent
+
     deviations = population.deviations(store, t0, until_ns)
-    analysed = deviations[-limit:] if limit else deviations
+    analysed = chosen(deviations)
     # rollouts are looked for among the settings that differ for the latest and for a sample across the window:
     # a rollout early in it makes the requests before it deviate, not the latest ones
     sample = list({id(d): d for d in analysed + deviations[::max(1, len(deviations) // SAMPLED)]}.values())
@@ -74,7 +81,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     found_rollouts = rollouts.detect(store, rollouts.suspects(seen), t0, until_ns)
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
         deviations = population.deviations(store, t0, until_ns, [r.fleet_ns for r in found_rollouts])
-    latest = {d.trace_id for d in (deviations[-limit:] if limit else deviations)}
+    latest = {d.trace_id for d in chosen(deviations)}
     if found_rollouts:  # the latest of the new grouping, and every request in a wave
         during = [d for d in deviations
                   if d.trace_id in latest or any(r.from_ns <= d.start_ns <= r.until_ns for r in found_rollouts)]
@@ -113,19 +120,20 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
             index = next(i for i, r in enumerate(found_rollouts) if (r.stage, r.name) == (top.stage, top.name))
             expected[index] = expected.get(index, 0) + 1
             continue
-        if limit and d.trace_id not in latest:
+        if d.trace_id not in latest:
             continue
         group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
                                                    "majority_output": d.majority_output, "support": d.support,
                                                    "deviating": []})  # fmt: skip
         line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks)
+        service = traces[d.trace_id].service if d.trace_id in traces else ""
         group["deviating"].append({
-            "request_id": d.request_id, "trace_id": d.trace_id, "baseline_request_id": baseline.request_id,
+            "request_id": d.request_id, "trace_id": d.trace_id, "service": service,
+            "baseline_request_id": baseline.request_id,
             "start": lookup.iso_ns(d.start_ns), "host": d.host,
             "device": ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks)),
             "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
         })  # fmt: skip
-        service = traces[d.trace_id].service if d.trace_id in traces else ""
         rows.append((
             detected, d.request_id, d.trace_id, d.start_ns, service, d.host, d.input_digest, baseline.request_id,
             baseline.how, stage or "", top.kind if top else "", top.name if top else "", top.value if top else "",

@@ -1,0 +1,292 @@
+"""The live analyser: divergence analysis as a loop, so the first divergent stage and the cause reach Grafana,
+``/metrics`` and the pager without anyone running a command.
+
+Each pass analyses the requests that started since the last pass ended, up to ``settle`` before now (late spans
+of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``): their
+groups and majorities come from the ``lookback`` window before them, computed in ClickHouse, so a pass costs what
+that window's traffic costs, whatever the store's history. Requests of the last ``recheck`` are analysed again
+each pass, so a request whose group's majority changes as more peers arrive is re-evaluated, and one whose spans
+came after the settle delay is caught. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree
+by request ID): analysed twice, it is one row.
+
+One analyser per store: a lease in ``stagetrace_analyser``, renewed each pass, held for two periods. A second
+analyser waits; it takes over within two periods after the first stops renewing, from where the first's last pass
+ended (the table records it), so a restart leaves neither gaps nor duplicate rows. The store has no
+compare-and-set, so two analysers that claim at the same moment both read back the newest claim and the older one
+yields; at worst both run one pass, whose rows are the same.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from stagetrace.store import Store
+
+logger = logging.getLogger(__name__)
+
+S = 1_000_000_000
+DEFAULT_EVERY_S = 60.0
+DEFAULT_SETTLE_S = 10.0  # as the TP rule leaves out the newest 10 s for late spans
+DEFAULT_LOOKBACK_S = 3600.0  # same-input peers: as `stagetrace divergences --since 1h`
+DEFAULT_RECHECK_S = 300.0
+
+_LEASE_SQL = """
+SELECT Holder, toUnixTimestamp64Milli(Expires), toUnixTimestamp64Nano(AnalysedUntil)
+FROM {db:Identifier}.stagetrace_analyser ORDER BY Renewed DESC, Holder DESC LIMIT 1"""
+_LATEST_REQUEST_SQL = """
+SELECT toUnixTimestamp64Nano(max(Start)) FROM {db:Identifier}.stagetrace_requests
+WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"""
+_LEASE_COLUMNS = ("Holder", "Renewed", "Expires", "AnalysedUntil")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the analyser runs and what each pass reads; every field has a flag and an environment variable."""
+
+    every_s: float = DEFAULT_EVERY_S
+    settle_s: float = DEFAULT_SETTLE_S
+    lookback_s: float = DEFAULT_LOOKBACK_S
+    recheck_s: float = DEFAULT_RECHECK_S
+
+    def __post_init__(self):
+        if self.every_s <= 0 or self.settle_s < 0 or self.lookback_s <= 0 or self.recheck_s < 0:
+            raise ValueError("the analyser's period and lookback must be positive, its settle and recheck not negative")
+
+
+@dataclass
+class Pass:
+    """What one pass did."""
+
+    until_ns: int  # requests that started before this were analysed
+    analysed: int  # deviating requests analysed (new and re-checked)
+    new: dict[tuple[str, str, str], int]  # (service, stage, top cause) -> deviating requests recorded for the first time
+    duration_s: float
+
+
+class Stats:
+    """The analyser's counters, as client_python families at scrape time (the agent's and `analyse`'s /metrics)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.deviating: dict[tuple[str, str, str], int] = {}
+        self.analysed = 0
+        self.passes = 0
+        self.failures = 0
+        self.duration_sum = 0.0
+        self.lag_s = 0.0
+        self.holding = False
+
+    def record(self, done: Pass, lag_s: float) -> None:
+        with self._lock:
+            for key, n in done.new.items():
+                self.deviating[key] = self.deviating.get(key, 0) + n
+            self.analysed += done.analysed
+            self.passes += 1
+            self.duration_sum += done.duration_s
+            self.lag_s = lag_s
+
+    def failed(self, lag_s: float) -> None:
+        with self._lock:
+            self.failures += 1
+            self.lag_s = lag_s
+
+    def families(self, host: str):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+
+        with self._lock:
+            deviating = CounterMetricFamily(
+                "stagetrace_deviating_requests", "Deviating requests the live analyser recorded, by service, first "
+                "divergent stage and top cause (its name; values stay out of labels).",
+                labels=["host", "service", "stage", "cause"])  # fmt: skip
+            for (service, stage, cause), n in sorted(self.deviating.items()):
+                deviating.add_metric([host, service, stage, cause], n)
+            yield deviating
+            yield _counter(CounterMetricFamily, "stagetrace_analysed_requests",
+                           "Deviating requests the live analyser analysed, re-checks included.", host, self.analysed)
+            yield _counter(CounterMetricFamily, "stagetrace_analysis_failures",
+                           "Passes that failed (the store unreachable, a query refused); the next pass retries.",
+                           host, self.failures)  # fmt: skip
+            duration = SummaryMetricFamily("stagetrace_analysis_duration_seconds", "Time each analysis pass took.",
+                                           labels=["host"])  # fmt: skip
+            duration.add_metric([host], count_value=self.passes, sum_value=self.duration_sum)
+            yield duration
+            lag = GaugeMetricFamily("stagetrace_analysis_lag_seconds", "How far behind the newest request the last "
+                                    "pass reached (settle delay included); it grows while passes fail.", labels=["host"])  # fmt: skip
+            lag.add_metric([host], self.lag_s)
+            yield lag
+            holding = GaugeMetricFamily("stagetrace_analyser_holding_lease", "1 when this process is the store's "
+                                        "analyser, 0 while another holds the lease.", labels=["host"])  # fmt: skip
+            holding.add_metric([host], 1.0 if self.holding else 0.0)
+            yield holding
+
+
+def _counter(family, name: str, help_text: str, host: str, value: float):
+    counter = family(name, help_text, labels=["host"])
+    counter.add_metric([host], value)
+    return counter
+
+
+class Analyser:
+    """The loop over one store. ``clock`` returns nanoseconds since the epoch (tests move it)."""
+
+    def __init__(self, store: Store, schedule: Schedule | None = None, holder: str | None = None,
+                 stats: Stats | None = None, clock=time.time_ns):  # fmt: skip
+        self.store = store
+        self.schedule = schedule or Schedule()
+        self.holder = holder or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+        self.stats = stats or Stats()
+        self.clock = clock
+        self._counted: dict[str, int] = {}  # request ID -> its start: counted once in stagetrace_deviating_requests
+
+    # -- the lease ---------------------------------------------------------------------------------------------
+
+    def _newest(self) -> tuple[str, int, int] | None:
+        rows = self.store.client.query(_LEASE_SQL, parameters={"db": self.store.database}).result_rows
+        return tuple(rows[0]) if rows else None
+
+    def _claim(self, analysed_until_ns: int) -> None:
+        now_ms = self.clock() // 1_000_000
+        expires_ms = now_ms + int(2 * self.schedule.every_s * 1000)
+        self._insert(now_ms, expires_ms, analysed_until_ns)
+
+    def _insert(self, renewed_ms: int, expires_ms: int, analysed_until_ns: int) -> None:
+        self.store.client.insert("stagetrace_analyser", [(self.holder, renewed_ms, expires_ms, analysed_until_ns)],
+                                 column_names=_LEASE_COLUMNS, database=self.store.database)  # fmt: skip
+
+    def acquire(self) -> int | None:
+        """Take or renew the lease; where to analyse from (request start, ns) when held, else None."""
+        newest = self._newest()
+        now_ms = self.clock() // 1_000_000
+        if newest is not None and newest[0] != self.holder and newest[1] > now_ms:
+            return None  # another analyser holds it
+        start = newest[2] if newest is not None and newest[2] > 0 else None
+        start = start or self.clock() - int(self.schedule.lookback_s * S)
+        self._claim(start)
+        newest = self._newest()  # two claims at once: the newest wins, the other yields
+        return start if newest is not None and newest[0] == self.holder else None
+
+    def release(self) -> None:
+        """Let another analyser take over at once (on a clean stop)."""
+        newest = self._newest()
+        if newest is not None and newest[0] == self.holder:
+            self._insert(self.clock() // 1_000_000, 0, newest[2])
+
+    # -- one pass ------------------------------------------------------------------------------------------------
+
+    def run_pass(self, start_ns: int) -> Pass:
+        """Analyse the requests that started in [start_ns - recheck, now - settle) and record how far it got."""
+        from stagetrace.analysis import divergences
+
+        began = time.monotonic()
+        schedule = self.schedule
+        until_ns = self.clock() - int(schedule.settle_s * S)
+        until_ns = max(until_ns, start_ns)
+        analyse_from = start_ns - int(schedule.recheck_s * S)
+        found = divergences.find(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
+                                 limit=None, analyse_from_ns=analyse_from)  # fmt: skip
+        new: dict[tuple[str, str, str], int] = {}
+        analysed = 0
+        for group in found["groups"]:
+            for item in group["deviating"]:
+                analysed += 1
+                if item["request_id"] in self._counted:
+                    continue
+                self._counted[item["request_id"]] = until_ns
+                key = (item.get("service", ""), item["first_divergent_stage"] or "",
+                       (item["top_cause"] or {}).get("name", ""))  # fmt: skip
+                new[key] = new.get(key, 0) + 1
+        horizon = analyse_from - int(schedule.recheck_s * S)  # forget what can no longer be re-checked
+        self._counted = {k: v for k, v in self._counted.items() if v >= horizon}
+        self._claim(until_ns)
+        return Pass(until_ns, analysed, new, time.monotonic() - began)
+
+    def lag_s(self, reached_ns: int) -> float:
+        """Seconds between the newest request (a host's clock ahead of ours counts as now) and where the analysis
+        reached."""
+        now = self.clock()
+        newest = self.store.client.command(_LATEST_REQUEST_SQL, parameters={
+            "db": self.store.database, "t0": reached_ns, "t1": now})  # fmt: skip
+        newest = int(newest or 0) or reached_ns
+        return max(0.0, (min(newest, now) - reached_ns) / S + self.schedule.settle_s)
+
+    def step(self) -> Pass | None:
+        """One period: the pass when this analyser holds the lease, else None. Failures are logged once per kind
+        and counted; the next period retries."""
+        try:
+            start = self.acquire()
+            self.stats.holding = start is not None
+            if start is None:
+                return None
+            done = self.run_pass(start)
+        except Exception as exc:  # the store down, a query refused: say so once, retry next period
+            self.stats.failed((self.clock() - self._reached_ns) / S if self._reached_ns else 0.0)
+            if not self._failing:  # once per outage, not once per period
+                logger.warning("live analysis failed, retrying every %gs: %s", self.schedule.every_s,
+                               str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+                self._failing = True
+            return None
+        if self._failing:
+            logger.info("live analysis resumed")
+            self._failing = False
+        self._reached_ns = done.until_ns
+        try:
+            lag = self.lag_s(done.until_ns)
+        except Exception:  # the store went away right after the pass
+            lag = self.schedule.settle_s
+        self.stats.record(done, lag)
+        return done
+
+    _failing = False
+    _reached_ns = 0  # where the last pass that succeeded reached
+
+    def run(self, stop: threading.Event) -> None:
+        """Pass after pass, every ``every_s``, until ``stop`` is set; the lease is released on the way out. While
+        this runs, a heartbeat renews the lease every period, so a pass longer than two periods keeps it, and a
+        process that dies loses it within two."""
+        beating = threading.Event()
+        heartbeat = threading.Thread(target=self._heartbeat, args=(beating,), name="stagetrace-analyser-lease",
+                                     daemon=True)  # fmt: skip
+        heartbeat.start()
+        due = time.monotonic()
+        try:
+            while not stop.is_set():
+                self.step()
+                due = max(due + self.schedule.every_s, time.monotonic())
+                if stop.wait(due - time.monotonic()):
+                    break
+        finally:
+            beating.set()
+            heartbeat.join(timeout=30)
+        try:
+            self.release()
+        except Exception as exc:  # the store is gone: the lease runs out by itself
+            logger.debug("releasing the analyser's lease: %s", exc)
+
+    def _heartbeat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.schedule.every_s):
+            if not self.stats.holding:
+                continue
+            try:
+                newest = self._newest()
+                if newest is not None and newest[0] == self.holder:
+                    self._claim(newest[2])
+            except Exception as exc:  # the pass says so, once
+                logger.debug("renewing the analyser's lease: %s", exc)
+
+
+def start(store: Store, schedule: Schedule, stats: Stats | None = None) -> tuple[Analyser, threading.Event, threading.Thread]:
+    """The loop in a thread of its own (the agent's); set the event and join the thread to stop it."""
+    analyser = Analyser(store, schedule, stats=stats)
+    stop = threading.Event()
+    thread = threading.Thread(target=analyser.run, args=(stop,), name="stagetrace-analyser", daemon=True)
+    thread.start()
+    return analyser, stop, thread
+
+
+__all__ = ["Analyser", "DEFAULT_EVERY_S", "Pass", "Schedule", "Stats", "start"]

@@ -1,0 +1,242 @@
+"""Live attribution: the analysis runs by itself and its answer lands where users look.
+
+A real `stagetrace agent` with `--analyse-every` receives live traffic from the official OTLP exporter (timestamps of
+now) for three hosts of one service; partway through, one host starts serving with another KV-cache dtype and its
+decode outputs change. Without anyone running a command, `stagetrace_divergences` names those requests (stage
+decode, top cause the setting), and only those; `/metrics` counts them by cause; every request sent is stored.
+The lease and the restarts run against a server store: ClickHouse's HTTP interface answered by the embedded engine
+in a process of its own (`benchmarks.clickhouse_http`, as tests/test_agent.py uses it), shared by two
+`stagetrace analyse` processes.
+"""
+
+import hashlib
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import clickhouse_connect
+import pytest
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind
+
+_spec = importlib.util.spec_from_file_location("stagetrace_tests_agents", Path(__file__).with_name("agents.py"))
+agents = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = agents
+_spec.loader.exec_module(agents)
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTS = ("gpu-a", "gpu-b", "gpu-c")
+INPUTS = 4  # distinct prompts, each asked again and again on every host
+PERIOD_S = 2
+
+
+def digest(*parts) -> str:
+    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=16).hexdigest()
+
+
+def serve(otlp: str, host: str, requests: list[tuple[str, int, str]]) -> None:
+    """Requests served by ``host``: (request ID, input, KV-cache dtype), each a root and three stage spans."""
+    provider = TracerProvider(resource=Resource.create({"service.name": "chat", "host.name": host}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{otlp}/v1/traces", timeout=10),
+                                                   schedule_delay_millis=200))  # fmt: skip
+    tracer = provider.get_tracer("chat")
+    for request_id, prompt, kv_dtype in requests:
+        context, output = digest("context", prompt), digest("tokens", prompt, kv_dtype == "fp8")
+        with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER, attributes={
+                "stagetrace.request.id": request_id, "stagetrace.input.digest": digest("input", prompt),
+                "stagetrace.output.digest": output}):  # fmt: skip
+            for stage, into, out, attributes in (
+                ("retrieval", digest("input", prompt), digest("docs", prompt), {"retrieval.index.version": "v7"}),
+                ("context_assembly", digest("docs", prompt), context, {"context.template.version": "t2"}),
+                ("decode", context, output, {"gpu.uuid": f"GPU-{host}", "decode.kv_cache_dtype": kv_dtype,
+                                             "decode.batch_size": 8}),
+            ):  # fmt: skip
+                with tracer.start_as_current_span(stage, attributes={
+                        "stagetrace.stage": stage, "stagetrace.stage.input_digest": into,
+                        "stagetrace.stage.output_digest": out, **attributes}):  # fmt: skip
+                    pass
+    provider.shutdown()
+
+
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read().decode()
+
+
+def test_a_hosts_new_kv_cache_dtype_reaches_the_table_and_metrics_within_two_periods(tmp_path):
+    agent = agents.Agent(tmp_path, "--analyse-every", f"{PERIOD_S}s",
+                         env={"STAGETRACE_ANALYSE_SETTLE": "1s", "STAGETRACE_ANALYSE_LOOKBACK": "10m"})  # fmt: skip
+    try:
+        before = {h: [(f"{h}-{i:03d}", i % INPUTS, "auto") for i in range(12)] for h in HOSTS}
+        for host in HOSTS:
+            serve(agent.endpoints["otlp"], host, before[host])
+        changed = [(f"gpu-c-fp8-{i:03d}", i % INPUTS, "fp8") for i in range(8)]
+        after = {"gpu-a": [(f"gpu-a-{i:03d}", i % INPUTS, "auto") for i in range(12, 20)],
+                 "gpu-b": [(f"gpu-b-{i:03d}", i % INPUTS, "auto") for i in range(12, 20)], "gpu-c": changed}
+        for host in HOSTS:
+            serve(agent.endpoints["otlp"], host, after[host])
+        sent = sum(len(r) for r in before.values()) + sum(len(r) for r in after.values())
+        last_sent = time.monotonic()
+        client = clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port, database="stagetrace")
+        rows = []
+        while time.monotonic() - last_sent < 2 * PERIOD_S + 1 + 20:  # two periods and the settle delay, and slack
+            rows = client.query("SELECT RequestId, HostName, FirstDivergentStage, TopCauseName, TopCauseValue, "
+                                "TopCauseBaselineValue FROM stagetrace_divergences FINAL ORDER BY RequestId").result_rows  # fmt: skip
+            if len(rows) >= len(changed):
+                break
+            time.sleep(0.5)
+        waited = time.monotonic() - last_sent
+        assert {r[0] for r in rows} == {request_id for request_id, _, _ in changed}, rows
+        assert {r[1:] for r in rows} == {("gpu-c", "decode", "decode.kv_cache_dtype", "fp8", "auto")}
+        assert waited < 2 * PERIOD_S + 1 + 20
+        metrics = scrape(agent.endpoints["metrics"])
+        assert ('stagetrace_deviating_requests_total{cause="decode.kv_cache_dtype",host="node-a",service="chat",'
+                f'stage="decode"}} {float(len(changed))}') in metrics
+        assert "stagetrace_analysis_lag_seconds" in metrics and "stagetrace_analysed_requests_total" in metrics
+        assert client.command("SELECT count() FROM stagetrace_requests") == sent
+    finally:
+        log = agent.stop()
+    assert "analysing divergences every 2s" in log
+
+
+# -- a server store shared by analysers in processes of their own ---------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """ClickHouse's HTTP interface over an embedded store, in a process of its own (kill it: the store is down)."""
+
+    def __init__(self, path: Path):
+        self.path, self.port = path, free_port()
+        self.dsn = f"http://default@127.0.0.1:{self.port}/stagetrace"
+        self.start()
+
+    def start(self):
+        self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(self.path),
+                                         str(self.port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ping", timeout=2)
+                return
+            except OSError:
+                assert self.process.poll() is None and time.monotonic() < deadline, self.process.stderr.read()
+                time.sleep(0.2)
+
+    def stop(self):
+        self.process.kill()
+        self.process.wait(timeout=30)
+
+    def client(self):
+        return clickhouse_connect.get_client(host="127.0.0.1", port=self.port, database="stagetrace")
+
+
+def analyse(dsn: str, log: Path, listen: str = "none") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stagetrace", "analyse", "--store", dsn, "--every", "1s",
+                             "--settle", "0", "--lookback", "2h", "--listen", listen],
+                            stdout=subprocess.DEVNULL, stderr=log.open("w"), env=agents.ENV)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server_store(tmp_path_factory):
+    """A server store the demo filled, and what `stagetrace divergences` finds in it (the reference)."""
+    directory = tmp_path_factory.mktemp("server-store")
+    server = Server(directory / "store")
+    demo = agents.stagetrace("demo", "--requests", "200", "--nodes", "2", "--store", server.dsn, "--json")
+    assert demo.returncode == 0, demo.stderr
+    reference = agents.stagetrace("divergences", "--since", "2h", "--limit", "0", "--json", "--store", server.dsn)
+    assert reference.returncode == 0, reference.stderr
+    expected = {item["request_id"] for group in json.loads(reference.stdout)["groups"] for item in group["deviating"]}
+    assert expected
+    server.client().command("TRUNCATE TABLE stagetrace_divergences")  # the reference run wrote its rows
+    yield server, expected
+    server.stop()
+
+
+def holder(server: Server) -> str:
+    rows = server.client().query("SELECT Holder FROM stagetrace_analyser ORDER BY Renewed DESC LIMIT 1").result_rows
+    return rows[0][0] if rows else ""
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not (found := condition()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+    return found
+
+
+def test_one_analyser_per_store_and_a_kill_hands_over_without_gaps_or_duplicates(server_store, tmp_path):
+    server, expected = server_store
+    first = analyse(server.dsn, tmp_path / "first.log")
+    try:
+        wait_for(lambda: f"/{first.pid}/" in holder(server), 60, "the first analyser never took the lease")
+        second = analyse(server.dsn, tmp_path / "second.log")
+        time.sleep(3)  # three of its periods: it waits while the first renews
+        assert f"/{first.pid}/" in holder(server)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        killed = time.monotonic()
+        wait_for(lambda: f"/{second.pid}/" in holder(server), 30, "the second analyser never took over")
+        assert time.monotonic() - killed < 2 * 1 + 5  # within two periods (and the time a pass takes)
+        wait_for(lambda: server.client().command("SELECT uniqExact(RequestId) FROM stagetrace_divergences")
+                 >= len(expected), 60, "the deviating requests never all arrived")  # fmt: skip
+        client = server.client()
+        rows = client.query("SELECT RequestId FROM stagetrace_divergences FINAL").result_rows
+        assert sorted(r[0] for r in rows) == sorted(expected)  # every one, each once
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=30) == 0
+        assert "Traceback" not in (tmp_path / "second.log").read_text()
+    finally:
+        for process in (first, locals().get("second")):
+            if process is not None and process.poll() is None:
+                process.kill()
+
+
+def test_the_store_down_for_a_while_is_one_log_line_a_growing_lag_and_a_recovery(server_store, tmp_path):
+    server, expected = server_store
+    port = free_port()
+    log = tmp_path / "analyse.log"
+    process = analyse(server.dsn, log, f"127.0.0.1:{port}")
+    def metric(name: str) -> float:
+        try:
+            return _value(scrape(f"http://127.0.0.1:{port}/metrics"), name)
+        except OSError:  # not serving yet
+            return 0.0
+
+    try:
+        wait_for(lambda: metric("stagetrace_analysis_duration_seconds_count") >= 1, 60, "no pass")
+        server.stop()
+        time.sleep(4)  # four periods with the store down
+        failures = metric("stagetrace_analysis_failures_total")
+        assert failures >= 2 and metric("stagetrace_analysis_lag_seconds") >= 3
+        server.start()
+        wait_for(lambda: metric("stagetrace_analysis_lag_seconds") < 3, 30, "the analyser did not recover")
+        assert process.poll() is None
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+    text = log.read_text()
+    assert "Traceback" not in text
+    assert text.count("live analysis failed") == 1 and failures >= 2
+
+
+def _value(exposition: str, name: str) -> float:
+    for line in exposition.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
