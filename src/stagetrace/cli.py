@@ -399,8 +399,8 @@ def _analyse(args) -> int:
     from stagetrace.store import open_store
 
     _log_to_stderr("stagetrace analyse")
-    for noisy in ("clickhouse_connect", "urllib3"):  # each outage is one line of the analyser's own
-        logging.getLogger(noisy).setLevel(logging.CRITICAL)
+    for handler in logging.getLogger().handlers:  # the drivers log each retry; an outage is one line of its own
+        handler.addFilter(lambda record: record.name.startswith("stagetrace"))
     try:
         schedule = _schedule(args.every, "--every", args.settle, args.lookback)
         listen = None if args.listen.lower() in ("none", "off") else args.listen
