@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 # Builder modules, in the order the dashboards are listed in the README and provisioned.
-MODULES = ("overview", "trace_lookup", "divergences", "gpu", "rdma", "fabric", "weights")
+MODULES = ("overview", "trace_lookup", "divergences", "compare", "gpu", "rdma", "fabric", "weights")
 GENERATED = Path(__file__).parent / "generated"
 
 

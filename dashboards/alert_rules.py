@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import build_all
-from stagetrace.dashboards import fabric, overview, weights
+from stagetrace.dashboards import divergences, fabric, overview, weights
 from stagetrace.dashboards._sql import (
-    DEVIATING_RATIO, DURATION_MS, GPU_STEPS, MISSING_RANKS_RATIO, REQUESTS_WITH_MAJORITY, STAGE, STAGES, SYNC_SUMMARY,
-    TP_REQUESTS, TRUNCATED_RATIO, aggregate,
+    DURATION_MS, GPU_STEPS, MISSING_RANKS_RATIO, STAGE, STAGES, SYNC_SUMMARY, TP_REQUESTS, TRUNCATED_RATIO, aggregate,
 )  # fmt: skip
 
 FOLDER_TITLE = FOLDER_UID = "stagetrace"
@@ -31,6 +30,32 @@ ENOUGH = f"count() >= {MIN_SAMPLES}"
 SPAN_LAG_S = 10
 # A GPU more steps behind its fleet than this serves older weights than the rest: it missed a sync.
 MAX_STEPS_BEHIND = 0
+
+# The live analyser's results (stagetrace_divergences), one alert instance per service, first divergent stage and
+# top cause. Grafana turns a rule's text columns into labels, the only text its templates can show: the cause's
+# value, the hosts and devices and an example request are labels too, taken from the first request of the range
+# so that they stay the same from one evaluation to the next.
+_LOCATED = ("$__timeFilter(RequestStart) AND FirstDivergentStage != '' AND TopCauseName != ''")
+_BY_CAUSE = "ServiceName AS service, FirstDivergentStage AS stage, TopCauseName AS cause"
+DEVIATING_BY_CAUSE = f"""
+SELECT {_BY_CAUSE}, argMin(TopCauseValue, RequestStart) AS value,
+       argMin(TopCauseBaselineValue, RequestStart) AS baseline_value,
+       arrayStringConcat(arraySort(groupUniqArray(HostName)), ' ') AS hosts,
+       arrayStringConcat(arraySort(arrayFilter(d -> d != '', groupUniqArrayArray(splitByChar(',', Devices)))), ' ')
+           AS devices,
+       argMin(RequestId, RequestStart) AS example_request, toFloat64(count()) AS deviating
+FROM stagetrace_divergences FINAL
+WHERE {_LOCATED}
+GROUP BY service, stage, cause"""
+NEW_CAUSES = f"""
+SELECT {_BY_CAUSE}, argMin(RequestId, RequestStart) AS example_request, toFloat64(count()) AS deviating
+FROM stagetrace_divergences FINAL
+WHERE {_LOCATED}
+  AND (ServiceName, FirstDivergentStage, TopCauseName) NOT IN (
+      SELECT ServiceName, FirstDivergentStage, TopCauseName FROM stagetrace_divergences FINAL
+      WHERE RequestStart >= $__fromTime - INTERVAL 24 HOUR AND RequestStart < $__fromTime)
+GROUP BY service, stage, cause"""
+EXAMPLE_LINK = (f"/d/{p.TRACE_LOOKUP_UID}/{p.TRACE_LOOKUP_UID}?var-request_id={{{{ $labels.example_request }}}}")
 
 
 @dataclass(frozen=True)
@@ -49,14 +74,22 @@ class PipelineRule:
 
 RULES = (
     PipelineRule(
-        "stagetrace-deviating-outputs", "Deviating outputs",
-        aggregate(REQUESTS_WITH_MAJORITY, "r.Start", {"deviating": DEVIATING_RATIO},
-                  labels={"service": "r.ServiceName"}, having=ENOUGH, over_time=False),
-        0.05, 900, "5m",
-        "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of outputs deviate",
-        "More than 5% of requests in the last 15 minutes produced an output different from the majority output "
-        "for the same input. Open the divergence explorer, or run `stagetrace divergences --since 15m`.",
-        "Deviating-output rate",
+        "stagetrace-deviating-outputs", "Deviating outputs", DEVIATING_BY_CAUSE, 0, 900, "0s",
+        "{{ $labels.service }}: {{ $values.A.Value }} deviating output(s) first diverge at {{ $labels.stage }}: "
+        "{{ $labels.cause }} is {{ $labels.value }} where the baseline has {{ $labels.baseline_value }} "
+        "(hosts {{ $labels.hosts }}; devices {{ $labels.devices }})",
+        "The live analyser found requests whose output differs from the majority output for the same input, first "
+        "at this stage, with this top cause. Example request: " + EXAMPLE_LINK + " . Expected changes (rollouts) "
+        "and requests that sample without a seed are not counted.",
+        "Causes by stage", divergences.UID,
+    ),
+    PipelineRule(
+        "stagetrace-new-deviation-cause", "New cause of deviation", NEW_CAUSES, 0, 900, "0s",
+        "{{ $labels.service }}: a new cause of deviating outputs, {{ $labels.cause }} at {{ $labels.stage }} "
+        "({{ $values.A.Value }} request(s))",
+        "This stage and top cause had no deviating request in the 24 hours before: something changed. Example "
+        "request: " + EXAMPLE_LINK + " .",
+        "Causes by stage", divergences.UID,
     ),
     PipelineRule(
         "stagetrace-stage-p99-latency", "Stage p99 latency",

@@ -1,7 +1,8 @@
 """Divergence explorer: which requests deviated, at which stage, and why (``stagetrace_divergences``).
 
-Rows are written by divergence analysis (``stagetrace explain`` / ``stagetrace divergences``); the table
-is a ReplacingMergeTree keyed by request, read with FINAL so a re-analysed request appears once.
+Rows are written by the live analyser (``stagetrace agent``, or ``stagetrace analyse`` for a server store) within a
+period of a request's arrival, and by ``stagetrace divergences``; the table is a ReplacingMergeTree keyed by
+request, read with FINAL so a re-analysed request appears once.
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ def variables() -> list[dict]:
 
 
 def panels() -> list[dict]:
+    compare = {"title": "Compare with its baseline, stage by stage",
+               "url": "/d/stagetrace-compare/stagetrace-compare?var-request_id=${__data.fields.request_id:percentencode}"
+                      "&var-other_request_id=${__data.fields.baseline_request_id:percentencode}"
+                      "&${datasource:queryparam}"}  # fmt: skip
     links = [
-        p.override("request_id", links=[p.trace_lookup_link("request_id")]),
+        p.override("request_id", links=[p.trace_lookup_link("request_id"), compare]),
         p.override("baseline_request_id", links=[p.trace_lookup_link("baseline_request_id", "Look up the baseline")]),
         p.override("score", unit="none", decimals=3),
     ]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stagetrace.analysis import live
 from stagetrace.collectors import MODULES as COLLECTOR_MODULES
 from stagetrace.collectors.base import MetricSpec
 from stagetrace.dashboards import alert_rules, build_all
@@ -67,7 +68,7 @@ def test_every_rule_has_a_firing_and_a_non_firing_case():
              "StagetraceRdmaLinkDowned", "StagetraceNicPauseStorm", "StagetraceNicPfcPaused", "StagetraceMpsClientsHigh",
              "StagetraceCollectorFailing", "StagetraceRdmaRailsUnbalanced", "StagetraceRdmaLinkBelowPeers",
              "StagetraceRdmaLinkRenegotiatedDown", "StagetraceNodeDown", "StagetraceGpuAllocatedBeyondSharing",
-             "StagetraceGpuDevicesDoubleCounted"}  # fmt: skip
+             "StagetraceGpuDevicesDoubleCounted", "StagetraceDeviatingOutputs", "StagetraceAnalysisLagging"}  # fmt: skip
     assert set(_alerts()) == asked
     cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
     for alert in asked:
@@ -110,6 +111,7 @@ def collector_metric_names() -> set[str]:
                 walk(item, depth + 1)
 
     modules = [importlib.import_module(f"stagetrace.collectors.{m}") for m in ("base", *COLLECTOR_MODULES)]
+    modules.append(live)  # the live analyser's own series
     for module in modules:
         for value in vars(module).values():
             walk(value)
@@ -172,6 +174,8 @@ def test_every_metric_name_used_is_in_the_expected_scrape():
                if line and not line.startswith("#")}  # fmt: skip
     # Scrape durations are left out of the expected file as non-deterministic; their spec is checked above.
     scraped.add("stagetrace_collector_duration_seconds")
+    # The live analyser's series join the agent's scrape when it analyses (tests/test_live_analysis.py scrapes them)
+    scraped |= {spec.name for spec in vars(live).values() if isinstance(spec, MetricSpec)}
     missing = {where: sorted(names - scraped) for where, names in _names_used().items() if names - scraped}
     assert not missing, f"metric names missing from {EXPECTED_SCRAPE.name}: {missing}"
 
@@ -189,20 +193,40 @@ def _evaluate(store, rule: alert_rules.PipelineRule) -> tuple[list[str], list[st
     return [c["name"] for c in result["meta"]], [c["type"] for c in result["meta"]], result["data"]
 
 
+@pytest.fixture(scope="module")
+def analysed(demo_store):
+    """The demo's store after one pass of the live analyser, as a running agent makes it by itself."""
+    done = live.Analyser(demo_store, live.Schedule(settle_s=0, lookback_s=7200)).step()
+    assert done is not None and done.analysed > 0
+    return demo_store
+
+
 @pytest.mark.parametrize("rule", alert_rules.RULES, ids=lambda r: r.uid)
-def test_grafana_rule_returns_labels_and_one_number(rule, demo_store):
+def test_grafana_rule_returns_labels_and_one_number(rule, analysed):
     assert not re.search(r"\$(?!__)\w|\$__conditionalAll", rule.sql), "alerting expands no dashboard variables"
-    names, types, rows = _evaluate(demo_store, rule)
+    names, types, rows = _evaluate(analysed, rule)
     numeric = [n for n, t in zip(names, types) if NUMERIC.match(t)]
     labels = [n for n, t in zip(names, types) if STRING.match(t)]
     assert len(numeric) == 1 and len(labels) == len(names) - 1, dict(zip(names, types))
     assert rows, "the demo's traffic is enough to evaluate every rule"
 
 
-def test_deviating_output_rule_fires_on_the_demos_injected_faults(demo_store):
-    (rule,) = [r for r in alert_rules.RULES if r.uid == "stagetrace-deviating-outputs"]
-    names, _, rows = _evaluate(demo_store, rule)
-    (row,) = rows
-    assert row[names.index("service")] == "rag-demo"
-    assert float(row[names.index("deviating")]) > rule.threshold
-
+@pytest.mark.parametrize("uid", ["stagetrace-deviating-outputs", "stagetrace-new-deviation-cause"])
+def test_deviation_rules_name_stage_cause_and_an_example_request_of_it(uid, analysed):
+    """One instance per (service, first divergent stage, top cause); its example request is one the demo's ground
+    truth puts at that stage, and the trace lookup it links to finds it."""
+    (rule,) = [r for r in alert_rules.RULES if r.uid == uid]
+    names, _, rows = _evaluate(analysed, rule)
+    found = [dict(zip(names, row)) for row in rows]
+    assert len({(f["service"], f["stage"], f["cause"]) for f in found}) == len(found)
+    truth = {request: stage for request, stage in analysed.client.query(
+        "SELECT RequestId, Stage FROM stagetrace_demo_truth WHERE NOT Expected AND NOT Nondeterministic").result_rows}
+    causes = {f["cause"] for f in found}
+    assert {"retrieval.index.version", "model.weights.step", "allreduce.algorithm"} <= causes, causes
+    placed = [f for f in found if truth.get(f["example_request"]) == f["stage"]]
+    assert len(placed) >= 0.8 * len(found), found
+    assert float(sum(float(f["deviating"]) for f in found)) > rule.threshold
+    if uid == "stagetrace-deviating-outputs":
+        index = next(f for f in found if f["cause"] == "retrieval.index.version")
+        assert {index["value"], index["baseline_value"]} == {"v41", "v42"} and index["hosts"].startswith("gpu-node-")
+        assert "{{ $labels.example_request }}" in rule.description and "{{ $labels.value }}" in rule.summary

@@ -15,7 +15,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from stagetrace import dashboards
-from stagetrace.dashboards import _panels, build_all, render
+from stagetrace.analysis.explain import Explainer
+from stagetrace.dashboards import _panels, build_all, compare, render
 from stagetrace.dashboards.__main__ import main as regenerate
 from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
 
@@ -73,11 +74,12 @@ def _variables(dashboard: dict) -> dict[str, dict]:
     return {v["name"]: v for v in dashboard["templating"]["list"]}
 
 
-def test_the_seven_dashboards_and_their_variables():
+def test_the_eight_dashboards_and_their_variables():
     expected = {
         "stagetrace-overview": {"datasource", "service", "host"},
         "stagetrace-trace-lookup": {"datasource", "request_id"},
         "stagetrace-divergences": {"datasource", "service", "host"},
+        "stagetrace-compare": {"datasource", "request_id", "other_request_id"},
         "stagetrace-gpu": {"datasource", "host", "gpu"},
         "stagetrace-rdma": {"datasource", "host", "nic"},
         "stagetrace-fabric": {"datasource", "host"},
@@ -87,7 +89,7 @@ def test_the_seven_dashboards_and_their_variables():
     for uid, names in expected.items():
         variables = _variables(DASHBOARDS[uid])
         assert names <= set(variables), uid
-        for name in names - {"datasource", "request_id"}:
+        for name in names - {"datasource", "request_id", "other_request_id"}:
             assert variables[name]["type"] == "query" and variables[name]["multi"] and variables[name]["includeAll"]
             assert variables[name]["refresh"] == 2, f"{uid} ${name} must follow the time range"
     request_id = _variables(DASHBOARDS["stagetrace-trace-lookup"])["request_id"]
@@ -121,10 +123,13 @@ def test_divergence_explorer_links_each_request_to_the_trace_lookup_dashboard():
     links = {o["matcher"]["options"]: prop["value"] for o in table["fieldConfig"]["overrides"]
              for prop in o["properties"] if prop["id"] == "links"}  # fmt: skip
     assert set(links) == {"request_id", "baseline_request_id"}
-    for field, (link,) in links.items():
+    for field, (link, *_) in links.items():
         assert link["url"].startswith(f"/d/{_panels.TRACE_LOOKUP_UID}/")
         assert f"var-request_id=${{__data.fields.{field}:percentencode}}" in link["url"]
-    assert _panels.TRACE_LOOKUP_UID in DASHBOARDS
+    (_, both) = links["request_id"]  # and the pair, side by side
+    assert both["url"].startswith(f"/d/{compare.UID}/") and "var-request_id=${__data.fields.request_id" in both["url"]
+    assert "var-other_request_id=${__data.fields.baseline_request_id:percentencode}" in both["url"]
+    assert {_panels.TRACE_LOOKUP_UID, compare.UID} <= set(DASHBOARDS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +164,8 @@ def truth_request(store, cause: str) -> str:
 def all_selected(request_id: str) -> dict[str, Variable]:
     """Every multi-value variable on All; the repeated stage panel gets one stage, as Grafana's repeat does."""
     multi = {name: Variable((ALL,)) for name in ("service", "host", "gpu", "nic")}
-    return {**multi, "stage": Variable("decode"), "request_id": Variable(request_id)}
+    return {**multi, "stage": Variable("decode"), "request_id": Variable(request_id),
+            "other_request_id": Variable(request_id)}
 
 
 def queries(dashboard: dict):
@@ -362,3 +368,18 @@ def test_gpu_dashboard_names_the_demos_gpu_shared_through_mps(demo_store, window
     assert sorted((row["host"], row["gpu"], row["namespace"], row["pod"], row["mps_clients"]) for row in held) == [
         (shared, "3", "rag-demo", "worker-0", 2), (shared, "3", "voice", "tts-0", 2)]  # fmt: skip
     assert len({row["uuid"] for row in held}) == 1 and len({row["device_id"] for row in held}) == 2
+
+
+def test_compare_shows_the_stage_where_a_request_left_its_baseline(demo_store, window):
+    """A request the demo's all-reduce switched to the tree algorithm, against the baseline `explain` chooses for it
+    (the nearest request with the same input and the majority output, in the same rollout epoch): the first row whose output differs while its input is the same is the all-reduce, and the
+    attribute that differs there is the algorithm."""
+    request_id = truth_request(demo_store, "allreduce.algorithm")
+    baseline = Explainer(demo_store).explain(request_id)["baseline"]["request_id"]  # as explain chooses it
+    sql = expand(compare.STAGES_SQL, window, {"request_id": Variable(request_id), "other_request_id": Variable(baseline)})
+    names, _, rows = run(demo_store, sql)
+    stages = [dict(zip(names, row)) for row in rows]
+    first = next(s for s in stages if s["output"] == "different")
+    assert (first["stage"], first["input"]) == ("allreduce", "same"), stages
+    assert "allreduce.algorithm: tree -> ring" in first["differing_attributes"], first
+    assert [s["output"] for s in stages if s["stage"] in ("retrieval", "cache", "context_assembly")] == ["same"] * 3

@@ -17,7 +17,8 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
 # 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
 # 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
-# 6: deduplication on the views' tables; 7: stagetrace_analyser, the live analyser's lease and progress
+# 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
+# divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries
 SCHEMA_VERSION = 7
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -231,7 +232,8 @@ SETTINGS index_granularity = 8192, {_DEDUP}""",
     TopCauseBaselineValue String CODEC(ZSTD(1)),
     TopCauseScore Float64 CODEC(ZSTD(1)),
     Causes String CODEC(ZSTD(3)),
-    Summary String CODEC(ZSTD(1))""",
+    Summary String CODEC(ZSTD(1)),
+    Devices String CODEC(ZSTD(1))""",
         "ReplacingMergeTree(DetectedAt)",
         """PARTITION BY toYYYYMM(RequestStart)
 ORDER BY (RequestId)""",
@@ -332,6 +334,7 @@ NEW_COLUMNS = {
         ("stagetrace_stages", "SpanName LowCardinality(String) CODEC(ZSTD(1)) AFTER ParentSpanId")),
     5: (("stagetrace_requests", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
         ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))")),
+    7: (("stagetrace_divergences", "Devices String CODEC(ZSTD(1))"),),
 }  # fmt: skip
 
 # Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.

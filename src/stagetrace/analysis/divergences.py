@@ -28,7 +28,7 @@ MARGIN_NS = 60 * 1_000_000_000
 COLUMNS = (
     "DetectedAt", "RequestId", "TraceId", "RequestStart", "ServiceName", "HostName", "InputDigest",
     "BaselineRequestId", "BaselineHow", "FirstDivergentStage", "TopCauseKind", "TopCauseName", "TopCauseValue",
-    "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary",
+    "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary", "Devices",
 )  # fmt: skip
 KEPT_CAUSES = 5
 SAMPLED = 100  # deviations across the window whose differing settings are checked for rollouts
@@ -127,18 +127,18 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
                                                    "deviating": []})  # fmt: skip
         line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks)
         service = traces[d.trace_id].service if d.trace_id in traces else ""
+        device = ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks))
         group["deviating"].append({
             "request_id": d.request_id, "trace_id": d.trace_id, "service": service,
-            "baseline_request_id": baseline.request_id,
-            "start": lookup.iso_ns(d.start_ns), "host": d.host,
-            "device": ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks)),
+            "baseline_request_id": baseline.request_id, "start": lookup.iso_ns(d.start_ns), "host": d.host,
+            "device": device,
             "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
         })  # fmt: skip
         rows.append((
             detected, d.request_id, d.trace_id, d.start_ns, service, d.host, d.input_digest, baseline.request_id,
             baseline.how, stage or "", top.kind if top else "", top.name if top else "", top.value if top else "",
             top.baseline_value if top else "", top.score if top else 0.0,
-            json.dumps([c.to_json() for c in found[:KEPT_CAUSES]]), line,
+            json.dumps([c.to_json() for c in found[:KEPT_CAUSES]]), line, device,
         ))  # fmt: skip
     if rows and not store.read_only:  # through a running agent's read-only endpoint, report without persisting
         store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)

@@ -26,6 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from stagetrace.collectors.base import COUNTER, GAUGE, MetricSpec, Samples
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
@@ -69,17 +70,30 @@ class Pass:
     duration_s: float
 
 
+# what the analyser exposes on /metrics (the agent's, or `stagetrace analyse --listen`), described as data
+DEVIATING = MetricSpec("stagetrace_deviating_requests_total", COUNTER,
+                       "Deviating requests the live analyser recorded, by service, first divergent stage and top "
+                       "cause (its name: values stay out of labels).", ("service", "stage", "cause"))  # fmt: skip
+ANALYSED = MetricSpec("stagetrace_analysed_requests_total", COUNTER,
+                      "Deviating requests the live analyser analysed, re-checks included.")
+PASSES = MetricSpec("stagetrace_analysis_passes_total", COUNTER, "Analysis passes that completed.")
+FAILURES = MetricSpec("stagetrace_analysis_failures_total", COUNTER,
+                      "Passes that failed (the store unreachable, a query refused); the next period retries.")
+DURATION = MetricSpec("stagetrace_analysis_duration_seconds", GAUGE, "How long the last pass took.", unit="seconds")
+LAG = MetricSpec("stagetrace_analysis_lag_seconds", GAUGE, "How far behind the newest request the last pass "
+                 "reached, the settle delay included; it grows while passes fail.", unit="seconds")  # fmt: skip
+HOLDING = MetricSpec("stagetrace_analyser_holding_lease", GAUGE,
+                     "1 when this process is the store's analyser, 0 while another holds the lease.")
+
+
 class Stats:
-    """The analyser's counters, as client_python families at scrape time (the agent's and `analyse`'s /metrics)."""
+    """The analyser's counters, as metric families at scrape time."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self.deviating: dict[tuple[str, str, str], int] = {}
-        self.analysed = 0
-        self.passes = 0
-        self.failures = 0
-        self.duration_sum = 0.0
-        self.lag_s = 0.0
+        self.analysed = self.passes = self.failures = 0
+        self.duration_s = self.lag_s = 0.0
         self.holding = False
 
     def record(self, done: Pass, lag_s: float) -> None:
@@ -88,7 +102,7 @@ class Stats:
                 self.deviating[key] = self.deviating.get(key, 0) + n
             self.analysed += done.analysed
             self.passes += 1
-            self.duration_sum += done.duration_s
+            self.duration_s = done.duration_s
             self.lag_s = lag_s
 
     def failed(self, lag_s: float) -> None:
@@ -97,39 +111,14 @@ class Stats:
             self.lag_s = lag_s
 
     def families(self, host: str):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
-
+        out = Samples()
         with self._lock:
-            deviating = CounterMetricFamily(
-                "stagetrace_deviating_requests", "Deviating requests the live analyser recorded, by service, first "
-                "divergent stage and top cause (its name; values stay out of labels).",
-                labels=["host", "service", "stage", "cause"])  # fmt: skip
-            for (service, stage, cause), n in sorted(self.deviating.items()):
-                deviating.add_metric([host, service, stage, cause], n)
-            yield deviating
-            yield _counter(CounterMetricFamily, "stagetrace_analysed_requests",
-                           "Deviating requests the live analyser analysed, re-checks included.", host, self.analysed)
-            yield _counter(CounterMetricFamily, "stagetrace_analysis_failures",
-                           "Passes that failed (the store unreachable, a query refused); the next pass retries.",
-                           host, self.failures)  # fmt: skip
-            duration = SummaryMetricFamily("stagetrace_analysis_duration_seconds", "Time each analysis pass took.",
-                                           labels=["host"])  # fmt: skip
-            duration.add_metric([host], count_value=self.passes, sum_value=self.duration_sum)
-            yield duration
-            lag = GaugeMetricFamily("stagetrace_analysis_lag_seconds", "How far behind the newest request the last "
-                                    "pass reached (settle delay included); it grows while passes fail.", labels=["host"])  # fmt: skip
-            lag.add_metric([host], self.lag_s)
-            yield lag
-            holding = GaugeMetricFamily("stagetrace_analyser_holding_lease", "1 when this process is the store's "
-                                        "analyser, 0 while another holds the lease.", labels=["host"])  # fmt: skip
-            holding.add_metric([host], 1.0 if self.holding else 0.0)
-            yield holding
-
-
-def _counter(family, name: str, help_text: str, host: str, value: float):
-    counter = family(name, help_text, labels=["host"])
-    counter.add_metric([host], value)
-    return counter
+            for key, n in sorted(self.deviating.items()):
+                out.add_series(DEVIATING, key, n)
+            for spec, value in ((ANALYSED, self.analysed), (PASSES, self.passes), (FAILURES, self.failures),
+                                (DURATION, self.duration_s), (LAG, self.lag_s), (HOLDING, float(self.holding))):
+                out.add_series(spec, (), value)
+        return out.families(host)
 
 
 class Analyser:
