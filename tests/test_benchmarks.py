@@ -37,6 +37,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("conventions", 2, ["as stagetrace-convention spans", "stagetrace-convention requests"]),
         ("otlp_ingest", 1, ["OTLP/HTTP, same spans"]),
         ("durability", 14, [""] * 14),  # nine figures and one per drop reason
+        ("live", 2, ["`divergences` over the window", "`divergences` once a minute"]),
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
         assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)

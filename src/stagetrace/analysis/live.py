@@ -4,8 +4,8 @@
 Each pass analyses the requests that started since the last pass ended, up to ``settle`` before now (late spans
 of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``): their
 groups and majorities come from the ``lookback`` window before them, computed in ClickHouse, so a pass costs what
-that window's traffic costs, whatever the store's history. Requests of the last ``recheck`` are analysed again
-each pass, so a request whose group's majority changes as more peers arrive is re-evaluated, and one whose spans
+that window's traffic costs, whatever the store's history. Requests of the last ``recheck`` (two periods) are
+analysed again each pass, so a request whose group's majority changes as more peers arrive is re-evaluated, and one whose spans
 came after the settle delay is caught. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree
 by request ID): analysed twice, it is one row.
 
@@ -35,7 +35,6 @@ S = 1_000_000_000
 DEFAULT_EVERY_S = 60.0
 DEFAULT_SETTLE_S = 10.0  # as the TP rule leaves out the newest 10 s for late spans
 DEFAULT_LOOKBACK_S = 3600.0  # same-input peers: as `stagetrace divergences --since 1h`
-DEFAULT_RECHECK_S = 300.0
 
 _LEASE_SQL = """
 SELECT Holder, toUnixTimestamp64Milli(Expires), toUnixTimestamp64Nano(AnalysedUntil)
@@ -53,9 +52,11 @@ class Schedule:
     every_s: float = DEFAULT_EVERY_S
     settle_s: float = DEFAULT_SETTLE_S
     lookback_s: float = DEFAULT_LOOKBACK_S
-    recheck_s: float = DEFAULT_RECHECK_S
+    recheck_s: float | None = None  # requests this recent are analysed again each pass (None: two periods)
 
     def __post_init__(self):
+        if self.recheck_s is None:
+            object.__setattr__(self, "recheck_s", 2 * self.every_s)
         if self.every_s <= 0 or self.settle_s < 0 or self.lookback_s <= 0 or self.recheck_s < 0:
             raise ValueError("the analyser's period and lookback must be positive, its settle and recheck not negative")
 

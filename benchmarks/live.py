@@ -1,0 +1,55 @@
+"""Live analysis at scale: one analyser pass over a minute of new traffic, beside today's way to the same rows
+(``divergences`` over the same window, run once a minute), at 100 and 1,000 requests/s.
+
+The store is synthetic (``benchmarks.synthetic``: six spans a request, inputs shared 20 at a time, 5% deviating
+at a random stage) and holds the analyser's lookback window of history before the new minute. The pass's CPU
+time is the process's (the embedded engine runs in it), so ``CPU / 60 s`` is the share of a core one pass a
+minute costs.
+"""
+
+from __future__ import annotations
+
+import resource
+import tempfile
+import time
+
+from benchmarks import Figure, benchmark, synthetic
+from benchmarks.divergence import _merged
+from stagetrace.analysis import divergences, live
+from stagetrace.store import open_store
+
+S = 1_000_000_000
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@benchmark("live")
+def live_analysis(quick: bool) -> list[Figure]:
+    history_s = 600 if quick else 3600
+    figures = []
+    for rate in (100,) if quick else (100, 1000):
+        with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+                open_store(f"chdb://{directory}") as store:  # fmt: skip
+            now = time.time_ns()
+            synthetic.fill(store, rate * history_s, now - (history_s + 60) * S, seconds=history_s)
+            synthetic.fill(store, rate * 60, now - 60 * S, seconds=60, offset=rate * history_s)
+            _merged(store)
+            schedule = live.Schedule(settle_s=0, lookback_s=history_s)
+            analyser = live.Analyser(store, schedule, clock=lambda: now)
+            cpu, started = _cpu_s(), time.perf_counter()
+            done = analyser.run_pass(now - 60 * S)
+            pass_s, pass_cpu = time.perf_counter() - started, _cpu_s() - cpu
+            cpu, started = _cpu_s(), time.perf_counter()
+            found = divergences.find(store, (history_s + 60) * S, until_ns=now, limit=100)
+            scan_s, scan_cpu = time.perf_counter() - started, _cpu_s() - cpu
+        figures += [
+            Figure(f"one pass over a minute at {rate:,}/s ({rate * 60:,} new requests, {done.analysed:,} deviating "
+                   f"analysed, {history_s // 60} min of history)", pass_s, "s",
+                   f"`divergences` over the window ({found['deviating']:,} deviating, latest 100)", scan_s),
+            Figure(f"its CPU, one pass a minute, at {rate:,}/s", 100 * pass_cpu / 60, "% of a core",
+                   "`divergences` once a minute", 100 * scan_cpu / 60),
+        ]  # fmt: skip
+    return figures
