@@ -138,6 +138,9 @@ class NvmlSource(Protocol):
     def read(self, gpu: int, function: str, *constants: str) -> Any:
         """What ``pynvml.<function>(handle of gpu, *constants)`` returns, as plain data; raises pynvml errors."""
 
+    def system(self, function: str) -> Any:
+        """What ``pynvml.<function>()`` returns (``nvmlSystemGetDriverVersion``...); raises pynvml errors."""
+
     def xid_counts(self) -> Mapping[tuple[int, str, int], int]:
         """XID critical-error events seen since the source was created, by (gpu index, uuid, xid)."""
 
@@ -204,6 +207,12 @@ class PynvmlSource:
 
     def device_count(self) -> int:
         return self.nvml.nvmlDeviceGetCount()
+
+    def system(self, function: str) -> Any:
+        call = getattr(self.nvml, function, None)
+        if call is None:
+            raise self.nvml.NVMLError_FunctionNotFound()
+        return plain(call())
 
     def _handle(self, gpu: int):
         if gpu not in self._handles:
@@ -358,6 +367,11 @@ class FixtureSource:
         snapshot = self._load()  # each scrape starts here: pick up what the writer advanced
         _raise_if_error(snapshot.get("nvmlDeviceGetCount"))
         return len(snapshot["gpus"])
+
+    def system(self, function: str) -> Any:
+        value = self._snapshot.get(function, "NVMLError_NotSupported")
+        _raise_if_error(value)
+        return value
 
     def read(self, gpu: int, function: str, *constants: str) -> Any:
         device = self._snapshot["gpus"][gpu]

@@ -41,6 +41,39 @@ HOST = "host.name"  # resource attribute
 GPU_UUID = "gpu.uuid"
 WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with
 
+# -- configuration: what the resource detector (stagetrace.configuration) records once per process. No
+# semantic convention names these yet; they are compared by the analysis like any resource attribute (none starts
+# with an uncompared prefix such as "stagetrace.").
+CONFIGURATION_GPU_MODEL = "gpu.model"  # the visible GPUs' distinct NVML names, e.g. "NVIDIA H200"
+CONFIGURATION_GPU_UUIDS = "gpu.uuids"  # the visible GPUs' UUIDs, comma-separated
+CONFIGURATION_GPU_COUNT = "gpu.count"
+CONFIGURATION_DRIVER = "gpu.driver.version"
+CONFIGURATION_CUDA = "cuda.driver.version"  # the CUDA version the driver supports, e.g. "12.8"
+CONFIGURATION_NCCL = "nccl.version"
+CONFIGURATION_ENV_PREFIX = "env."  # env.NCCL_ALGO = Ring
+# environment variables that change numerics (reference/engines_gpm.md §1)
+CONFIGURATION_ENVIRONMENT = (
+    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE",
+    "CUBLAS_WORKSPACE_CONFIG", "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "VLLM_USE_V1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "NVIDIA_TF32_OVERRIDE",
+)  # fmt: skip
+CONFIGURATION_ENGINE = "engine"  # engine = vllm; engine.version; engine.<setting> for each flag below
+CONFIGURATION_ENGINE_VERSION = "engine.version"
+CONFIGURATION_ENGINES = {"vllm": ("vllm serve", "vllm.entrypoints", "vllm/entrypoints"),
+                         "sglang": ("sglang.launch_server", "sglang serve", "sglang/launch_server")}  # fmt: skip
+# the engines' command-line flags that change numerics -> the setting's name under "engine."
+CONFIGURATION_FLAGS = {
+    "--kv-cache-dtype": "kv_cache_dtype", "--attention-backend": "attention_backend", "--quantization": "quantization",
+    "--dtype": "dtype", "--tensor-parallel-size": "tensor_parallel_size", "--tp-size": "tensor_parallel_size",
+    "--tp": "tensor_parallel_size", "--speculative-config": "speculative_config",
+    "--speculative-algorithm": "speculative_algorithm", "--enable-prefix-caching": "enable_prefix_caching",
+    "--no-enable-prefix-caching": "disable_prefix_caching", "--disable-radix-cache": "disable_prefix_caching",
+    "--enable-chunked-prefill": "enable_chunked_prefill", "--chunked-prefill-size": "chunked_prefill_size",
+    "--max-num-batched-tokens": "max_num_batched_tokens", "--disable-custom-all-reduce": "disable_custom_all_reduce",
+    "--enable-deterministic-inference": "deterministic_inference", "--seed": "seed",
+}  # fmt: skip
+
 # -- weight transfer (RL: after each training step the trainer pushes the new weights into the inference GPUs).
 # One span per sync, the root of its own trace, carrying the step, the bytes and how many ranks send and receive;
 # below it one span per link (a source NIC writing to a destination NIC), or per destination. A sync span is not
