@@ -26,7 +26,9 @@ from typing import Any
 
 import pynvml
 
-from stagetrace.collectors.base import COUNTER, GAUGE, Collector, MetricSpec, Options, Samples, SourceUnavailable, register
+from stagetrace.collectors.base import (
+    COUNTER, GAUGE, INFO, Collector, MetricSpec, Options, Samples, SourceUnavailable, register,
+)  # fmt: skip
 from stagetrace.collectors.nvml import (
     NVML_FIXTURE,
     NVML_ERRORS,
@@ -48,6 +50,14 @@ GPU_LABELS = ("gpu", "uuid", "model")
 UP = MetricSpec(
     "gpu_up", GAUGE, "Whether NVML answers for the GPU (0: lost, fallen off the bus, or needs a reset).", GPU_LABELS
 )
+# The host's inventory, as node_exporter's node_uname_info: what changes a GPU's numerics besides its model, so that
+# the analysis can name it for spans whose process recorded no configuration (joined by host and uuid).
+INFO_SPEC = MetricSpec(
+    "gpu_info", INFO, "The GPU's driver and CUDA versions and the modes that change its numerics (ECC, MIG).",
+    GPU_LABELS,
+)  # fmt: skip
+SYSTEM_CALLS = ("nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion")
+INVENTORY_CALLS = ("nvmlDeviceGetEccMode", "nvmlDeviceGetMigMode")  # each answers (current, pending)
 # Ratios, not NVML's percent: Prometheus' base unit, and they aggregate with the other ratios.
 UTILIZATION = MetricSpec(
     "gpu_utilization_ratio",
@@ -231,9 +241,16 @@ def record_nvml_fixture(source: NvmlSource, directory: Path | str) -> Path:
     """Snapshot every reading the collectors make from ``source`` (e.g. the real library) into the fixture format."""
     from stagetrace.collectors.mps import NVML_CALLS as MPS_CALLS  # the mps collector's readings
 
-    calls = [("nvmlDeviceGetUUID",), ("nvmlDeviceGetName",), *(r.call for r in READINGS), *MPS_CALLS]
+    calls = [("nvmlDeviceGetUUID",), ("nvmlDeviceGetName",), *(r.call for r in READINGS), *MPS_CALLS,
+             *((call,) for call in INVENTORY_CALLS)]  # fmt: skip
     source.open()
     try:
+        system = {}
+        for function in SYSTEM_CALLS:
+            try:
+                system[function] = source.system(function)
+            except NVML_ERRORS as exc:
+                system[function] = error_name(exc)
         gpus = []
         for index in range(source.device_count()):
             device: dict = {"nvmlEventSetWait_v2": []}  # events cannot be read back, only counted
@@ -249,7 +266,7 @@ def record_nvml_fixture(source: NvmlSource, directory: Path | str) -> Path:
             gpus.append(device)
     finally:
         source.close()
-    return write_nvml_fixture(directory, gpus)
+    return write_nvml_fixture(directory, gpus, **system)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,6 +307,7 @@ class GpuCollector(Collector):
         self._lost: set[int] = set()  # this NVML session's lost GPUs: not asked again until re-init
         self._reinit_at: float | None = None
         self._backoff = BACKOFF_FIRST_S
+        self._system: dict[str, str] | None = None  # the driver's versions, asked once a session
 
     def collect(self, out: Samples) -> None:
         try:
@@ -328,6 +346,7 @@ class GpuCollector(Collector):
         self._identities.clear()
         self._lost.clear()
         self._reads.forget()
+        self._system = None
 
     def _schedule_reinit(self) -> float:
         if self._reinit_at is None:
@@ -371,9 +390,27 @@ class GpuCollector(Collector):
             return identity
         labels = identity.labels()
         out.add(UP, 1, **labels)
+        out.add(INFO_SPEC, self._inventory(index), **labels)
         for spec, value, extra in pending:
             out.add(spec, value, **labels, **extra)
         return identity
+
+    def _inventory(self, index: int) -> dict[str, str]:
+        """gpu_info's labels: the driver's versions (asked once a session) and the GPU's current ECC and MIG modes."""
+        if self._system is None:
+            self._system = {}
+            for label, function in zip(("driver_version", "cuda_version"), SYSTEM_CALLS):
+                try:
+                    value = self.source.system(function)
+                except NVML_ERRORS:
+                    continue
+                self._system[label] = f"{value // 1000}.{value % 1000 // 10}" if isinstance(value, int) else str(value)
+        modes = {}
+        for label, call in zip(("ecc_mode", "mig_mode"), INVENTORY_CALLS):
+            current = self._reads.read(index, call)  # (current, pending); None where NVML does not say
+            if current is not None:
+                modes[label] = "enabled" if current[0] else "disabled"
+        return {"driver_version": "", "cuda_version": "", **self._system, "ecc_mode": "", "mig_mode": "", **modes}
 
     def _identify(self, index: int) -> GpuIdentity:
         if index not in self._identities:

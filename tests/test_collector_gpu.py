@@ -346,3 +346,24 @@ def test_record_writes_what_the_source_answers_in_the_fixture_format(tmp_path):
     for name in ("stagetrace_collector_duration_seconds",):
         again.pop(name), first.pop(name)
     assert again == first
+
+
+def test_gpu_info_carries_the_driver_cuda_and_the_modes_that_change_numerics(node_copy):
+    """gpu_info: the driver's versions asked once a session, each GPU's current ECC and MIG modes; a driver that
+    does not say leaves the label empty rather than the series out."""
+
+    def modes(snapshot):
+        snapshot["gpus"][1]["nvmlDeviceGetEccMode"] = [0, 1]  # off now, on after the next reset
+        snapshot["gpus"][2]["nvmlDeviceGetMigMode"] = [1, 1]
+        snapshot["gpus"][3].pop("nvmlDeviceGetEccMode")
+        snapshot.pop("nvmlSystemGetCudaDriverVersion")
+
+    edit(node_copy, modes)
+    source = CountingSource(node_copy)
+    collector = GpuCollector(Options(), source=source)
+    info = {labels["gpu"]: labels for labels, _ in scrape(collector)["gpu_info"]}
+    assert len(info) == 8 and {i["driver_version"] for i in info.values()} == {"570.133.20"}
+    assert {i["cuda_version"] for i in info.values()} == {""}
+    assert (info["0"]["ecc_mode"], info["0"]["mig_mode"]) == ("enabled", "disabled")
+    assert (info["1"]["ecc_mode"], info["2"]["mig_mode"], info["3"]["ecc_mode"]) == ("disabled", "enabled", "")
+    assert scrape(GpuCollector(Options(nvml_fixture=NODE_NVML)))["gpu_info"][0][0]["cuda_version"] == "12.8"
