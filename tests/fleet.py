@@ -71,8 +71,10 @@ class Rank:
 
 
 class Fleet:
-    def __init__(self, store, start_ns: int | None = None, service: str = SERVICE):
+    def __init__(self, store, start_ns: int | None = None, service: str = SERVICE,
+                 resources: dict[str, dict] | None = None):  # fmt: skip
         self.store = store
+        self.resources = resources or {}  # host -> resource attributes besides service.name and host.name
         # two hours ago, on a minute: inside every default analysis window, and never in the future
         self.t0 = start_ns if start_ns is not None else (time.time_ns() // MINUTE) * MINUTE - 120 * MINUTE
         self.service = service
@@ -86,7 +88,8 @@ class Fleet:
 
     def _tracer(self, host: str):
         if host not in self._providers:
-            provider = TracerProvider(resource=Resource.create({"service.name": self.service, "host.name": host}))
+            provider = TracerProvider(resource=Resource.create({"service.name": self.service, "host.name": host,
+                                                                **self.resources.get(host, {})}))  # fmt: skip
             memory = InMemorySpanExporter()
             provider.add_span_processor(SimpleSpanProcessor(memory))
             self._providers[host] = (provider, memory)

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 
 from stagetrace import conventions, lookup
+from stagetrace.analysis import divergences
+from stagetrace.analysis.explain import Explainer
 
 _spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
 fleet = importlib.util.module_from_spec(_spec)
@@ -575,3 +577,65 @@ def test_deviating_output_rule_leaves_out_requests_sampled_without_a_seed(store)
     result = json.loads(store.client.raw_query(sql, fmt="JSONCompact"))
     names, rows = [c["name"] for c in result["meta"]], result["data"]
     assert names[-1] == "deviating" and rows == [], rows
+
+
+# -- (8) heterogeneous fleets: an identity is where, a setting is why
+H200 = {"gpu.model": "NVIDIA H200", "gpu.driver.version": "570.133.20", "engine.attention_backend": "FLASH_ATTN"}
+
+
+def _fleet_of_four(store, resources: dict[str, dict], deviating: str = "c") -> tuple[str, dict, dict]:
+    """Hosts a..d with these resource attributes (the configuration detector's), every request served twice a
+    minute per prompt for six minutes; ``deviating``'s decode outputs differ. (a deviating request ID, its explain
+    report, its divergences entry)."""
+    fleet_ = fleet.Fleet(store, resources={h: {**H200, **resources.get(h, {})} for h in "abcd"})
+    n = 0
+    for minute in range(6):
+        for host in "abcd":
+            for prompt in range(2):
+                fleet_.request(f"r{n}", fleet_.at(minute, seconds=n % 50), host, prompt=prompt,
+                               differs={"decode": "x"} if host == deviating else None)  # fmt: skip
+                n += 1
+    fleet_.flush()
+    bad = [r for r, v in fleet_.requests.items() if v["host"] == deviating][3]
+    report = checked(Explainer(store).explain(bad))
+    found = divergences.find(store, 6 * 3600 * SECOND, limit=0)
+    entry = next(item for group in found["groups"] for item in group["deviating"] if item["request_id"] == bad)
+    return bad, report, entry
+
+
+@pytest.mark.parametrize("name, resources, cause, value, where", [
+    ("another GPU model", {"c": {"gpu.model": "NVIDIA H100 80GB HBM3"}}, "gpu.model", "NVIDIA H100 80GB HBM3", "c"),
+    ("another driver", {"c": {"gpu.driver.version": "550.54.15"}}, "gpu.driver.version", "550.54.15", "c"),
+    ("an engine setting", {"c": {"engine.attention_backend": "FLASHINFER"}}, "engine.attention_backend", "FLASHINFER",
+     "c"),
+    ("present on one host only", {"c": {"env.NCCL_ALGO": "Tree"}}, "env.NCCL_ALGO", "Tree", "c"),
+    ("a harmless difference elsewhere", {"b": {"gpu.model": "NVIDIA H100 80GB HBM3"},
+                                        "c": {"engine.attention_backend": "FLASHINFER"}},
+     "engine.attention_backend", "FLASHINFER", "c"),
+])  # fmt: skip
+def test_the_setting_is_the_cause_and_the_host_is_where(store, name, resources, cause, value, where):
+    _, report, entry = _fleet_of_four(store, resources)
+    top = report["causes"][0]
+    assert (report["first_divergent_stage"], top["name"], top["value"]) == ("decode", cause, value), report["causes"]
+    assert top["where"]["host.name"] == where
+    assert f"{where} runs {cause} {value} where its peers run" in report["summary"]
+    assert (entry["first_divergent_stage"], entry["top_cause"]["name"]) == ("decode", cause)  # one analysis
+    identities = [c for c in report["causes"] if c["name"] in ("host.name", "gpu.uuid")]
+    assert identities and all(report["causes"].index(c) > 0 for c in identities)
+
+
+def test_settings_that_changed_together_are_one_candidate_that_says_so(store):
+    _, report, entry = _fleet_of_four(store, {"c": {"engine.attention_backend": "FLASHINFER",
+                                                    "engine.kv_cache_dtype": "fp8"}})  # fmt: skip
+    top = report["causes"][0]
+    names = {top["name"], *(c["name"] for c in top["together"])}
+    assert names == {"engine.attention_backend", "engine.kv_cache_dtype"}
+    assert "changed together on c and cannot be told apart here" in report["summary"]
+    assert entry["top_cause"]["name"] == top["name"]
+
+
+def test_an_identity_with_nothing_else_recorded_stays_the_cause(store):
+    _, report, entry = _fleet_of_four(store, {})
+    top = report["causes"][0]
+    assert top["name"] in ("gpu.uuid", "host.name") and not top["weak"] and "GPU-c-0" in report["summary"] + top["value"]
+    assert entry["top_cause"]["name"] == top["name"]

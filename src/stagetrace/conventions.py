@@ -285,6 +285,19 @@ def is_content(key: str) -> bool:
     return key in CONTENT_KEYS or key.startswith(CONTENT_PREFIXES)
 
 
+# What names *where* a request ran, not *why* its output changed: when a setting separates deviating from agreeing
+# requests as well as the identity carrying it, the setting is the cause and the identity is where (DESIGN.md).
+IDENTITY_KEYS = frozenset({
+    HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
+    "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
+    CONFIGURATION_GPU_UUIDS, "cloud.resource_id",
+})  # fmt: skip
+
+
+def is_identity(key: str) -> bool:
+    return key in IDENTITY_KEYS
+
+
 def is_measurement(key: str) -> bool:
     return key in MEASUREMENT_KEYS or key.startswith(MEASUREMENT_PREFIXES) or key.endswith(MEASUREMENT_SUFFIXES)
 

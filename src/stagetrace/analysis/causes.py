@@ -31,6 +31,9 @@ MIN_SUPPORT = 3  # other requests with a value before its own divergence rate co
 IDENTIFIER_SHARE = 0.9  # distinct values per span above which an undeclared attribute is an identifier...
 IDENTIFIER_SPANS = 10  # ...among at least this many spans
 LIFT = 2.0  # how many times more often others with a value must diverge than with the baseline's, to count
+# A setting whose score is within this of an identity's separates the requests as well: it ranks first (why), and the
+# identity is named as where. Two settings within it that split the same requests changed together.
+TIE = 0.05
 _NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 
 
@@ -154,7 +157,43 @@ def merged(causes: list[Cause]) -> list[Cause]:
     return list(best.values())
 
 
+def _is_identity(cause: Cause) -> bool:
+    return cause.kind == "attribute" and conventions.is_identity(cause.name)
+
+
+def _is_setting(cause: Cause) -> bool:
+    return cause.kind == "attribute" and not cause.weak and not conventions.is_identity(cause.name) \
+        and cause.evidence.get("role") == "setting"
+
+
+def _split(cause: Cause) -> tuple:
+    """Which requests the cause separates: the counts its contrast found."""
+    ev = cause.evidence
+    return ev.get("diverged_with_value"), ev.get("requests_with_value"), ev.get("diverged_with_baseline_value"), \
+        ev.get("requests_with_baseline_value")
+
+
 def ranked(causes: list[Cause]) -> list[Cause]:
-    """The candidates with support, strong before weak, each by score; zero and negative scores are no evidence."""
+    """The candidates with support, strong before weak, each by score; zero and negative scores are no evidence.
+
+    An identity (host, pod, GPU UUID...) ranks after a setting that separates the requests as well (within ``TIE``):
+    the setting is why, and the identities are recorded on it as where (``evidence["where"]``). Settings that split
+    the same requests equally well changed together: the first names the others (``evidence["together"]``)."""
     kept = [c for c in merged(causes) if c.score > 0]
-    return sorted(kept, key=lambda c: (c.weak, -c.score, c.kind != "hardware", c.name))
+    best_setting = max((c.score for c in kept if _is_setting(c)), default=None)
+
+    def order(c: Cause):
+        demoted = _is_identity(c) and not c.weak and best_setting is not None and best_setting >= c.score - TIE
+        return (c.weak, demoted, -c.score, c.kind != "hardware", c.name)
+
+    out = sorted(kept, key=order)
+    top = next((c for c in out if not c.weak), None)
+    if top is not None and _is_setting(top):
+        where = {c.name: c.value for c in out if _is_identity(c) and not c.weak and c.score >= top.score - TIE}
+        together = [{"name": c.name, "value": c.value, "baseline_value": c.baseline_value} for c in out
+                    if c is not top and _is_setting(c) and abs(c.score - top.score) <= TIE and _split(c) == _split(top)]
+        if where:
+            top.evidence["where"] = where
+        if together:
+            top.evidence["together"] = together
+    return out

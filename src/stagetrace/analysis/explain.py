@@ -231,7 +231,18 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
         usual = f" (usually {top.evidence['typical']:g})" if "typical" in top.evidence else ""
         return (f"{lead}: {top.name} {change}{usual} on{rank} {top.evidence['device']} "
                 f"({top.evidence['host']}) while it ran, not for the baseline {tail}")  # fmt: skip
-    return f"{lead}: {top.name} {top.value or '(unset)'} vs {top.baseline_value or '(unset)'} {tail}"
+    value, usual = top.value or "(unset)", top.baseline_value or "(unset)"
+    where = top.evidence.get("where") or {}
+    host = where.get(conventions.HOST) or next(iter(where.values()), "")
+    together = top.evidence.get("together") or []
+    if together:
+        names = " and ".join(f"{c['name']} {c['value'] or '(unset)'}" for c in [{"name": top.name, "value": value},
+                                                                              *together])
+        return (f"{lead}: {names} changed together{f' on {host}' if host else ''} and cannot be told apart here "
+                f"(a host with one and not the others would tell them apart) {tail}")  # fmt: skip
+    if host:
+        return f"{lead}: {host} runs {top.name} {value} where its peers run {usual} {tail}"
+    return f"{lead}: {top.name} {value} vs {usual} {tail}"
 
 
 _WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
