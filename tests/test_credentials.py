@@ -48,6 +48,7 @@ def env(request, tmp_path):
     for name, secret in FILE_SECRETS.items():
         path = tmp_path / name.lower()
         path.write_text(secret + "\n")
+        path.chmod(0o600)  # the agent refuses a token file others can read
         base[name] = str(path)
     return base
 

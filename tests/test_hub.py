@@ -8,6 +8,7 @@ clickhouse-connect's ordinary HTTP client.
 import importlib.util
 import json
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -221,6 +222,7 @@ def test_a_stale_agent_file_is_ignored(tmp_path):
 def test_a_token_guards_otlp_and_queries(tmp_path):
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o600)
     guarded = Agent(tmp_path, "--token-file", str(token_file))
     try:
         assert json.loads((guarded.store / "agent.json").read_text())["token"] is True
@@ -342,3 +344,44 @@ def test_the_read_commands_client_returns_what_clickhouse_connect_returns(agent)
     finally:
         ours.close()
         theirs.close()
+
+
+def _agent_exit(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", "127.0.0.1:0", "--otlp",
+                      "none", "--otlp-grpc", "none", "--store", f"chdb://{tmp_path / 'store'}", *args)  # fmt: skip
+
+
+def test_a_token_file_others_can_read_is_refused_in_one_line(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    token_file.chmod(0o644)
+    refused = _agent_exit(tmp_path, "--token-file", str(token_file))
+    assert (refused.returncode, refused.stderr) == (2, f"stagetrace agent: the token file {token_file} can be read by "
+                                                       f"other users (mode 644): chmod 600 {token_file}\n")  # fmt: skip
+    assert "s3cret" not in refused.stderr
+
+
+def test_the_query_endpoint_does_not_open_off_loopback_without_a_token(tmp_path):
+    refused = _agent_exit(tmp_path, "--query-listen", "0.0.0.0:0")
+    assert refused.returncode == 2 and refused.stderr.splitlines() == [
+        "stagetrace agent: the query endpoint would read the store for anyone who can reach 0.0.0.0:0: give it a "
+        "token (--token-file), keep it on loopback, or accept that with --query-open"]  # fmt: skip
+    opened = Agent(tmp_path / "open", "--query-listen", "0.0.0.0:0", "--query-open")
+    try:
+        assert urllib.request.urlopen(f"http://127.0.0.1:{opened.query_port}/ping", timeout=5).read() == b"Ok.\n"
+    finally:
+        log = opened.stop()
+    assert "the query endpoint listens on 0.0.0.0:0 without a token" in log
+
+
+def test_the_store_and_agent_json_are_the_owners_alone_and_a_looser_store_is_named_once(tmp_path):
+    fresh = Agent(tmp_path / "fresh")
+    try:
+        assert (fresh.store.stat().st_mode & 0o777, (fresh.store / "agent.json").stat().st_mode & 0o777) == (0o700, 0o600)
+    finally:
+        log = fresh.stop()
+    assert "can be read by other users" not in log
+    fresh.store.chmod(0o755)
+    again = Agent(tmp_path / "fresh")
+    log = again.stop()
+    assert log.count(f"store {fresh.store} can be read by other users (mode 755): chmod 700 {fresh.store}") == 1

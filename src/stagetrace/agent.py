@@ -146,7 +146,8 @@ def _exposed(listen: str, what: str, token: str | None) -> None:
 def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
         otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
-        low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None) -> int:  # fmt: skip
+        low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None,
+        analysis_by_default: bool = True, open_query: bool = False) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
@@ -154,8 +155,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     each query of the endpoint. ``low_priority`` (None: for an embedded store) lowers the agent's CPU and I/O
     priority, its engine threads' included. Samples are inserted at most every ``insert_every_s`` (at least
     every interval), so a short interval costs scrapes, not engine inserts. ``analysis`` is the live analyser's
-    ``live.Schedule``, False for none, or None: every minute with an embedded store, none with a server store
-    (whose analyser is ``stagetrace analyse``, one per store).
+    ``live.Schedule`` (None: the defaults), which runs with an embedded store; with a server store (whose analyser
+    is ``stagetrace analyse``, one per store) only when asked for (``analysis_by_default`` False).
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
@@ -193,6 +194,10 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             cleanup.callback(DurableWriter(opened, "spans").close)
         location = opened.location
         if query_listen and location.embedded and location.path:
+            if token is None and not open_query and not httpd.is_loopback(parse_listen(query_listen)[0]):
+                raise AgentError(f"the query endpoint would read the store for anyone who can reach {query_listen}: "
+                                 "give it a token (--token-file), keep it on loopback, or accept that with "
+                                 "--query-open")  # fmt: skip
             _exposed(query_listen, "the query endpoint", token)
             endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, database=location.database,
                                                             token=token, limits=query_limits),
@@ -201,11 +206,11 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             cleanup.callback(endpoint.close)
             endpoints["query"] = endpoint.url
             cleanup.callback(hub.withdraw, hub.advertise(location.path, **endpoints))
-        if analysis is None and embedded:
+        if analysis is None:
             from stagetrace.analysis.live import Schedule
 
             analysis = Schedule()
-        if analysis:
+        if analysis and (embedded or not analysis_by_default):
             from stagetrace.analysis import live
 
             shared.analysis = live.Stats()

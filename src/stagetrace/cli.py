@@ -137,6 +137,8 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--token-file", metavar="FILE",
                    help="bearer token required by the OTLP receiver and the query endpoint "
                         "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")
+    p.add_argument("--query-open", action="store_true",
+                   help="let the query endpoint listen off loopback without a token (it refuses to otherwise)")
     p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY"),
                    help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
                         "0 with a server store, where `stagetrace analyse` runs it; env STAGETRACE_ANALYSE_EVERY)")
@@ -345,8 +347,9 @@ def _agent(args) -> int:
             insert_every = agent.parse_interval(args.insert_every)
         except ValueError as exc:
             raise ValueError(f"--insert-every: {exc}") from None
-        analysis = None if args.analyse_every is None else (
-            False if args.analyse_every.strip() == "0" else _schedule(args.analyse_every, "--analyse-every"))
+        asked = args.analyse_every is not None
+        analysis = False if asked and args.analyse_every.strip() == "0" else _schedule(
+            args.analyse_every if asked else "1m", "--analyse-every")
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
@@ -358,7 +361,8 @@ def _agent(args) -> int:
     try:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
-                         low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis)  # fmt: skip
+                         low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis,
+                         analysis_by_default=not asked, open_query=args.query_open)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2

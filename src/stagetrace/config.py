@@ -53,9 +53,12 @@ def load_token(path: str | Path | None = None) -> str | None:
     path = path or os.environ.get(ENV_TOKEN_FILE)
     if path:
         try:
+            mode = Path(path).stat().st_mode & 0o777
             token = Path(path).read_text().strip()
         except OSError as exc:
             raise TokenError(f"cannot read the token file {path}: {exc.strerror or exc}") from None
+        if mode & 0o077:  # as ssh refuses a private key others can read
+            raise TokenError(f"the token file {path} can be read by other users (mode {mode:o}): chmod 600 {path}")
         if not token:
             raise TokenError(f"the token file {path} is empty: write the token into it, or leave the option out")
         return token

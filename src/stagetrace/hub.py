@@ -329,7 +329,8 @@ def advertise(store_path: str, **endpoints) -> Path:
     """Record this process's endpoints in ``<store>/agent.json``, atomically."""
     path = Path(store_path) / AGENT_FILE
     partial = path.with_name(f".{AGENT_FILE}.{os.getpid()}")
-    partial.write_text(json.dumps({"pid": os.getpid(), **endpoints}, indent=2) + "\n")
+    with os.fdopen(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:  # the owner's alone
+        out.write(json.dumps({"pid": os.getpid(), **endpoints}, indent=2) + "\n")
     partial.replace(path)
     return path
 

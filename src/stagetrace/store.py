@@ -26,6 +26,7 @@ from stagetrace.errors import StoreError, StoreLockedError  # re-exported: calle
 # The driver logs a failure before raising it; the store says it once, in its error. Where an application
 # configures logging, the driver's records still reach its handlers.
 logging.getLogger("clickhouse_connect").addHandler(logging.NullHandler())
+logger = logging.getLogger(__name__)
 
 SCHEMES = ("chdb", "http", "https")
 
@@ -250,9 +251,16 @@ def _open_read_only(location: Location):
     return client
 
 
+_warned_modes: set[Path] = set()
+
+
 def _check_writable(path: Path) -> None:
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if not path.exists():  # the store is the owner's alone: spans may carry what operators consider private
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700)
+    except FileExistsError:  # made meanwhile by another process
+        pass
     except OSError as exc:
         raise StoreError(
             f"store path {path} is not writable ({os.strerror(exc.errno or errno.EACCES)}): "
@@ -263,6 +271,10 @@ def _check_writable(path: Path) -> None:
             f"store path {path} is not writable (permission denied): "
             "choose another with --store chdb:///path or STAGETRACE_STORE"
         )
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077 and path not in _warned_modes:
+        _warned_modes.add(path)
+        logger.warning("store %s can be read by other users (mode %o): chmod 700 %s", path, mode, path)
 
 
 def _check_not_locked(path: Path) -> None:

@@ -132,7 +132,8 @@ class Analyser:
         self.holder = holder or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.stats = stats or Stats()
         self.clock = clock
-        self._counted: dict[str, int] = {}  # request ID -> its start: counted once in stagetrace_deviating_requests
+        # request ID -> where the pass that counted it reached: each is counted once in stagetrace_deviating_requests
+        self._counted: dict[str, int] = {}
 
     # -- the lease ---------------------------------------------------------------------------------------------
 
