@@ -138,6 +138,13 @@ class Store:
     def close(self) -> None:
         self.client.close()
 
+    def another(self) -> Store:
+        """A store for another thread: a client of its own for a server (an HTTP client runs one query at a time
+        in its session); the same one for an embedded store, whose engine serializes what its client sends."""
+        if self.location.embedded or self.read_only:
+            return self
+        return Store(_open_server(self.location), self.location)
+
     def __enter__(self) -> Store:
         return self
 

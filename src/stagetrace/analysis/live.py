@@ -122,6 +122,25 @@ class Stats:
         return out.families(host)
 
 
+class Lease:
+    """The rows of ``stagetrace_analyser`` one analyser reads and writes: who holds the lease, until when, and where
+    its analysis reached."""
+
+    def __init__(self, store: Store, holder: str, schedule: Schedule, clock):
+        self.store, self.holder, self.schedule, self.clock = store, holder, schedule, clock
+
+    def newest(self) -> tuple[str, int, int] | None:
+        """(holder, expires in ms, analysed until in ns) of the newest row."""
+        rows = self.store.client.query(_LEASE_SQL, parameters={"db": self.store.database}).result_rows
+        return tuple(rows[0]) if rows else None
+
+    def claim(self, analysed_until_ns: int, held: bool = True) -> None:
+        now_ms = self.clock() // 1_000_000
+        expires_ms = now_ms + int(2 * self.schedule.every_s * 1000) if held else 0
+        self.store.client.insert("stagetrace_analyser", [(self.holder, now_ms, expires_ms, analysed_until_ns)],
+                                 column_names=_LEASE_COLUMNS, database=self.store.database)  # fmt: skip
+
+
 class Analyser:
     """The loop over one store. ``clock`` returns nanoseconds since the epoch (tests move it)."""
 
@@ -132,41 +151,27 @@ class Analyser:
         self.holder = holder or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
         self.stats = stats or Stats()
         self.clock = clock
+        self.lease = Lease(store, self.holder, self.schedule, clock)
         # request ID -> where the pass that counted it reached: each is counted once in stagetrace_deviating_requests
         self._counted: dict[str, int] = {}
 
-    # -- the lease ---------------------------------------------------------------------------------------------
-
-    def _newest(self) -> tuple[str, int, int] | None:
-        rows = self.store.client.query(_LEASE_SQL, parameters={"db": self.store.database}).result_rows
-        return tuple(rows[0]) if rows else None
-
-    def _claim(self, analysed_until_ns: int) -> None:
-        now_ms = self.clock() // 1_000_000
-        expires_ms = now_ms + int(2 * self.schedule.every_s * 1000)
-        self._insert(now_ms, expires_ms, analysed_until_ns)
-
-    def _insert(self, renewed_ms: int, expires_ms: int, analysed_until_ns: int) -> None:
-        self.store.client.insert("stagetrace_analyser", [(self.holder, renewed_ms, expires_ms, analysed_until_ns)],
-                                 column_names=_LEASE_COLUMNS, database=self.store.database)  # fmt: skip
-
     def acquire(self) -> int | None:
         """Take or renew the lease; where to analyse from (request start, ns) when held, else None."""
-        newest = self._newest()
+        newest = self.lease.newest()
         now_ms = self.clock() // 1_000_000
         if newest is not None and newest[0] != self.holder and newest[1] > now_ms:
             return None  # another analyser holds it
         start = newest[2] if newest is not None and newest[2] > 0 else None
         start = start or self.clock() - int(self.schedule.lookback_s * S)
-        self._claim(start)
-        newest = self._newest()  # two claims at once: the newest wins, the other yields
+        self.lease.claim(start)
+        newest = self.lease.newest()  # two claims at once: the newest wins, the other yields
         return start if newest is not None and newest[0] == self.holder else None
 
     def release(self) -> None:
         """Let another analyser take over at once (on a clean stop)."""
-        newest = self._newest()
+        newest = self.lease.newest()
         if newest is not None and newest[0] == self.holder:
-            self._insert(self.clock() // 1_000_000, 0, newest[2])
+            self.lease.claim(newest[2], held=False)
 
     # -- one pass ------------------------------------------------------------------------------------------------
 
@@ -194,7 +199,7 @@ class Analyser:
                 new[key] = new.get(key, 0) + 1
         horizon = analyse_from - int(schedule.recheck_s * S)  # forget what can no longer be re-checked
         self._counted = {k: v for k, v in self._counted.items() if v >= horizon}
-        self._claim(until_ns)
+        self.lease.claim(until_ns)
         return Pass(until_ns, analysed, new, time.monotonic() - began)
 
     def lag_s(self, reached_ns: int) -> float:
@@ -260,15 +265,21 @@ class Analyser:
             logger.debug("releasing the analyser's lease: %s", exc)
 
     def _heartbeat(self, stop: threading.Event) -> None:
-        while not stop.wait(self.schedule.every_s):
-            if not self.stats.holding:
-                continue
-            try:
-                newest = self._newest()
-                if newest is not None and newest[0] == self.holder:
-                    self._claim(newest[2])
-            except Exception as exc:  # the pass says so, once
-                logger.debug("renewing the analyser's lease: %s", exc)
+        lease = None  # on a client of its own: a server store's client runs one query at a time
+        try:
+            while not stop.wait(self.schedule.every_s):
+                if not self.stats.holding:
+                    continue
+                try:
+                    lease = lease or Lease(self.store.another(), self.holder, self.schedule, self.clock)
+                    newest = lease.newest()
+                    if newest is not None and newest[0] == self.holder:
+                        lease.claim(newest[2])
+                except Exception as exc:  # the pass says so, once
+                    logger.debug("renewing the analyser's lease: %s", exc)
+        finally:
+            if lease is not None and lease.store is not self.store:
+                lease.store.close()
 
 
 def start(store: Store, schedule: Schedule, stats: Stats | None = None) -> tuple[Analyser, threading.Event, threading.Thread]:
@@ -280,4 +291,4 @@ def start(store: Store, schedule: Schedule, stats: Stats | None = None) -> tuple
     return analyser, stop, thread
 
 
-__all__ = ["Analyser", "DEFAULT_EVERY_S", "Pass", "Schedule", "Stats", "start"]
+__all__ = ["Analyser", "DEFAULT_EVERY_S", "Lease", "Pass", "Schedule", "Stats", "start"]
