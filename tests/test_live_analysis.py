@@ -28,6 +28,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind
 
+from stagetrace.analysis import live
+
 _spec = importlib.util.spec_from_file_location("stagetrace_tests_agents", Path(__file__).with_name("agents.py"))
 agents = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = agents
@@ -240,3 +242,69 @@ def _value(exposition: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+# -- faults the analyser meets in a fleet ------------------------------------------------------------------------
+
+_fleet_spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
+fleet = importlib.util.module_from_spec(_fleet_spec)
+sys.modules[_fleet_spec.name] = fleet
+_fleet_spec.loader.exec_module(fleet)
+
+
+def _traffic(store, now_ns: int, ahead: dict[str, int] | None = None) -> dict:
+    """Hosts a..d serving the same prompts for five minutes before ``now_ns``, d's decode outputs changed; a host in
+    ``ahead`` stamps its spans that many ns late of the truth (its clock runs ahead)."""
+    recorded = fleet.Fleet(store, start_ns=now_ns - 5 * fleet.MINUTE)
+    n = 0
+    for minute in range(5):
+        for host in "abcd" + "".join(ahead or {}):
+            for prompt in range(2):
+                at = recorded.at(minute, seconds=n % 50) + (ahead or {}).get(host, 0)
+                recorded.request(f"{host}-{n}", at, host, prompt=prompt, differs={"decode": "x"} if host in "de" else None)
+                n += 1
+    recorded.flush()
+    return recorded.requests
+
+
+def _listed(store) -> set[str]:
+    sql = "SELECT RequestId FROM {db:Identifier}.stagetrace_divergences FINAL"
+    return {r[0] for r in store.client.query(sql, parameters={"db": store.database}).result_rows}
+
+
+def test_a_host_whose_clock_runs_minutes_ahead_is_analysed_when_its_time_comes(store):
+    now = time.time_ns()
+    requests = _traffic(store, now, ahead={"e": 4 * fleet.MINUTE})
+    early = [r for r, v in requests.items() if v["host"] == "e" and v["start_ns"] > now]
+    analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: now)
+    assert analyser.step() is not None and analyser.stats.failures == 0
+    assert 0 <= analyser.stats.lag_s < 60  # the future counts as now: no lag that grows without end
+    listed = _listed(store)
+    assert {r for r, v in requests.items() if v["host"] == "d"} <= listed and early and not set(early) & listed
+    later = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600),
+                          clock=lambda: now + 5 * fleet.MINUTE)  # fmt: skip
+    assert later.step() is not None
+    assert set(early) <= _listed(store)
+
+
+def test_malformed_spans_beside_good_ones_are_no_crash(store, caplog):
+    """Rows no well-behaved producer writes (a root without digests, a stage without a request, a request ID of
+    ten thousand characters, NUL bytes, a trace ID that is not hex), among real traffic: the pass completes and
+    the deviating requests are still named."""
+    now = time.time_ns()
+    requests = _traffic(store, now)
+    store.client.command("""
+        INSERT INTO {db:Identifier}.otel_traces (Timestamp, TraceId, SpanId, ParentSpanId, SpanName, SpanKind, ServiceName,
+                                 ResourceAttributes, SpanAttributes, Duration)
+        VALUES (now64(9) - 60, 'not-hex', 's1', '', 'inference.request', 'Server', 'rag', map('host.name', 'x'),
+                map('stagetrace.request.id', 'no-digests'), 5),
+               (now64(9) - 60, '', 's2', 's1', 'decode', 'Internal', 'rag', map(),
+                map('stagetrace.stage', 'decode', 'stagetrace.stage.output_digest', 'zz'), 5),
+               (now64(9) - 60, 'ab', 's3', '', 'inference.request', 'Server', 'rag', map('host.name', 'y'),
+                map('stagetrace.request.id', repeat('x', 10000), 'stagetrace.input.digest', '\\0\\0',
+                    'stagetrace.output.digest', 'out'), 5)""", parameters={"db": store.database})  # fmt: skip
+    caplog.set_level("WARNING", logger="stagetrace")
+    analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: now)
+    assert analyser.step() is not None and analyser.stats.failures == 0, caplog.text
+    assert {r for r, v in requests.items() if v["host"] == "d"} <= _listed(store)
+    assert not caplog.records

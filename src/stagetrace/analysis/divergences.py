@@ -57,15 +57,16 @@ def _located(deviations: list[population.Deviation], where: dict[str, Divergence
 
 
 def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
-         analyse_from_ns: int = 0) -> dict:
+         analyse_from_ns: int = 0, analyse=None) -> dict:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
-    started at ``analyse_from_ns`` or later: the live analyser's new ones), grouped by input."""
+    started at ``analyse_from_ns`` or later and, when ``analyse`` is given, for which ``analyse(deviation)`` is
+    true: the live analyser's new ones), grouped by input."""
     until_ns = until_ns or time.time_ns()
     t0 = until_ns - since_ns
     window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
 
     def chosen(found: list[population.Deviation]) -> list[population.Deviation]:
-        recent = [d for d in found if d.start_ns >= analyse_from_ns]
+        recent = [d for d in found if d.start_ns >= analyse_from_ns and (analyse is None or analyse(d))]
         return recent[-limit:] if limit else recent
 
     deviations = population.deviations(store, t0, until_ns)

@@ -5,11 +5,11 @@ Each pass analyses the requests that started since the last pass ended, up to ``
 of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``): their
 groups and majorities come from the ``lookback`` window before them, computed in ClickHouse, so a pass costs what
 that window's traffic costs, whatever the store's history. Requests of the last ``recheck`` (two periods) are
-analysed again each pass, so a request whose group's majority changes as more peers arrive is re-evaluated, and one whose spans
-came after the settle delay is caught. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree
-by request ID): analysed twice, it is one row.
+looked at again each pass, and one whose group's majority or size changed as more peers arrived is analysed
+again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by request ID): analysed twice, it
+is one row.
 
-One analyser per store: a lease in ``stagetrace_analyser``, renewed each pass, held for two periods. A second
+One analyser per store: a lease in ``stagetrace_analyser``, renewed every period by a heartbeat, held for two. A second
 analyser waits; it takes over within two periods after the first stops renewing, from where the first's last pass
 ended (the table records it), so a restart leaves neither gaps nor duplicate rows. The store has no
 compare-and-set, so two analysers that claim at the same moment both read back the newest claim and the older one
@@ -154,6 +154,7 @@ class Analyser:
         self.lease = Lease(store, self.holder, self.schedule, clock)
         # request ID -> where the pass that counted it reached: each is counted once in stagetrace_deviating_requests
         self._counted: dict[str, int] = {}
+        self._groups: dict[str, tuple[str, int]] = {}  # request ID -> (majority output, group size) when analysed
 
     def acquire(self) -> int | None:
         """Take or renew the lease; where to analyse from (request start, ns) when held, else None."""
@@ -184,13 +185,17 @@ class Analyser:
         until_ns = self.clock() - int(schedule.settle_s * S)
         until_ns = max(until_ns, start_ns)
         analyse_from = start_ns - int(schedule.recheck_s * S)
+        def changed(d) -> bool:  # a request analysed before is analysed again only if its group changed since
+            return self._groups.get(d.request_id) != (d.majority_output, d.group_size)
+
         found = divergences.find(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
-                                 limit=None, analyse_from_ns=analyse_from)  # fmt: skip
+                                 limit=None, analyse_from_ns=analyse_from, analyse=changed)  # fmt: skip
         new: dict[tuple[str, str, str], int] = {}
         analysed = 0
         for group in found["groups"]:
             for item in group["deviating"]:
                 analysed += 1
+                self._groups[item["request_id"]] = (group["majority_output"], group["requests"])
                 if item["request_id"] in self._counted:
                     continue
                 self._counted[item["request_id"]] = until_ns
@@ -199,6 +204,7 @@ class Analyser:
                 new[key] = new.get(key, 0) + 1
         horizon = analyse_from - int(schedule.recheck_s * S)  # forget what can no longer be re-checked
         self._counted = {k: v for k, v in self._counted.items() if v >= horizon}
+        self._groups = {k: v for k, v in self._groups.items() if k in self._counted}
         self.lease.claim(until_ns)
         return Pass(until_ns, analysed, new, time.monotonic() - began)
 
