@@ -51,8 +51,8 @@ SELECT
 FROM (
     SELECT number AS n,
            lower(hex(MD5(concat('trace', toString(n + {{offset:UInt64}}))))) AS trace,
-           lower(hex(MD5(concat('input', toString(n % greatest(1, intDiv({{requests:UInt64}}, {GROUP}))))))) AS input,
-           cityHash64(n, 'deviates') % 100 < {DEVIATING_PERCENT} AS deviating,
+           lower(hex(MD5(concat('input', toString(n % greatest(1, intDiv({{requests:UInt64}}, {{group:UInt64}}))))))) AS input,
+           cityHash64(n, 'deviates') % 1000000 < {{deviating_ppm:UInt64}} AS deviating,
            1 + cityHash64(n, 'stage') % 5 AS at,
            -- the digest entering stage k is outs[k]; outs[6] is the request's output
            arrayMap(i -> if(i = 1, input, lower(hex(MD5(concat(input, toString(i),
@@ -72,12 +72,14 @@ STYLES = {"stagetrace": _STAGETRACE_ATTRIBUTES, "openinference": _OPENINFERENCE_
 
 
 def fill(store: Store, requests: int, t0_ns: int, seconds: float = 3600.0, offset: int = 0,
-         style: str = "stagetrace") -> int:  # fmt: skip
-    """Insert ``requests`` requests (six spans each) spread over ``seconds`` from ``t0_ns``; returns the spans."""
+         style: str = "stagetrace", group: int = GROUP, deviating_percent: float = DEVIATING_PERCENT) -> int:  # fmt: skip
+    """Insert ``requests`` requests (six spans each) spread over ``seconds`` from ``t0_ns``, ``group`` of them to an
+    input, ``deviating_percent`` of them deviating; returns the spans."""
     step = int(seconds * 1e9 / max(requests, 1))
     store.client.command(
         INSERT_SQL.replace("{attributes}", STYLES[style]),
-        parameters={"db": store.database, "requests": requests, "t0": t0_ns, "step": step, "offset": offset},
+        parameters={"db": store.database, "requests": requests, "t0": t0_ns, "step": step, "offset": offset,
+                    "group": group, "deviating_ppm": int(deviating_percent * 10_000)},
         settings={"max_insert_threads": 2},
     )
     return requests * 6

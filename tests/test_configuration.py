@@ -37,7 +37,8 @@ def test_a_vllm_process_records_its_gpus_versions_environment_and_settings():
                      NCCL_VERSION="2.21.5", VLLM_BATCH_INVARIANT="1")  # fmt: skip
     assert {k: v for k, v in found.items() if not k.startswith(("telemetry.", "service."))} == {
         "gpu.uuids": f"{uuids[2]},{uuids[3]}", "gpu.model": "NVIDIA H200", "gpu.count": 2,
-        "gpu.driver.version": "570.133.20", "nccl.version": "2.21.5", "env.NCCL_ALGO": "Ring",
+        "gpu.driver.version": "570.133.20", "cuda.driver.version": "12.8", "nccl.version": "2.21.5",
+        "env.NCCL_ALGO": "Ring",
         "env.VLLM_BATCH_INVARIANT": "1", "engine": "vllm", "engine.kv_cache_dtype": "fp8",
         "engine.tensor_parallel_size": "2", "engine.enable_prefix_caching": "true",
     }  # fmt: skip

@@ -308,3 +308,19 @@ def test_malformed_spans_beside_good_ones_are_no_crash(store, caplog):
     assert analyser.step() is not None and analyser.stats.failures == 0, caplog.text
     assert {r for r, v in requests.items() if v["host"] == "d"} <= _listed(store)
     assert not caplog.records
+
+
+def test_an_input_group_of_100000_identical_requests(store):
+    """One prompt asked 100,000 times in ten minutes (a health check, a popular query), 0.02% of its answers
+    deviating: the pass groups them in the store and analyses the deviating ones, without running out of memory."""
+    from benchmarks import synthetic
+
+    now = time.time_ns()
+    synthetic.fill(store, 100_000, now - 600 * 10**9, seconds=540, group=100_000, deviating_percent=0.02)
+    counts = store.client.query("SELECT uniqExact(InputDigest), count() FROM {db:Identifier}.stagetrace_requests",
+                                parameters={"db": store.database}).result_rows  # fmt: skip
+    assert counts == [(1, 100_000)]
+    analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: now)
+    done = analyser.step()
+    assert done is not None and analyser.stats.failures == 0
+    assert 5 <= done.analysed <= 60 and len(_listed(store)) == done.analysed
