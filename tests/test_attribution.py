@@ -619,6 +619,7 @@ def test_the_setting_is_the_cause_and_the_host_is_where(store, name, resources, 
     assert (report["first_divergent_stage"], top["name"], top["value"]) == ("decode", cause, value), report["causes"]
     assert top["where"]["host.name"] == where
     assert f"{where} runs {cause} {value} where its peers run" in report["summary"]
+    assert f"known: {conventions.KNOWN_CAUSES[cause]}" in report["summary"]  # what the engines document about it
     assert (entry["first_divergent_stage"], entry["top_cause"]["name"]) == ("decode", cause)  # one analysis
     identities = [c for c in report["causes"] if c["name"] in ("host.name", "gpu.uuid")]
     assert identities and all(report["causes"].index(c) > 0 for c in identities)

@@ -74,6 +74,37 @@ CONFIGURATION_FLAGS = {
     "--enable-deterministic-inference": "deterministic_inference", "--seed": "seed",
 }  # fmt: skip
 
+# What the serving engines and libraries document about settings that change numerics (reference/engines_gpm.md
+# §1, with the sources there): a verdict whose top cause is one of them says it, so the operator reads why it can.
+KNOWN_CAUSES = {
+    "decode.batch_size": "kernels reduce in an order that depends on the batch size unless batch invariance is on "
+                         "(vLLM VLLM_BATCH_INVARIANT=1, SGLang --enable-deterministic-inference)",
+    "engine.enable_prefix_caching": "a prefix-cache hit computes the prompt on another kernel path than a miss; "
+                                    "bit-exact only with batch invariance",
+    "engine.disable_prefix_caching": "a prefix-cache hit computes the prompt on another kernel path than a miss",
+    "engine.speculative_config": "speculative decoding is documented to change greedy outputs",
+    "engine.speculative_algorithm": "speculative decoding is documented to change greedy outputs",
+    "engine.attention_backend": "attention backends round differently (SGLang's deterministic mode supports only "
+                                "FlashInfer, FA3 and Triton)",
+    "env.VLLM_ATTENTION_BACKEND": "attention backends round differently",
+    "engine.kv_cache_dtype": "a lower-precision KV cache (FP8) changes the values attention reads",
+    "engine.quantization": "quantized weights compute other values",
+    "engine.dtype": "another compute dtype rounds differently",
+    "engine.tensor_parallel_size": "another tensor-parallel degree splits every reduction differently",
+    "engine.disable_custom_all_reduce": "custom all-reduce and NCCL sum in different orders (vLLM picks one by "
+                                        "message size)",
+    "engine.enable_chunked_prefill": "chunked prefill runs other kernels",
+    "engine.deterministic_inference": "deterministic inference fixes the reduction order; without it outputs vary "
+                                      "with the batch",
+    "allreduce.algorithm": "ring and tree all-reduce sum in different orders",
+    "env.NCCL_ALGO": "NCCL's algorithms sum in different orders",
+    "env.NCCL_PROTO": "NCCL's protocols can change the reduction's chunking",
+    "gpu.model": "outputs are reproducible only on the same GPU model (vLLM's reproducibility notes)",
+    "gpu.driver.version": "outputs are reproducible only on the same driver and CUDA versions",
+    "cuda.driver.version": "outputs are reproducible only on the same driver and CUDA versions",
+    "engine.version": "outputs are reproducible only on the same engine version",
+}  # fmt: skip
+
 # -- weight transfer (RL: after each training step the trainer pushes the new weights into the inference GPUs).
 # One span per sync, the root of its own trace, carrying the step, the bytes and how many ranks send and receive;
 # below it one span per link (a source NIC writing to a destination NIC), or per destination. A sync span is not

@@ -240,9 +240,11 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
                                                                               *together])
         return (f"{lead}: {names} changed together{f' on {host}' if host else ''} and cannot be told apart here "
                 f"(a host with one and not the others would tell them apart) {tail}")  # fmt: skip
+    known = conventions.KNOWN_CAUSES.get(top.name)
+    known = f"; known: {known}" if known else ""
     if host:
-        return f"{lead}: {host} runs {top.name} {value} where its peers run {usual} {tail}"
-    return f"{lead}: {top.name} {value} vs {usual} {tail}"
+        return f"{lead}: {host} runs {top.name} {value} where its peers run {usual}{known} {tail}"
+    return f"{lead}: {top.name} {value} vs {usual}{known} {tail}"
 
 
 _WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
