@@ -116,6 +116,14 @@ def hostile(marker: str) -> list[tuple[str, dict]]:
         ("KILL QUERY WHERE 1", {}),
         ("SYSTEM FLUSH LOGS", {}),
         ("INSERT INTO otel_traces (SpanName) VALUES ('x')", {}),
+        # expressions the parse tree's dump does not print (found in review): APPLY, and a SHOW's LIMIT
+        (f"SELECT * APPLY(x -> file('{marker}')) FROM (SELECT 1)", {}),
+        (f"SELECT * APPLY file FROM (SELECT '{marker}' AS p)", {}),
+        (f"SHOW TABLES LIMIT toUInt64(file('{marker}'))", {}),
+        ("SHOW DATABASES LIMIT toUInt64(file('/proc/self/environ'))", {}),
+        ("SHOW TABLES LIMIT (SELECT toUInt64(arrayStringConcat(groupArray(query), ' ')) FROM system.processes)", {}),
+        ("SHOW CLUSTERS", {}),
+        ("SELECT firstSignificantSubdomainCustom('a.b.c', 'public_suffix_list')", {}),
     ]  # fmt: skip
 
 

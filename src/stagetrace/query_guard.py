@@ -16,7 +16,10 @@ those reads. So every statement passes an allow-list before it runs, decided on 
      (``countIf``, ``uniqState``) count as the function they name;
    - a name qualified by a database names the store's database, an allowed system table (``SYSTEM_TABLES``),
      or ``information_schema``; never another database of the engine (its ``default`` is the filesystem).
-     Unqualified names resolve in the session's database, which is always the store's.
+     Unqualified names resolve in the session's database, which is always the store's;
+   - every node is of a kind listed in ``NODE_KINDS``: the dump does not print every expression a node keeps
+     (the APPLY column transformer's function, a SHOW statement's LIMIT), so an unlisted kind is refused, and
+     SHOW runs only as ``SHOW DATABASES`` / ``SHOW TABLES [FROM database]``.
 The checks look at every node alone, not at where it sits, so a node the tree's text places oddly (a quoted
 identifier with a line break in it) is checked all the same. Refusals are ClickHouse's own codes: 164 (READONLY)
 for a statement that is not a read, 497 (ACCESS_DENIED) for a function or table outside the store.
@@ -68,6 +71,23 @@ SYNTAX_FUNCTIONS = frozenset({"lambda", "exists", "untuple", "grouping", "_CAST"
 # table functions that generate rows or wrap a subquery (whose own nodes are checked like any other)
 TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "values", "generateSeries",
                              "generate_series", "view", "format"})  # fmt: skip
+
+# the parse tree's node kinds a read may hold. EXPLAIN AST does not print every expression a node keeps (the APPLY
+# column transformer's function, a SHOW statement's LIMIT), so a kind not listed here is refused, and one the engine
+# adds later is refused until it is looked at and listed
+NODE_KINDS = frozenset({
+    *READ_STATEMENTS, "SelectQuery", "SelectIntersectExceptQuery", "ExpressionList", "Subquery", "WithElement",
+    "TablesInSelectQuery", "TablesInSelectQueryElement", "TableExpression", "TableIdentifier", "TableJoin", "ArrayJoin",
+    "Identifier", "Literal", "Function", "OrderByElement", "InterpolateElement", "WindowDefinition",
+    "WindowListElement", "Asterisk", "QualifiedAsterisk", "ColumnsRegexpMatcher", "ColumnsListMatcher",
+    "QualifiedColumnsRegexpMatcher", "QualifiedColumnsListMatcher", "ColumnsTransformerList",
+    "ColumnsExceptTransformer", "ColumnsReplaceTransformer", "ColumnsReplaceTransformer::Replacement",
+    "Set",  # a SETTINGS clause: the readonly session refuses it with the engine's own message
+})  # fmt: skip
+# SHOW statements keep their LIKE and LIMIT outside the printed tree: only these forms, as the engine formats them
+_SHOW = re.compile(r"SHOW (?:DATABASES|TABLES(?: FROM [A-Za-z_][A-Za-z0-9_]*)?)(?:\nFORMAT \w+)?")
+# URL functions that read the top-level-domain lists the server's configuration names
+_CONFIGURED_PREFIXES = ("firstSignificantSubdomainCustom", "cutToFirstSignificantSubdomainCustom")
 
 READONLY, ACCESS_DENIED = 164, 497
 _CHILDREN = re.compile(r" \(children (\d+)\)$")
@@ -121,8 +141,14 @@ class QueryGuard:
         root = nodes[0]
         if root.kind not in READ_STATEMENTS:
             raise Denied(READONLY, "the query endpoint runs only reads: SELECT, WITH, SHOW, DESCRIBE or EXISTS")
+        if root.kind == "ShowTables" and not _SHOW.fullmatch(canonical):
+            raise Denied(READONLY, "of SHOW statements the query endpoint runs SHOW DATABASES and SHOW TABLES "
+                                   "[FROM database], without LIKE or LIMIT")  # fmt: skip
         databases: list[set[str]] = []  # the engine's databases, asked at most once per statement
         for node in nodes[1:]:
+            if node.kind not in NODE_KINDS:
+                raise Denied(ACCESS_DENIED, f"the query endpoint does not run {node.kind} (a part of the statement "
+                                            "it cannot check)")  # fmt: skip
             if node.depth == 1 and node.kind == "Literal":  # a root's literal child is INTO OUTFILE's path
                 raise Denied(READONLY, "the query endpoint does not write files (INTO OUTFILE)")
             if node.kind == "Function" and not self._function_allowed(node.name):
@@ -170,6 +196,8 @@ def _allowed_functions(query) -> tuple[frozenset[str], frozenset[str], frozenset
     def allowed(name: str, alias_to: str, categories: str) -> bool:
         if name in OTHER_FUNCTIONS or name in SYNTAX_FUNCTIONS:
             return True
+        if name.startswith(_CONFIGURED_PREFIXES):
+            return False
         return bool(categories) and all(c.strip() in FUNCTION_CATEGORIES for c in categories.split(","))
 
     own = {name: allowed(name, alias_to, categories) for name, alias_to, _, _, categories in rows}
