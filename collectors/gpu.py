@@ -34,6 +34,7 @@ from stagetrace.collectors.nvml import (
     NVML_ERRORS,
     CachedReads,
     NvmlSource,
+    cuda_version,
     error_name,
     nvml_source,
     unavailable_reason,
@@ -371,6 +372,7 @@ class GpuCollector(Collector):
         pending: list[tuple[MetricSpec, float, dict]] = []
         try:
             identity = self._identify(index)
+            inventory = self._inventory(index)  # inside: a GPU lost while it answers is that GPU lost
             for reading in READINGS:
                 value = self._reads.read(index, *reading.call)
                 if value is not None:
@@ -390,7 +392,7 @@ class GpuCollector(Collector):
             return identity
         labels = identity.labels()
         out.add(UP, 1, **labels)
-        out.add(INFO_SPEC, self._inventory(index), **labels)
+        out.add(INFO_SPEC, inventory, **labels)
         for spec, value, extra in pending:
             out.add(spec, value, **labels, **extra)
         return identity
@@ -404,7 +406,7 @@ class GpuCollector(Collector):
                     value = self.source.system(function)
                 except NVML_ERRORS:
                     continue
-                self._system[label] = f"{value // 1000}.{value % 1000 // 10}" if isinstance(value, int) else str(value)
+                self._system[label] = cuda_version(value) if label == "cuda_version" else str(value)
         modes = {}
         for label, call in zip(("ecc_mode", "mig_mode"), INVENTORY_CALLS):
             current = self._reads.read(index, call)  # (current, pending); None where NVML does not say

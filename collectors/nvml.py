@@ -150,6 +150,11 @@ def nvml_source(options: Options, watch_xids: bool = True) -> NvmlSource:
     return FixtureSource(options.nvml_fixture) if options.nvml_fixture else PynvmlSource(watch_xids=watch_xids)
 
 
+def cuda_version(value: Any) -> str:
+    """``nvmlSystemGetCudaDriverVersion``'s 1000 * major + 10 * minor (12080) as CUDA writes it (12.8)."""
+    return f"{value // 1000}.{value % 1000 // 10}" if isinstance(value, int) else str(value)
+
+
 def plain(value: Any) -> Any:
     """A pynvml answer as JSON-able data: structs become dicts keyed by their C field names."""
     if isinstance(value, (list, tuple, ctypes.Array)):

@@ -32,25 +32,30 @@ SPAN_LAG_S = 10
 MAX_STEPS_BEHIND = 0
 
 # The live analyser's results (stagetrace_divergences), one alert instance per service, first divergent stage and
-# top cause. Grafana turns a rule's text columns into labels, the only text its templates can show: the cause's
-# value, the hosts and devices and an example request are labels too, taken from the first request of the range
-# so that they stay the same from one evaluation to the next.
-_LOCATED = ("$__timeFilter(RequestStart) AND FirstDivergentStage != '' AND TopCauseName != ''")
+# top cause. Grafana turns a rule's text columns into labels, the only text its templates can show, and a label that
+# changes makes another instance (and another notification): so the cause's value, the baseline's, the example
+# request, the hosts and the devices are those of the cause's requests over the day before, which stay the same
+# while it goes on (hosts and devices grow only when the cause reaches another); the number is the range's count.
+_LOCATED = "FirstDivergentStage != '' AND TopCauseName != ''"
+_DAY = "RequestStart >= $__fromTime - INTERVAL 24 HOUR AND RequestStart <= $__toTime"
 _BY_CAUSE = "ServiceName AS service, FirstDivergentStage AS stage, TopCauseName AS cause"
 DEVIATING_BY_CAUSE = f"""
-SELECT {_BY_CAUSE}, argMin(TopCauseValue, RequestStart) AS value,
-       argMin(TopCauseBaselineValue, RequestStart) AS baseline_value,
-       arrayStringConcat(arraySort(groupUniqArray(HostName)), ' ') AS hosts,
-       arrayStringConcat(arraySort(arrayFilter(d -> d != '', groupUniqArrayArray(splitByChar(',', Devices)))), ' ')
-           AS devices,
-       argMin(RequestId, RequestStart) AS example_request, toFloat64(count()) AS deviating
-FROM stagetrace_divergences FINAL
-WHERE {_LOCATED}
-GROUP BY service, stage, cause"""
+SELECT service, stage, cause, value, baseline_value, hosts, devices, example_request, toFloat64(recent) AS deviating
+FROM (
+    SELECT {_BY_CAUSE}, argMin(TopCauseValue, RequestStart) AS value,
+           argMin(TopCauseBaselineValue, RequestStart) AS baseline_value,
+           arrayStringConcat(arraySort(groupUniqArray(HostName)), ' ') AS hosts,
+           arrayStringConcat(arraySort(arrayFilter(d -> d != '', groupUniqArrayArray(splitByChar(',', Devices)))),
+                             ' ') AS devices,
+           argMin(RequestId, RequestStart) AS example_request, countIf($__timeFilter(RequestStart)) AS recent
+    FROM stagetrace_divergences FINAL
+    WHERE {_DAY} AND {_LOCATED}
+    GROUP BY service, stage, cause)
+WHERE recent > 0"""
 NEW_CAUSES = f"""
 SELECT {_BY_CAUSE}, argMin(RequestId, RequestStart) AS example_request, toFloat64(count()) AS deviating
 FROM stagetrace_divergences FINAL
-WHERE {_LOCATED}
+WHERE $__timeFilter(RequestStart) AND {_LOCATED}
   AND (ServiceName, FirstDivergentStage, TopCauseName) NOT IN (
       SELECT ServiceName, FirstDivergentStage, TopCauseName FROM stagetrace_divergences FINAL
       WHERE RequestStart >= $__fromTime - INTERVAL 24 HOUR AND RequestStart < $__fromTime)

@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 import subprocess
-from datetime import timedelta, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -184,10 +184,11 @@ def test_every_metric_name_used_is_in_the_expected_scrape():
 # Grafana-managed rules on the demo's data
 
 
-def _evaluate(store, rule: alert_rules.PipelineRule) -> tuple[list[str], list[str], list[list]]:
-    """The rule's query as Grafana's alerting sends it: its relative range ending now (the demo's end)."""
+def _evaluate(store, rule: alert_rules.PipelineRule, later_s: int = 0) -> tuple[list[str], list[str], list[list]]:
+    """The rule's query as Grafana's alerting sends it: its relative range ending now (the demo's end, or
+    ``later_s`` after it)."""
     ((last,),) = store.client.query("SELECT max(Timestamp) FROM otel_traces").result_rows
-    now = last.replace(tzinfo=timezone.utc) + timedelta(seconds=1)
+    now = last.replace(tzinfo=timezone.utc) + timedelta(seconds=1 + later_s)
     sql = expand(rule.sql, QueryContext(now - timedelta(seconds=rule.window_s), now, interval_ms=1000))
     result = json.loads(store.client.raw_query(sql, fmt="JSONCompact"))
     return [c["name"] for c in result["meta"]], [c["type"] for c in result["meta"]], result["data"]
@@ -230,3 +231,25 @@ def test_deviation_rules_name_stage_cause_and_an_example_request_of_it(uid, anal
         index = next(f for f in found if f["cause"] == "retrieval.index.version")
         assert {index["value"], index["baseline_value"]} == {"v41", "v42"} and index["hosts"].startswith("gpu-node-")
         assert "{{ $labels.example_request }}" in rule.description and "{{ $labels.value }}" in rule.summary
+
+
+def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(store):
+    """Grafana makes a rule's text columns labels, and new labels a new alert (and a new notification). One cause
+    going on for a quarter of an hour: evaluated a minute apart, while its first request leaves the 15-minute
+    range, it keeps the same labels (its example request and values are its first of the day)."""
+    from stagetrace.analysis.divergences import COLUMNS
+
+    (rule,) = [r for r in alert_rules.RULES if r.uid == "stagetrace-deviating-outputs"]
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    rows = [(0, f"req-{m}", "t", int((now - timedelta(minutes=m)).timestamp() * 1e9), "chat", "gpu-c", "in", "b",
+             "majority", "decode", "attribute", "engine.kv_cache_dtype", "fp8", "auto", 0.9, "[]", "s", "GPU-c")
+            for m in (14, 5)]  # fmt: skip
+    store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
+    store.client.database = store.database
+
+    def labels(at: datetime) -> list:
+        sql = expand(rule.sql, QueryContext(at - timedelta(seconds=rule.window_s), at, interval_ms=1000))
+        return [row[:-1] for row in json.loads(store.client.raw_query(sql, fmt="JSONCompact"))["data"]]
+
+    first, later = labels(now), labels(now + timedelta(minutes=2))  # req-14 is out of the range by then
+    assert first == later == [["chat", "decode", "engine.kv_cache_dtype", "fp8", "auto", "gpu-c", "GPU-c", "req-14"]]

@@ -640,3 +640,15 @@ def test_an_identity_with_nothing_else_recorded_stays_the_cause(store):
     top = report["causes"][0]
     assert top["name"] in ("gpu.uuid", "host.name") and not top["weak"] and "GPU-c-0" in report["summary"] + top["value"]
     assert entry["top_cause"]["name"] == top["name"]
+
+
+def test_differences_no_contrast_weighed_say_nothing_of_where_or_together():
+    """Without a population to weigh them (no other request carried either value), every difference scores the
+    same: that is no evidence that settings changed together, nor that an identity is only where."""
+    from stagetrace.analysis.causes import UNSCORED, Cause, ranked
+
+    found = ranked([Cause("attribute", "decode", name, value, "", UNSCORED, {"role": "setting"})
+                    for name, value in (("engine.kv_cache_dtype", "fp8"), ("engine.max_num_seqs", "64"),
+                                        ("host.name", "c"))])  # fmt: skip
+    assert [c.name for c in found] == ["engine.kv_cache_dtype", "engine.max_num_seqs", "host.name"]
+    assert not any("together" in c.evidence or "where" in c.evidence for c in found)

@@ -367,3 +367,14 @@ def test_gpu_info_carries_the_driver_cuda_and_the_modes_that_change_numerics(nod
     assert (info["0"]["ecc_mode"], info["0"]["mig_mode"]) == ("enabled", "disabled")
     assert (info["1"]["ecc_mode"], info["2"]["mig_mode"], info["3"]["ecc_mode"]) == ("disabled", "enabled", "")
     assert scrape(GpuCollector(Options(nvml_fixture=NODE_NVML)))["gpu_info"][0][0]["cuda_version"] == "12.8"
+
+
+def test_a_gpu_lost_while_its_inventory_is_read_is_that_gpu_lost(node_copy):
+    def lose(snapshot):
+        snapshot["gpus"][5]["nvmlDeviceGetEccMode"] = "NVMLError_GpuIsLost"
+
+    edit(node_copy, lose)
+    scraped = scrape(GpuCollector(Options(nvml_fixture=node_copy)))
+    up = {labels["gpu"]: value for labels, value in scraped["gpu_up"]}
+    assert up["5"] == 0 and all(up[str(gpu)] == 1 for gpu in range(8) if gpu != 5)
+    assert {labels["gpu"] for labels, _ in scraped["gpu_info"]} == {str(g) for g in range(8) if g != 5}

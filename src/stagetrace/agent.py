@@ -214,7 +214,10 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             from stagetrace.analysis import live
 
             shared.analysis = live.Stats()
-            _, analysing, thread = live.start(opened, analysis, shared.analysis)
+            analysed = opened.another()  # a server store's client runs one query at a time: the writers use it
+            if analysed is not opened:
+                cleanup.callback(analysed.close)
+            _, analysing, thread = live.start(analysed, analysis, shared.analysis)
             cleanup.callback(thread.join, 30)  # a pass in progress ends before the store closes
             cleanup.callback(analysing.set)
             logger.info("analysing divergences every %gs (--analyse-every 0 to turn off)", analysis.every_s)

@@ -347,8 +347,8 @@ def _agent(args) -> int:
             insert_every = agent.parse_interval(args.insert_every)
         except ValueError as exc:
             raise ValueError(f"--insert-every: {exc}") from None
-        asked = args.analyse_every is not None
-        analysis = False if asked and args.analyse_every.strip() == "0" else _schedule(
+        asked = bool((args.analyse_every or "").strip())
+        analysis = False if asked and _is_zero(args.analyse_every) else _schedule(
             args.analyse_every if asked else "1m", "--analyse-every")
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
@@ -372,6 +372,13 @@ DURATION_OPTIONS = ("--since", "--window", "--interval", "--insert-every", "--an
                     "--lookback")
 
 
+def _is_zero(text: str) -> bool:
+    """``0``, ``0s``, ``0ms``...: a duration of nothing (which turns analysis off, or the settle delay)."""
+    import re
+
+    return re.fullmatch(r"\s*0+(\.0*)?\s*(ms|s|m|h|d|w)?\s*", text) is not None
+
+
 def _schedule(every: str, flag: str, settle: str | None = None, lookback: str | None = None):
     """The live analyser's schedule: each duration from its option, else its environment variable, else default."""
     from stagetrace.agent import parse_interval
@@ -381,10 +388,10 @@ def _schedule(every: str, flag: str, settle: str | None = None, lookback: str | 
              "--lookback": lookback or os.environ.get("STAGETRACE_ANALYSE_LOOKBACK")}  # fmt: skip
     seconds = {}
     for option, text in texts.items():
-        if text is None:
+        if not (text or "").strip():  # unset, or set empty: the default
             continue
         try:
-            seconds[option] = 0.0 if text.strip() == "0" else parse_interval(text)
+            seconds[option] = 0.0 if _is_zero(text) else parse_interval(text)
         except ValueError as exc:
             raise ValueError(f"{option}: {exc}") from None
     if seconds[flag] <= 0:
@@ -421,7 +428,10 @@ def _analyse(args) -> int:
         analyser = live.Analyser(store, schedule)
         if args.once:
             done = analyser.step()
-            analyser.release()
+            try:
+                analyser.release()
+            except Exception as exc:  # the store went away after the pass: the lease runs out by itself
+                logging.getLogger("stagetrace").debug("releasing the lease: %s", exc)
             print("another analyser holds this store's lease" if done is None and not analyser.stats.failures
                   else f"analysed {done.analysed} deviating requests" if done else "the pass failed")  # fmt: skip
             return 0 if done else 1

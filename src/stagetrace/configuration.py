@@ -58,6 +58,8 @@ def _visible(count: int, uuids: list[str]) -> list[int]:
 
 def gpu_attributes() -> dict[str, str]:
     """The visible GPUs' UUIDs, models and count, the driver and CUDA versions; empty without NVML."""
+    from stagetrace.collectors.nvml import cuda_version
+
     try:
         source = _nvml()
     except Exception as exc:  # no driver, no library, no GPU: the process records less
@@ -77,8 +79,7 @@ def gpu_attributes() -> dict[str, str]:
             except Exception as exc:
                 logger.debug("%s: %s", function, exc)
                 continue
-            # the CUDA version comes as 1000 * major + 10 * minor
-            out[key] = f"{value // 1000}.{value % 1000 // 10}" if isinstance(value, int) else str(value)
+            out[key] = cuda_version(value) if key == cv.CONFIGURATION_CUDA else str(value)
         return out
     except Exception as exc:
         logger.debug("GPU configuration only in part: %s", exc)

@@ -166,6 +166,11 @@ def _is_setting(cause: Cause) -> bool:
         and cause.evidence.get("role") == "setting"
 
 
+def _weighed(cause: Cause) -> bool:
+    """Whether a contrast weighed the cause (counts of requests with each value), not only found it differing."""
+    return cause.evidence.get("requests_with_value") is not None
+
+
 def _split(cause: Cause) -> tuple:
     """Which requests the cause separates: the counts its contrast found."""
     ev = cause.evidence
@@ -180,15 +185,17 @@ def ranked(causes: list[Cause]) -> list[Cause]:
     the setting is why, and the identities are recorded on it as where (``evidence["where"]``). Settings that split
     the same requests equally well changed together: the first names the others (``evidence["together"]``)."""
     kept = [c for c in merged(causes) if c.score > 0]
-    best_setting = max((c.score for c in kept if _is_setting(c)), default=None)
+    # only what a contrast weighed separates requests: unweighed differences say nothing of where or together
+    best_setting = max((c.score for c in kept if _is_setting(c) and _weighed(c)), default=None)
 
     def order(c: Cause):
-        demoted = _is_identity(c) and not c.weak and best_setting is not None and best_setting >= c.score - TIE
+        demoted = (_is_identity(c) and not c.weak and _weighed(c) and best_setting is not None
+                   and best_setting >= c.score - TIE)  # fmt: skip
         return (c.weak, demoted, -c.score, c.kind != "hardware", c.name)
 
     out = sorted(kept, key=order)
     top = next((c for c in out if not c.weak), None)
-    if top is not None and _is_setting(top):
+    if top is not None and _is_setting(top) and _weighed(top):
         where = {c.name: c.value for c in out if _is_identity(c) and not c.weak and c.score >= top.score - TIE}
         together = [{"name": c.name, "value": c.value, "baseline_value": c.baseline_value} for c in out
                     if c is not top and _is_setting(c) and abs(c.score - top.score) <= TIE and _split(c) == _split(top)]

@@ -35,6 +35,7 @@ S = 1_000_000_000
 DEFAULT_EVERY_S = 60.0
 DEFAULT_SETTLE_S = 10.0  # as the TP rule leaves out the newest 10 s for late spans
 DEFAULT_LOOKBACK_S = 3600.0  # same-input peers: as `stagetrace divergences --since 1h`
+MAX_SPAN_PERIODS = 10  # with the lookback, bounds the requests one pass analyses: a backlog is caught up in steps
 
 _LEASE_SQL = """
 SELECT Holder, toUnixTimestamp64Milli(Expires), toUnixTimestamp64Nano(AnalysedUntil)
@@ -154,7 +155,9 @@ class Analyser:
         self.lease = Lease(store, self.holder, self.schedule, clock)
         # request ID -> where the pass that counted it reached: each is counted once in stagetrace_deviating_requests
         self._counted: dict[str, int] = {}
-        self._groups: dict[str, tuple[str, int]] = {}  # request ID -> (majority output, group size) when analysed
+        self._groups: dict[str, str] = {}  # request ID -> its group's majority output when analysed
+        self._cursor = 0  # where the analysis reached: what the heartbeat renews the lease with
+        self._cursor_lock = threading.Lock()
 
     def acquire(self) -> int | None:
         """Take or renew the lease; where to analyse from (request start, ns) when held, else None."""
@@ -164,7 +167,9 @@ class Analyser:
             return None  # another analyser holds it
         start = newest[2] if newest is not None and newest[2] > 0 else None
         start = start or self.clock() - int(self.schedule.lookback_s * S)
-        self.lease.claim(start)
+        with self._cursor_lock:
+            self._cursor = start
+            self.lease.claim(start)
         newest = self.lease.newest()  # two claims at once: the newest wins, the other yields
         return start if newest is not None and newest[0] == self.holder else None
 
@@ -182,11 +187,14 @@ class Analyser:
 
         began = time.monotonic()
         schedule = self.schedule
-        until_ns = self.clock() - int(schedule.settle_s * S)
+        # after an outage or a takeover, a backlog is caught up a bounded span a pass (the lookback, or ten periods)
+        span_ns = int(max(MAX_SPAN_PERIODS * schedule.every_s, schedule.lookback_s) * S)
+        until_ns = min(self.clock() - int(schedule.settle_s * S), start_ns + span_ns)
         until_ns = max(until_ns, start_ns)
         analyse_from = start_ns - int(schedule.recheck_s * S)
-        def changed(d) -> bool:  # a request analysed before is analysed again only if its group changed since
-            return self._groups.get(d.request_id) != (d.majority_output, d.group_size)
+
+        def changed(d) -> bool:  # a request analysed before is analysed again only if its group's majority changed
+            return self._groups.get(d.request_id) != d.majority_output
 
         found = divergences.find(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
                                  limit=None, analyse_from_ns=analyse_from, analyse=changed)  # fmt: skip
@@ -195,7 +203,7 @@ class Analyser:
         for group in found["groups"]:
             for item in group["deviating"]:
                 analysed += 1
-                self._groups[item["request_id"]] = (group["majority_output"], group["requests"])
+                self._groups[item["request_id"]] = group["majority_output"]
                 if item["request_id"] in self._counted:
                     continue
                 self._counted[item["request_id"]] = until_ns
@@ -205,7 +213,12 @@ class Analyser:
         horizon = analyse_from - int(schedule.recheck_s * S)  # forget what can no longer be re-checked
         self._counted = {k: v for k, v in self._counted.items() if v >= horizon}
         self._groups = {k: v for k, v in self._groups.items() if k in self._counted}
-        self.lease.claim(until_ns)
+        newest = self.lease.newest()
+        if newest is None or newest[0] != self.holder:
+            raise RuntimeError("another analyser took the lease during the pass")
+        with self._cursor_lock:
+            self._cursor = until_ns
+            self.lease.claim(until_ns)
         return Pass(until_ns, analysed, new, time.monotonic() - began)
 
     def lag_s(self, reached_ns: int) -> float:
@@ -225,8 +238,11 @@ class Analyser:
             self.stats.holding = start is not None
             if start is None:
                 return None
+            self._reached_ns = self._reached_ns or start
             done = self.run_pass(start)
         except Exception as exc:  # the store down, a query refused: say so once, retry next period
+            # a failing analyser stops renewing its lease, so that another one can take over
+            self.stats.holding = False
             self.stats.failed((self.clock() - self._reached_ns) / S if self._reached_ns else 0.0)
             if not self._failing:  # once per outage, not once per period
                 logger.warning("live analysis failed, retrying every %gs: %s", self.schedule.every_s,
@@ -280,7 +296,8 @@ class Analyser:
                     lease = lease or Lease(self.store.another(), self.holder, self.schedule, self.clock)
                     newest = lease.newest()
                     if newest is not None and newest[0] == self.holder:
-                        lease.claim(newest[2])
+                        with self._cursor_lock:  # never behind a pass's claim: the cursor only moves forward
+                            lease.claim(self._cursor)
                 except Exception as exc:  # the pass says so, once
                     logger.debug("renewing the analyser's lease: %s", exc)
         finally:
