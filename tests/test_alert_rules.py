@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 import subprocess
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -233,19 +233,20 @@ def test_deviation_rules_name_stage_cause_and_an_example_request_of_it(uid, anal
         assert "{{ $labels.example_request }}" in rule.description and "{{ $labels.value }}" in rule.summary
 
 
-def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(store):
+def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(analysed):
     """Grafana makes a rule's text columns labels, and new labels a new alert (and a new notification). One cause
     going on for a quarter of an hour: evaluated a minute apart, while its first request leaves the 15-minute
     range, it keeps the same labels (its example request and values are its first of the day)."""
     from stagetrace.analysis.divergences import COLUMNS
 
     (rule,) = [r for r in alert_rules.RULES if r.uid == "stagetrace-deviating-outputs"]
-    now = datetime.now(timezone.utc).replace(microsecond=0)
+    store = analysed  # the session's demo store (one embedded store a process): three days after the demo, alone
+    ((last,),) = store.client.query("SELECT max(Timestamp) FROM otel_traces").result_rows
+    now = last.replace(tzinfo=timezone.utc, microsecond=0) + timedelta(days=3)
     rows = [(0, f"req-{m}", "t", int((now - timedelta(minutes=m)).timestamp() * 1e9), "chat", "gpu-c", "in", "b",
              "majority", "decode", "attribute", "engine.kv_cache_dtype", "fp8", "auto", 0.9, "[]", "s", "GPU-c")
             for m in (14, 5)]  # fmt: skip
     store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
-    store.client.database = store.database
 
     def labels(at: datetime) -> list:
         sql = expand(rule.sql, QueryContext(at - timedelta(seconds=rule.window_s), at, interval_ms=1000))
