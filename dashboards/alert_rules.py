@@ -60,6 +60,13 @@ WHERE $__timeFilter(RequestStart) AND {_LOCATED}
       SELECT ServiceName, FirstDivergentStage, TopCauseName FROM stagetrace_divergences FINAL
       WHERE RequestStart >= $__fromTime - INTERVAL 24 HOUR AND RequestStart < $__fromTime)
 GROUP BY service, stage, cause"""
+# Seconds since a live analyser last renewed its lease, where requests arrive: the deviation rules read only its
+# results, so without one they would stay quiet (a store no analyser ever ran on counts from 1970).
+ANALYSIS_STALLED = """
+SELECT 'live analysis' AS analysis,
+       toFloat64(dateDiff('second', (SELECT max(Renewed) FROM stagetrace_analyser), $__toTime)) AS seconds_behind
+FROM (SELECT count() AS requests FROM stagetrace_requests WHERE $__timeFilter(Start))
+WHERE requests > 0"""
 EXAMPLE_LINK = (f"/d/{p.TRACE_LOOKUP_UID}/{p.TRACE_LOOKUP_UID}?var-request_id={{{{ $labels.example_request }}}}")
 
 
@@ -95,6 +102,14 @@ RULES = (
         "This stage and top cause had no deviating request in the 24 hours before: something changed. Example "
         "request: " + EXAMPLE_LINK + " .",
         "Causes by stage", divergences.UID,
+    ),
+    PipelineRule(
+        "stagetrace-analysis-stalled", "Live analysis stalled", ANALYSIS_STALLED, 300, 900, "5m",
+        "stagetrace's live analysis has not run for {{ $values.A.Value | printf \"%.0f\" }} s while requests arrive",
+        "No live analyser has renewed its lease on this store for more than 5 minutes, yet requests arrive: deviating "
+        "outputs reach neither the divergence explorer nor the deviation alerts. With an embedded store the agent "
+        "analyses (its log says why it stopped); with a server store run one `stagetrace analyse`.",
+        "Deviating requests analysed", divergences.UID,
     ),
     PipelineRule(
         "stagetrace-stage-p99-latency", "Stage p99 latency",

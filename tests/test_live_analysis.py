@@ -324,3 +324,32 @@ def test_an_input_group_of_100000_identical_requests(store):
     done = analyser.step()
     assert done is not None and analyser.stats.failures == 0
     assert 5 <= done.analysed <= 60 and len(_listed(store)) == done.analysed
+
+
+def test_the_stalled_analysis_rule_fires_where_requests_arrive_and_no_analyser_runs(store):
+    """The deviation alerts read only the analyser's results: the Grafana rule 'Live analysis stalled' says when none
+    runs (a server store without `stagetrace analyse`), and stops once one has renewed its lease."""
+    from datetime import datetime, timedelta, timezone
+
+    from stagetrace.dashboards import alert_rules
+    from stagetrace.dashboards.macros import QueryContext, expand
+
+    now = time.time_ns()
+    _traffic(store, now)
+    (rule,) = [r for r in alert_rules.RULES if r.uid == "stagetrace-analysis-stalled"]
+    store.client.database = store.database  # as the Grafana data source sets it
+    at = datetime.fromtimestamp(now / 1e9, timezone.utc)
+
+    def seconds_behind(minutes_later: float) -> list:
+        moment = at + timedelta(minutes=minutes_later)
+        sql = expand(rule.sql, QueryContext(moment - timedelta(seconds=rule.window_s), moment))
+        return [row[-1] for row in store.client.query(sql).result_rows]
+
+    (never,) = seconds_behind(0)
+    assert never > rule.threshold  # no analyser ever ran here
+    live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600)).step()
+    (fresh,) = seconds_behind(1)
+    assert fresh < rule.threshold
+    (stale,) = seconds_behind(10)
+    assert stale > rule.threshold
+    assert seconds_behind(60) == []  # no requests in the range: nothing to analyse, no alert
