@@ -31,10 +31,11 @@ from stagetrace.collectors.base import (
 )  # fmt: skip
 from stagetrace.collectors.nvml import (
     NVML_FIXTURE,
+    SYSTEM_CALLS,
     NVML_ERRORS,
     CachedReads,
     NvmlSource,
-    cuda_version,
+    driver_versions,
     error_name,
     nvml_source,
     unavailable_reason,
@@ -57,7 +58,6 @@ INFO_SPEC = MetricSpec(
     "gpu_info", INFO, "The GPU's driver and CUDA versions and the modes that change its numerics (ECC, MIG).",
     GPU_LABELS,
 )  # fmt: skip
-SYSTEM_CALLS = ("nvmlSystemGetDriverVersion", "nvmlSystemGetCudaDriverVersion")
 INVENTORY_CALLS = ("nvmlDeviceGetEccMode", "nvmlDeviceGetMigMode")  # each answers (current, pending)
 # Ratios, not NVML's percent: Prometheus' base unit, and they aggregate with the other ratios.
 UTILIZATION = MetricSpec(
@@ -247,7 +247,7 @@ def record_nvml_fixture(source: NvmlSource, directory: Path | str) -> Path:
     source.open()
     try:
         system = {}
-        for function in SYSTEM_CALLS:
+        for function in SYSTEM_CALLS.values():
             try:
                 system[function] = source.system(function)
             except NVML_ERRORS as exc:
@@ -400,13 +400,7 @@ class GpuCollector(Collector):
     def _inventory(self, index: int) -> dict[str, str]:
         """gpu_info's labels: the driver's versions (asked once a session) and the GPU's current ECC and MIG modes."""
         if self._system is None:
-            self._system = {}
-            for label, function in zip(("driver_version", "cuda_version"), SYSTEM_CALLS):
-                try:
-                    value = self.source.system(function)
-                except NVML_ERRORS:
-                    continue
-                self._system[label] = cuda_version(value) if label == "cuda_version" else str(value)
+            self._system = driver_versions(self.source)
         modes = {}
         for label, call in zip(("ecc_mode", "mig_mode"), INVENTORY_CALLS):
             current = self._reads.read(index, call)  # (current, pending); None where NVML does not say

@@ -150,9 +150,22 @@ def nvml_source(options: Options, watch_xids: bool = True) -> NvmlSource:
     return FixtureSource(options.nvml_fixture) if options.nvml_fixture else PynvmlSource(watch_xids=watch_xids)
 
 
-def cuda_version(value: Any) -> str:
-    """``nvmlSystemGetCudaDriverVersion``'s 1000 * major + 10 * minor (12080) as CUDA writes it (12.8)."""
-    return f"{value // 1000}.{value % 1000 // 10}" if isinstance(value, int) else str(value)
+# the driver's versions, by the label gpu_info gives each: what NVML's system calls answer
+SYSTEM_CALLS = {"driver_version": "nvmlSystemGetDriverVersion", "cuda_version": "nvmlSystemGetCudaDriverVersion"}
+
+
+def driver_versions(source: NvmlSource) -> dict[str, str]:
+    """The driver's version and the CUDA version it supports (``570.133.20``, ``12.8``), those NVML answers."""
+    out = {}
+    for label, function in SYSTEM_CALLS.items():
+        try:
+            value = source.system(function)
+        except NVML_ERRORS as exc:
+            logger.debug("%s: %s", function, error_name(exc))
+            continue
+        # the CUDA version comes as 1000 * major + 10 * minor
+        out[label] = f"{value // 1000}.{value % 1000 // 10}" if isinstance(value, int) else str(value)
+    return out
 
 
 def plain(value: Any) -> Any:

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from opentelemetry.sdk.resources import Resource, ResourceDetector
 
@@ -31,11 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 def _nvml():
-    """An open NVML source (the recorded snapshot when STAGETRACE_NVML_FIXTURE is set), or None."""
-    from stagetrace.collectors.nvml import FixtureSource, PynvmlSource
+    """An open NVML source, as the collectors choose it (recorded snapshots when STAGETRACE_NVML_FIXTURE is set);
+    raises where there is none."""
+    from stagetrace.collectors.base import Options
+    from stagetrace.collectors.nvml import nvml_source
 
     fixture = os.environ.get("STAGETRACE_NVML_FIXTURE")
-    source = FixtureSource(fixture) if fixture else PynvmlSource(watch_xids=False)
+    source = nvml_source(Options(nvml_fixture=Path(fixture) if fixture else None), watch_xids=False)
     source.open()
     return source
 
@@ -58,7 +61,7 @@ def _visible(count: int, uuids: list[str]) -> list[int]:
 
 def gpu_attributes() -> dict[str, str]:
     """The visible GPUs' UUIDs, models and count, the driver and CUDA versions; empty without NVML."""
-    from stagetrace.collectors.nvml import cuda_version
+    from stagetrace.collectors.nvml import driver_versions
 
     try:
         source = _nvml()
@@ -72,15 +75,8 @@ def gpu_attributes() -> dict[str, str]:
         models = [source.read(gpu, "nvmlDeviceGetName") for gpu in visible]
         out = {cv.CONFIGURATION_GPU_UUIDS: ",".join(uuids[gpu] for gpu in visible),
                cv.CONFIGURATION_GPU_MODEL: ", ".join(dict.fromkeys(models)), cv.CONFIGURATION_GPU_COUNT: len(visible)}  # fmt: skip
-        for key, function in ((cv.CONFIGURATION_DRIVER, "nvmlSystemGetDriverVersion"),
-                              (cv.CONFIGURATION_CUDA, "nvmlSystemGetCudaDriverVersion")):  # fmt: skip
-            try:
-                value = source.system(function)
-            except Exception as exc:
-                logger.debug("%s: %s", function, exc)
-                continue
-            out[key] = cuda_version(value) if key == cv.CONFIGURATION_CUDA else str(value)
-        return out
+        names = {"driver_version": cv.CONFIGURATION_DRIVER, "cuda_version": cv.CONFIGURATION_CUDA}
+        return out | {names[label]: value for label, value in driver_versions(source).items()}
     except Exception as exc:
         logger.debug("GPU configuration only in part: %s", exc)
         return {}

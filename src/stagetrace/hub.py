@@ -165,8 +165,9 @@ class QueryEndpoint:
 
     def run(self, sql: str, fmt: str, params: dict[str, str], database: str, gone=lambda: False):
         """The engine's result object for ``sql`` once the guard admits it, and the format it is in (the
-        statement's FORMAT, else ``fmt``); None when its client went away (``gone()``) or the endpoint closed before it ran. A running query whose
-        client goes away is cancelled. Raises ``Denied`` for a statement the endpoint does not run."""
+        statement's FORMAT, else ``fmt``); None when its client went away (``gone()``) or the endpoint closed
+        before it ran. A running query whose client goes away is cancelled. Raises ``Denied`` for a statement the
+        endpoint does not run."""
         mark = f"{_MARK}{uuid.uuid4().hex} */"
         while not self._lock.acquire(timeout=WATCH_EVERY_S):  # waiting its turn: no need to wait for a client gone
             if gone() or self._closing.is_set():

@@ -155,8 +155,6 @@ class QueryGuard:
                 raise Denied(ACCESS_DENIED, f"function {node.name} reaches outside the store")
             elif node.kind in ("TableIdentifier", "Identifier") and not self._name_allowed(node.name, databases):
                 raise Denied(ACCESS_DENIED, f"{node.name} is outside the store")
-            elif node.kind == "QueryParameter":
-                raise Denied(ACCESS_DENIED, f"query parameter {node.name} has no value")
         if root.kind in ("ExistsTableQuery", "ShowCreateTableQuery"):  # [database, ] table as identifier children
             names = [node.name for node in nodes[1:] if node.depth == 1]
             if len(names) == 2 and not self._name_allowed(".".join(names), databases):
@@ -193,14 +191,14 @@ def _allowed_functions(query) -> tuple[frozenset[str], frozenset[str], frozenset
         "SELECT name, alias_to, is_aggregate, case_insensitive, categories FROM system.functions", {}).splitlines()]
     table_functions = set(query("SELECT name FROM system.table_functions", {}).split())
 
-    def allowed(name: str, alias_to: str, categories: str) -> bool:
+    def allowed(name: str, categories: str) -> bool:
         if name in OTHER_FUNCTIONS or name in SYNTAX_FUNCTIONS:
             return True
         if name.startswith(_CONFIGURED_PREFIXES):
             return False
         return bool(categories) and all(c.strip() in FUNCTION_CATEGORIES for c in categories.split(","))
 
-    own = {name: allowed(name, alias_to, categories) for name, alias_to, _, _, categories in rows}
+    own = {name: allowed(name, categories) for name, _, _, _, categories in rows}
     names = {name for name, alias_to, _, _, _ in rows if own.get(alias_to or name, False)}
     names -= table_functions - TABLE_FUNCTIONS  # a name that is also a table function is that table function too
     names |= SYNTAX_FUNCTIONS | TABLE_FUNCTIONS

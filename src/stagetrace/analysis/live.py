@@ -5,8 +5,7 @@ Each pass analyses the requests that started since the last pass ended, up to ``
 of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``): their
 groups and majorities come from the ``lookback`` window before them, computed in ClickHouse, so a pass costs what
 that window's traffic costs, whatever the store's history. Requests of the last ``recheck`` (two periods) are
-looked at again each pass, and one whose group's majority or size changed as more peers arrived is analysed
-again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by request ID): analysed twice, it
+looked at again each pass, and one whose group's majority changed as more peers arrived is analysed again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by request ID): analysed twice, it
 is one row.
 
 One analyser per store: a lease in ``stagetrace_analyser``, renewed every period by a heartbeat, held for two. A second
@@ -156,8 +155,9 @@ class Analyser:
         # request ID -> where the pass that counted it reached: each is counted once in stagetrace_deviating_requests
         self._counted: dict[str, int] = {}
         self._groups: dict[str, str] = {}  # request ID -> its group's majority output when analysed
-        self._cursor = 0  # where the analysis reached: what the heartbeat renews the lease with
+        self._cursor = 0  # where the analysis reached: what the heartbeat renews the lease with, the lag counts from
         self._cursor_lock = threading.Lock()
+        self._failing = False  # said once per outage
 
     def acquire(self) -> int | None:
         """Take or renew the lease; where to analyse from (request start, ns) when held, else None."""
@@ -231,19 +231,18 @@ class Analyser:
         return max(0.0, (min(newest, now) - reached_ns) / S + self.schedule.settle_s)
 
     def step(self) -> Pass | None:
-        """One period: the pass when this analyser holds the lease, else None. Failures are logged once per kind
-        and counted; the next period retries."""
+        """One period: the pass when this analyser holds the lease, else None. A failure is counted, logged once
+        per outage, and retried the next period."""
         try:
             start = self.acquire()
             self.stats.holding = start is not None
             if start is None:
                 return None
-            self._reached_ns = self._reached_ns or start
             done = self.run_pass(start)
         except Exception as exc:  # the store down, a query refused: say so once, retry next period
             # a failing analyser stops renewing its lease, so that another one can take over
             self.stats.holding = False
-            self.stats.failed((self.clock() - self._reached_ns) / S if self._reached_ns else 0.0)
+            self.stats.failed((self.clock() - self._cursor) / S if self._cursor else 0.0)
             if not self._failing:  # once per outage, not once per period
                 logger.warning("live analysis failed, retrying every %gs: %s", self.schedule.every_s,
                                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)  # fmt: skip
@@ -252,16 +251,12 @@ class Analyser:
         if self._failing:
             logger.info("live analysis resumed")
             self._failing = False
-        self._reached_ns = done.until_ns
         try:
             lag = self.lag_s(done.until_ns)
         except Exception:  # the store went away right after the pass
             lag = self.schedule.settle_s
         self.stats.record(done, lag)
         return done
-
-    _failing = False
-    _reached_ns = 0  # where the last pass that succeeded reached
 
     def run(self, stop: threading.Event) -> None:
         """Pass after pass, every ``every_s``, until ``stop`` is set; the lease is released on the way out. While
