@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from stagetrace import conventions, lookup
-from stagetrace.analysis import divergences
+from stagetrace.analysis import divergences, live
+from stagetrace.analysis.causes import TIE
 from stagetrace.analysis.explain import Explainer
 
 _spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
@@ -46,7 +47,12 @@ def checked(report: dict) -> dict:
     assert not missing, f"the report lacks {sorted(missing)}"
     causes = report["causes"]
     scores = [c["score"] for c in causes]
-    assert scores == sorted(scores, reverse=True), f"causes are not best first: {scores}"
+    # strong before weak, each best first; an identity follows a setting that separates the requests as well
+    weak = [c["weak"] for c in causes]
+    assert weak == sorted(weak), f"a weak cause ranks before a strong one: {causes}"
+    for group in (True, False):
+        ranked = [c["score"] for c in causes if c["weak"] == group]
+        assert all(b <= a + TIE for a, b in zip(ranked, ranked[1:])), f"causes are not best first: {scores}"
     assert all(s > 0 for s in scores), f"every listed cause scores above zero: {scores}"
     for cause in causes:
         assert CAUSE_KEYS <= set(cause), f"cause lacks {sorted(CAUSE_KEYS - set(cause))}: {cause}"
@@ -553,7 +559,6 @@ def test_deviating_output_rule_leaves_out_requests_sampled_without_a_seed(store)
     from datetime import timedelta, timezone
 
     import stagetrace
-    from stagetrace.analysis import live
     from stagetrace.dashboards import alert_rules
     from stagetrace.dashboards.macros import QueryContext, expand
 
@@ -586,7 +591,8 @@ H200 = {"gpu.model": "NVIDIA H200", "gpu.driver.version": "570.133.20", "engine.
 def _fleet_of_four(store, resources: dict[str, dict], deviating: str = "c") -> tuple[str, dict, dict]:
     """Hosts a..d with these resource attributes (the configuration detector's), every request served twice a
     minute per prompt for six minutes; ``deviating``'s decode outputs differ. (a deviating request ID, its explain
-    report, its divergences entry)."""
+    report, its divergences entry). The live analyser's row for the request says the same as both (one analysis,
+    three views)."""
     fleet_ = fleet.Fleet(store, resources={h: {**H200, **resources.get(h, {})} for h in "abcd"})
     n = 0
     for minute in range(6):
@@ -600,6 +606,12 @@ def _fleet_of_four(store, resources: dict[str, dict], deviating: str = "c") -> t
     report = checked(Explainer(store).explain(bad))
     found = divergences.find(store, 6 * 3600 * SECOND, limit=0)
     entry = next(item for group in found["groups"] for item in group["deviating"] if item["request_id"] == bad)
+    live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()
+    ((stage, cause),) = store.client.query(
+        "SELECT FirstDivergentStage, TopCauseName FROM {db:Identifier}.stagetrace_divergences FINAL "
+        "WHERE RequestId = {r:String}", parameters={"db": store.database, "r": bad}).result_rows  # fmt: skip
+    assert (stage, cause) == (entry["first_divergent_stage"], entry["top_cause"]["name"]) == (
+        report["first_divergent_stage"], report["causes"][0]["name"])
     return bad, report, entry
 
 
@@ -640,6 +652,18 @@ def test_an_identity_with_nothing_else_recorded_stays_the_cause(store):
     top = report["causes"][0]
     assert top["name"] in ("gpu.uuid", "host.name") and not top["weak"] and "GPU-c-0" in report["summary"] + top["value"]
     assert entry["top_cause"]["name"] == top["name"]
+
+
+def test_a_setting_documented_not_to_change_numerics_is_never_blamed(store):
+    """Host c logs NCCL at INFO and serves an engine port of its own, and its outputs deviate for another reason
+    nothing recorded: the logging and the port are named as neutral, never as the cause; the identity stays it."""
+    _, report, entry = _fleet_of_four(store, {"c": {"env.NCCL_DEBUG": "INFO", "engine.port": "8001"}})
+    top = report["causes"][0]
+    assert top["name"] in ("gpu.uuid", "host.name") and not top["weak"], report["causes"]
+    neutral = {c["name"]: c for c in report["causes"] if c["name"] in ("env.NCCL_DEBUG", "engine.port")}
+    assert set(neutral) == {"env.NCCL_DEBUG", "engine.port"}
+    assert all(c["weak"] and c["neutral"] == conventions.NUMERICS_NEUTRAL[n] for n, c in neutral.items())
+    assert "NCCL_DEBUG" not in report["summary"] and entry["top_cause"]["name"] == top["name"]
 
 
 def test_differences_no_contrast_weighed_say_nothing_of_where_or_together():

@@ -105,6 +105,29 @@ KNOWN_CAUSES = {
     "engine.version": "outputs are reproducible only on the same engine version",
 }  # fmt: skip
 
+# Settings the engines and libraries document as not changing what is computed (logging, ports, names, the sockets of
+# NCCL's bootstrap): never blamed for a deviation, whatever else they coincide with; each says why.
+NUMERICS_NEUTRAL = {
+    "env.NCCL_DEBUG": "NCCL_DEBUG only sets NCCL's logging",
+    "env.NCCL_DEBUG_SUBSYS": "NCCL_DEBUG_SUBSYS only selects what NCCL logs",
+    "env.NCCL_SOCKET_IFNAME": "NCCL_SOCKET_IFNAME picks the interface of NCCL's bootstrap sockets, not its reductions",
+    "env.VLLM_LOGGING_LEVEL": "vLLM's log level",
+    "env.VLLM_CONFIGURE_LOGGING": "vLLM's logging setup",
+    "engine.port": "the port the engine listens on",
+    "engine.host": "the address the engine listens on",
+    "engine.served_model_name": "the name the model is served under",
+    "engine.disable_log_requests": "whether requests are logged",
+    "engine.disable_log_stats": "whether statistics are logged",
+    "engine.api_key": "the API key clients present",
+}  # fmt: skip
+
+# The GPU inventory the gpu collector exports as gpu_info{gpu, uuid, model, driver_version, cuda_version, ...}, by the
+# configuration attribute each label stands for: the analysis fills these in from the host's inventory for spans whose
+# process recorded no configuration (joined by host and GPU UUID).
+INVENTORY_METRIC = "gpu_info"
+INVENTORY_LABELS = {CONFIGURATION_GPU_MODEL: "model", CONFIGURATION_DRIVER: "driver_version",
+                    CONFIGURATION_CUDA: "cuda_version"}  # fmt: skip
+
 # -- weight transfer (RL: after each training step the trainer pushes the new weights into the inference GPUs).
 # One span per sync, the root of its own trace, carrying the step, the bytes and how many ranks send and receive;
 # below it one span per link (a source NIC writing to a destination NIC), or per destination. A sync span is not

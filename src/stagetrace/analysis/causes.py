@@ -142,6 +142,10 @@ def attribute_causes(stage: str, request: Span, baseline: Span | None, contrast:
                              "diverged_with_baseline_value": bd, "requests_with_baseline_value": bn})  # fmt: skip
         if key.startswith(RESOURCE):
             evidence["resource"] = True
+        neutral = conventions.NUMERICS_NEUTRAL.get(name)
+        if neutral:  # documented not to change what is computed: named, never blamed
+            evidence["neutral"] = neutral
+            weak = True
         causes.append(Cause("attribute", stage, name, value, baseline_value, score, evidence, weak))
     return causes
 

@@ -211,7 +211,7 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
     where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}" if ranks and len(ranks) < 8 else ""
     lead = f"{stage} diverged{where}" + (" (its input already differed)" if input_differed else "")
     if top is None:
-        weak = ", ".join(c.name for c in causes[:WEAK_NAMED])
+        weak = ", ".join(c.name for c in [c for c in causes if not c.evidence.get("neutral")][:WEAK_NAMED])
         return (f"{lead}; no recorded setting or hardware signal differs; {stage} itself is nondeterministic or an "
                 f"unrecorded input changed" + (f" (weak candidates: {weak})" if weak else "") + f" {tail}")  # fmt: skip
     if top.kind == "rollout":
