@@ -130,9 +130,14 @@ def _check_verdict(report: dict) -> None:
     labelled weak; and a verdict with nothing strong says that nothing recorded explains it."""
     from stagetrace import conventions
 
+    from stagetrace.analysis.causes import TIE
+
     causes = report.get("causes") or []
     assert all(c["score"] > 0 for c in causes), causes
-    assert [(c["weak"], -c["score"]) for c in causes] == sorted((c["weak"], -c["score"]) for c in causes), causes
+    assert [c["weak"] for c in causes] == sorted(c["weak"] for c in causes), causes
+    for weak in (False, True):  # each best first; an identity may follow a setting that separates as well (TIE)
+        scores = [c["score"] for c in causes if c["weak"] == weak]
+        assert all(b <= a + TIE for a, b in zip(scores, scores[1:])), causes
     if causes and causes[0]["kind"] == "attribute" and not causes[0]["weak"]:
         name = causes[0]["name"]
         assert conventions.is_comparable(name) and not conventions.is_measurement(name), report["summary"]

@@ -22,7 +22,8 @@ from stagetrace.store import open_store
 
 SEEDS = (1, 2, 3, 4, 5)
 REQUESTS = 800
-DEVIATION_CAUSES = 9  # the seven original faults, a stale weight step, sequence errors on a remote TP host's NIC
+DEVIATION_CAUSES = 10  # the seven original faults, a stale weight step, sequence errors on a remote TP host's NIC,
+# another attention backend
 SINCE_NS = 10 * 24 * 3600 * 10**9
 
 

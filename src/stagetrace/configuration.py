@@ -31,21 +31,21 @@ from stagetrace import conventions as cv
 logger = logging.getLogger(__name__)
 
 
-def _nvml():
+def _nvml(environ):
     """An open NVML source, as the collectors choose it (recorded snapshots when STAGETRACE_NVML_FIXTURE is set);
     raises where there is none."""
     from stagetrace.collectors.base import Options
     from stagetrace.collectors.nvml import nvml_source
 
-    fixture = os.environ.get("STAGETRACE_NVML_FIXTURE")
+    fixture = environ.get("STAGETRACE_NVML_FIXTURE")
     source = nvml_source(Options(nvml_fixture=Path(fixture) if fixture else None), watch_xids=False)
     source.open()
     return source
 
 
-def _visible(count: int, uuids: list[str]) -> list[int]:
+def _visible(count: int, uuids: list[str], environ) -> list[int]:
     """The NVML indexes of the GPUs ``CUDA_VISIBLE_DEVICES`` lets the process see (indexes or UUID prefixes)."""
-    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    value = environ.get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return list(range(count))
     seen = []
@@ -59,19 +59,20 @@ def _visible(count: int, uuids: list[str]) -> list[int]:
     return seen
 
 
-def gpu_attributes() -> dict[str, str]:
+def gpu_attributes(environ=None) -> dict[str, str]:
     """The visible GPUs' UUIDs, models and count, the driver and CUDA versions; empty without NVML."""
     from stagetrace.collectors.nvml import driver_versions
 
+    environ = os.environ if environ is None else environ
     try:
-        source = _nvml()
+        source = _nvml(environ)
     except Exception as exc:  # no driver, no library, no GPU: the process records less
         logger.debug("no GPU configuration recorded: %s", exc)
         return {}
     try:
         count = source.device_count()
         uuids = [source.read(gpu, "nvmlDeviceGetUUID") for gpu in range(count)]
-        visible = _visible(count, uuids)
+        visible = _visible(count, uuids, environ)
         models = [source.read(gpu, "nvmlDeviceGetName") for gpu in visible]
         out = {cv.CONFIGURATION_GPU_UUIDS: ",".join(uuids[gpu] for gpu in visible),
                cv.CONFIGURATION_GPU_MODEL: ", ".join(dict.fromkeys(models)), cv.CONFIGURATION_GPU_COUNT: len(visible)}  # fmt: skip
@@ -84,7 +85,7 @@ def gpu_attributes() -> dict[str, str]:
         source.close()
 
 
-def nccl_version() -> str | None:
+def nccl_version(environ=None) -> str | None:
     """NCCL's version: from torch when the process has loaded it, else the NVIDIA containers' NCCL_VERSION."""
     torch = sys.modules.get("torch")
     try:
@@ -93,7 +94,7 @@ def nccl_version() -> str | None:
             return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     except Exception as exc:
         logger.debug("torch.cuda.nccl.version(): %s", exc)
-    return os.environ.get("NCCL_VERSION")
+    return (os.environ if environ is None else environ).get("NCCL_VERSION")
 
 
 def engine_attributes(argv: list[str]) -> dict[str, str]:
@@ -121,11 +122,12 @@ def engine_attributes(argv: list[str]) -> dict[str, str]:
 
 
 def configuration(argv: list[str] | None = None, environ=None) -> dict[str, str | int]:
-    """Everything the detector records for this process."""
+    """Everything the detector records for a process with this command line and environment (this process's by
+    default)."""
     environ = os.environ if environ is None else environ
     out: dict[str, str | int] = {}
-    out.update(gpu_attributes())
-    nccl = nccl_version()
+    out.update(gpu_attributes(environ))
+    nccl = nccl_version(environ)
     if nccl:
         out[cv.CONFIGURATION_NCCL] = nccl
     for name in cv.CONFIGURATION_ENVIRONMENT:

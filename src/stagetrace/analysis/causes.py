@@ -195,7 +195,8 @@ def ranked(causes: list[Cause]) -> list[Cause]:
     def order(c: Cause):
         demoted = (_is_identity(c) and not c.weak and _weighed(c) and best_setting is not None
                    and best_setting >= c.score - TIE)  # fmt: skip
-        return (c.weak, demoted, -c.score, c.kind != "hardware", c.name)
+        # a demoted identity follows the settings that separate as well as it, and precedes those that do not
+        return (c.weak, -(c.score - TIE) if demoted else -c.score, demoted, c.kind != "hardware", c.name)
 
     out = sorted(kept, key=order)
     top = next((c for c in out if not c.weak), None)

@@ -33,6 +33,14 @@ The faults, by role (role r goes to node r % nodes):
   fleet moved (``retrieval.index.version``); NCCL_ALGO=Tree from 0.85 (``allreduce.algorithm``).
   On two nodes the rebuild needs both hosts to be most of the fleet, so the node that rebuilt at
   0.05 is ahead of the fleet until 0.25: an expected change, not a fault.
+- role 4: its engine restarted at 0.10 with another attention backend (FlashInfer where the fleet
+  runs FlashAttention), and back at 0.30: the recurrent step sums in another order
+  (``engine.attention_backend``, recorded by the configuration detector on the process's resource).
+
+Every process records its configuration with the resource detector (``stagetrace.configuration``):
+the GPUs' model and UUIDs, the driver and CUDA versions, the engine and its numerics settings. The
+last node's GPUs are another model (H100 where the fleet runs H200) whose outputs agree: a difference
+that explains nothing, and is not in the ground truth.
 
 Not faults, and recorded as such in the ground truth:
 
@@ -57,7 +65,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from stagetrace.demo.world import FLEET_WEIGHTS_STEP, NEW_INDEX, OLD_INDEX
+from stagetrace.demo.world import (
+    FLEET_WEIGHTS_STEP,
+    NEW_INDEX,
+    OLD_INDEX,
+    OTHER_ATTENTION_BACKEND,
+    REFERENCE_ATTENTION_BACKEND,
+)
 
 REFERENCE_CONTEXT_TOKENS = 2048
 SMALL_CONTEXT_TOKENS = 640  # one node served with less context than the model has, like 65,536 of 262,144
@@ -66,6 +80,7 @@ OLD_TEMPLATE, NEW_TEMPLATE = "t3", "t4"
 # hosts at FLEET_SWITCH, the hosts behind the fleet over the last span
 AHEAD_SWITCH, FLEET_SWITCH, BEHIND_SWITCH = (0.50, 0.505), 0.58, (0.58, 0.60)
 RESTARTED_WEIGHTS_STEP = FLEET_WEIGHTS_STEP - 1
+REFERENCE_GPU_MODEL, OTHER_GPU_MODEL = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 # stage → {fault → the cause it is recorded under}
 CAUSES = {
@@ -75,7 +90,8 @@ CAUSES = {
     "allreduce": {"tree_algorithm": "allreduce.algorithm", "nic_timeout": "rdma_local_ack_timeout_err_total",
                   "remote_seq_errors": "rdma_out_of_sequence_total"},
     "decode": {"gpu_xid": "gpu_xid_errors_total", "batch_variance": "decode.batch_size",
-               "weights_step": "model.weights.step", "unseeded_sampling": "nondeterministic"},
+               "weights_step": "model.weights.step", "attention_backend": "engine.attention_backend",
+               "unseeded_sampling": "nondeterministic"},
 }  # fmt: skip
 EXPECTED = {"index_rollout", "template_rollout"}  # changes that are no deviation: the fleet moved
 NONDETERMINISTIC = {"unseeded_sampling"}  # outputs that differ by design
@@ -126,6 +142,12 @@ class NodeConfig:
     tp_remote_host: str | None = None  # TP ranks 2-3 run on this host (ranks 0-1 on the node's own)
     remote_seq_errors: tuple[float, float, float] | None = None  # on the remote host's NIC: (from, to, probability)
     shared_gpu: bool = False  # MPS replicas on every GPU, GPU 3 held by two pods: the scheduler's double count
+    gpu_model: str = REFERENCE_GPU_MODEL
+    other_backend: tuple[float, float] | None = None  # the engine ran another attention backend over this span
+
+    def attention_backend(self, position: float) -> str:
+        other = self.other_backend is not None and self.other_backend[0] <= position < self.other_backend[1]
+        return OTHER_ATTENTION_BACKEND if other else REFERENCE_ATTENTION_BACKEND
 
     def index_version(self, position: float) -> str:
         return NEW_INDEX if position >= self.index_rebuilt_at else OLD_INDEX
@@ -172,6 +194,7 @@ _ROLES = (
     {"cache_key_has_version": False, "xid_at": 0.80, "tp_remote_host": "", "remote_seq_errors": (0.30, 0.40, 0.2)},
     {"small_context_from": 0.50, "restarted_weights_from": 0.85},
     {"index_rebuilt_at": 0.25, "tree_algorithm_from": 0.85},
+    {"other_backend": (0.10, 0.30)},
 )
 
 
@@ -226,5 +249,5 @@ def plan(nodes: int) -> list[NodeConfig]:
         fields.update(template_from=template_from[i], template_wave=template_wave, index_wave=index_wave)
         if "tp_remote_host" in fields:
             fields["tp_remote_host"] = remote_host(nodes)
-    settings[-1]["shared_gpu"] = True
+    settings[-1].update(shared_gpu=True, gpu_model=OTHER_GPU_MODEL)
     return [NodeConfig(i, f"gpu-node-{i + 1:02d}", **settings[i]) for i in range(nodes)]

@@ -24,7 +24,7 @@ from pathlib import Path
 from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Options
 from stagetrace.collectors.mps import write_mps_fixture
-from stagetrace.collectors.nvml import gpu_snapshot, process_info, write_nvml_fixture, xid_event
+from stagetrace.collectors.nvml import H200_MEMORY_BYTES, gpu_snapshot, process_info, write_nvml_fixture, xid_event
 from stagetrace.collectors.podresources import RecordedKubelet, write_answers
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import metric_rows
@@ -38,6 +38,8 @@ _HW_COUNTERS = ("local_ack_timeout_err", "roce_adp_retrans", "out_of_sequence", 
                 "np_cnp_sent", "rp_cnp_handled", "np_ecn_marked_roce_packets")  # fmt: skip
 
 
+DRIVER_VERSION, CUDA_VERSION = "570.133.20", 12080  # as NVML answers them: the CUDA version 1000 * major + 10 * minor
+MEMORY_BYTES = {"NVIDIA H200": H200_MEMORY_BYTES, "NVIDIA H100 80GB HBM3": 81559 * 2**20}  # as nvidia-smi reports
 SHARED_GPU = GPUS - 1  # the GPU two pods share on a node with shared_gpu
 MPS_REPLICAS = 2
 MPS_SERVER, MPS_CLIENTS = 4100, (4201, 4202)  # PIDs of the MPS server and of the TTS service and the worker
@@ -62,8 +64,9 @@ def port_files(sysfs: Path, device: str, rate: str, netdev: str, counters: dict 
 
 
 class NodeHardware:
-    def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False):
+    def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False, gpu_model: str = "NVIDIA H200"):
         self.host = host
+        self.nvml = Path(directory) / host / "nvml"  # the NVML snapshots the collectors and the detector read
         self.shared_gpu = shared_gpu
         self.root = Path(directory) / host
         self.nic = NIC
@@ -71,7 +74,7 @@ class NodeHardware:
                           (digest([seed, host, g]) for g in range(GPUS))]  # fmt: skip
         self.port = dict.fromkeys(_PORT_COUNTERS, 0)
         self.hw = dict.fromkeys(_HW_COUNTERS, 0)
-        self.gpus = [gpu_snapshot(u) for u in self.gpu_uuids]
+        self.gpus = [gpu_snapshot(u, gpu_model, MEMORY_BYTES[gpu_model]) for u in self.gpu_uuids]
         for state in self.gpus:  # weights and KV cache resident from the start
             memory = state["nvmlDeviceGetMemoryInfo"]
             memory["used"] = int(memory["total"] * 0.8)
@@ -84,7 +87,7 @@ class NodeHardware:
         # The kubelet starts with the first scrape: gRPC starts threads, and the node forks its TP ranks first. Only
         # the node that shares a GPU runs one: a gRPC server in every node process doubled the demo's time.
         self.kubelet = RecordedKubelet(self.root / "kubelet" / "kubelet.sock", self.root / "kubelet") if shared_gpu else None
-        options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.root / "nvml", mps_fixture=self.root / "mps",
+        options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.nvml, mps_fixture=self.root / "mps",
                           **({"kubelet_socket": self.kubelet.socket_path} if self.kubelet else {}))  # fmt: skip
         self._collectors = build_node(["gpu", "rdma", *(["mps", "kubernetes"] if shared_gpu else [])], options)
         self._nic_collectors = build_node(["rdma"], options)
@@ -130,7 +133,7 @@ class NodeHardware:
         self._write_counters()
         if nic_only:
             return list(self._nic_collectors.collect())
-        write_nvml_fixture(self.root / "nvml", self.gpus)
+        self._write_nvml()
         if self.kubelet:
             self.kubelet.start()
         return list(self._collectors.collect())
@@ -167,7 +170,12 @@ class NodeHardware:
                        "cpuIds": [str(c) for c in range(2, 64)]}  # fmt: skip
         return {"List": {"podResources": pods}, "GetAllocatableResources": allocatable}
 
+    def _write_nvml(self) -> None:
+        write_nvml_fixture(self.nvml, self.gpus, nvmlSystemGetDriverVersion=DRIVER_VERSION,
+                           nvmlSystemGetCudaDriverVersion=CUDA_VERSION)  # fmt: skip
+
     def _write_static(self) -> None:
+        self._write_nvml()  # the configuration detector reads it when the node's process starts
         if self.shared_gpu:
             write_answers(self.root / "kubelet", self.pods())
             write_mps_fixture(self.root / "mps", {

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
 import stagetrace
+from stagetrace import configuration
 from stagetrace.conventions import STAGE, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST, TP_RANK
 from stagetrace.demo import world
 from stagetrace.demo.faults import (
@@ -183,7 +184,8 @@ class Node:
         self.model = world.Model(seed)
         self.indexes = world.corpora(seed)
         self.cache = DocCache(CACHE_CAPACITY, CACHE_TTL_S, config.cache_key_has_version)
-        self.hardware = NodeHardware(config.host, hardware_dir, seed, shared_gpu=config.shared_gpu)
+        self.hardware = NodeHardware(config.host, hardware_dir, seed, shared_gpu=config.shared_gpu,
+                                     gpu_model=config.gpu_model)  # fmt: skip
         # the remote host of a two-host TP group: its own NIC and GPUs, sampled by this node
         self.remote = NodeHardware(config.tp_remote_host, hardware_dir, seed) if config.tp_remote_host else None
         self._remote_tracer = None
@@ -193,16 +195,23 @@ class Node:
         self._corrupted_a[XID_BAD_WEIGHT] *= np.float32(-8.0)
         self._weights = {step: self.model.a_at_step(step) for step in {config.weights_step(0.0), config.weights_step(1.0)}}
 
-    def _provider(self, host: str) -> TracerProvider:
-        provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME, "host.name": host}))
+    def _provider(self, hardware: NodeHardware, backend: str) -> TracerProvider:
+        """A serving process's provider: its resource holds what the configuration detector records for an engine
+        started with this attention backend on this host's GPUs."""
+        detected = configuration.configuration(
+            argv=["vllm", "serve", world.MODEL_NAME, "--tensor-parallel-size", str(world.TP_SIZE),
+                  "--attention-backend", backend], environ={"STAGETRACE_NVML_FIXTURE": str(hardware.nvml)})  # fmt: skip
+        resource = Resource.create({**detected, "service.name": SERVICE_NAME, "host.name": hardware.host})
+        provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(_QueueSpanExporter(self.queue), schedule_delay_millis=200))
         return provider
 
     def run(self, specs: list[RequestSpec]) -> None:
         tp = TPGroup(self.model)  # fork the ranks before any thread exists in this process
-        provider = self._provider(self.config.host)
+        backend = self.config.attention_backend(specs[0].position if specs else 0.0)
+        provider = self._provider(self.hardware, backend)
         stagetrace.configure(tracer_provider=provider)
-        remote_provider = self._provider(self.remote.host) if self.remote else None
+        remote_provider = self._provider(self.remote, backend) if self.remote else None
         if remote_provider:
             self._remote_tracer = remote_provider.get_tracer("stagetrace")
         try:
@@ -212,6 +221,11 @@ class Node:
                 if self.lockstep:
                     self.lockstep.wait(spec.index)
                 self._events(spec)
+                if self.config.attention_backend(spec.position) != backend:  # the engine restarted with another
+                    backend = self.config.attention_backend(spec.position)
+                    provider.shutdown()
+                    provider = self._provider(self.hardware, backend)
+                    stagetrace.configure(tracer_provider=provider)
                 # The remote NIC is scraped right before and right after a request whose all-reduce takes
                 # sequence errors, and again before the next request: a stage's hardware window (from one
                 # scrape before the last at its start to the first after its end) then holds the errors of
@@ -339,6 +353,7 @@ class Node:
             if corrupted:
                 self._corrupt_left -= 1
             step = cfg.weights_step(pos)
+            backend = cfg.attention_backend(pos)
             unseeded = world.unseeded(inp)
             # the unseeded tenant's sampler draws from OS entropy: its outputs differ from request to request
             sampler = np.random.default_rng() if unseeded else None
@@ -347,13 +362,14 @@ class Node:
                                   attributes={"gpu.uuid": self.hardware.gpu_uuids[0], "decode.batch_size": batch,
                                               "model.weights.step": step, "decode.deterministic": False}) as st:  # fmt: skip
                 tokens = self.model.decode(h0, chunks, self._corrupted_a if corrupted else self._weights[step],
-                                           inp["temperature"], sampler)  # fmt: skip
+                                           inp["temperature"], sampler, backend)  # fmt: skip
                 st.set_attributes({"decode.tokens": len(tokens), "decode.ttft_ms": round((time.perf_counter() - started) * 1000 / len(tokens), 3)})
                 st.set_output(tokens)
             self.hardware.decode(gpu=0, tokens=len(tokens), batch=batch)
             if unseeded:  # never a deviation, whatever else happened upstream
                 truth.record("decode", "unseeded_sampling")
             fault = "gpu_xid" if corrupted else "weights_step" if step != world.FLEET_WEIGHTS_STEP else \
+                "attention_backend" if backend != world.REFERENCE_ATTENTION_BACKEND else \
                 "batch_variance" if chunks != 1 else None  # fmt: skip
             truth.check("decode", fault, tokens, lambda: self.model.decode(h0, 1))
 

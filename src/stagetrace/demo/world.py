@@ -32,6 +32,10 @@ FLEET_WEIGHTS_STEP = 1200  # the training step whose weights the fleet serves
 WEIGHTS_DRIFT_PER_STEP = 2e-5  # relative size of one training step's change to the recurrent matrix
 UNSEEDED_EVERY = 8  # one in this many distinct inputs belongs to the tenant that samples without a seed
 UNSEEDED_TEMPERATURE = 0.8
+# the fleet's attention backend, and another whose kernel splits the recurrent step's reduction into more chunks,
+# summed last to first
+REFERENCE_ATTENTION_BACKEND, OTHER_ATTENTION_BACKEND = "FLASH_ATTN", "FLASHINFER"
+OTHER_BACKEND_CHUNKS = 4
 
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "do", "ge", "hu", "ji", "fe", "bo"]
 
@@ -172,9 +176,11 @@ class Model:
         return w @ x[cols]
 
     def decode(self, h0: np.ndarray, chunks: int, a: np.ndarray | None = None, temperature: float = 0.0,
-               rng: np.random.Generator | None = None) -> list[int]:  # fmt: skip
+               rng: np.random.Generator | None = None, backend: str = REFERENCE_ATTENTION_BACKEND) -> list[int]:  # fmt: skip
         """Greedy tokens, or with ``temperature`` above zero tokens sampled with ``rng``."""
         a = self.a if a is None else a
+        other = backend != REFERENCE_ATTENTION_BACKEND
+        step_chunks = max(chunks, OTHER_BACKEND_CHUNKS) if other else chunks
         h = np.tanh(h0)
         tokens = []
         for _ in range(NEW_TOKENS):
@@ -185,7 +191,7 @@ class Model:
             else:
                 token = int(np.argmax(logits))
             tokens.append(token)
-            h = np.tanh(_split_k(a, h, chunks) + self.e[token])
+            h = np.tanh(_split_k(a, h, step_chunks, reverse=other) + self.e[token])
         return tokens
 
     @staticmethod
@@ -198,11 +204,13 @@ def split_k_chunks(batch_size: int) -> int:
     return 1 if batch_size <= 8 else 2 if batch_size <= 16 else 4
 
 
-def _split_k(m: np.ndarray, x: np.ndarray, chunks: int) -> np.ndarray:
+def _split_k(m: np.ndarray, x: np.ndarray, chunks: int, reverse: bool = False) -> np.ndarray:
     step = m.shape[1] // chunks
-    acc = m[:, :step] @ x[:step]
-    for c in range(1, chunks):
-        acc = acc + m[:, c * step : (c + 1) * step] @ x[c * step : (c + 1) * step]
+    order = range(chunks - 1, -1, -1) if reverse else range(chunks)
+    acc = None
+    for c in order:
+        part = m[:, c * step : (c + 1) * step] @ x[c * step : (c + 1) * step]
+        acc = part if acc is None else acc + part
     return acc
 
 
