@@ -3,7 +3,8 @@
 ``INSERT ... SELECT FROM numbers(N)`` builds every span row in the engine (no Python objects, no
 SDK), so a million requests take seconds rather than minutes. Requests share inputs 20 at a time;
 5% deviate from their group's output at a random stage, and that stage's ``setting.<stage>``
-attribute says ``b`` where the agreeing requests say ``a``. The materialized views fill
+attribute says ``b`` where the agreeing requests say ``a``. Every process recorded its configuration with the
+resource detector, and one host in sixteen runs another GPU model whose outputs agree. The materialized views fill
 ``stagetrace_requests`` and ``otel_traces_trace_id_ts`` as they would for real traffic.
 
 ``style="openinference"`` writes the same requests as an OpenInference-instrumented framework would: span kinds
@@ -43,7 +44,10 @@ SELECT
     if(k = 0, 'inference.request', concat('stage.', {_STAGES}[k])) AS SpanName,
     if(k = 0, 'Server', 'Internal') AS SpanKind,
     'bench' AS ServiceName,
-    map('service.name', 'bench', 'host.name', concat('host-', toString(n % {HOSTS}))) AS ResourceAttributes,
+    map('service.name', 'bench', 'host.name', concat('host-', toString(n % {HOSTS})),
+        'gpu.model', if(n % {HOSTS} = 3, 'NVIDIA H100 80GB HBM3', 'NVIDIA H200'), 'gpu.driver.version', '570.133.20',
+        'cuda.driver.version', '12.8', 'engine', 'vllm', 'engine.attention_backend', 'FLASH_ATTN',
+        'engine.tensor_parallel_size', '4') AS ResourceAttributes,
     'stagetrace' AS ScopeName,
     {{attributes}} AS SpanAttributes,
     if(k = 0, 6000000, 1000000) AS Duration,

@@ -8,7 +8,8 @@ requests are grouped again within the rollout's epochs, so the requests after it
 other, the rollout is reported once, and the requests its wave explains are not counted as
 deviating. Requests that sample without a seed are not compared at all, only counted. Results are
 written to ``stagetrace_divergences`` (one row per deviating request; re-runs replace earlier rows)
-for the dashboards and alert rules.
+for the dashboards and alert rules. The GPU inventory (``analysis.inventory``) is read once per run and filled into
+every trace read, as ``explain`` fills it, and the contrasts count spans with it too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import time
 
 from stagetrace import lookup
-from stagetrace.analysis import population, rollouts
+from stagetrace.analysis import inventory, population, rollouts
 from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
                                          first_divergence, setting_keys, stage_differences, summary)
 from stagetrace.analysis.hardware import Samples, devices
@@ -34,14 +35,17 @@ KEPT_CAUSES = 5
 SAMPLED = 100  # deviations across the window whose differing settings are checked for rollouts
 
 
-def _traces(store: Store, deviations: list[population.Deviation], window: tuple[int, int]) -> dict[str, lookup.Trace]:
-    """The traces of these deviations and of their baselines."""
+def _traces(store: Store, deviations: list[population.Deviation], window: tuple[int, int],
+            gpus: inventory.Inventory) -> dict[str, lookup.Trace]:  # fmt: skip
+    """The traces of these deviations and of their baselines, with what their processes did not record of their GPUs
+    filled in from the inventory."""
     out = {}
     trace_ids = sorted({t for d in deviations for t in (d.trace_id, d.baseline_trace_id)})
     for trace_id, members in lookup.spans_of(store, trace_ids, *window).items():
         start = min(s.start_ns for s in members)
         end = max(s.start_ns + s.duration_ns for s in members)
-        out[trace_id] = lookup.Trace(None, trace_id, members[0].service, start, end - start, members)
+        out[trace_id] = inventory.filled(lookup.Trace(None, trace_id, members[0].service, start, end - start, members),
+                                         gpus)  # fmt: skip
     return out
 
 
@@ -70,11 +74,13 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         return recent[-limit:] if limit else recent
 
     deviations = population.deviations(store, t0, until_ns)
+    # the GPUs' inventory at the latest deviating request (nothing to read when none deviates)
+    gpus = inventory.read(store, max(d.start_ns for d in deviations)) if deviations else inventory.Inventory({})
     analysed = chosen(deviations)
     # rollouts are looked for among the settings that differ for the latest and for a sample across the window:
     # a rollout early in it makes the requests before it deviate, not the latest ones
     sample = list({id(d): d for d in analysed + deviations[::max(1, len(deviations) // SAMPLED)]}.values())
-    traces = _traces(store, sample, window)
+    traces = _traces(store, sample, window, gpus)
     first = _divergences(sample, traces)
     candidates = sorted({(where.stage, key) for d, where in _located(sample, first)
                          for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage)})  # fmt: skip
@@ -86,7 +92,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     if found_rollouts:  # the latest of the new grouping, and every request in a wave
         during = [d for d in deviations
                   if d.trace_id in latest or any(r.from_ns <= d.start_ns <= r.until_ns for r in found_rollouts)]
-        traces = _traces(store, during, window)
+        traces = _traces(store, during, window, gpus)
         first = _divergences(during, traces)
         analysed = [d for d in during if d.trace_id in latest or (
             d.trace_id in first and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts))]  # fmt: skip
@@ -101,7 +107,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     starts = [d.start_ns for d in analysed]
     around = contrast_window(store, min(starts, default=t0), max(starts, default=until_ns))
     contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, max(around[0], t0),
-                                     min(around[1], until_ns), found_rollouts, (t0, until_ns))  # fmt: skip
+                                     min(around[1], until_ns), found_rollouts, (t0, until_ns),
+                                     inventory=gpus)  # fmt: skip
     hosts = sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans})
     samples = Samples(store, hosts, t0, until_ns)
 

@@ -9,7 +9,9 @@ baseline is chosen again among the requests on the request's side of the rollout
 sample without a seed are compared only with each other.
 
 The causes come from the detectors (``analysis.detectors``), ranked together; the verdict names the
-strongest, and says so plainly when nothing recorded explains the divergence.
+strongest, and says so plainly when nothing recorded explains the divergence. Spans whose process recorded no
+GPU model or driver get those of the GPU they ran on from the agent's inventory (``analysis.inventory``), read
+once per explanation, before the request and its baseline are compared.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from stagetrace import conventions, lookup
-from stagetrace.analysis import detectors, population, rollouts
+from stagetrace.analysis import detectors, inventory, population, rollouts
 from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples
 from stagetrace.conventions import PIPELINE_STAGES
@@ -196,7 +198,20 @@ def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.T
         lowest = theirs[min(theirs, key=rank_order)]
         theirs = {rank: theirs.get(rank, lowest) for rank in mine}
     case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason)
-    return ranked(detectors.detect(case))
+    return sourced(ranked(detectors.detect(case)), case.span, case.baseline_span)
+
+
+def sourced(causes: list[Cause], span: lookup.Span, baseline: lookup.Span | None) -> list[Cause]:
+    """The causes, each resource setting that the GPU inventory supplied (not the process) saying so."""
+    mine = set(inventory.filled_names(span.resource))
+    theirs = set(inventory.filled_names(baseline.resource)) if baseline else set()
+    for cause in causes:
+        if cause.kind == "attribute" and cause.evidence.get("resource"):
+            if cause.name in mine:
+                cause.evidence["from"] = conventions.INVENTORY_METRIC
+            if cause.name in theirs:
+                cause.evidence["baseline_from"] = conventions.INVENTORY_METRIC
+    return causes
 
 
 def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_differed: bool = False,
@@ -295,12 +310,16 @@ class Explainer:
         if baseline.trace.output_digest == trace.output_digest:
             return {**report, "diverged": False, "first_divergent_stage": None, "causes": [],
                     "summary": f"the output agrees with the baseline ({baseline.describe()})"}  # fmt: skip
+        # what the processes did not record of their GPUs, from the inventory: for the spans compared here and
+        # for those the contrast counts
+        gpus = inventory.read(self.store, trace.start_ns)
+        trace, baseline.trace = inventory.filled(trace, gpus), inventory.filled(baseline.trace, gpus)
         comparisons = compare_stages(trace, baseline.trace)
         first = first_divergence(comparisons)
         stage = first.stage
         found: list[Cause] = []
         if stage is not None:
-            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts)
+            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus)
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
@@ -362,10 +381,11 @@ class Explainer:
                                trace.start_ns + self.window_ns,
                                among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest])  # fmt: skip
 
-    def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list):
+    def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list,
+                  gpus: inventory.Inventory | None = None):  # fmt: skip
         keys = stage_differences(trace, baseline, stage)
         if keys is None:
             return None
         t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)
         return population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
-                                   (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns))
+                                   (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), inventory=gpus)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stagetrace import conventions
+from stagetrace.analysis.inventory import Inventory, value_sql
 from stagetrace.store import Store
 
 # Requests in the window (one per trace, by the conventions' root rule), latest trace per request ID (a retry
@@ -107,13 +108,16 @@ def nearest(members: list[Member], start_ns: int, host: str) -> Member | None:
 
 
 def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, found_rollouts=(),
-             majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000):  # fmt: skip
+             majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
+             inventory: Inventory | None = None):  # fmt: skip
     """One stage's :func:`contrasts`."""
-    return contrasts(store, {stage: keys}, t0_ns, t1_ns, found_rollouts, majority_window, margin_ns).get(stage)
+    return contrasts(store, {stage: keys}, t0_ns, t1_ns, found_rollouts, majority_window, margin_ns,
+                     inventory).get(stage)  # fmt: skip
 
 
 def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, found_rollouts=(),
-              majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000) -> dict:  # fmt: skip
+              majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
+              inventory: Inventory | None = None) -> dict:  # fmt: skip
     """Per stage, counts for :class:`~stagetrace.analysis.causes.Contrast` over its spans in [t0, t1).
 
     A span *diverged first at the stage* when its output differs from the majority output of the stage's
@@ -122,9 +126,10 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
     requests, and those a rollout's wave explains, are no evidence either way (in the majority, a span's
     own sampling attributes decide, so that the scan stays narrow). Settings are counted by value and
     measurements by bucket; a key with a distinct value on nearly every span is an identifier and comes
-    back as one summary row, not a row per span.
+    back as one summary row, not a row per span. A span whose process recorded no GPU model or driver is counted
+    with its value in the ``inventory`` (``analysis.inventory``), as the spans compared were.
     """
-    from stagetrace.analysis.causes import Contrast, is_measurement
+    from stagetrace.analysis.causes import RESOURCE, Contrast, is_measurement
 
     pairs = [(stage, key) for stage, ks in sorted(keys.items()) for key in sorted(set(ks))]
     if not pairs:
@@ -138,10 +143,17 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
               "rk": [r.key for r in waves], "rold": [r.old for r in waves], "rnew": [r.new for r in waves],
               "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves]}  # fmt: skip
     rows: dict[str, dict] = {}
-    sql = CONTRAST_IN_ROLLOUTS_SQL if waves else CONTRAST_SQL
-    # one query per stage: each reads only its stage's part of the table (ordered by stage, then time)
-    result = [row for stage in sorted(keys) for row in store.client.query(sql, parameters={
-        **params, "stages": [s for s, _ in pairs if s == stage], "keys": [k for s, k in pairs if s == stage]}).result_rows]
+    result = []
+    for stage in sorted(keys):  # one query per stage: each reads only its stage's part of the table (by stage, time)
+        stage_keys = [k for s, k in pairs if s == stage]
+        # the inventory's entries of the GPU settings weighed here; none: the query that reads no inventory, as cheap
+        # as without one
+        resource_names = [k.removeprefix(RESOURCE) for k in stage_keys if k.startswith(RESOURCE)]
+        entries = inventory.entries(resource_names) if inventory else {}
+        stage_params = {**params, "stages": [stage] * len(stage_keys), "keys": stage_keys}
+        if entries:
+            stage_params.update({"ik": list(entries), "iv": list(entries.values())})
+        result += store.client.query(CONTRAST_SQLS[(bool(waves), bool(entries))], parameters=stage_params).result_rows
     for stage, key, value, n, d, spans, diverged, is_identifier in result:
         found = rows.setdefault(stage, {"counts": {}, "identifiers": set(), "spans": 0, "diverged": 0})
         found["spans"], found["diverged"] = int(spans), int(diverged)
@@ -152,15 +164,23 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
     return {stage: Contrast(r["counts"], r["spans"], r["diverged"], frozenset(r["identifiers"])) for stage, r in rows.items()}
 
 
-def _contrast_sql(waves: bool) -> str:
+def _contrast_sql(waves: bool, inventory: bool = False) -> str:
+    """The contrast query; with ``inventory``, a resource attribute a span lacks is read from the GPU inventory's
+    entries (parameters ``ik`` and ``iv``: ``inventory.value_sql``)."""
     from stagetrace.analysis.causes import BUCKET_SQL, IDENTIFIER_SHARE, IDENTIFIER_SPANS, RESOURCE
 
-    value = (f"if(startsWith({{k}}, '{RESOURCE}'), ResourceAttributes[substring({{k}}, {len(RESOURCE) + 1})], "
-             "Attributes[{k}])")  # fmt: skip
+    def value(k: str) -> str:
+        """A span's value of the contrast key ``k`` (an SQL expression)."""
+        name = f"substring({k}, {len(RESOURCE) + 1})"
+        resource = f"ResourceAttributes[{name}]"
+        if inventory:  # never over what the process recorded
+            resource = f"if({resource} != '', {resource}, {value_sql(name)})"
+        return f"if(startsWith({k}, '{RESOURCE}'), {resource}, Attributes[{k}])"
+
     ts = "toUnixTimestamp64Nano(Start)"
     # a rollout's wave: the new value before the fleet moved, or the old one while the wave still rolled
-    wave = (f"arrayExists((s, k, o, n, t, u) -> s = Stage AND (({value.format(k='k')} = n AND {ts} < t) OR "
-            f"({value.format(k='k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rk:Array(String)}}, "
+    wave = (f"arrayExists((s, k, o, n, t, u) -> s = Stage AND (({value('k')} = n AND {ts} < t) OR "
+            f"({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rk:Array(String)}}, "
             "{rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})")
 
     def comparable(t0: str, t1: str, whole_requests: bool) -> str:
@@ -177,7 +197,7 @@ def _contrast_sql(waves: bool) -> str:
     identifier = f"Spans >= {IDENTIFIER_SPANS} AND Values >= {IDENTIFIER_SHARE} * Spans"
     return f"""
 WITH counted AS (
-    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, Attributes, ResourceAttributes
+    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, Attributes, ResourceAttributes{', HostName' if inventory else ''}
     FROM {{db:Identifier}}.stagetrace_stages
     WHERE {comparable("t0", "t1", True)}),
 majority AS (
@@ -194,7 +214,7 @@ FROM (SELECT Stage, key, value, n, d, count() OVER w AS Values, sum(n) OVER w AS
       FROM (SELECT Stage, key, if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
                    count() AS n, countIf(Out != Majority) AS d
             FROM (SELECT c.Stage AS Stage, c.OutputDigest AS Out, m.Majority AS Majority, tupleElement(sk, 2) AS key,
-                         {value.format(k='tupleElement(sk, 2)')} AS raw
+                         {value('tupleElement(sk, 2)')} AS raw
                   FROM counted AS c
                   INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
                   ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = c.Stage,
@@ -204,4 +224,7 @@ FROM (SELECT Stage, key, value, n, d, count() OVER w AS Values, sum(n) OVER w AS
 LIMIT 1 BY Stage, key, if({identifier}, '', value)"""
 
 
-CONTRAST_SQL, CONTRAST_IN_ROLLOUTS_SQL = _contrast_sql(False), _contrast_sql(True)
+# by (rollouts' waves left out, the GPU inventory read)
+CONTRAST_SQLS = {(waves, inventory): _contrast_sql(waves, inventory) for waves in (False, True)
+                 for inventory in (False, True)}  # fmt: skip
+
