@@ -64,3 +64,25 @@ def test_upgrade_from_version_1_fills_the_stage_table_from_stored_spans(store):
     rows = store.client.query("SELECT Stage, OutputDigest != '' FROM stagetrace.stagetrace_stages ORDER BY Start").result_rows
     assert rows == [("retrieval", True), ("decode", True)]
     assert schema.installed_version(store.client, "stagetrace") == schema.SCHEMA_VERSION
+
+
+def test_upgrade_to_version_8_builds_the_trace_projection_from_stored_requests(store):
+    """A store of version 7 has no trace-ordered projection of its requests: the upgrade adds it and builds it from
+    the rows already there, so a lookup by trace ID reads it for old requests too."""
+    import stagetrace
+    from stagetrace import lookup
+
+    stagetrace.configure(store=store, service_name="rag")
+    with stagetrace.request("before-upgrade", input="q") as req:
+        req.set_output("a")
+    stagetrace.flush()
+    store.client.command("ALTER TABLE stagetrace.stagetrace_requests DROP PROJECTION by_trace")
+    store.client.command("TRUNCATE TABLE stagetrace.stagetrace_schema_version")
+    store.client.command("INSERT INTO stagetrace.stagetrace_schema_version (Version) VALUES (7)")
+    assert schema.ensure_schema(store.client, "stagetrace") is True
+    built = store.client.command(
+        "SELECT sum(rows) FROM system.projection_parts WHERE database = 'stagetrace' AND table = 'stagetrace_requests' "
+        "AND name = 'by_trace' AND active")  # fmt: skip
+    assert int(built) == int(store.client.command("SELECT count() FROM stagetrace.stagetrace_requests")) > 0
+    trace_id = lookup.by_request_id(store, "before-upgrade").trace_id
+    assert lookup.by_trace_id(store, trace_id).request_id == "before-upgrade"

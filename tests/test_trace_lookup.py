@@ -135,3 +135,45 @@ def test_piped_waterfall_is_tab_separated_with_every_stage_in_order(store_dsn, c
     assert header[:3] == ["span", "start ms", "dur ms"] and all(len(row) == len(header) for row in rows)
     assert [row[0].strip() for row in rows if row[0].strip() in STAGES] == STAGES
     assert "in-ret→out-re" in out  # digests, shortened
+
+def _granules(plan: str) -> list[tuple[str, int, int]]:
+    """(what it reads, granules selected, granules in all) for each table read of an ``EXPLAIN indexes = 1`` plan."""
+    import re
+
+    out = []
+    for block in plan.split("ReadFromMergeTree")[1:]:
+        name = block.split("\n", 1)[0].strip()
+        selected = re.search(r"Parts: \d+ \| Granules: (\d+)", block)
+        totals = [int(n) for n in re.findall(r"Granules: \d+/(\d+)", block)]
+        if selected and totals:
+            out.append((name, int(selected.group(1)), max(totals)))
+    return out
+
+
+def test_every_lookup_query_reads_a_bounded_part_of_each_table(store, monkeypatch):
+    """A store of 100,000 requests over ten hours (600,000 spans, many granules in every table): each query a lookup
+    by request ID or by trace ID runs, explained with its own parameters, reads a few granules of each table it
+    touches, never all of them, so its cost does not grow with the store."""
+    from benchmarks import synthetic
+
+    synthetic.fill(store, 100_000, T0, seconds=10 * 3600)
+    store.client.command("OPTIMIZE TABLE stagetrace.stagetrace_requests FINAL")
+    ran: list[tuple[str, dict]] = []
+    query = store.client.query
+
+    def recorded(sql, parameters=None, **kwargs):
+        ran.append((sql, parameters or {}))
+        return query(sql, parameters=parameters, **kwargs)
+
+    monkeypatch.setattr(store.client, "query", recorded)
+    trace = lookup.by_request_id(store, "req-54321")
+    assert trace.request_id == "req-54321" and len(trace.spans) == 6
+    assert lookup.by_trace_id(store, trace.trace_id).request_id == "req-54321"
+    monkeypatch.setattr(store.client, "query", query)
+    assert len(ran) >= 5
+    for sql, parameters in ran:
+        plan = "\n".join(row[0] for row in store.client.query(f"EXPLAIN indexes = 1 {sql}", parameters=parameters).result_rows)
+        reads = _granules(plan)
+        assert reads, plan
+        for name, selected, total in reads:
+            assert total >= 10 and selected <= total // 4, f"{name} reads {selected} of {total} granules for:\n{sql}"

@@ -119,28 +119,34 @@ def iso_ns(ns: int) -> str:
     return datetime.fromtimestamp(seconds, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") + f".{frac:09d}Z"
 
 
-_REQUEST_SQL = f"""
+# Every step of a lookup reads by a table's key (or the trace-ordered projection of stagetrace_requests), so it reads a
+# bounded number of granules however large the store grows.
+# The request a trace stands for, by the conventions' root rule (the projection by trace ID).
+REQUEST_OF_TRACE_SQL = f"""
 SELECT RequestId, InputDigest, OutputDigest, SpanId FROM ({conventions.requests_sql(
     "TraceId = {tid:String}", "{db:Identifier}.stagetrace_requests")})"""
+# The traces recorded for a request ID (a retry has several), by the table's key.
+TRACES_OF_REQUEST_SQL = """
+SELECT TraceId, toUnixTimestamp64Nano(Start), toUnixTimestamp64Nano(End), ServiceName
+FROM {db:Identifier}.stagetrace_requests
+WHERE RequestId = {rid:String}
+ORDER BY Start
+LIMIT 100"""
+# A trace's time span, from the Collector's trace-ID table (ordered by trace ID).
+TRACE_SPAN_SQL = """
+SELECT toUnixTimestamp(min(Start)), toUnixTimestamp(max(End)) + 1
+FROM {db:Identifier}.otel_traces_trace_id_ts
+WHERE TraceId = {tid:String}"""
 
 
 def _request(store: Store, trace_id: str) -> tuple[str | None, str, str, str]:
     """The request a trace stands for, by the conventions' root rule: (its ID, input and output digest, root span)."""
-    rows = store.client.query(_REQUEST_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows
+    rows = store.client.query(REQUEST_OF_TRACE_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows
     return tuple(rows[0]) if rows else (None, "", "", "")
 
 
 def by_request_id(store: Store, request_id: str) -> Trace:
-    rows = store.client.query(
-        """
-        SELECT TraceId, toUnixTimestamp64Nano(Start), toUnixTimestamp64Nano(End), ServiceName
-        FROM {db:Identifier}.stagetrace_requests
-        WHERE RequestId = {rid:String}
-        ORDER BY Start
-        LIMIT 100
-        """,
-        parameters={"db": store.database, "rid": request_id},
-    ).result_rows
+    rows = store.client.query(TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": request_id}).result_rows
     if not rows:
         raise NotFound(f"no request with id {request_id!r}")
     # A retried request ID has several traces: show the latest. Within a trace the earliest row is the outermost span.
@@ -158,14 +164,7 @@ def by_request_id(store: Store, request_id: str) -> Trace:
 
 def by_trace_id(store: Store, trace_id: str) -> Trace:
     trace_id = trace_id.strip().lower()
-    start, end = store.client.query(
-        """
-        SELECT toUnixTimestamp(min(Start)), toUnixTimestamp(max(End)) + 1
-        FROM {db:Identifier}.otel_traces_trace_id_ts
-        WHERE TraceId = {tid:String}
-        """,
-        parameters={"db": store.database, "tid": trace_id},
-    ).result_rows[0]
+    start, end = store.client.query(TRACE_SPAN_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows[0]
     spans = _spans(store, trace_id, start * 1_000_000_000, end * 1_000_000_000) if end > 1 else []
     if not spans:
         raise NotFound(f"no trace with id {trace_id!r}")

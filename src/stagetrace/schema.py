@@ -19,7 +19,7 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
 # 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -37,6 +37,10 @@ _MAP = "Map(LowCardinality(String), String)"
 # within this many recent blocks. Views' target tables need it too: the token reaches them, and without it
 # a deduplicated insert into otel_traces would still add its rows to the views' tables.
 _DEDUP = "non_replicated_deduplication_window = 1000"
+
+# A trace's request rows by trace ID (a lookup by trace ID, and the request fields of a lookup by request ID), read
+# from a copy of the table in trace order: a bounded number of granules however large the store.
+_BY_TRACE, _BY_TRACE_SELECT = "by_trace", "SELECT * ORDER BY TraceId, Start"
 
 _ATTRIBUTE_INDEXES = """
     INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
@@ -166,7 +170,7 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     # One row per request root span; small granules because every read is a point lookup.
     Table(
         "stagetrace_requests",
-        """
+        f"""
     RequestId String CODEC(ZSTD(1)),
     TraceId String CODEC(ZSTD(1)),
     SpanId String CODEC(ZSTD(1)),
@@ -180,7 +184,8 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     OutputDigest String CODEC(ZSTD(1)),
     StatusCode LowCardinality(String) CODEC(ZSTD(1)),
     Source LowCardinality(String) CODEC(ZSTD(1)),
-    Nondeterministic LowCardinality(String) CODEC(ZSTD(1))""",
+    Nondeterministic LowCardinality(String) CODEC(ZSTD(1)),
+    PROJECTION {_BY_TRACE} ({_BY_TRACE_SELECT})""",
         "MergeTree()",
         f"""PARTITION BY toYYYYMM(Start)
 ORDER BY (RequestId, Start)
@@ -337,6 +342,10 @@ NEW_COLUMNS = {
     7: (("stagetrace_divergences", "Devices String CODEC(ZSTD(1))"),),
 }  # fmt: skip
 
+# Projections a version added to tables created before it, built from the rows they hold: {version: ((table,
+# projection, its SELECT), ...)}.
+NEW_PROJECTIONS = {8: (("stagetrace_requests", _BY_TRACE, _BY_TRACE_SELECT),)}
+
 # Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.
 SETTING_CHANGES = {
     3: (_DEDUP, ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum",
@@ -419,6 +428,10 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
         for name, column in NEW_COLUMNS.get(version, ()):
             for table in {f"{name}{local}", name}:  # the local table and, on a cluster, its Distributed twin
                 client.command(f"ALTER TABLE {db}.`{table}`{on_cluster} ADD COLUMN IF NOT EXISTS {column}")
+    for name, projection, select in (p for version in upgrades for p in NEW_PROJECTIONS.get(version, ())):
+        table = f"{db}.`{name}{local}`{on_cluster}"
+        client.command(f"ALTER TABLE {table} ADD PROJECTION IF NOT EXISTS {projection} ({select})")
+        client.command(f"ALTER TABLE {table} MATERIALIZE PROJECTION {projection}")  # the rows stored before it
     for name in (name for version in upgrades for name in REBUILDS.get(version, ())):
         client.command(f"DROP VIEW IF EXISTS {db}.`{name}`{on_cluster}")
     for sql in statements(database, cluster, tables=False):
