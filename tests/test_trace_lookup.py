@@ -177,3 +177,74 @@ def test_every_lookup_query_reads_a_bounded_part_of_each_table(store, monkeypatc
         assert reads, plan
         for name, selected, total in reads:
             assert total >= 10 and selected <= total // 4, f"{name} reads {selected} of {total} granules for:\n{sql}"
+
+
+MINUTE_NS = 60 * 1_000_000_000
+
+
+def _span_on(dsn, host: str, name: str, start: int, end: int, parent=None, attributes=None, trace_root=False):
+    """One span exported from ``host``'s own provider (its own clock): the root of a new trace, or a child of
+    ``parent`` (a span context), with exact timestamps."""
+    from opentelemetry.trace import NonRecordingSpan
+
+    provider = TracerProvider(resource=Resource.create({"service.name": "rag", "host.name": host}))
+    provider.add_span_processor(SimpleSpanProcessor(ClickHouseSpanExporter(store=dsn)))
+    context = None if trace_root else set_span_in_context(NonRecordingSpan(parent))
+    span = provider.get_tracer("t").start_span(name, context=context, start_time=start, attributes=attributes or {},
+                                               kind=SpanKind.SERVER if trace_root else SpanKind.INTERNAL)  # fmt: skip
+    span.end(end_time=end)
+    provider.shutdown()
+    return span.get_span_context()
+
+
+def _stage(dsn, host, stage, start, parent):
+    return _span_on(dsn, host, f"stage.{stage}", start, start + 1_000_000, parent, {
+        "stagetrace.stage": stage, "stagetrace.stage.input_digest": "i", "stagetrace.stage.output_digest": "o"})
+
+
+def test_spans_from_hosts_with_skewed_clocks_are_found_whole(store_dsn):
+    """The root on a host with a good clock; the all-reduce rank spans from hosts whose clocks run four minutes
+    behind and five ahead: a lookup by request ID and by trace ID returns all of them."""
+    root = _span_on(store_dsn, "gpu-a", "request", T0, T0 + 2_000_000_000, trace_root=True,
+                    attributes={"stagetrace.request.id": "skewed"})  # fmt: skip
+    _stage(store_dsn, "gpu-a", "retrieval", T0 + 1_000_000, root)
+    _stage(store_dsn, "gpu-behind", "allreduce", T0 - 4 * MINUTE_NS, root)
+    _stage(store_dsn, "gpu-ahead", "allreduce", T0 + 5 * MINUTE_NS, root)
+    with open_store(store_dsn) as store:
+        for trace in (lookup.by_request_id(store, "skewed"),
+                      lookup.by_trace_id(store, format(root.trace_id, "032x"))):
+            hosts = sorted(s.resource.get("host.name") for s in trace.spans)
+            assert hosts == ["gpu-a", "gpu-a", "gpu-ahead", "gpu-behind"], hosts
+            assert trace.request_id == "skewed"
+
+
+def test_spans_that_arrive_minutes_late_are_found(store_dsn):
+    """A request looked up, then two more of its spans stored minutes later: one inside its time, one that started
+    three minutes after the root ended (a slow host's flush). The next lookup returns them all."""
+    root = _span_on(store_dsn, "gpu-a", "request", T0, T0 + 1_000_000_000, trace_root=True,
+                    attributes={"stagetrace.request.id": "late"})  # fmt: skip
+    _stage(store_dsn, "gpu-a", "retrieval", T0 + 1_000_000, root)
+    with open_store(store_dsn) as store:
+        assert len(lookup.by_request_id(store, "late").spans) == 2
+    _stage(store_dsn, "gpu-b", "decode", T0 + 500_000_000, root)
+    _stage(store_dsn, "gpu-b", "allreduce", T0 + 4 * MINUTE_NS, root)
+    with open_store(store_dsn) as store:
+        stages = [s.stage for s in lookup.by_request_id(store, "late").spans]
+        assert stages == [None, "retrieval", "decode", "allreduce"], stages
+
+
+def test_a_retried_request_id_shows_its_latest_trace_whole(store_dsn):
+    """The same request ID served twice, ten minutes apart, in two traces: the lookup shows the retry, with its own
+    spans and none of the first attempt's."""
+    first = _span_on(store_dsn, "gpu-a", "request", T0, T0 + 10**9, trace_root=True,
+                     attributes={"stagetrace.request.id": "retried"})  # fmt: skip
+    _stage(store_dsn, "gpu-a", "retrieval", T0 + 10**6, first)
+    retry = _span_on(store_dsn, "gpu-b", "request", T0 + 10 * MINUTE_NS, T0 + 10 * MINUTE_NS + 10**9, trace_root=True,
+                     attributes={"stagetrace.request.id": "retried"})  # fmt: skip
+    for i, stage in enumerate(("retrieval", "decode")):
+        _stage(store_dsn, "gpu-b", stage, T0 + 10 * MINUTE_NS + (i + 1) * 10**6, retry)
+    with open_store(store_dsn) as store:
+        trace = lookup.by_request_id(store, "retried")
+    assert trace.trace_id == format(retry.trace_id, "032x")
+    assert [s.stage for s in trace.spans] == [None, "retrieval", "decode"]
+    assert {s.resource.get("host.name") for s in trace.spans} == {"gpu-b"}

@@ -154,7 +154,10 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     trace_rows = [r for r in rows if r[0] == latest_trace]
     start = min(r[1] for r in trace_rows)
     end = max(r[2] for r in trace_rows)
-    spans = _spans(store, latest_trace, start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
+    # the whole trace's extent: spans from a host whose clock runs minutes off, or that started after the root ended
+    first, last = _extent(store, latest_trace)
+    first, last = (min(start, first), max(end, last)) if last else (start, end)
+    spans = _spans(store, latest_trace, first - WINDOW_MARGIN_NS, last + WINDOW_MARGIN_NS)
     # An engine's request span (found by gen_ai.request.id) may sit inside a pipeline's trace: span it all.
     start = min([start, *(s.start_ns for s in spans)])
     end = max([end, *(s.start_ns + s.duration_ns for s in spans)])
@@ -162,10 +165,16 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     return Trace(request_id, latest_trace, trace_rows[0][3], start, end - start, spans, *request)
 
 
+def _extent(store: Store, trace_id: str) -> tuple[int, int]:
+    """The first and last second (ns) the trace's spans started in, by the trace-ID table; (0, 0) when it has none."""
+    start, end = store.client.query(TRACE_SPAN_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows[0]
+    return (start * 1_000_000_000, end * 1_000_000_000) if end > 1 else (0, 0)
+
+
 def by_trace_id(store: Store, trace_id: str) -> Trace:
     trace_id = trace_id.strip().lower()
-    start, end = store.client.query(TRACE_SPAN_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows[0]
-    spans = _spans(store, trace_id, start * 1_000_000_000, end * 1_000_000_000) if end > 1 else []
+    start, end = _extent(store, trace_id)
+    spans = _spans(store, trace_id, start, end) if end else []
     if not spans:
         raise NotFound(f"no trace with id {trace_id!r}")
     request_id, *request = _request(store, trace_id)
