@@ -148,3 +148,59 @@ def _through_agent(dsn: str, request_ids: list[str]) -> list[float]:
     finally:
         agent.terminate()
         agent.wait(timeout=60)
+
+
+CURVE_RATE = 500  # requests/s: the store grows as a fleet's would, its requests spread over hours
+CURVE_CHUNK = 1_000_000  # requests per generating insert
+
+
+@benchmark("lookup_curve")
+def lookup_curve(quick: bool) -> list[Figure]:
+    """Lookup by request ID and by trace ID as one store grows from 1M to 100M spans (quick: 60k to 600k), 200 fresh
+    IDs at each size once merges have settled; then ``stagetrace trace`` through an agent holding the largest store.
+    The growth from the smallest store to the largest is the figure: a lookup that reads by the tables' keys stays
+    flat."""
+    sizes = (60_000, 600_000) if quick else (1_000_000, 10_000_000, 100_000_000)
+    lookups, agent_processes = (20, 1) if quick else (200, 11)
+    compile_sources()
+    rng = random.Random(38)
+    figures: list[Figure] = []
+    first: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory:
+        dsn = f"chdb://{directory}"
+        filled, asked = 0, set()
+        start_ns = time.time_ns() - int(sizes[-1] // 6 / CURVE_RATE * 1e9) - 3600 * 10**9
+        with open_store(dsn) as store:
+            for spans in sizes:
+                while filled < spans // 6:
+                    n = min(CURVE_CHUNK, spans // 6 - filled)
+                    synthetic.fill(store, n, start_ns + int(filled / CURVE_RATE * 1e9), seconds=n / CURVE_RATE,
+                                   offset=filled)  # fmt: skip
+                    filled += n
+                _settle(store, limit_s=900.0)
+                fresh = [i for i in rng.sample(range(filled), 2 * lookups + 1) if i not in asked]
+                asked.update(fresh)
+                lookup.by_request_id(store, f"req-{fresh[0]}")  # warm-up: the first query opens the parts
+                by_id, traces = [], []
+                for i in fresh[1 : lookups + 1]:
+                    ms, trace = _ms(lookup.by_request_id, store, f"req-{i}")
+                    if len(trace.spans) != 6:
+                        raise RuntimeError(f"lookup found {len(trace.spans)} spans, not 6")
+                    by_id.append(ms)
+                for i in fresh[lookups + 1 :]:  # trace IDs of requests not looked up yet: no cached filter helps
+                    traces.append(store.client.query(lookup.TRACES_OF_REQUEST_SQL, parameters={
+                        "db": store.database, "rid": f"req-{i}"}).result_rows[0][0])  # fmt: skip
+                by_trace = [_ms(lookup.by_trace_id, store, t)[0] for t in traces]
+                for name, timings in (("lookup.by_request_id", by_id), ("lookup.by_trace_id", by_trace)):
+                    p50 = statistics.median(timings)
+                    first.setdefault(name, p50)
+                    smallest = f"{name} p50 at {sizes[0]:,} spans"
+                    figures.append(Figure(f"{name} at {spans:,} spans, p50 of {len(timings)} fresh IDs", p50, "ms",
+                                          smallest if spans != sizes[0] else "aim", first[name] if spans != sizes[0]
+                                          else 50.0))  # fmt: skip
+                    figures.append(Figure(f"{name} at {spans:,} spans, p99", _p99(timings), "ms", "aim", 100.0))
+        through_agent = _through_agent(dsn, [f"req-{i}" for i in rng.sample(sorted(set(range(filled)) - asked),
+                                                                          agent_processes)])  # fmt: skip
+    figures.append(Figure(f"`stagetrace trace --json` process through an agent holding {sizes[-1]:,} spans, median of "
+                          f"{agent_processes}", statistics.median(through_agent), "ms", "aim", 250.0))  # fmt: skip
+    return figures
