@@ -137,7 +137,8 @@ class Provisioner:
         existing = self._call(f"read data source {uid}", self.api.datasource.get_datasource_by_uid, uid,
                               missing_ok=True)  # fmt: skip
         password = self.settings.password
-        with_password = {**body, "secureJsonData": {"password": password}} if password else body
+        secrets = self.settings.secure_json_data(password) if password or self.settings.ca_file else {}
+        with_password = {**body, "secureJsonData": {k: v for k, v in secrets.items() if v}} if secrets else body
         if existing is None:
             self._call(f"create data source {body['name']!r}", self.api.datasource.create_datasource, with_password)
             self.report(f"data source {uid}: created")

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from stagetrace import config, through_agent
+from stagetrace import config, through_agent, web_config
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import alert_rules, build_all, render
 from stagetrace.store import StoreError, parse_dsn
@@ -31,6 +31,7 @@ ENV_PROTOCOL = "STAGETRACE_CLICKHOUSE_PROTOCOL"
 ENV_USER = "STAGETRACE_CLICKHOUSE_USER"
 ENV_PASSWORD = "STAGETRACE_CLICKHOUSE_PASSWORD"
 ENV_PASSWORD_FILE = "STAGETRACE_CLICKHOUSE_PASSWORD_FILE"
+ENV_CA_FILE = web_config.ENV_CA_FILE  # one variable for every client of an agent or server with its own CA
 DEFAULT_PROVISIONING_PATH = "/etc/grafana/provisioning"
 PROVIDER_NAME = "stagetrace"
 ORG_ID = 1
@@ -56,6 +57,11 @@ class ClickHouseSettings:
     password: str = field(default="", repr=False)
     # an embedded store: Grafana reads it through the agent's query endpoint; what to tell the operator
     through_agent: str = ""
+    ca_file: str = ""  # the CA Grafana verifies the server's certificate against ($STAGETRACE_CA_FILE)
+
+    def secure_json_data(self, password: str) -> dict:
+        """The secrets: the password, and the CA certificate (the file's contents) when one is named."""
+        return {"password": password, **({"tlsCACert": Path(self.ca_file).read_text()} if self.ca_file else {})}
 
     def json_data(self) -> dict:
         return {
@@ -65,6 +71,8 @@ class ClickHouseSettings:
             "secure": self.secure,
             "username": self.user,
             "defaultDatabase": self.database,
+            # a secure connection is always verified: against the CA given, else Grafana's system CAs
+            **({"tlsSkipVerify": False, "tlsAuthWithCACert": bool(self.ca_file)} if self.secure else {}),
             # the plugin's trace view over the collector-compatible otel_traces table
             "traces": {"defaultDatabase": self.database, "defaultTable": "otel_traces", "otelEnabled": True,
                        "otelVersion": "latest", "durationUnit": "nanoseconds"},  # fmt: skip
@@ -95,7 +103,8 @@ def settings_from(
                 "an in-memory store cannot be shared with Grafana: give --store chdb:///path (served by `stagetrace "
                 f"agent`), a server store with --store http(s)://host:8123/db, or --clickhouse-host (or {ENV_HOST})"
             )
-        host, port, note = _through_agent(location, port)
+        host, port, note, agent_tls = _through_agent(location, port)
+        secure = agent_tls if secure is None else secure
     protocol = protocol or os.environ.get(ENV_PROTOCOL) or "http"
     if protocol not in PROTOCOLS:
         raise ProvisionError(f"ClickHouse protocol {protocol!r}: use native or http")
@@ -109,12 +118,16 @@ def settings_from(
     password = _password()
     if password is None:  # the store's own credentials when Grafana connects as the same user
         password = server.password if server and server.username == user else ""
-    return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password, note)
+    ca_file = os.environ.get(ENV_CA_FILE, "") if secure else ""
+    if ca_file and not Path(ca_file).is_file():
+        raise ProvisionError(f"{ENV_CA_FILE}={ca_file} is not a file: name the CA that signed the server's certificate")
+    return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password, note,
+                              ca_file)  # fmt: skip
 
 
-def _through_agent(location, port: int | None) -> tuple[str, int, str]:
+def _through_agent(location, port: int | None) -> tuple[str, int, str, bool]:
     """Grafana reads an embedded store through the query endpoint of the agent that holds it: the address it
-    advertises, else the agent's default one; and what the operator needs to know about it."""
+    advertises, else the agent's default one; what the operator needs to know about it; whether it speaks TLS."""
     record = through_agent.advertised(location)
     url = urlsplit(f"http://{config.DEFAULT_QUERY_LISTEN}" if record is None else record["query"])
     host, port = url.hostname or "127.0.0.1", port or url.port or 8123
@@ -123,7 +136,8 @@ def _through_agent(location, port: int | None) -> tuple[str, int, str]:
     token = (f"; the agent needs its token: give Grafana it as {ENV_PASSWORD}" if record and record.get("token") else "")
     reach = ("run Grafana on this host's network (docker run --network host ...)" if host in ("127.0.0.1", "::1", "localhost")
              else f"Grafana must reach {host}:{port}")  # fmt: skip
-    return host, port, f"the store is embedded: Grafana reads it through the agent's query endpoint; {state}; {reach}{token}"
+    note = f"the store is embedded: Grafana reads it through the agent's query endpoint; {state}; {reach}{token}"
+    return host, port, note, url.scheme == "https"
 
 
 def _port(text: str | None) -> int | None:
@@ -157,8 +171,10 @@ def datasource(settings: ClickHouseSettings) -> dict:
 
 
 def datasources_file(settings: ClickHouseSettings) -> dict:
-    entry = {**datasource(settings), "orgId": ORG_ID, "editable": False,
-             "secureJsonData": {"password": f"${{{ENV_PASSWORD}}}"}}  # fmt: skip
+    secrets = {"password": f"${{{ENV_PASSWORD}}}"}
+    if settings.ca_file:  # Grafana reads the file when it provisions: the CA's text is not copied here
+        secrets["tlsCACert"] = f"$__file{{{settings.ca_file}}}"
+    entry = {**datasource(settings), "orgId": ORG_ID, "editable": False, "secureJsonData": secrets}
     return {"apiVersion": 1, "datasources": [entry]}
 
 

@@ -339,7 +339,7 @@ class OtlpReceiver:
 
     def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None,
-                 max_in_flight: int = MAX_IN_FLIGHT):  # fmt: skip
+                 max_in_flight: int = MAX_IN_FLIGHT, web=None):  # fmt: skip
         self.token = token
         self.max_body_bytes = max_body_bytes
         self.max_spans = max_spans
@@ -348,7 +348,7 @@ class OtlpReceiver:
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
-            self.listener = (httpd.start(handler, listen, "stagetrace-otlp", max_in_flight=max_in_flight)
+            self.listener = (httpd.start(handler, listen, "stagetrace-otlp", max_in_flight=max_in_flight, web=web)
                              if listen is not None else None)  # fmt: skip
         except BaseException:
             self.writer.close()
@@ -416,6 +416,9 @@ _ROUTES = {
 class _OtlpHandler(httpd.Handler):
     receiver: OtlpReceiver
 
+    def token_allowed(self) -> bool:
+        return self.receiver.token is not None
+
     def do_POST(self):  # noqa: N802 - the stdlib's name
         media = media_type(self.headers.get("Content-Type"))
         answer_as = JSON if media == JSON else PROTOBUF
@@ -424,7 +427,7 @@ class _OtlpHandler(httpd.Handler):
             if route is None:
                 raise OtlpError(404, f"no OTLP endpoint at {urlsplit(self.path).path}: use /v1/traces or /v1/metrics",
                                 body_read=False)  # fmt: skip
-            if not httpd.authorized(self.headers.get("Authorization"), self.receiver.token):
+            if not self.admitted(self.receiver.token):
                 raise OtlpError(401, "missing or wrong bearer token", body_read=False)
             if media not in (PROTOBUF, JSON):
                 raise OtlpError(415, f"Content-Type {media or '(none)'} is not OTLP: use {PROTOBUF} or {JSON}",

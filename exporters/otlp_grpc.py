@@ -43,7 +43,7 @@ from stagetrace.exporters.otlp import (  # noqa: E402
     decode,
     request_token,
 )
-from stagetrace.exporters.prometheus import parse_listen  # noqa: E402
+from stagetrace.httpd import parse_listen  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class OtlpGrpcServer:
     receiver's ``max_body_bytes``, the HTTP body limit."""
 
     def __init__(self, receiver: OtlpReceiver, listen: str = DEFAULT_GRPC_LISTEN, *, max_workers: int = MAX_WORKERS,
-                 max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS):  # fmt: skip
+                 max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS, tls=None):  # fmt: skip
         self.receiver = receiver
         host, port = parse_listen(listen)
         self._server = grpc.server(
@@ -122,7 +122,9 @@ class OtlpGrpcServer:
             self._server.add_registered_method_handlers(service.full_name, handlers)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = self._server.add_insecure_port(address)
+            # with TLS, the web configuration's certificate (taken again when it changes); the token as before
+            bound = (self._server.add_secure_port(address, tls.grpc_credentials()) if tls is not None
+                     else self._server.add_insecure_port(address))  # fmt: skip
         except RuntimeError:  # recent grpcio raises where older ones returned 0
             bound = 0
         if not bound:

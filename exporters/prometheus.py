@@ -1,21 +1,17 @@
-"""Prometheus ``/metrics``: the node's collectors run at scrape time, served by client_python's own server."""
+"""Prometheus ``/metrics``: the node's collectors run at scrape time, exposed by client_python and served by the
+agent's own HTTP server, so that ``/metrics`` takes the web configuration's TLS and basic auth as every listener does."""
 
 from __future__ import annotations
 
+import gzip
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from stagetrace import httpd
+from stagetrace.httpd import parse_listen
 
 DEFAULT_LISTEN = "127.0.0.1:9464"
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """``127.0.0.1:9464``, ``[::1]:9464`` or ``:9464`` (loopback) -> (address, port); ValueError says how to write it."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"listen address {text!r} is not HOST:PORT: write e.g. 127.0.0.1:9464")
-    return host, int(port)
 
 
 def registry_for(node) -> CollectorRegistry:
@@ -40,31 +36,42 @@ def exposition(families) -> bytes:
     return generate_latest(registry_for(_Collected(families)))
 
 
+class _MetricsHandler(httpd.Handler):
+    registry: CollectorRegistry
+
+    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        # every path, as client_python's own server answered: scrape configurations written for it keep working
+        body, headers = generate_latest(self.registry), {}
+        if "gzip" in (self.headers.get("Accept-Encoding") or ""):  # Prometheus asks for it: a scrape's text shrinks ~10x
+            body, headers = gzip.compress(body, compresslevel=1), {"Content-Encoding": "gzip"}
+        self.reply(200, body, CONTENT_TYPE_LATEST, headers)
+
+    do_HEAD = do_GET
+
+
 @dataclass
 class MetricsServer:
     """A running ``/metrics`` server; ``port`` is the bound one (useful with port 0)."""
 
-    server: object
-    thread: object
-    address: str
-    port: int
+    listener: httpd.Listener
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
 
     @property
     def url(self) -> str:
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"http://{host}:{self.port}/metrics"
+        return f"{self.listener.url}/metrics"
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+        self.listener.close()
 
 
-def serve(node, listen: str = DEFAULT_LISTEN) -> MetricsServer:
-    """Serve ``node`` on ``listen``; OSError when the address cannot be bound (in use, not local)."""
-    address, port = parse_listen(listen)
-    server, thread = start_http_server(port, addr=address, registry=registry_for(node))
-    return MetricsServer(server, thread, address, server.server_address[1])
+def serve(node, listen: str = DEFAULT_LISTEN, web=None) -> MetricsServer:
+    """Serve ``node`` on ``listen``, with the TLS and basic auth of ``web`` (a ``web_config.WebConfig``); OSError when
+    the address cannot be bound (in use, not local)."""
+    handler = type("MetricsHandler", (_MetricsHandler,), {"registry": registry_for(node)})
+    return MetricsServer(httpd.start(handler, listen, "stagetrace-metrics", web=web))
 
 
 __all__ = ["DEFAULT_LISTEN", "MetricsServer", "exposition", "parse_listen", "registry_for", "serve"]

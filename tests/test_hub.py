@@ -365,7 +365,8 @@ def test_the_query_endpoint_does_not_open_off_loopback_without_a_token(tmp_path)
     refused = _agent_exit(tmp_path, "--query-listen", "0.0.0.0:0")
     assert refused.returncode == 2 and refused.stderr.splitlines() == [
         "stagetrace agent: the query endpoint would read the store for anyone who can reach 0.0.0.0:0: give it a "
-        "token (--token-file), keep it on loopback, or accept that with --query-open"]  # fmt: skip
+        "token (--token-file) or require client certificates (--web-config-file), keep it on loopback, or accept "
+        "that with --query-open"]  # fmt: skip
     opened = Agent(tmp_path / "open", "--query-listen", "0.0.0.0:0", "--query-open")
     try:
         assert urllib.request.urlopen(f"http://127.0.0.1:{opened.query_port}/ping", timeout=5).read() == b"Ok.\n"

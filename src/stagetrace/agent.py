@@ -147,7 +147,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
         low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None,
-        analysis_by_default: bool = True, open_query: bool = False) -> int:  # fmt: skip
+        analysis_by_default: bool = True, open_query: bool = False, web=None) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
@@ -172,13 +172,14 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False,
                                         insert_every_s=max(insert_every_s, interval_s))  # fmt: skip
         cleanup.callback(writer.close)
-        server = _bind(lambda: serve(shared, listen), listen, "--listen")
+        server = _bind(lambda: serve(shared, listen, web=web), listen, "--listen")
         cleanup.callback(server.close)
         endpoints = {"metrics": server.url, "database": opened.database, "token": token is not None}
         if otlp or otlp_grpc:
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token), otlp or "", "--otlp", " for OTLP")
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web), otlp or "", "--otlp",
+                             " for OTLP")  # fmt: skip
             cleanup.callback(receiver.close)  # before the store closes: its replay stops
             if otlp:
                 endpoints["otlp"] = receiver.url
@@ -186,21 +187,24 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
                 from stagetrace.exporters.otlp_grpc import OtlpGrpcServer  # grpc is loaded only when served
 
                 _exposed(otlp_grpc, "the OTLP/gRPC receiver", token)
-                grpc_server = _bind(lambda: OtlpGrpcServer(receiver, otlp_grpc), otlp_grpc, "--otlp-grpc",
-                                    " for OTLP/gRPC")  # fmt: skip
+                grpc_server = _bind(lambda: OtlpGrpcServer(receiver, otlp_grpc, tls=web.tls if web else None),
+                                    otlp_grpc, "--otlp-grpc", " for OTLP/gRPC")  # fmt: skip
                 cleanup.callback(grpc_server.close)  # first: calls in flight finish before the receiver closes
                 endpoints["otlp_grpc"] = grpc_server.url
         else:  # no receiver, whose writer would: store what processes that found the store held handed over
             cleanup.callback(DurableWriter(opened, "spans").close)
         location = opened.location
         if query_listen and location.embedded and location.path:
-            if token is None and not open_query and not httpd.is_loopback(parse_listen(query_listen)[0]):
+            # who reaches it must show something: a token, a basic-auth user, or a certificate the CA signed
+            verified = web is not None and bool(web.users or (web.tls and web.tls.client_auth == "RequireAndVerifyClientCert"))
+            exposed = not httpd.is_loopback(parse_listen(query_listen)[0])
+            if token is None and not verified and not open_query and exposed:
                 raise AgentError(f"the query endpoint would read the store for anyone who can reach {query_listen}: "
-                                 "give it a token (--token-file), keep it on loopback, or accept that with "
-                                 "--query-open")  # fmt: skip
+                                 "give it a token (--token-file) or require client certificates (--web-config-file), "
+                                 "keep it on loopback, or accept that with --query-open")  # fmt: skip
             _exposed(query_listen, "the query endpoint", token)
             endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, database=location.database,
-                                                            token=token, limits=query_limits),
+                                                            token=token, limits=query_limits, web=web),
                              query_listen,
                              "--query-listen", " for queries")  # fmt: skip
             cleanup.callback(endpoint.close)

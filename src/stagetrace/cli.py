@@ -138,7 +138,11 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
                    help="bearer token required by the OTLP receiver and the query endpoint "
                         "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")
     p.add_argument("--query-open", action="store_true",
-                   help="let the query endpoint listen off loopback without a token (it refuses to otherwise)")
+                   help="let the query endpoint listen off loopback without a token or client certificates (it "
+                        "refuses to otherwise)")
+    p.add_argument("--web-config-file", metavar="FILE",
+                   help="TLS and basic auth for every listener, in Prometheus' web configuration format "
+                        "(tls_server_config, basic_auth_users; env STAGETRACE_WEB_CONFIG_FILE)")
     p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY"),
                    help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
                         "0 with a server store, where `stagetrace analyse` runs it; env STAGETRACE_ANALYSE_EVERY)")
@@ -332,8 +336,8 @@ def _collect(args) -> int:
 
 
 def _agent(args) -> int:
-    from stagetrace import agent, httpd
-    from stagetrace.exporters.prometheus import parse_listen
+    from stagetrace import agent, httpd, web_config
+    from stagetrace.httpd import parse_listen
 
     _log_to_stderr("stagetrace agent")
     otlp, otlp_grpc, query_listen = (None if a.lower() in ("none", "off") else a
@@ -353,16 +357,17 @@ def _agent(args) -> int:
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         token = httpd.load_token(args.token_file)
+        web = web_config.load(args.web_config_file)
         limits = _query_limits(args)
         node = _node(args)
-    except (ValueError, httpd.TokenError) as exc:
+    except (ValueError, httpd.TokenError) as exc:  # a WebConfigError is a ValueError
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
     try:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
                          low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis,
-                         analysis_by_default=not asked, open_query=args.query_open)  # fmt: skip
+                         analysis_by_default=not asked, open_query=args.query_open, web=web)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2

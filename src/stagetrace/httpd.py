@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hmac
 import socket
+import ssl
 import threading
 import time
 import zlib
@@ -19,10 +20,18 @@ from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from stagetrace.config import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, load_token  # re-exported
-from stagetrace.exporters.prometheus import parse_listen
 
 _LINGER_S = 2.0
 _LINGER_BYTES = 64 * 1024 * 1024
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``127.0.0.1:9464``, ``[::1]:9464`` or ``:9464`` (loopback) -> (address, port); ValueError says how to write it."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"listen address {text!r} is not HOST:PORT: write e.g. 127.0.0.1:9464")
+    return host, int(port)
 
 
 class HttpError(Exception):
@@ -130,10 +139,23 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 120
     slots: threading.BoundedSemaphore | None = None  # requests in flight at once (``start``'s max_in_flight)
     _holding = False
+    user_admitted = False  # a user of the web configuration's basic_auth_users: no token is asked for on top
+
+    def setup(self) -> None:
+        super().setup()
+        if hasattr(self.connection, "do_handshake"):  # TLS: handshaken here, in the connection's own thread
+            self.connection.do_handshake()
 
     def parse_request(self) -> bool:
         if not super().parse_request():
             return False
+        web = self.server.web
+        if web is not None and web.users:  # one Authorization header: a user's password stands in for the token
+            self.user_admitted = web.user_admitted(self.headers.get("Authorization"))
+            if not self.user_admitted and not self.token_allowed():
+                self.reply(401, b"unauthorized: give a user and password of the web configuration\n",
+                           "text/plain; charset=UTF-8", {"WWW-Authenticate": 'Basic realm="stagetrace"'}, close=True)
+                return False
         if self.slots is not None:
             if not self.slots.acquire(blocking=False):
                 self.too_busy()
@@ -148,6 +170,15 @@ class Handler(BaseHTTPRequestHandler):
             if self._holding:
                 self._holding = False
                 self.slots.release()
+
+    def token_allowed(self) -> bool:
+        """Whether this listener admits its bearer token instead of a basic-auth user (``/metrics`` has no token)."""
+        return False
+
+    def admitted(self, token: str | None, header: str | None = None) -> bool:
+        """Whether the request carries ``token`` (in ``header``, default its Authorization) or came from a user of
+        the web configuration's ``basic_auth_users``."""
+        return self.user_admitted or authorized(self.headers.get("Authorization") if header is None else header, token)
 
     def too_busy(self) -> None:
         """The answer when ``slots`` are all taken (the body is left unread): 503 with Retry-After."""
@@ -202,6 +233,20 @@ class _Server(ThreadingHTTPServer):
     # the listen backlog: socketserver's 5 overflows when a fleet's exporters connect at once, and a connection the
     # kernel could not queue may be reset instead of answered 503 (the kernel caps it at net.core.somaxconn)
     request_queue_size = 128
+    web = None  # the web configuration (TLS, basic auth), or None
+
+    def get_request(self):
+        connection, address = super().get_request()
+        if self.web is not None and self.web.tls is not None:
+            connection = self.web.tls.wrap(connection)
+        return connection, address
+
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], (ssl.SSLError, OSError)):  # plain HTTP to TLS, a refused certificate
+            return
+        super().handle_error(request, client_address)
 
 
 class _Server6(_Server):
@@ -220,7 +265,8 @@ class Listener:
     @property
     def url(self) -> str:
         host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"http://{host}:{self.port}"
+        scheme = self.server.web.scheme if self.server.web is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     def close(self) -> None:
         self.server.shutdown()
@@ -228,13 +274,15 @@ class Listener:
         self.thread.join(timeout=5)
 
 
-def start(handler: type[Handler], listen: str, name: str, max_in_flight: int | None = None) -> Listener:
+def start(handler: type[Handler], listen: str, name: str, max_in_flight: int | None = None, web=None) -> Listener:
     """Serve ``handler`` on ``listen`` in a thread, at most ``max_in_flight`` requests at once (the others are
-    answered ``too_busy``); OSError when the address cannot be bound."""
+    answered ``too_busy``), with the TLS and basic auth of ``web`` (a ``web_config.WebConfig``); OSError when the
+    address cannot be bound."""
     address, port = parse_listen(listen)
     if max_in_flight:
         handler = type(handler.__name__, (handler,), {"slots": threading.BoundedSemaphore(max_in_flight)})
     server = (_Server6 if ":" in address else _Server)((address, port), handler)
+    server.web = web
     thread = threading.Thread(target=server.serve_forever, name=name, daemon=True)
     thread.start()
     return Listener(server, thread, address, server.server_address[1])
@@ -244,5 +292,5 @@ def is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
 
-__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized", "form_fields", "is_loopback",
-           "load_token", "start"]  # fmt: skip
+__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized",
+           "form_fields", "is_loopback", "load_token", "parse_listen", "start"]  # fmt: skip

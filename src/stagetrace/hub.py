@@ -117,7 +117,7 @@ class QueryEndpoint:
     ``path`` (held by this process)."""
 
     def __init__(self, path: str, listen: str = DEFAULT_LISTEN, *, database: str, token: str | None = None,
-                 limits: QueryLimits | None = None):  # fmt: skip
+                 limits: QueryLimits | None = None, web=None):  # fmt: skip
         import chdb
 
         self.limits = limits or QueryLimits()
@@ -137,7 +137,7 @@ class QueryEndpoint:
         self.token = token
         handler = type("QueryHandler", (_QueryHandler,), {"endpoint": self})
         try:
-            self.listener = httpd.start(handler, listen, "stagetrace-query")
+            self.listener = httpd.start(handler, listen, "stagetrace-query", web=web)
         except BaseException:
             self._session.close()
             self._control.close()
@@ -239,6 +239,9 @@ class _QueryHandler(httpd.Handler):
             return
         self._answer(body)
 
+    def token_allowed(self) -> bool:
+        return self.endpoint.token is not None
+
     def _admitted(self, body_unread: bool = False) -> bool:
         """Whether the request is for a path served here and carries the token; answers it when not."""
         path = urlsplit(self.path).path
@@ -246,8 +249,8 @@ class _QueryHandler(httpd.Handler):
             self.reply(200, b"Ok.\n", "text/plain; charset=UTF-8", close=body_unread)
         elif path != "/":
             self._fail(404, 36, f"no handler for {path}: query at / or check /ping", close=body_unread)
-        elif not (httpd.authorized(self.headers.get("Authorization"), self.endpoint.token)
-                  or httpd.authorized(f"Bearer {self.headers.get('X-ClickHouse-Key', '')}", self.endpoint.token)):
+        elif not (self.admitted(self.endpoint.token)
+                  or self.admitted(self.endpoint.token, f"Bearer {self.headers.get('X-ClickHouse-Key', '')}")):
             self._fail(403, 516, "missing or wrong token (send it as a bearer token or as the password)", close=body_unread)
         else:
             return True

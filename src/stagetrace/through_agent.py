@@ -90,7 +90,7 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
         raise StoreError(f"{holder}: {exc}") from None
     if record.get("token") and token is None:
         raise StoreError(f"{holder}, whose query endpoint needs a token: set {config.ENV_TOKEN} or {config.ENV_TOKEN_FILE}")
-    connection = AgentClient(host, port, token, location.database)
+    connection = AgentClient(host, port, token, location.database, scheme=url.scheme)
     try:
         connection.command("SELECT 1")
     except Exception as exc:
@@ -116,10 +116,16 @@ class AgentClient:
     answer as JSON converted by column type. The commands that read (``trace``, ``explain``, ``divergences``)
     need no more, and loading no driver keeps them quick to start (clickhouse-connect takes 0.2 s to import)."""
 
-    def __init__(self, host: str, port: int, token: str | None, database: str, timeout_s: float = 60.0):
+    def __init__(self, host: str, port: int, token: str | None, database: str, timeout_s: float = 60.0,
+                 scheme: str = "http"):  # fmt: skip
         import http.client
 
-        self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        if scheme == "https":  # verified against $STAGETRACE_CA_FILE (else the system's CAs)
+            from stagetrace.web_config import client_context
+
+            self._connection = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=client_context())
+        else:
+            self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
         self._headers = {"Content-Type": "text/plain; charset=utf-8", "Connection": "keep-alive",
                          **({"Authorization": f"Bearer {token}"} if token else {})}  # fmt: skip
         self.database = database
