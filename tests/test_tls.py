@@ -64,8 +64,9 @@ def _serial(address: str, port: int, ca: Path) -> int:
         return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
 
 
-def test_every_listener_speaks_tls_to_real_clients(pki, tmp_path, component):
+def test_every_listener_speaks_tls_to_real_clients(pki, tmp_path, component, monkeypatch):
     ca, files = pki
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE", str(files / "ca.crt"))  # the gRPC exporter's CA file
     agent = agents.Agent(tmp_path / "agent", "--web-config-file", str(_web_config(files)))
     try:
         endpoints = agent.endpoints
@@ -86,7 +87,7 @@ def test_every_listener_speaks_tls_to_real_clients(pki, tmp_path, component):
 
         exporters = {"http": HttpExporter(endpoint=f"{endpoints['otlp']}/v1/traces", certificate_file=str(files / "ca.crt")),
                      "grpc": GrpcExporter(endpoint=f"https://localhost:{endpoints['otlp_grpc'].rsplit(':', 1)[1]}",
-                                          insecure=False, credentials=_grpc_credentials(files))}  # fmt: skip
+                                          insecure=False)}  # fmt: skip
         for name, exporter in exporters.items():
             provider = TracerProvider(resource=Resource.create({"service.name": f"tls-{name}"}))
             provider.add_span_processor(SimpleSpanProcessor(exporter))
