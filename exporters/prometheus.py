@@ -1,5 +1,6 @@
 """Prometheus ``/metrics``: the node's collectors run at scrape time, exposed by client_python and served by the
-agent's own HTTP server, so that ``/metrics`` takes the web configuration's TLS and basic auth as every listener does."""
+agent's own HTTP server, so that ``/metrics`` takes the web configuration's TLS and basic auth as every listener
+does."""
 
 from __future__ import annotations
 

@@ -44,6 +44,15 @@ class Agent:
         return log
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def stagetrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True,
                           env={**ENV, **(env or {})}, timeout=120)  # fmt: skip

@@ -176,7 +176,7 @@ def test_prometheus_scrapes_over_https_with_basic_auth(pki, tmp_path, component)
         assert _curl(component, agent.endpoints["metrics"], "--cacert", str(files / "ca.crt"), "-o", "/dev/null",
                      "-w", "%{http_code}").stdout == "401"  # fmt: skip
         binary = component("prometheus", "prometheus")
-        port = _free_port()
+        port = agents.free_port()
         (tmp_path / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: stagetrace\n    scheme: https\n"
             f"    tls_config: {{ca_file: {files / 'ca.crt'}}}\n"
@@ -189,7 +189,7 @@ def test_prometheus_scrapes_over_https_with_basic_auth(pki, tmp_path, component)
         deadline, up = time.monotonic() + 60, None
         while time.monotonic() < deadline:
             try:
-                result = json.loads(subprocess.run(["curl", "-s", query], capture_output=True, text=True).stdout)
+                result = json.loads(_curl(component, query).stdout)
                 up = next((r["value"][1] for r in result["data"]["result"]), None)
             except (ValueError, KeyError):
                 up = None
@@ -202,12 +202,6 @@ def test_prometheus_scrapes_over_https_with_basic_auth(pki, tmp_path, component)
             prometheus.terminate()
             prometheus.wait(timeout=30)
         agent.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_certificate_replaced_during_a_stream_of_spans_loses_none(pki, tmp_path):
@@ -286,3 +280,23 @@ def test_a_web_configuration_that_cannot_be_used_is_one_line(pki, tmp_path, cont
                                 "--web-config-file", str(files / "web.yml"), "--otlp", "none", "--otlp-grpc", "none")  # fmt: skip
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert says in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_a_certificate_caught_half_written_is_not_taken_until_it_loads(pki, monkeypatch):
+    """The listeners' context is built again when the files change; a certificate file caught mid-write does not
+    load, so the previous pair keeps serving, and the new one is taken once it is whole."""
+    from stagetrace import web_config
+
+    ca, files = pki
+    monkeypatch.setattr(web_config, "RELOAD_CHECK_S", 0.0)
+    tls = web_config.WebConfig.load(_web_config(files)).tls
+    first = tls.context()
+    whole = ca.issue_cert(*HOSTS).cert_chain_pems[0].bytes()
+    (files / "tls.crt").write_bytes(whole[: len(whole) // 2])
+    assert tls.context() is first
+    (files / "tls.crt").write_bytes(whole)  # the key does not match it yet: still the previous pair
+    assert tls.context() is first
+    renewed = ca.issue_cert(*HOSTS)
+    renewed.private_key_pem.write_to_path(files / "tls.key")
+    renewed.cert_chain_pems[0].write_to_path(files / "tls.crt")
+    assert tls.context() is not first

@@ -26,6 +26,7 @@ from stagetrace.collectors.base import Options
 from stagetrace.collectors.mps import write_mps_fixture
 from stagetrace.collectors.nvml import H200_MEMORY_BYTES, gpu_snapshot, process_info, write_nvml_fixture, xid_event
 from stagetrace.collectors.podresources import RecordedKubelet, write_answers
+from stagetrace.demo.faults import OTHER_GPU_MODEL, REFERENCE_GPU_MODEL
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import metric_rows
 
@@ -39,7 +40,7 @@ _HW_COUNTERS = ("local_ack_timeout_err", "roce_adp_retrans", "out_of_sequence", 
 
 
 DRIVER_VERSION, CUDA_VERSION = "570.133.20", 12080  # as NVML answers them: the CUDA version 1000 * major + 10 * minor
-MEMORY_BYTES = {"NVIDIA H200": H200_MEMORY_BYTES, "NVIDIA H100 80GB HBM3": 81559 * 2**20}  # as nvidia-smi reports
+MEMORY_BYTES = {REFERENCE_GPU_MODEL: H200_MEMORY_BYTES, OTHER_GPU_MODEL: 81559 * 2**20}  # as nvidia-smi reports
 SHARED_GPU = GPUS - 1  # the GPU two pods share on a node with shared_gpu
 MPS_REPLICAS = 2
 MPS_SERVER, MPS_CLIENTS = 4100, (4201, 4202)  # PIDs of the MPS server and of the TTS service and the worker
@@ -64,7 +65,8 @@ def port_files(sysfs: Path, device: str, rate: str, netdev: str, counters: dict 
 
 
 class NodeHardware:
-    def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False, gpu_model: str = "NVIDIA H200"):
+    def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False,
+                 gpu_model: str = REFERENCE_GPU_MODEL):  # fmt: skip
         self.host = host
         self.nvml = Path(directory) / host / "nvml"  # the NVML snapshots the collectors and the detector read
         self.shared_gpu = shared_gpu

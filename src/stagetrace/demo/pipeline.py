@@ -223,7 +223,7 @@ class Node:
                 self._events(spec)
                 if self.config.attention_backend(spec.position) != backend:  # the engine restarted with another
                     backend = self.config.attention_backend(spec.position)
-                    provider.shutdown()
+                    provider.shutdown()  # flushes the old process's spans
                     provider = self._provider(self.hardware, backend)
                     stagetrace.configure(tracer_provider=provider)
                 # The remote NIC is scraped right before and right after a request whose all-reduce takes
