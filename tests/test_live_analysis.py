@@ -353,3 +353,24 @@ def test_the_stalled_analysis_rule_fires_where_requests_arrive_and_no_analyser_r
     (stale,) = seconds_behind(10)
     assert stale > rule.threshold
     assert seconds_behind(60) == []  # no requests in the range: nothing to analyse, no alert
+
+
+def test_a_pass_groups_only_the_inputs_that_arrived_and_finds_what_the_whole_window_finds(store):
+    """The cost of a pass follows the new traffic: it groups only the window's requests whose input arrived in the
+    new period, and those groups are whole, so each new request's deviation and baseline are the ones grouping the
+    whole window gives."""
+    from benchmarks import synthetic
+    from stagetrace.analysis import population
+
+    now = time.time_ns()
+    synthetic.fill(store, 20_000, now - 3060 * 10**9, seconds=3000, deviating_percent=10)
+    synthetic.fill(store, 2_000, now - 60 * 10**9, seconds=60, offset=20_000, deviating_percent=10)
+    t0, new_from = now - 3600 * 10**9, now - 60 * 10**9
+    whole = population.deviations(store, t0, now)
+    grouped = population.deviations(store, t0, now, inputs_from_ns=new_from)
+    arrived = {r[0] for r in store.client.query(
+        "SELECT InputDigest FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t:Int64})",
+        parameters={"db": store.database, "t": new_from}).result_rows}  # fmt: skip
+    assert {d.input_digest for d in grouped} == {d.input_digest for d in whole if d.input_digest in arrived}
+    assert [d for d in grouped if d.start_ns >= new_from] == [d for d in whole if d.start_ns >= new_from]
+    assert any(d.start_ns < new_from for d in grouped) and len(grouped) < len(whole) / 4

@@ -61,10 +61,11 @@ def _located(deviations: list[population.Deviation], where: dict[str, Divergence
 
 
 def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
-         analyse_from_ns: int = 0, analyse=None) -> dict:
+         analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0) -> dict:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
     started at ``analyse_from_ns`` or later and, when ``analyse`` is given, for which ``analyse(deviation)`` is
-    true: the live analyser's new ones), grouped by input."""
+    true: the live analyser's new ones), grouped by input; with ``inputs_from_ns``, only the groups of the inputs
+    that arrived since then (the live analyser's: those the new requests can have changed)."""
     until_ns = until_ns or time.time_ns()
     t0 = until_ns - since_ns
     window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
@@ -73,7 +74,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         recent = [d for d in found if d.start_ns >= analyse_from_ns and (analyse is None or analyse(d))]
         return recent[-limit:] if limit else recent
 
-    deviations = population.deviations(store, t0, until_ns)
+    deviations = population.deviations(store, t0, until_ns, inputs_from_ns=inputs_from_ns)
     # the GPUs' inventory at the latest deviating request (nothing to read when none deviates)
     gpus = inventory.read(store, max(d.start_ns for d in deviations)) if deviations else inventory.Inventory({})
     analysed = chosen(deviations)
@@ -87,7 +88,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     seen = rollouts.values_of(((s.stage, s) for t in traces.values() for s in t.spans if s.stage), candidates)
     found_rollouts = rollouts.detect(store, rollouts.suspects(seen), t0, until_ns)
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
-        deviations = population.deviations(store, t0, until_ns, [r.fleet_ns for r in found_rollouts])
+        deviations = population.deviations(store, t0, until_ns, [r.fleet_ns for r in found_rollouts], inputs_from_ns)
     latest = {d.trace_id for d in chosen(deviations)}
     if found_rollouts:  # the latest of the new grouping, and every request in a wave
         during = [d for d in deviations

@@ -2,10 +2,11 @@
 ``/metrics`` and the pager without anyone running a command.
 
 Each pass analyses the requests that started since the last pass ended, up to ``settle`` before now (late spans
-of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``): their
-groups and majorities come from the ``lookback`` window before them, computed in ClickHouse, so a pass costs what
-that window's traffic costs, whatever the store's history. Requests of the last ``recheck`` (two periods) are
-looked at again each pass, and one whose group's majority changed as more peers arrived is analysed again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by request ID): analysed twice, it
+of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``). Only the
+groups of the inputs that arrived since the last pass are formed, each from the ``lookback`` window before it, in
+ClickHouse: a pass groups what the new traffic's inputs were asked in that window, not the whole window, whatever
+the store's history. Requests of the last ``recheck`` (two periods) are looked at again each pass, and one whose
+group's majority changed as more peers arrived (its input arrived again) is analysed again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by request ID): analysed twice, it
 is one row.
 
 One analyser per store: a lease in ``stagetrace_analyser``, renewed every period by a heartbeat, held for two. A second
@@ -197,7 +198,8 @@ class Analyser:
             return self._groups.get(d.request_id) != d.majority_output
 
         found = divergences.find(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
-                                 limit=None, analyse_from_ns=analyse_from, analyse=changed)  # fmt: skip
+                                 limit=None, analyse_from_ns=analyse_from, analyse=changed,
+                                 inputs_from_ns=start_ns)  # fmt: skip
         new: dict[tuple[str, str, str], int] = {}
         analysed = 0
         for group in found["groups"]:

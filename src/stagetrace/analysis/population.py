@@ -22,13 +22,17 @@ from stagetrace.store import Store
 # Nondeterministic requests (sampling without a seed) are left out: their outputs differ by design. Each
 # request falls in an epoch, its side of every rollout's fleet-wide moment, and is compared only within it.
 _IN_WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64})"
-_REQUESTS = f"""
+
+
+def _requests(only: str = "") -> str:
+    """The window's requests; ``only``: a further condition on their trace IDs, ending in AND."""
+    return f"""
     SELECT RequestId, argMax(TraceId, S) AS TraceId, argMax(InputDigest, S) AS InputDigest,
            argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName,
            arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
     FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName
           FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests")})
-          WHERE TraceId NOT IN ({conventions.nondeterministic_traces_sql(
+          WHERE {only}TraceId NOT IN ({conventions.nondeterministic_traces_sql(
               _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}))
     GROUP BY RequestId
     HAVING InputDigest != ''"""
@@ -36,9 +40,10 @@ NONDETERMINISTIC_COUNT_SQL = f"""
 SELECT uniqExact(TraceId) FROM ({conventions.nondeterministic_traces_sql(
     _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})"""
 
-# Each deviating request with its baseline, in one pass over the window's requests: the members of an
-# input group are gathered into an array, and its majority and the baselines found with array functions.
-PAIRS_SQL = f"""
+def _pairs(requests: str) -> str:
+    """Each deviating request with its baseline, in one pass over ``requests``: the members of an input group are
+    gathered into an array, and its majority and the baselines found with array functions."""
+    return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
        tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2)
 FROM (
@@ -50,13 +55,28 @@ FROM (
                arrayMap(o -> countEqual(outs, o), outputs) AS counts,
                arrayMax(counts) AS Support, outputs[indexOf(counts, Support)] AS Majority
         FROM (SELECT InputDigest, groupArray((RequestId, TraceId, OutputDigest, toUnixTimestamp64Nano(Start), HostName)) AS members
-              FROM ({_REQUESTS}) GROUP BY InputDigest, Epoch)
+              FROM ({requests}) GROUP BY InputDigest, Epoch)
         WHERE Support >= 2 AND countEqual(counts, Support) = 1)
     WHERE notEmpty(deviating))
 ARRAY JOIN deviating AS d
-ARRAY JOIN [arraySort(a -> (tupleElement(a, 5) = tupleElement(d, 5), abs(tupleElement(a, 4) - tupleElement(d, 4))), agreeing)[1]] AS b
+-- ties go to the earlier request, so that the baseline does not depend on the order rows were read in
+ARRAY JOIN [arraySort(a -> (tupleElement(a, 5) = tupleElement(d, 5), abs(tupleElement(a, 4) - tupleElement(d, 4)),
+                            tupleElement(a, 4), tupleElement(a, 1)), agreeing)[1]] AS b
 ORDER BY tupleElement(d, 4)
 """
+
+
+# A live pass's groups: only the window's requests whose input also arrived in [inputs_from, t1), so that grouping
+# costs what the new traffic's groups cost, not the window's. Those groups are whole: their deviations are the same.
+_NEW_INPUTS = """TraceId IN (
+              SELECT TraceId FROM {db:Identifier}.stagetrace_requests WHERE %s AND InputDigest IN (
+                  SELECT InputDigest FROM {db:Identifier}.stagetrace_requests
+                  WHERE Start >= fromUnixTimestamp64Nano({inputs_from:Int64})
+                        AND Start < fromUnixTimestamp64Nano({t1:Int64}) AND InputDigest != ''))
+          AND """ % _IN_WINDOW
+PAIRS_SQL = _pairs(_requests())
+PAIRS_OF_NEW_INPUTS_SQL = _pairs(_requests(_NEW_INPUTS))
+
 
 @dataclass
 class Deviation:
@@ -79,12 +99,17 @@ def _window(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> dic
     return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "epochs": sorted(epochs)}
 
 
-def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> list[Deviation]:
+def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inputs_from_ns: int = 0) -> list[Deviation]:
     """Every deviating request that started in [t0, t1), oldest first, with its baseline.
 
     ``epochs``: the fleet-wide moments of rollouts; requests are compared only with those on the same sides.
+    ``inputs_from_ns``: only the groups of inputs that arrived in [inputs_from, t1) (the live analyser's new ones).
     """
-    rows = store.client.query(PAIRS_SQL, parameters=_window(store, t0_ns, t1_ns, epochs)).result_rows
+    parameters = _window(store, t0_ns, t1_ns, epochs)
+    if inputs_from_ns:
+        parameters["inputs_from"] = inputs_from_ns
+    sql = PAIRS_OF_NEW_INPUTS_SQL if inputs_from_ns else PAIRS_SQL
+    rows = store.client.query(sql, parameters=parameters).result_rows
     return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid)
             for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in rows]  # fmt: skip
 
