@@ -248,3 +248,28 @@ def test_a_retried_request_id_shows_its_latest_trace_whole(store_dsn):
     assert trace.trace_id == format(retry.trace_id, "032x")
     assert [s.stage for s in trace.spans] == [None, "retrieval", "decode"]
     assert {s.resource.get("host.name") for s in trace.spans} == {"gpu-b"}
+
+
+def test_many_traces_are_read_whole_in_the_seconds_they_ran(store_dsn):
+    """The analysis reads thousands of traces at once, spread over its window: `spans_of_many` reads each in the
+    seconds the trace-ID table says it ran, traces near in time sharing a query, and with fewer queries allowed than
+    clusters, the nearest merged. Each trace comes back whole (a rank on a host four minutes behind included), as a
+    read of the whole window gives it, and no span of a trace not asked for."""
+    roots = []
+    for i, offset in enumerate((0, 2, 20 * MINUTE_NS, 20 * MINUTE_NS + 5, 50 * MINUTE_NS)):
+        root = _span_on(store_dsn, "gpu-a", "request", T0 + offset, T0 + offset + 10**9, trace_root=True,
+                        attributes={"stagetrace.request.id": f"r{i}"})  # fmt: skip
+        _stage(store_dsn, "gpu-a", "retrieval", T0 + offset + 1_000_000, root)
+        roots.append(format(root.trace_id, "032x"))
+    skewed = _span_on(store_dsn, "gpu-a", "request", T0 + 30 * MINUTE_NS, T0 + 30 * MINUTE_NS + 10**9, trace_root=True)
+    _stage(store_dsn, "gpu-behind", "allreduce", T0 + 26 * MINUTE_NS, skewed)
+    _span_on(store_dsn, "gpu-a", "request", T0 + 3, T0 + 10**9, trace_root=True)  # a trace not asked for
+    asked, window = roots + [format(skewed.trace_id, "032x")], (T0 - 3600 * 10**9, T0 + 3600 * 10**9)
+    with open_store(store_dsn) as store:
+        whole = lookup.spans_of(store, asked, *window)
+        for windows in (lookup.MAX_WINDOWS, 2, 1):
+            found = lookup.spans_of_many(store, asked, window, max_windows=windows)
+            assert {t: [s.span_id for s in spans] for t, spans in found.items()} == \
+                   {t: [s.span_id for s in spans] for t, spans in whole.items()} and len(found) == 6
+            assert len(found[asked[-1]]) == 2
+        assert lookup.spans_of_many(store, [], window) == {}

@@ -8,6 +8,7 @@ What the conventions derive (a span's stage and digests, the request's ID and di
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -15,7 +16,8 @@ from stagetrace import conventions
 from stagetrace.store import Store
 
 # Spans of one request may come from other hosts (TP ranks) whose clocks differ a little.
-WINDOW_MARGIN_NS = 60 * 1_000_000_000
+S = 1_000_000_000
+WINDOW_MARGIN_NS = 60 * S
 
 # Serving engines' own per-request timings, in seconds, on their request span (vLLM's llm_request):
 # time_in_queue, time_to_first_token, time_in_model_prefill, time_in_model_decode, e2e, ...
@@ -208,6 +210,35 @@ def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int) -> 
     params = {"db": store.database, "traces": trace_ids, "t0": start_ns, "t1": end_ns}
     for trace_id, *row in store.client.query(SPANS_SQL, parameters=params).result_rows:
         out.setdefault(trace_id, []).append(Span(*row))
+    return out
+
+
+TRACES_SPAN_SQL = """
+SELECT TraceId, toUnixTimestamp(min(Start)), toUnixTimestamp(max(End)) + 1
+FROM {db:Identifier}.otel_traces_trace_id_ts
+WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
+GROUP BY TraceId"""
+MAX_WINDOWS = 32  # queries one spans_of_many runs at most
+
+
+def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows: int = MAX_WINDOWS) -> dict[str, list[Span]]:
+    """The spans of many traces within ``within``, read only in the seconds they ran (by the trace-ID table): traces
+    close in time share one window, at most ``max_windows`` of them (the nearest merged), so that a few thousand
+    traces cost what their seconds of spans cost, not the whole window's."""
+    rows = store.client.query(TRACES_SPAN_SQL, parameters={"db": store.database, "traces": sorted(set(trace_ids))}).result_rows
+    extents = sorted((max(start * S, within[0]), min(end * S, within[1]), trace_id)
+                     for trace_id, start, end in rows)  # fmt: skip
+    if not extents:
+        return {}
+    # windows split at the widest gaps between one trace's end and the next one's start
+    reach = list(itertools.accumulate((e for _, e, _ in extents), max))  # the latest end so far
+    gaps = sorted(((b[0] - reach[i], i) for i, b in enumerate(extents[1:]) if b[0] > reach[i]), reverse=True)
+    out: dict[str, list[Span]] = {}
+    first = 0
+    for cut in sorted(i + 1 for _, i in gaps[:max_windows - 1]) + [len(extents)]:
+        members = extents[first:cut]
+        out.update(spans_of(store, [t for _, _, t in members], members[0][0], max(e for _, e, _ in members)))
+        first = cut
     return out
 
 

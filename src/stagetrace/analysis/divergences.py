@@ -40,8 +40,8 @@ def _traces(store: Store, deviations: list[population.Deviation], window: tuple[
     """The traces of these deviations and of their baselines, with what their processes did not record of their GPUs
     filled in from the inventory."""
     out = {}
-    trace_ids = sorted({t for d in deviations for t in (d.trace_id, d.baseline_trace_id)})
-    for trace_id, members in lookup.spans_of(store, trace_ids, *window).items():
+    trace_ids = {t for d in deviations for t in (d.trace_id, d.baseline_trace_id)}
+    for trace_id, members in lookup.spans_of_many(store, trace_ids, window).items():
         start = min(s.start_ns for s in members)
         end = max(s.start_ns + s.duration_ns for s in members)
         out[trace_id] = inventory.filled(lookup.Trace(None, trace_id, members[0].service, start, end - start, members),
@@ -65,7 +65,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
     started at ``analyse_from_ns`` or later and, when ``analyse`` is given, for which ``analyse(deviation)`` is
     true: the live analyser's new ones), grouped by input; with ``inputs_from_ns``, only the groups of the inputs
-    that arrived since then (the live analyser's: those the new requests can have changed)."""
+    that arrived since then (the live analyser's: those the new requests can have changed), and the stage
+    majorities that weigh the causes taken from the requests around the analysed ones, not the whole window."""
     until_ns = until_ns or time.time_ns()
     t0 = until_ns - since_ns
     window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
@@ -104,12 +105,13 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     for d, at in _located(analysed, where):
         keys.setdefault(at.stage, set()).update(
             stage_differences(traces[d.trace_id], traces[d.baseline_trace_id], at.stage) or ())
-    # weighed over the requests around the analysed ones, each against the majority of the whole window
+    # weighed over the requests around the analysed ones, each against the majority of the whole window (a live
+    # pass: of the requests around, so that its cost follows the new traffic here too)
     starts = [d.start_ns for d in analysed]
     around = contrast_window(store, min(starts, default=t0), max(starts, default=until_ns))
-    contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, max(around[0], t0),
-                                     min(around[1], until_ns), found_rollouts, (t0, until_ns),
-                                     inventory=gpus)  # fmt: skip
+    around = (max(around[0], t0), min(around[1], until_ns))
+    contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, *around, found_rollouts,
+                                     around if inputs_from_ns else (t0, until_ns), inventory=gpus)  # fmt: skip
     hosts = sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans})
     samples = Samples(store, hosts, t0, until_ns)
 

@@ -45,7 +45,7 @@ def _pairs(requests: str) -> str:
     gathered into an array, and its majority and the baselines found with array functions."""
     return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
-       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2)
+       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(b, 4)
 FROM (
     SELECT InputDigest, members, Majority, Support,
            arrayFilter(m -> tupleElement(m, 3) = Majority, members) AS agreeing,
@@ -93,6 +93,7 @@ class Deviation:
     host: str
     baseline_request_id: str
     baseline_trace_id: str
+    baseline_start_ns: int
 
 
 def _window(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> dict:
@@ -110,8 +111,8 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inp
         parameters["inputs_from"] = inputs_from_ns
     sql = PAIRS_OF_NEW_INPUTS_SQL if inputs_from_ns else PAIRS_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid)
-            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in rows]  # fmt: skip
+    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, int(base_start))
+            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, base_start in rows]  # fmt: skip
 
 
 def nondeterministic(store: Store, t0_ns: int, t1_ns: int) -> int:
