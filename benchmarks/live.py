@@ -11,12 +11,13 @@ engine runs in it), so ``CPU / 60 s`` is the share of a core one pass a minute c
 from __future__ import annotations
 
 import resource
+import statistics
 import tempfile
 import time
 
 from benchmarks import Figure, benchmark, synthetic
 from benchmarks.divergence import _merged
-from stagetrace.analysis import divergences, live
+from stagetrace.analysis import divergences, live, population
 from stagetrace.store import open_store
 
 S = 1_000_000_000
@@ -58,3 +59,54 @@ def live_analysis(quick: bool) -> list[Figure]:
                    "`divergences` once a minute", 100 * scan_cpu / 60),
         ]  # fmt: skip
     return figures
+
+
+@benchmark("live_soak")
+def live_soak(quick: bool) -> list[Figure]:
+    """The analyser as the agent runs it (its own thread, the real clock, a pass a period) while traffic arrives
+    second by second into the same embedded store, over an hour of history: does the lag stay flat, and is every
+    deviating request listed? Each second brings fresh inputs, 20 requests to each, 5% deviating."""
+    rate, soak_s, every_s, settle_s, history_s = (100, 30, 5, 2, 120) if quick else (1000, 600, 60, 10, 3600)
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+            open_store(f"chdb://{directory}") as store:  # fmt: skip
+        began = time.time_ns()
+        synthetic.fill(store, rate * history_s, began - history_s * S, seconds=history_s)
+        _merged(store)
+        start = time.time_ns()
+        live.Lease(store, "earlier", live.Schedule(every_s=every_s), time.time_ns).claim(start, held=False)
+        stats = live.Stats()
+        schedule = live.Schedule(every_s=every_s, settle_s=settle_s, lookback_s=history_s)
+        analyser, stop, thread = live.start(store, schedule, stats)
+        lags, durations, second, sent = [], [], 0, 0
+        passes = 0
+        while second < soak_s:
+            due = start + second * S
+            if time.time_ns() < due:
+                time.sleep((due - time.time_ns()) / S)
+            per_input = synthetic.GROUP
+            synthetic.fill(store, rate, due, seconds=1, offset=rate * history_s + sent,
+                           inputs_from=10_000_000 + second * max(1, rate // per_input))  # fmt: skip
+            sent += rate
+            second += 1
+            if stats.passes > passes:
+                passes = stats.passes
+                lags.append(stats.lag_s)
+                durations.append(stats.duration_s)
+        time.sleep(every_s + settle_s + 1)  # the last second's requests settle and are analysed
+        stop.set()
+        thread.join(timeout=600)
+        listed = int(store.client.command(
+            "SELECT count() FROM {db:Identifier}.stagetrace_divergences FINAL "
+            "WHERE RequestStart >= fromUnixTimestamp64Nano({t:Int64})", parameters={"db": store.database, "t": start}))
+        deviating = sum(1 for d in population.deviations(store, start - history_s * S, time.time_ns())
+                        if d.start_ns >= start)  # fmt: skip
+    half = len(lags) // 2
+    return [
+        Figure(f"lag over the last half of a {soak_s / 60:g}-minute soak at {rate:,}/s (mean of {len(lags) - half} "
+               f"passes, {every_s:g} s period)", statistics.mean(lags[half:] or [0.0]), "s",
+               "the first half", statistics.mean(lags[:half] or [0.0])),
+        Figure(f"longest pass in the soak ({len(durations)} passes)", max(durations, default=0.0), "s",
+               "the period", every_s),
+        Figure("deviating requests of the soak listed in stagetrace_divergences", listed, "requests",
+               "deviating requests (grouping the whole window afterwards)", deviating),
+    ]  # fmt: skip

@@ -55,7 +55,7 @@ SELECT
 FROM (
     SELECT number AS n,
            lower(hex(MD5(concat('trace', toString(n + {{offset:UInt64}}))))) AS trace,
-           lower(hex(MD5(concat('input', toString(n % greatest(1, intDiv({{requests:UInt64}}, {{group:UInt64}}))))))) AS input,
+           lower(hex(MD5(concat('input', toString({{inputs_from:UInt64}} + n % greatest(1, intDiv({{requests:UInt64}}, {{group:UInt64}}))))))) AS input,
            cityHash64(n, 'deviates') % 1000000 < {{deviating_ppm:UInt64}} AS deviating,
            1 + cityHash64(n, 'stage') % 5 AS at,
            -- the digest entering stage k is outs[k]; outs[6] is the request's output
@@ -76,13 +76,15 @@ STYLES = {"stagetrace": _STAGETRACE_ATTRIBUTES, "openinference": _OPENINFERENCE_
 
 
 def fill(store: Store, requests: int, t0_ns: int, seconds: float = 3600.0, offset: int = 0,
-         style: str = "stagetrace", group: int = GROUP, deviating_percent: float = DEVIATING_PERCENT) -> int:  # fmt: skip
+         style: str = "stagetrace", group: int = GROUP, deviating_percent: float = DEVIATING_PERCENT,
+         inputs_from: int = 0) -> int:  # fmt: skip
     """Insert ``requests`` requests (six spans each) spread over ``seconds`` from ``t0_ns``, ``group`` of them to an
-    input, ``deviating_percent`` of them deviating; returns the spans."""
+    input (numbered from ``inputs_from``), ``deviating_percent`` of them deviating; returns the spans."""
     step = int(seconds * 1e9 / max(requests, 1))
     store.client.command(
         INSERT_SQL.replace("{attributes}", STYLES[style]),
         parameters={"db": store.database, "requests": requests, "t0": t0_ns, "step": step, "offset": offset,
+                    "inputs_from": inputs_from,
                     "group": group, "deviating_ppm": int(deviating_percent * 10_000)},
         settings={"max_insert_threads": 2},
     )
