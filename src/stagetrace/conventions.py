@@ -37,6 +37,11 @@ STAGE_OUTPUT_CONTENT = "stagetrace.stage.output_content"
 NONDETERMINISTIC = "stagetrace.nondeterministic"
 TP_RANK = "parallel.tp_rank"
 TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-parallel group has
+# a stage folded over steps (a request's collectives, its decode steps): its first steps' input digests in order, each
+# cut to STEP_DIGEST_CHARS, comma-separated. After a rank's corrupted contribution is summed, every rank's later
+# inputs differ too: the first step at which a rank's input differs tells the rank where it began
+STAGE_STEP_INPUT_DIGESTS = "stagetrace.stage.step_input_digests"
+STEPS_KEPT, STEP_DIGEST_CHARS = 256, 16
 HOST = "host.name"  # resource attribute
 GPU_UUID = "gpu.uuid"
 WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with

@@ -3,6 +3,11 @@
 Equal content gives equal digests across processes, machines and Python versions: dict order does
 not matter, ``1``, ``1.0``, ``True`` and ``"1"`` all differ, and every value is length-prefixed so
 no two structures encode to the same bytes.
+
+Arrays and tensors (NumPy, torch on any device, CuPy, JAX, anything with ``__dlpack__`` or
+``__cuda_array_interface__``) are content by dtype, shape and bytes, through one 128-bit hash that the host and
+the device compute alike (``stagetrace.tensors``); a device tensor is hashed on its device and ``digest`` waits
+for it (the span API does not: it completes the span when the digest is ready).
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ def digest(value) -> str:
     return h.hexdigest()
 
 
+def framed(tag: bytes, payload: bytes) -> str:
+    """The hex digest of one frame: what ``digest`` gives for a value whose encoding is ``tag`` and ``payload``."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    _frame(h, tag, payload)
+    return h.hexdigest()
+
+
 def _frame(h, tag: bytes, payload: bytes) -> None:
     h.update(tag)
     h.update(struct.pack(">Q", len(payload)))
@@ -32,6 +44,16 @@ def _encoded(value) -> bytes:
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     _feed(h, value)
     return h.digest()
+
+
+def is_array(value) -> bool:
+    """Whether ``value`` is digested as an array (``stagetrace.tensors``): NumPy, torch, DLPack, CUDA arrays."""
+    # the attributes first: plain values never import NumPy or stagetrace.tensors
+    if not (hasattr(value, "dtype") or hasattr(value, "__dlpack__") or hasattr(value, "__cuda_array_interface__")):
+        return False
+    from stagetrace import tensors
+
+    return tensors.is_array(value)
 
 
 def _feed(h, value) -> None:
@@ -57,10 +79,11 @@ def _feed(h, value) -> None:
         _frame(h, b"T", b"".join(sorted(_encoded(v) for v in value)))
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         _frame(h, b"C", type(value).__qualname__.encode() + _encoded(dataclasses.asdict(value)))
-    elif hasattr(value, "dtype") and hasattr(value, "tobytes") and hasattr(value, "shape"):
-        # NumPy arrays and scalars: dtype and shape are part of the content
-        meta = f"{value.dtype.str}{tuple(value.shape)}".encode()
-        _frame(h, b"A", meta + b"\0" + value.tobytes(order="C"))
+    elif is_array(value):
+        # NumPy arrays and scalars, tensors on any device: dtype, shape and a 128-bit hash of the bytes
+        from stagetrace import tensors
+
+        _frame(h, tensors.TAG, tensors.payload_now(value))
     else:
         raise TypeError(
             f"cannot digest a {type(value).__name__}: pass str, bytes, numbers, lists, dicts, "

@@ -15,6 +15,11 @@ read the same way. Context crosses threads and processes as a W3C ``traceparent`
 ``carrier = req.carrier()`` here, ``stagetrace.stage("allreduce", parent=carrier)`` there.
 Prompts and outputs are stored only as digests unless ``record_content=True``
 (or ``STAGETRACE_RECORD_CONTENT=1``).
+
+Content may be a tensor on any device (``stagetrace.tensors``). A GPU tensor is hashed on its device without
+synchronising the caller's stream: the stage ends when the caller leaves it, and the span is completed (digest set,
+span ended at that time) off the caller's thread when the device has the digest (``stagetrace.completion``).
+Arrays are never recorded as content, only digested.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 
 from opentelemetry import context as otel_context
@@ -33,7 +39,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from stagetrace import config
+from stagetrace import completion, config
 from stagetrace.conventions import (  # re-exported: the span API writes the conventions' names
     INPUT_CONTENT,
     INPUT_DIGEST,
@@ -46,8 +52,9 @@ from stagetrace.conventions import (  # re-exported: the span API writes the con
     STAGE_INPUT_DIGEST,
     STAGE_OUTPUT_CONTENT,
     STAGE_OUTPUT_DIGEST,
+    TP_RANK,
 )
-from stagetrace.digest import digest
+from stagetrace.digest import digest, is_array
 
 _SCOPE = "stagetrace"
 
@@ -114,10 +121,13 @@ def batching() -> dict:
 def flush(timeout_millis: int = 30_000) -> bool:
     """Export everything recorded so far; True when it is in the store (or, for a store the agent holds, handed
     to the agent, which stores it within seconds)."""
+    started = time.monotonic()
+    ok = completion.drain(timeout_millis / 1000)  # spans waiting for device digests end first
     cfg = _config
     if cfg is None:
-        return True
-    ok = cfg.provider.force_flush(timeout_millis)
+        return ok
+    timeout_millis = max(0, int(timeout_millis - (time.monotonic() - started) * 1000))
+    ok = cfg.provider.force_flush(timeout_millis) and ok
     # BatchSpanProcessor.force_flush hands spans to the exporter but does not flush the exporter itself.
     if cfg.exporter is not None:
         ok = cfg.exporter.force_flush(timeout_millis) and ok
@@ -132,6 +142,8 @@ def shutdown() -> None:
 
 def _shutdown_locked() -> None:
     global _config
+    if _config is not None:
+        completion.drain(completion.EXIT_WAIT_S)
     if _config is not None and _config.owns_provider:
         _config.provider.shutdown()
     _config = None
@@ -183,14 +195,34 @@ class _Span:
         self._kind = kind
         self._attributes = {k: _attribute_value(v) for k, v in attributes.items() if v is not None}
         self._parent = _parent_context(parent)
+        self._pending: dict = {}  # attribute -> value still being computed on a device
         if input_digest is not None:
             self._attributes[self._input_key] = input_digest
         elif input is not _UNSET:
-            self._attributes[self._input_key] = digest(input)
-            if self._cfg.record_content:
-                self._attributes[self._input_content_key] = _content(input)
+            self._record(self._attributes, self._input_key, self._input_content_key, input)
         self.span = None
         self._token = None
+
+    def _record(self, attributes: dict, key: str, content_key: str, value):
+        """Digest ``value`` into ``attributes[key]`` and return the digest; for an array whose device is still at it
+        (or that could not be read), keep it pending and return the pending digest."""
+        if not is_array(value):
+            attributes[key] = digest(value)
+            if self._cfg.record_content:
+                attributes[content_key] = _content(value)
+            return attributes[key]
+        from stagetrace import tensors
+
+        # arrays are digested, never kept as content (and a device tensor is not read on the host)
+        started = tensors.start(value)
+        try:
+            if started.done():
+                attributes[key] = started.result()
+                return attributes[key]
+        except tensors.DigestUnavailable:  # a tensor that could not be read: the span says why when it ends
+            pass
+        self._pending[key] = started
+        return started
 
     def __enter__(self):
         self.span = self._cfg.tracer.start_span(
@@ -206,21 +238,29 @@ class _Span:
                 self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         finally:
             otel_context.detach(self._token)
-            self.span.end()
+            if self._pending:  # the stage ends now; its span when the device has the digests
+                completion.submit(self.span, self._pending, time.time_ns())
+            else:
+                self.span.end()
         return False
 
     @property
     def trace_id(self) -> str:
         return f"{self.span.get_span_context().trace_id:032x}"
 
-    def set_output(self, value=_UNSET, *, output_digest: str | None = None) -> str:
-        """Record the output's digest (and the output itself if content recording is on)."""
+    def set_output(self, value=_UNSET, *, output_digest: str | None = None):
+        """Record the output's digest (and the output itself if content recording is on); return the digest, or for
+        a device tensor a ``Pending`` digest (``.result()`` waits for it) that the span gets when it is ready."""
         if output_digest is None:
             if value is _UNSET:
                 raise TypeError("set_output needs the output value or output_digest=")
-            output_digest = digest(value)
-            if self._cfg.record_content:
-                self.span.set_attribute(self._output_content_key, _content(value))
+            self._pending.pop(self._output_key, None)  # the latest output is the stage's
+            attributes: dict = {}
+            recorded = self._record(attributes, self._output_key, self._output_content_key, value)
+            for key, text in attributes.items():
+                self.span.set_attribute(key, text)
+            return recorded
+        self._pending.pop(self._output_key, None)
         self.span.set_attribute(self._output_key, output_digest)
         return output_digest
 
@@ -266,7 +306,7 @@ class Stage(_Span):
     def __init__(self, name: str, input=_UNSET, *, input_digest=None, attributes=None, parent=None, rank: int | None = None, span_name: str | None = None):
         attrs = {**(attributes or {}), STAGE: name}
         if rank is not None:
-            attrs["parallel.tp_rank"] = rank
+            attrs[TP_RANK] = rank
         super().__init__(span_name or f"stage.{name}", SpanKind.INTERNAL, attrs, parent, input, input_digest)
 
 
@@ -278,6 +318,21 @@ def request(request_id: str, input=_UNSET, **kwargs) -> Request:
 def stage(name: str, input=_UNSET, **kwargs) -> Stage:
     """Open a stage under the current span, or under ``parent=`` (a request, stage, Context or carrier)."""
     return Stage(name, input, **kwargs)
+
+
+def measured_stage(name: str, *, parent, start_time_ns: int, end_time_ns: int, attributes: Mapping | None = None,
+                   rank: int | None = None, values: Mapping | None = None) -> None:
+    """A stage an integration measured itself (many collectives or decode steps folded into one span): its span
+    starts and ends at the given times, under ``parent`` (a request or stage, Context or carrier). ``values`` are
+    attributes still being computed (``done()``/``result()``: device digests, device timings); they are set, and the
+    span ended, when ready, off the caller's thread."""
+    attrs = {k: _attribute_value(v) for k, v in (attributes or {}).items() if v is not None}
+    attrs[STAGE] = name
+    if rank is not None:
+        attrs[TP_RANK] = rank
+    span = _current().tracer.start_span(f"stage.{name}", context=_parent_context(parent), kind=SpanKind.INTERNAL,
+                                        attributes=attrs, start_time=start_time_ns)  # fmt: skip
+    completion.submit(span, dict(values or {}), end_time_ns)
 
 
 def current_carrier() -> dict[str, str]:

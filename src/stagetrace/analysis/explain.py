@@ -89,6 +89,7 @@ class StageComparison:
     input_matches: bool
     output_matches: bool
     present: bool  # the request ran this stage
+    first_step: int | None = None  # the first step whose input differs, where both record their steps' inputs
 
     def to_json(self) -> dict:
         return {"stage": self.stage, "rank": self.rank or None, "input_matches": self.input_matches,
@@ -108,7 +109,8 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
         if set(a) == set(b):
             for rank in sorted(b, key=rank_order):
                 out.append(StageComparison(stage, rank, a[rank][0].input_digest == b[rank][0].input_digest,
-                                           _output(a[rank]) == _output(b[rank]), True))  # fmt: skip
+                                           _output(a[rank]) == _output(b[rank]), True,
+                                           _first_step(a[rank][0], b[rank][0])))  # fmt: skip
             continue
         first_a, first_b = a[min(a, key=rank_order)], b[min(b, key=rank_order)]
         same_out = sorted({_output(p) for p in a.values()}) == sorted({_output(p) for p in b.values()})
@@ -125,13 +127,30 @@ class Divergence:
     input_differed: bool  # the stage's input already differed: the blame lies upstream of the recorded stages
 
 
+def _first_step(request: lookup.Span, baseline: lookup.Span) -> int | None:
+    """The first of the stage's steps whose input differs, when both spans record their steps' inputs."""
+    mine = request.attributes.get(conventions.STAGE_STEP_INPUT_DIGESTS)
+    theirs = baseline.attributes.get(conventions.STAGE_STEP_INPUT_DIGESTS)
+    if not mine or not theirs:
+        return None
+    mine, theirs = mine.split(","), theirs.split(",")
+    return next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y),
+                None if len(mine) == len(theirs) else min(len(mine), len(theirs)))  # fmt: skip
+
+
 def first_divergence(comparisons: list[StageComparison]) -> Divergence:
-    """The first stage of :func:`compare_stages` whose output differs."""
+    """The first stage of :func:`compare_stages` whose output differs, at the ranks whose output differs there; of
+    those, where the ranks record their steps' inputs, the ranks whose input differed at the earliest step (the rank
+    that began it, not the ranks that summed its contribution afterwards)."""
     first = next((c for c in comparisons if not c.output_matches), None)
     if first is None:
         return Divergence(None, [], False)
-    ranks = [c.rank for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
-    return Divergence(first.stage, ranks, first.present and not first.input_matches)
+    differing = [c for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
+    earliest = min((c.first_step for c in differing if c.first_step is not None), default=None)
+    if earliest is not None:
+        differing = [c for c in differing if c.first_step == earliest]
+        first = differing[0]
+    return Divergence(first.stage, [c.rank for c in differing], first.present and not first.input_matches)
 
 
 def _by_stage(passes: dict[tuple[str, str], list[lookup.Span]]) -> dict[str, dict[str, list[lookup.Span]]]:

@@ -1,0 +1,467 @@
+"""Tensors as stage content: one array digest, computed with NumPy on the host or with torch ops on any device.
+
+A tensor's content is its dtype, its shape and its bytes as stored, in C order (a non-contiguous view digests as its
+contiguous copy, a big-endian NumPy array as its little-endian twin). Dtypes go by one name on every side ("float32",
+"bfloat16", "float8_e4m3fn": torch's name without ``torch.``, NumPy's and ml_dtypes' ``dtype.name``), so a NumPy
+array, a torch tensor on the CPU and the same tensor on a GPU have the same digest.
+
+**The hash ("lanes").** The bytes, zero-padded to a multiple of 8, are read as little-endian 64-bit words
+``w_0 .. w_{n-1}``. With all arithmetic modulo 2**64 and ``>>>`` a logical shift::
+
+    x_i = (w_i * M1) ^ i                    # the word's position enters every term: order matters
+    x_i = fmix64(x_i)                       # MurmurHash3's finalizer: x ^= x >>> 33; x *= C1; x ^= x >>> 33;
+                                            #                         x *= C2; x ^= x >>> 33
+    y_i = x_i * M3;  y_i ^= y_i >>> 32
+    A = sum(x_i),  B = sum(y_i)             # 128 bits: A and B, 8 bytes each, little-endian
+
+(``M1``: the golden-ratio constant, ``M3``: SplitMix64's first multiplier, ``C1``, ``C2``: fmix64's; all odd.)
+Each term depends on one word and its index, and addition modulo 2**64 is associative and commutative, so the sums
+can be reduced in any order, in chunks, in parallel, on any device, and give the same bits: NumPy does it in
+cache-sized chunks on the host, torch integer ops do it on the tensor's device (``device_lanes``), and only the 16
+bytes cross to the host. The lanes, the dtype's name and the shape then go through the same BLAKE2b-128 frame as
+every other value (tag ``X``), so a tensor's digest is type-tagged like the rest.
+
+**Why it is safe enough to call two tensors equal.** For a fixed position every step is a bijection of the word
+(multiplication by an odd constant, xor with a constant, xor-shift), so two tensors that differ in exactly one word
+(one element of up to 8 bytes, one ulp, one sign) *always* get different ``A``. fmix64 flips each output bit with
+probability 1/2 for any input bit (measured over 200,000 random words for every bit of the word and of the index:
+no bias above sampling noise, and none between A's and B's terms), so tensors that differ in
+more words collide only when both 64-bit sums agree by accident: about 2**-128 for data that was not built to
+collide, far below the rate of the faults it is meant to find. The multiplication before the index is mixed in keeps
+natural edits (two words swapped and each changed in its low bits) from mapping one tensor's terms onto another's.
+It is **not cryptographic**: a sum of independent terms lets someone who wants a collision construct one, as with
+any fast unkeyed hash. Equal elements in another order give other terms (their index differs), so a permutation is
+other content, unlike ``torch.hash_tensor``, which XORs the elements and ignores their order.
+
+**On a GPU** (``start``): the first step (``w * M1``) runs on the producer's stream, so it reads the tensor as of that
+point in the stream and leaves a private copy that the caller may overwrite or free after; the rest runs on a side
+stream that waits for it, the 16 bytes are copied without blocking into pinned memory and a CUDA event marks them
+ready. Nothing synchronises the caller's stream or thread; the result is read when the event says so
+(``Pending.done``), by the span completer (``stagetrace.completion``).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import numpy as np
+
+from stagetrace.conventions import STEP_DIGEST_CHARS, STEPS_KEPT
+from stagetrace.digest import framed, digest
+
+TAG = b"X"
+M1, C1, C2, M3 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xBF58476D1CE4E5B9
+HOST_CHUNK_WORDS = 1 << 15  # 256 KiB of words and two temporaries of that size stay in a core's L2 cache
+DEVICE_CHUNK_WORDS = 1 << 23  # 64 MiB temporaries on the device: a larger tensor is hashed in several chunks
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as torch's int64 scalar (torch has no unsigned 64-bit arithmetic: int64 wraps the same)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_M1, _C1, _C2, _M3 = _signed(M1), _signed(C1), _signed(C2), _signed(M3)
+# torch's >> on int64 is arithmetic: masking the shifted value makes it the logical shift the definition uses
+_LOW31, _LOW32 = (1 << 31) - 1, (1 << 32) - 1
+
+
+# -- the hash, on the host
+_M1_64, _C1_64, _C2_64, _M3_64 = np.uint64(M1), np.uint64(C1), np.uint64(C2), np.uint64(M3)
+_S32, _S33 = np.uint64(32), np.uint64(33)
+_INDEX = np.arange(HOST_CHUNK_WORDS, dtype=np.uint64)  # word indices of a chunk, made once
+
+
+def host_lanes(words: np.ndarray, start: int = 0) -> tuple[int, int]:
+    """(A, B) of little-endian uint64 ``words`` whose first word has index ``start``."""
+    n = len(words)
+    if n == 0:
+        return 0, 0
+    size = min(n, HOST_CHUNK_WORDS)
+    x, t = np.empty(size, np.uint64), np.empty(size, np.uint64)  # reused by every chunk, in place
+    a = b = 0
+    for lo in range(0, n, size):
+        k = min(n, lo + size) - lo
+        xs, ts = x[:k], t[:k]
+        np.multiply(words[lo : lo + k], _M1_64, out=xs)
+        if start + lo:
+            np.add(_INDEX[:k], np.uint64(start + lo), out=ts)
+            np.bitwise_xor(xs, ts, out=xs)
+        else:
+            np.bitwise_xor(xs, _INDEX[:k], out=xs)
+        for multiplier in (_C1_64, _C2_64, None):  # fmix64
+            np.right_shift(xs, _S33, out=ts)
+            np.bitwise_xor(xs, ts, out=xs)
+            if multiplier is not None:
+                np.multiply(xs, multiplier, out=xs)
+        a += int(xs.sum(dtype=np.uint64))  # NumPy's uint64 sum wraps modulo 2**64, as the definition does
+        np.multiply(xs, _M3_64, out=xs)  # x is spent: y in its place
+        np.right_shift(xs, _S32, out=ts)
+        np.bitwise_xor(xs, ts, out=xs)
+        b += int(xs.sum(dtype=np.uint64))
+    return a & _MASK64, b & _MASK64
+
+
+def host_words(data: np.ndarray) -> np.ndarray:
+    """The little-endian uint64 words of a C-contiguous uint8 array, zero-padded (a copy only when padding)."""
+    if len(data) % 8:
+        padded = np.zeros((len(data) + 7) // 8 * 8, np.uint8)
+        padded[: len(data)] = data
+        data = padded
+    return data.view("<u8")
+
+
+# -- the hash, with torch ops (any device; the same function, bit for bit)
+def device_lanes(words, *, premultiplied: bool = False, chunk: int = DEVICE_CHUNK_WORDS):
+    """(A, B) as an int64 tensor of 2 on ``words``' device, from int64 ``words`` (``w * M1`` already, when
+    ``premultiplied``: then ``words`` is a private buffer and is overwritten)."""
+    import torch
+
+    n = words.numel()
+    sums = []
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        x = words[lo:hi] if premultiplied else torch.mul(words[lo:hi], _M1)
+        u = torch.arange(lo, hi, dtype=torch.int64, device=words.device)
+        x.bitwise_xor_(u)
+        t = torch.empty_like(x)
+        for multiplier in (_C1, _C2, None):  # fmix64
+            torch.bitwise_right_shift(x, 33, out=t).bitwise_and_(_LOW31)
+            x.bitwise_xor_(t)
+            if multiplier is not None:
+                x.mul_(multiplier)
+        sums.append(x.sum())  # int64 sums wrap modulo 2**64 on every device, in any reduction order
+        torch.mul(x, _M3, out=t)
+        torch.bitwise_right_shift(t, 32, out=u).bitwise_and_(_LOW32)
+        sums.append(t.bitwise_xor_(u).sum())
+    if not sums:
+        return torch.zeros(2, dtype=torch.int64, device=words.device)
+    lanes = torch.stack(sums)
+    return lanes if len(sums) == 2 else lanes.view(-1, 2).sum(0)
+
+
+def torch_words(flat):
+    """int64 words of a contiguous 1-d tensor's bytes, zero-padded: a view when its bytes are whole, aligned words."""
+    import torch
+
+    data = flat.view(torch.uint8)
+    if data.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=data.device)
+    if data.numel() % 8 or data.storage_offset() % 8:
+        padded = torch.zeros((data.numel() + 7) // 8 * 8, dtype=torch.uint8, device=data.device)
+        padded[: data.numel()].copy_(data)
+        data = padded
+    return data.view(torch.int64)
+
+
+# -- what is an array, and its canonical name, shape and bytes
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_array(value) -> bool:
+    """Whether ``digest`` treats ``value`` as an array: NumPy, torch, DLPack, CUDA array interface, or NumPy-like."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return True
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, type):
+        return False
+    return (hasattr(value, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
+            or (hasattr(value, "dtype") and hasattr(value, "tobytes") and hasattr(value, "shape")))  # fmt: skip
+
+
+def numpy_dtype_name(dtype: np.dtype) -> str:
+    if dtype.kind == "O":
+        raise TypeError("cannot digest an array of Python objects: digest its elements (a list) instead")
+    if dtype.kind in "USV" and not dtype.type.__module__.startswith("ml_dtypes"):
+        return dtype.str.lstrip("<>|=")  # strings, bytes and records: the name alone does not say the item size
+    return dtype.name  # bfloat16, float8_e4m3fn, ... from ml_dtypes as torch names them
+
+
+def torch_dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def payload(name: str, shape, lanes: tuple[int, int]) -> bytes:
+    """What goes into the BLAKE2b frame: ``name(shape)``, a zero byte, A and B as 8 little-endian bytes each."""
+    meta = f"{name}{tuple(int(d) for d in shape)}".encode()
+    return meta + b"\0" + lanes[0].to_bytes(8, "little") + lanes[1].to_bytes(8, "little")
+
+
+def _host_array(value) -> np.ndarray:
+    array = np.asarray(value)
+    if array.dtype.byteorder == ">" or (array.dtype.byteorder == "=" and sys.byteorder == "big"):
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return array
+
+
+def as_tensor_or_array(value):
+    """``value`` as a torch tensor (any device) or a NumPy array; TypeError, in one line, for what has no bytes."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        return _host_array(value)
+    torch = _torch()
+    if torch is not None and isinstance(value, torch.Tensor):
+        return _checked(value)
+    if hasattr(value, "__dlpack__") and hasattr(value, "__dlpack_device__"):
+        on_host = int(value.__dlpack_device__()[0]) in (1, 3)  # kDLCPU, kDLCUDAHost
+        torch = _import_torch(None if on_host else "a device array (DLPack)")
+        if torch is not None:
+            return _checked(torch.from_dlpack(value))
+        try:
+            return _host_array(np.from_dlpack(value))
+        except (RuntimeError, TypeError, BufferError):
+            return _host_array(value)  # bfloat16 and the float8 types: through the producer's own __array__
+    if hasattr(value, "__cuda_array_interface__"):
+        torch = _import_torch("a CUDA array (__cuda_array_interface__)")
+        return _checked(torch.as_tensor(value, device="cuda"))
+    return _host_array(value)
+
+
+def _import_torch(needed_for: str | None):
+    try:
+        import torch
+    except ImportError:
+        if needed_for is None:
+            return None
+        raise TypeError(f"cannot digest {needed_for} without PyTorch: pip install torch") from None
+    return torch
+
+
+def _checked(tensor):
+    """The tensor if its bytes can be read; TypeError or ValueError in one line if not."""
+    import torch
+
+    if tensor.is_meta or tensor.device.type == "meta":
+        raise ValueError("cannot digest a tensor on the meta device: it has shape and dtype but no data")
+    if tensor.layout != torch.strided:
+        layout = str(tensor.layout).removeprefix("torch.")
+        raise TypeError(f"cannot digest a {layout} tensor: pass a dense one (tensor.to_dense())")
+    if getattr(tensor, "is_nested", False):
+        raise TypeError("cannot digest a nested tensor: digest its components (tensor.unbind()) instead")
+    if tensor.is_quantized:
+        raise TypeError("cannot digest a quantized tensor: pass tensor.int_repr() and its scale and zero point")
+    return tensor.detach()
+
+
+def storage_problem(tensor) -> str | None:
+    """Why the tensor's bytes cannot be read now (its storage was freed or shrunk), or None."""
+    if tensor.numel() == 0:
+        return None
+    try:
+        have = tensor.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError) as exc:  # fake and functional tensors have no real storage
+        return f"its storage cannot be read ({_one_line(exc)})"
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    need = (tensor.storage_offset() + extent) * tensor.element_size()
+    if have < need:
+        return f"its storage was freed or shrunk before it was digested ({have} of {need} bytes left)"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+# -- digests: ready now (host), or pending on a device
+class Ready:
+    """A digest known now (``payload``: its frame's payload, for digests nested in other values)."""
+
+    def __init__(self, value: str, payload_bytes: bytes | None = None):
+        self._value, self._payload = value, payload_bytes
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout_s: float | None = None) -> str:
+        return self._value
+
+    def payload(self, timeout_s: float | None = None) -> bytes:
+        return self._payload
+
+
+class Failed:
+    """A digest that could not be computed; ``result`` raises DigestUnavailable with the reason."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout_s: float | None = None):
+        raise DigestUnavailable(self.reason)
+
+    payload = result
+
+
+class DigestUnavailable(RuntimeError):
+    """A tensor's digest could not be computed (a CUDA error, its storage freed, the process exiting)."""
+
+
+class Pending:
+    """A tensor's digest being computed on its device: ``done()`` polls its CUDA event without blocking;
+    ``result()`` waits for it (only the calling thread), then returns the hex digest."""
+
+    def __init__(self, name: str, shape, host_lanes_buffer, ready, keep):
+        self._name, self._shape = name, tuple(shape)
+        self._host, self._ready, self._keep = host_lanes_buffer, ready, keep
+        self._value: str | None = None
+        self._payload: bytes | None = None
+        self._error: str | None = None
+        self._lock = threading.Lock()  # the completer and a caller of result() may both poll
+
+    def done(self) -> bool:
+        with self._lock:
+            if self._value is not None or self._error is not None:
+                return True
+            try:
+                if not self._ready.query():
+                    return False
+                lanes = _lane_ints(self._host.tolist())  # pinned host memory: no device access
+                self._payload = payload(self._name, self._shape, lanes)
+                self._value = framed(TAG, self._payload)
+            except Exception as exc:  # a CUDA error raised by the query: the span says so
+                self._error = f"the device failed before the digest was ready ({_one_line(exc)})"
+            self._keep = self._host = None  # the private copy and the lanes may go back to the allocator now
+            return True
+
+    def result(self, timeout_s: float | None = None) -> str:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise DigestUnavailable(f"the device had not finished the digest after {timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        if self._error is not None:
+            raise DigestUnavailable(self._error)
+        return self._value
+
+    def payload(self, timeout_s: float | None = None) -> bytes:
+        self.result(timeout_s)
+        return self._payload
+
+
+class Folded:
+    """The digest of several digests in order (``digest([d1, d2, ...])``): a stage's content over many tensors."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def result(self) -> str:
+        return digest([p.result() for p in self.parts])
+
+
+class Steps(Folded):
+    """The first ``STEPS_KEPT`` parts' digests, each cut to ``STEP_DIGEST_CHARS``, comma-separated, in order
+    (``conventions.STAGE_STEP_INPUT_DIGESTS``)."""
+
+    def __init__(self, parts: list):
+        super().__init__(parts[:STEPS_KEPT])
+
+    def result(self) -> str:
+        return ",".join(p.result()[:STEP_DIGEST_CHARS] for p in self.parts)
+
+
+def start(value):
+    """Begin digesting an array: ``Ready`` (host arrays, computed now), ``Pending`` (a CUDA tensor, hashed on its
+    device without synchronising) or ``Failed`` (its bytes could not be read). TypeError/ValueError for what cannot
+    be digested at all."""
+    array = as_tensor_or_array(value)
+    if isinstance(array, np.ndarray):
+        return _ready(host_payload(array))
+    tensor = array
+    problem = storage_problem(tensor)
+    if problem is not None:
+        return Failed(f"cannot digest the tensor: {problem}")
+    if tensor.device.type == "cpu":
+        return _ready(host_payload(tensor))
+    if tensor.numel() == 0:
+        return _ready(payload(torch_dtype_name(tensor.dtype), tensor.shape, (0, 0)))
+    try:
+        if tensor.device.type == "cuda":
+            return _start_cuda(tensor)
+        lanes = device_lanes(torch_words(_flat(tensor))).cpu()  # other devices: synchronously, on the device
+        return _ready(payload(torch_dtype_name(tensor.dtype), tensor.shape, _lane_ints(lanes.tolist())))
+    except TypeError:
+        raise
+    except Exception as exc:  # a device error: the span records it instead of the digest
+        return Failed(f"the device failed while digesting the tensor ({_one_line(exc)})")
+
+
+def payload_now(value) -> bytes:
+    """The frame payload of an array, waiting for a device (``digest`` of a tensor; the span API uses ``start``)."""
+    return start(value).payload()
+
+
+def _ready(payload_bytes: bytes) -> Ready:
+    return Ready(framed(TAG, payload_bytes), payload_bytes)
+
+
+def host_payload(array) -> bytes:
+    """The frame payload of a NumPy array or a CPU tensor (hashed here, now)."""
+    if isinstance(array, np.ndarray):
+        name, shape = numpy_dtype_name(array.dtype), array.shape
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    else:
+        import torch
+
+        name, shape = torch_dtype_name(array.dtype), array.shape
+        if array.numel() == 0:
+            return payload(name, shape, (0, 0))
+        data = _flat(array).view(torch.uint8).numpy()
+    return payload(name, shape, host_lanes(host_words(data)))
+
+
+def _flat(tensor):
+    """The tensor's values as a contiguous 1-d tensor of its dtype (a view when it already is one)."""
+    try:
+        return tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    except RuntimeError as exc:
+        raise TypeError(f"cannot digest a {torch_dtype_name(tensor.dtype)} tensor: {_one_line(exc)}") from None
+
+
+def _lane_ints(values) -> tuple[int, int]:
+    return values[0] & _MASK64, values[1] & _MASK64
+
+
+# -- CUDA: hashed on a side stream, read back when its event says so
+_side_streams: dict = {}
+_side_lock = threading.Lock()
+
+
+def _side_stream(device):
+    import torch
+
+    with _side_lock:
+        stream = _side_streams.get(device.index)
+        if stream is None:
+            stream = _side_streams[device.index] = torch.cuda.Stream(device=device)
+        return stream
+
+
+def _start_cuda(tensor) -> Pending:
+    import torch
+
+    producer = torch.cuda.current_stream(tensor.device)
+    # On the producer's stream, in its order: reads the tensor as of now into a private buffer (w * M1, the
+    # hash's first step), so the caller may overwrite or free the tensor as soon as this returns.
+    private = torch.mul(torch_words(_flat(tensor)), _M1)
+    side = _side_stream(tensor.device)
+    side.wait_stream(producer)  # an event between the streams: the host does not wait
+    with torch.cuda.stream(side):
+        lanes = device_lanes(private, premultiplied=True)
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(lanes, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record(side)
+    private.record_stream(side)  # the allocator may not hand it to the producer's stream before the side is done
+    return Pending(torch_dtype_name(tensor.dtype), tensor.shape, host, ready, (private, lanes))
