@@ -7,7 +7,7 @@ dashboard's time picker does not matter here: a request from last week is found 
 from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
-from stagetrace.dashboards._sql import HOST, PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES, majority_outputs
+from stagetrace.dashboards._sql import HOST, PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES
 
 UID = p.TRACE_LOOKUP_UID
 
@@ -37,11 +37,13 @@ WITH
 
 # The hosts, GPUs (gpu.uuid), RDMA ports (net.rdma.devices) and their netdevs the request's spans name.
 HARDWARE_CONTEXT = f"""{REQUEST_CONTEXT},
-    (SELECT groupUniqArray({HOST}) FROM otel_traces WHERE {REQUEST_SPANS}) AS hosts,
-    (SELECT groupUniqArrayIf(SpanAttributes['gpu.uuid'], SpanAttributes['gpu.uuid'] != '')
-       FROM otel_traces WHERE {REQUEST_SPANS}) AS gpus,
-    (SELECT groupUniqArray(({HOST}, device)) FROM otel_traces ARRAY JOIN {RDMA_DEVICES} AS device
-       WHERE {REQUEST_SPANS} AND SpanAttributes['net.rdma.devices'] != '' AND device != '') AS nics,
+    (SELECT (groupUniqArray({HOST}), groupUniqArrayIf(SpanAttributes['gpu.uuid'], SpanAttributes['gpu.uuid'] != ''),
+             groupUniqArrayArrayIf(arrayMap(device -> ({HOST}, device), arrayFilter(device -> device != '', {RDMA_DEVICES})),
+                                   SpanAttributes['net.rdma.devices'] != ''))
+       FROM otel_traces WHERE {REQUEST_SPANS}) AS named,  -- one read of the request's spans
+    named.1 AS hosts,
+    named.2 AS gpus,
+    named.3 AS nics,
     (SELECT groupUniqArray(({HOST}, Attributes['netdev'])) FROM otel_metrics_gauge
        WHERE MetricName = 'rdma_port_info' AND has(nics, ({HOST}, Attributes['device']))
          AND TimeUnix >= request_start - {SAMPLE_SEARCH} AND TimeUnix <= request_end + {SAMPLE_SEARCH}) AS netdevs"""
@@ -93,11 +95,14 @@ WITH
        ORDER BY Start DESC LIMIT 1) AS request,
     request.3 - INTERVAL 1 DAY AS since,
     request.3 + INTERVAL 1 DAY AS until,
-    (SELECT count() FROM stagetrace_requests WHERE InputDigest = request.1 AND Start >= since AND Start <= until)
-      AS same_input,
-    (SELECT count() FROM stagetrace_requests
-       WHERE InputDigest = request.1 AND OutputDigest = request.2 AND Start >= since AND Start <= until) AS same_output,
-    (SELECT any(majority) FROM ({majority_outputs("InputDigest = request.1 AND Start >= since AND Start <= until")}))
+    (SELECT groupArray((OutputDigest, requests)) FROM (
+        SELECT OutputDigest, uniqExact(TraceId) AS requests FROM stagetrace_requests
+        WHERE InputDigest = request.1 AND Start >= since AND Start <= until GROUP BY OutputDigest)) AS outputs,
+    arraySum(o -> o.2, outputs) AS same_input,
+    arraySum(o -> if(o.1 = request.2, o.2, 0), outputs) AS same_output,
+    arrayFilter(o -> o.1 != '', outputs) AS answered,
+    -- as _sql.majority_outputs: the most common output, where the input was answered at least twice
+    if(arraySum(o -> o.2, answered) >= 2, arrayFirst(o -> o.2 = arrayMax(o -> o.2, answered), answered).1, '')
       AS majority_output
 SELECT RequestId AS request_id, TraceId AS trace_id, ServiceName AS service, HostName AS host, Start AS start,
     dateDiff('microsecond', Start, End) / 1000 AS duration_ms, StatusCode AS status,
@@ -168,7 +173,10 @@ SELECT {HOST} AS host,
     arrayStringConcat(groupUniqArrayIf(SpanAttributes['gpu.uuid'], SpanAttributes['gpu.uuid'] != ''), ', ') AS gpus,
     arrayStringConcat(arrayFilter(d -> d != '', groupUniqArrayArray({RDMA_DEVICES})), ', ') AS rdma_devices
 FROM otel_traces
-LEFT JOIN (SELECT SpanId, any(Stage) AS Stage FROM {STAGES} WHERE TraceId = trace_id GROUP BY SpanId) AS s
+LEFT JOIN (SELECT SpanId, any(Stage) AS Stage FROM {STAGES}
+           WHERE TraceId = trace_id AND Start >= request_start - INTERVAL 1 MINUTE
+             AND Start <= request_end + INTERVAL 1 MINUTE
+           GROUP BY SpanId) AS s
     ON otel_traces.SpanId = s.SpanId
 WHERE {REQUEST_SPANS}
 GROUP BY host

@@ -67,8 +67,9 @@ def test_upgrade_from_version_1_fills_the_stage_table_from_stored_spans(store):
 
 
 def test_upgrade_to_version_8_builds_the_trace_projection_from_stored_requests(store):
-    """A store of version 7 has no trace-ordered projection of its requests: the upgrade adds it and builds it from
-    the rows already there, so a lookup by trace ID reads it for old requests too."""
+    """A store of version 7 has neither the trace-ordered nor the input-ordered projection of its requests: the
+    upgrade adds them and builds them from the rows already there, so a lookup by trace ID reads them for old
+    requests too."""
     import stagetrace
     from stagetrace import lookup
 
@@ -76,13 +77,15 @@ def test_upgrade_to_version_8_builds_the_trace_projection_from_stored_requests(s
     with stagetrace.request("before-upgrade", input="q") as req:
         req.set_output("a")
     stagetrace.flush()
-    store.client.command("ALTER TABLE stagetrace.stagetrace_requests DROP PROJECTION by_trace")
+    for projection in ("by_trace", "by_input"):
+        store.client.command(f"ALTER TABLE stagetrace.stagetrace_requests DROP PROJECTION {projection}")
     store.client.command("TRUNCATE TABLE stagetrace.stagetrace_schema_version")
     store.client.command("INSERT INTO stagetrace.stagetrace_schema_version (Version) VALUES (7)")
     assert schema.ensure_schema(store.client, "stagetrace") is True
-    built = store.client.command(
-        "SELECT sum(rows) FROM system.projection_parts WHERE database = 'stagetrace' AND table = 'stagetrace_requests' "
-        "AND name = 'by_trace' AND active")  # fmt: skip
-    assert int(built) == int(store.client.command("SELECT count() FROM stagetrace.stagetrace_requests")) > 0
+    for projection in ("by_trace", "by_input"):
+        built = store.client.command(
+            "SELECT sum(rows) FROM system.projection_parts WHERE database = 'stagetrace' AND table = 'stagetrace_requests' "
+            "AND name = {p:String} AND active", parameters={"p": projection})  # fmt: skip
+        assert int(built) == int(store.client.command("SELECT count() FROM stagetrace.stagetrace_requests")) > 0
     trace_id = lookup.by_request_id(store, "before-upgrade").trace_id
     assert lookup.by_trace_id(store, trace_id).request_id == "before-upgrade"

@@ -18,8 +18,9 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
 # 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
 # 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
-# divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries
-SCHEMA_VERSION = 8
+# divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
+# in trace order (projection by_trace); 9: the requests' digests in input order (by_input)
+SCHEMA_VERSION = 9
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -41,6 +42,9 @@ _DEDUP = "non_replicated_deduplication_window = 1000"
 # A trace's request rows by trace ID (a lookup by trace ID, and the request fields of a lookup by request ID), read
 # from a copy of the table in trace order: a bounded number of granules however large the store.
 _BY_TRACE, _BY_TRACE_SELECT = "by_trace", "SELECT * ORDER BY TraceId, Start"
+# the same-input requests of one input (the trace lookup's summary, a live pass's new inputs) by key: narrow, as only
+# what those queries read
+_BY_INPUT, _BY_INPUT_SELECT = "by_input", "SELECT InputDigest, OutputDigest, Start, TraceId ORDER BY InputDigest, Start"
 
 _ATTRIBUTE_INDEXES = """
     INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
@@ -185,7 +189,8 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     StatusCode LowCardinality(String) CODEC(ZSTD(1)),
     Source LowCardinality(String) CODEC(ZSTD(1)),
     Nondeterministic LowCardinality(String) CODEC(ZSTD(1)),
-    PROJECTION {_BY_TRACE} ({_BY_TRACE_SELECT})""",
+    PROJECTION {_BY_TRACE} ({_BY_TRACE_SELECT}),
+    PROJECTION {_BY_INPUT} ({_BY_INPUT_SELECT})""",
         "MergeTree()",
         f"""PARTITION BY toYYYYMM(Start)
 ORDER BY (RequestId, Start)
@@ -344,7 +349,8 @@ NEW_COLUMNS = {
 
 # Projections a version added to tables created before it, built from the rows they hold: {version: ((table,
 # projection, its SELECT), ...)}.
-NEW_PROJECTIONS = {8: (("stagetrace_requests", _BY_TRACE, _BY_TRACE_SELECT),)}
+NEW_PROJECTIONS = {8: (("stagetrace_requests", _BY_TRACE, _BY_TRACE_SELECT),),
+                   9: (("stagetrace_requests", _BY_INPUT, _BY_INPUT_SELECT),)}
 
 # Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.
 SETTING_CHANGES = {
