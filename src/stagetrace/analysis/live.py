@@ -83,7 +83,8 @@ FAILURES = MetricSpec("stagetrace_analysis_failures_total", COUNTER,
                       "Passes that failed (the store unreachable, a query refused); the next period retries.")
 DURATION = MetricSpec("stagetrace_analysis_duration_seconds", GAUGE, "How long the last pass took.", unit="seconds")
 LAG = MetricSpec("stagetrace_analysis_lag_seconds", GAUGE, "How far behind the newest request the last pass "
-                 "reached, the settle delay included; it grows while passes fail.", unit="seconds")  # fmt: skip
+                 "reached (the settle delay and the pass itself at best); it grows while passes fail.",
+                 unit="seconds")  # fmt: skip
 HOLDING = MetricSpec("stagetrace_analyser_holding_lease", GAUGE,
                      "1 when this process is the store's analyser, 0 while another holds the lease.")
 
@@ -225,12 +226,12 @@ class Analyser:
 
     def lag_s(self, reached_ns: int) -> float:
         """Seconds between the newest request (a host's clock ahead of ours counts as now) and where the analysis
-        reached."""
+        reached: the requests still settling and those that arrived during the pass; 0 when none arrived since."""
         now = self.clock()
         newest = self.store.client.command(_LATEST_REQUEST_SQL, parameters={
             "db": self.store.database, "t0": reached_ns, "t1": now})  # fmt: skip
         newest = int(newest or 0) or reached_ns
-        return max(0.0, (min(newest, now) - reached_ns) / S + self.schedule.settle_s)
+        return max(0.0, (min(newest, now) - reached_ns) / S)
 
     def step(self) -> Pass | None:
         """One period: the pass when this analyser holds the lease, else None. A failure is counted, logged once
@@ -256,7 +257,7 @@ class Analyser:
         try:
             lag = self.lag_s(done.until_ns)
         except Exception:  # the store went away right after the pass
-            lag = self.schedule.settle_s
+            lag = (self.clock() - done.until_ns) / S
         self.stats.record(done, lag)
         return done
 
