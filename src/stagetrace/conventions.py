@@ -445,6 +445,13 @@ def combined_output(outputs) -> str:
     return ",".join(outputs)
 
 
+# -- time columns of either generation of the Collector's tables: DateTime64(9) (its previous metric tables, its span
+# table, and stagetrace's own) or DateTime (its current metric tables and trace-ID table, in seconds)
+def time_ns_sql(column: str) -> str:
+    """Nanoseconds since the epoch of ``column``, whichever of the two types it has (DateTime64(9) passes through)."""
+    return f"toUnixTimestamp64Nano(toDateTime64({column}, 9))"
+
+
 # -- SQL over otel_traces columns (SpanName, SpanAttributes, ParentSpanId, ...) for the materialized views
 def _first_sql(sources) -> str:
     # multiIf evaluates lazily (short_circuit_function_evaluation), so a span with a digest attribute never hashes

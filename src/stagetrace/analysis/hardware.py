@@ -50,6 +50,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stagetrace import conventions
 from stagetrace.store import Store
 
 GPU, NIC = "gpu", "nic"
@@ -127,17 +128,17 @@ _RANGE = """TimeUnix >= fromUnixTimestamp64Nano({t0:Int64}) AND TimeUnix <= from
       AND ResourceAttributes['host.name'] IN {hosts:Array(String)}"""
 
 # Step 1: per host, its scrape times and the metric names it has in the signals' families (times and names only).
-_PRESENT = """
-    SELECT ResourceAttributes['host.name'] AS Host, toUnixTimestamp64Nano(TimeUnix) AS T, MetricName, {gauge} AS Gauge
-    FROM {{db:Identifier}}.{table}
-    WHERE {range}{families}"""
+_PRESENT = f"""
+    SELECT ResourceAttributes['host.name'] AS Host, {conventions.time_ns_sql("TimeUnix")} AS T, MetricName, {{gauge}} AS Gauge
+    FROM {{{{db:Identifier}}}}.{{table}}
+    WHERE {{range}}{{families}}"""
 
 # Step 2: the samples of the names some signal accepts, label filters applied in the store.
-_SELECT = """
-    SELECT ResourceAttributes['host.name'] AS Host, MetricName, Attributes, toUnixTimestamp64Nano(TimeUnix) AS T, Value
-    FROM {{db:Identifier}}.{table}
-    WHERE {range}
-      AND MetricName IN {{{key}_names:Array(String)}}{filters}"""
+_SELECT = f"""
+    SELECT ResourceAttributes['host.name'] AS Host, MetricName, Attributes, {conventions.time_ns_sql("TimeUnix")} AS T, Value
+    FROM {{{{db:Identifier}}}}.{{table}}
+    WHERE {{range}}
+      AND MetricName IN {{{{{{key}}_names:Array(String)}}}}{{filters}}"""
 
 
 def families(signals: Sequence[Signal]) -> list[str]:

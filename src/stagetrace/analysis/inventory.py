@@ -32,13 +32,13 @@ LOOKAROUND_NS = 10 * 60 * 1_000_000_000
 FILLED = "stagetrace.inventory.filled"
 
 # Per GPU (host, uuid), the labels INVENTORY_LABELS names, from its last sample at or before {t}, else its first after.
-INVENTORY_SQL = """
+INVENTORY_SQL = f"""
 SELECT ResourceAttributes['host.name'] AS Host, Attributes['uuid'] AS Uuid,
-       argMax(arrayMap(l -> Attributes[l], {labels:Array(String)}), (T <= {t:Int64}, if(T <= {t:Int64}, T, -T)))
-FROM (SELECT ResourceAttributes, Attributes, toUnixTimestamp64Nano(TimeUnix) AS T
-      FROM {db:Identifier}.otel_metrics_gauge
-      WHERE MetricName = {metric:String}
-        AND TimeUnix >= fromUnixTimestamp64Nano({t0:Int64}) AND TimeUnix <= fromUnixTimestamp64Nano({t1:Int64}))
+       argMax(arrayMap(l -> Attributes[l], {{labels:Array(String)}}), (T <= {{t:Int64}}, if(T <= {{t:Int64}}, T, -T)))
+FROM (SELECT ResourceAttributes, Attributes, {conventions.time_ns_sql("TimeUnix")} AS T
+      FROM {{db:Identifier}}.otel_metrics_gauge
+      WHERE MetricName = {{metric:String}}
+        AND TimeUnix >= fromUnixTimestamp64Nano({{t0:Int64}}) AND TimeUnix <= fromUnixTimestamp64Nano({{t1:Int64}}))
 GROUP BY Host, Uuid
 """
 

@@ -1,0 +1,113 @@
+"""Every generation of the OpenTelemetry Collector's tables: a store whose tables the Collector created is adopted
+and read.
+
+``tests/fixtures/collector/current.sql`` is the Collector's current ``clickhouseexporter`` DDL (rendered from its
+``internal/sqltemplates``, committed as the Collector renders it): metric tables with ``DateTime`` (seconds)
+times, ``LowCardinality`` metric names and another sort key, the trace-ID table on ``AggregatingMergeTree``,
+``otel_traces`` with ``Timestamp`` in its sort key. The tests create those tables first, as a fleet shipping through
+the Collector has them, let stagetrace adopt the store, write spans with stagetrace's writer and samples with a
+plain ``INSERT`` as the Collector writes them, and run the analysis on it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+import stagetrace
+from stagetrace import lookup
+from stagetrace.analysis import divergences
+from stagetrace.analysis.explain import Explainer
+from stagetrace.store import open_store
+from stagetrace.tracing import PIPELINE_STAGES
+
+DDL = Path(__file__).with_name("fixtures") / "collector" / "current.sql"
+PROMPT = {"prompt": "why is the sky blue?", "seed": 7}
+
+
+def collector_statements() -> list[str]:
+    """The DDL's statements (separated by lines holding only ``;;``), comments left out."""
+    chunks = re.split(r"^;;$", DDL.read_text(), flags=re.M)
+    statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip() for chunk in chunks]
+    return [s for s in statements if s]
+
+
+@pytest.fixture
+def current_store(store_dsn):
+    """A store whose span, trace-ID and metric tables the current Collector created, then opened by stagetrace."""
+    with open_store(store_dsn, create_schema=False) as bare:
+        bare.client.command("CREATE DATABASE IF NOT EXISTS stagetrace")
+        for statement in collector_statements():
+            bare.client.command(statement)
+        with open_store(store_dsn) as store:  # adopts it: stagetrace's own tables and views beside the Collector's
+            yield store
+
+
+def column_type(store, table: str, column: str) -> str:
+    return store.client.command(
+        "SELECT type FROM system.columns WHERE database = {db:String} AND table = {t:String} AND name = {c:String}",
+        parameters={"db": store.database, "t": table, "c": column})  # fmt: skip
+
+
+def record(request_id: str, deviate: bool = False, gpu: str = "GPU-a") -> None:
+    """A five-stage request on node-a; a deviating one differs from decode on."""
+    with stagetrace.request(request_id, input=PROMPT) as req:
+        data = PROMPT["prompt"]
+        for name in PIPELINE_STAGES:
+            with stagetrace.stage(name, input=data, attributes={"gpu.uuid": gpu} if name == "decode" else {}) as st:
+                data = f"{name}({data})" + ("*" if deviate and name == "decode" else "")
+                st.set_output(data)
+        req.set_output(data)
+    stagetrace.flush()
+
+
+def collector_sample(store, name: str, labels: dict, value: float) -> None:
+    """One counter sample as the Collector inserts it: its own columns, times in whole seconds."""
+    store.client.command(
+        "INSERT INTO {db:Identifier}.otel_metrics_sum (ResourceAttributes, ServiceName, MetricName, Attributes, "
+        "StartTimeUnix, TimeUnix, Value, AggregationTemporality, IsMonotonic) "
+        "VALUES (map('host.name', 'node-a'), 'stagetrace-agent', {n:String}, "
+        "mapFromArrays({lk:Array(String)}, {lv:Array(String)}), now() - 1000, now(), {v:Float64}, 2, true)",
+        parameters={"db": store.database, "n": name, "lk": list(labels), "lv": list(labels.values()), "v": value})  # fmt: skip
+
+
+def test_the_collectors_current_tables_are_adopted_as_they_are(current_store):
+    assert column_type(current_store, "otel_metrics_sum", "TimeUnix") == "DateTime"
+    assert column_type(current_store, "otel_metrics_gauge", "MetricName") == "LowCardinality(String)"
+    assert column_type(current_store, "otel_traces_trace_id_ts", "Start") == "SimpleAggregateFunction(min, DateTime)"
+    tables = {r[0] for r in current_store.client.query(
+        "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": current_store.database}).result_rows}
+    assert {"stagetrace_requests", "stagetrace_stages", "stagetrace_divergences"} <= tables
+
+
+def test_trace_explain_and_divergences_read_the_current_generation(current_store):
+    """An XID on the request's GPU, in samples with whole-second times: `explain` names it from the metric tables,
+    `divergences` finds the request and reads the same samples, the lookup finds its trace through the Collector's
+    trace-ID table."""
+    stagetrace.configure(store=current_store, host_name="node-a", service_name="rag")
+    gpu = {"gpu": "0", "uuid": "GPU-a", "model": "H200"}
+    collector_sample(current_store, "gpu_energy_joules_total", gpu, 1)  # a scrape
+    for i in range(3):
+        record(f"ok-{i}")
+    time.sleep(1.1)  # samples are whole seconds here: the next scrape lands after the agreeing requests
+    collector_sample(current_store, "gpu_energy_joules_total", gpu, 2)
+    collector_sample(current_store, "gpu_xid_errors_total", {**gpu, "xid": "48"}, 1)  # born at its first event
+    time.sleep(1.1)
+    record("odd", deviate=True)
+    time.sleep(1.1)
+    collector_sample(current_store, "gpu_energy_joules_total", gpu, 3)
+    collector_sample(current_store, "gpu_xid_errors_total", {**gpu, "xid": "48"}, 1)
+
+    trace = lookup.by_request_id(current_store, "odd")
+    assert len(trace.spans) == 6 and lookup.by_trace_id(current_store, trace.trace_id).request_id == "odd"
+    report = Explainer(current_store).explain("odd")
+    assert report["first_divergent_stage"] == "decode", report["summary"]
+    top = report["causes"][0]
+    assert (top["kind"], top["name"], top["device"], top["value"]) == ("hardware", "gpu_xid_errors_total", "GPU-a", "+1")
+    found = divergences.find(current_store, 3600 * 10**9)
+    (item,) = [i for g in found["groups"] for i in g["deviating"]]
+    assert item["request_id"] == "odd" and item["first_divergent_stage"] == "decode"
+    assert "gpu_xid_errors_total" in item["summary"]  # read from the metric tables here too
