@@ -75,12 +75,28 @@ def collector_sample(store, name: str, labels: dict, value: float) -> None:
 
 
 def test_the_collectors_current_tables_are_adopted_as_they_are(current_store):
+    """stagetrace adds its own tables and views beside the Collector's, changes none of them, and says which
+    generation each is."""
+    from stagetrace import schema
+
     assert column_type(current_store, "otel_metrics_sum", "TimeUnix") == "DateTime"
     assert column_type(current_store, "otel_metrics_gauge", "MetricName") == "LowCardinality(String)"
     assert column_type(current_store, "otel_traces_trace_id_ts", "Start") == "SimpleAggregateFunction(min, DateTime)"
     tables = {r[0] for r in current_store.client.query(
         "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": current_store.database}).result_rows}
     assert {"stagetrace_requests", "stagetrace_stages", "stagetrace_divergences"} <= tables
+    states = dict(schema.check(current_store.client, current_store.database))
+    assert {t: states[t] for t in schema.COLLECTOR_TABLES} == {t: schema.CURRENT for t in schema.COLLECTOR_TABLES}
+    assert states["stagetrace_requests"] == "stagetrace's own table" and "missing" not in states.values()
+
+
+def test_a_store_stagetrace_created_is_the_previous_generation(store):
+    from stagetrace import schema
+
+    states = dict(schema.check(store.client, store.database))
+    assert {t: states[t] for t in schema.COLLECTOR_TABLES} == {t: schema.PREVIOUS for t in schema.COLLECTOR_TABLES}
+    store.client.command("DROP TABLE stagetrace.stagetrace_divergences")
+    assert dict(schema.check(store.client, store.database))["stagetrace_divergences"] == "missing"
 
 
 def test_trace_explain_and_divergences_read_the_current_generation(current_store):

@@ -401,6 +401,43 @@ def statements(database: str = "stagetrace", cluster: str | None = None, *, view
     return out
 
 
+# -- which generation of the Collector's tables a store holds: read from the store, not assumed
+COLLECTOR_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum")
+CURRENT, PREVIOUS = "the Collector's current layout", "the Collector's previous layout (stagetrace creates it)"
+_TABLES_SQL = """
+SELECT t.name, t.engine, t.sorting_key, c.type
+FROM system.tables AS t
+LEFT JOIN (SELECT table, type FROM system.columns
+           WHERE database = {db:String} AND name = if(table = 'otel_traces_trace_id_ts', 'Start', 'TimeUnix')) AS c
+    ON c.table = t.name
+WHERE t.database = {db:String}"""
+
+
+def _generation(table: str, engine: str, sorting_key: str, time_type: str) -> str:
+    if table.startswith("otel_metrics_"):  # seconds in the current layout, nanoseconds before
+        return CURRENT if time_type == "DateTime" else PREVIOUS
+    if table == "otel_traces_trace_id_ts":
+        return CURRENT if "Aggregating" in engine else PREVIOUS
+    return CURRENT if sorting_key.replace(" ", "").endswith(",Timestamp") else PREVIOUS  # otel_traces
+
+
+def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
+    """Each of the store's tables stagetrace reads or keeps, and what it is: which generation of the Collector's
+    layout, stagetrace's own, or missing (``ensure_schema`` creates what is missing and keeps what is there)."""
+    found = {name: (engine, key, time_type or "")
+             for name, engine, key, time_type in client.query(_TABLES_SQL, parameters={"db": database}).result_rows}
+    out = []
+    for table in TABLE_NAMES + tuple(v.name for v in VIEWS):
+        if table not in found:
+            out.append((table, "missing"))
+        elif table in COLLECTOR_TABLES:
+            out.append((table, _generation(table, *found[table])))
+        else:
+            owner = "the Collector's" if table.startswith("otel_") else "stagetrace's own"
+            out.append((table, owner + (" view" if found[table][0] == "MaterializedView" else " table")))
+    return out
+
+
 def installed_version(client, database: str) -> int:
     """The schema version recorded in ``database``, 0 when there is none yet."""
     try:  # one query where the version table exists, as it does for every command but the first
