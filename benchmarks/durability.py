@@ -218,3 +218,66 @@ def durability(quick: bool) -> list[Figure]:
     ]
     figures += [Figure(f"spans dropped, reason {reason}", dropped.get(reason, 0), "spans") for reason in spool.REASONS]
     return figures
+
+
+@benchmark("reserve")
+def reserve(quick: bool) -> list[Figure]:
+    """What the free-space reserve (``--min-free-space``) costs the write path: the same OTLP/HTTP requests of
+    512 spans into one receiver with the agent's default reserve (its cached ``statvfs`` check per request and the
+    engine's insert guard) and one without (the path before it), alternating, on one embedded store; the clock
+    stops when every span is in ``otel_traces``. Beside it, the check itself per request against one ``statvfs``."""
+    import statistics
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from benchmarks.export import make_spans
+    from stagetrace.exporters.diskspace import DEFAULT, Headroom
+    from stagetrace.exporters.otlp import OtlpReceiver
+
+    requests, rounds = (40, 1) if quick else (400, 4)
+    spans = make_spans(requests * 512 // 6 + 1)
+    bodies = [encode_spans(spans[i:i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
+    seconds: dict[str, list[float]] = {"reserve": [], "none": []}
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+            open_store(f"chdb://{directory}/store") as store:  # fmt: skip
+        headroom = Headroom({"store": store.location.path, "spool": f"{store.location.path}.spool"}, DEFAULT)
+        receivers = {"reserve": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom),
+                     "none": OtlpReceiver(store, "127.0.0.1:0")}  # fmt: skip
+        try:
+            for round_ in range(rounds):
+                for name in (("reserve", "none") if round_ % 2 == 0 else ("none", "reserve")):
+                    receiver = receivers[name]
+                    conn = http.client.HTTPConnection("127.0.0.1", int(receiver.url.rsplit(":", 1)[1]), timeout=60)
+                    started = time.perf_counter()
+                    for body in bodies:
+                        conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+                        response = conn.getresponse()
+                        response.read()
+                        if response.status != 200:
+                            raise RuntimeError(f"the receiver answered {response.status}")
+                    if not receiver.writer.flush(120):
+                        raise RuntimeError("the spool did not drain")
+                    seconds[name].append(time.perf_counter() - started)
+                    conn.close()
+                store.client.command("TRUNCATE TABLE stagetrace.otel_traces")  # the next round's tokens are new
+                bodies = [body + b"\x0a\x00" for body in bodies]  # an empty ResourceSpans more: another request
+        finally:
+            for receiver in receivers.values():
+                receiver.close()
+        n = 200_000 if not quick else 20_000
+        started = time.perf_counter()
+        for _ in range(n):
+            headroom.admit()
+        check_ns = (time.perf_counter() - started) / n * 1e9
+        started = time.perf_counter()
+        for _ in range(n // 10):
+            os.statvfs(store.location.path)
+        statvfs_ns = (time.perf_counter() - started) / (n // 10) * 1e9
+    total = len(bodies) * 512
+    rate = {name: total / statistics.median(values) for name, values in seconds.items()}
+    return [
+        Figure(f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, default reserve {DEFAULT}", rate["reserve"],
+               "spans/s", "no reserve (the write path before it)", rate["none"]),  # fmt: skip
+        Figure("reserve check per request (statvfs cached for 0.25 s)", check_ns, "ns", "one statvfs", statvfs_ns),
+        Figure("reserve check per span (512-span requests)", check_ns / 512, "ns"),
+    ]

@@ -302,22 +302,23 @@ class ClickHouseMetricWriter:
 
     Through the durable write path: rows the store does not take go to the spool, and later samples of that
     table behind them, replayed in order when it takes inserts again. Without a spool (in-memory store, or
-    ``spool_dir=False``) they are held in memory and go first on the next ``write``; beyond ``max_held_rows``
-    the oldest are dropped and counted. ``close`` writes what it can, then closes the store if the writer
-    opened it.
+    ``spool_dir=False``, or free space below the agent's reserve, ``headroom``) they are held in memory and go
+    first on the next ``write``; beyond ``max_held_rows`` the oldest are dropped and counted. ``close`` writes
+    what it can, then closes the store if the writer opened it.
     """
 
     def __init__(
         self, store: str | Location | Store | None = None, *, host: str, max_held_rows: int = 100_000,
         create_schema: bool = True, spool_dir: str | os.PathLike | bool | None = None,
-        spool_max_bytes: int | None = None, insert_every_s: float = 0.0, insert_rows: int = 10_000,
+        spool_max_bytes: int | None = None, insert_every_s: float = 0.0, insert_rows: int = 10_000, headroom=None,
     ):  # fmt: skip
         self._store, self._owns_store = _store_arg(store, create_schema)
         self.insert_every_s = insert_every_s
         self.insert_rows = insert_rows
         self._inserted_at: float | None = None
         self._storing = True  # whether the last insert was taken
-        self._writer = DurableWriter(self._store, "metrics", spool_dir=spool_dir, spool_max_bytes=spool_max_bytes)
+        self._writer = DurableWriter(self._store, "metrics", spool_dir=spool_dir, spool_max_bytes=spool_max_bytes,
+                                     headroom=headroom)  # fmt: skip
         self.host = host
         self.max_held_rows = max_held_rows
         self._dropped = 0

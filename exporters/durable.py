@@ -24,7 +24,9 @@ then be given. False means neither (no spool, or the disk refused it): the calle
 * **Rows the store can never take** (the client cannot serialise them, or the engine rejects their values)
   are isolated by splitting the batch: every other row lands, each refused row is dropped, counted in
   ``stagetrace_dropped_spans_total{reason="rejected_row"}`` (or ``..._metric_samples_total``), and logged once
-  per reason. A batch the store refuses as a whole (down, schema missing) is kept, never split.
+  per reason. A batch the store refuses as a whole (down, schema missing, its disk full: ClickHouse's
+  ``NOT_ENOUGH_SPACE``, code 243, from a server or the embedded engine) is kept, never split: the store is
+  unavailable, not the rows, and the batch is retried from the spool until it lands.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Callable
 from clickhouse_connect.driver.exceptions import DataError
 
 from stagetrace.exporters import spool
-
+from stagetrace.exporters.diskspace import Headroom
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,9 @@ ADOPT_EVERY_S = 5.0  # how often the replay thread looks for the segments of wri
 # ARGUMENT_OUT_OF_BOUND, CANNOT_CONVERT_TYPE, CANNOT_PARSE_NUMBER, INCORRECT_DATA, TOO_LARGE_STRING_SIZE,
 # VALUE_IS_OUT_OF_RANGE_OF_DATA_TYPE
 ROW_ERROR_CODES = frozenset({6, 27, 38, 41, 53, 69, 70, 72, 117, 131, 321})
+# Engine errors that say the store cannot take anything now, whatever the rows: the batch is kept and retried.
+# NOT_ENOUGH_SPACE (a full disk, or the engine's free-space guard for inserts)
+UNAVAILABLE_CODES = frozenset({243})
 # What clickhouse-connect raises while serialising a value it cannot write into the column's type.
 _CLIENT_ROW_ERRORS = (DataError, TypeError, AttributeError, ValueError, OverflowError, struct.error)
 
@@ -82,7 +87,7 @@ def row_error(exc: BaseException) -> str | None:
         at = text.find("Code: ")
         digits = text[at + 6:].split(".", 1)[0] if at >= 0 else ""
         code = int(digits) if digits.isdigit() else None
-    if code in ROW_ERROR_CODES:
+    if code in ROW_ERROR_CODES and code not in UNAVAILABLE_CODES:
         return str(exc).strip().splitlines()[0]
     return None
 
@@ -90,6 +95,11 @@ def row_error(exc: BaseException) -> str | None:
 def record_tables(kind: str) -> Callable[[bytes], dict[str, tuple]]:
     module, function = RECORD_KINDS[kind].split(":")
     return getattr(importlib.import_module(module), function)
+
+
+class NoRoom(Exception):
+    """A request refused because free space under the store or the spool is below the reserve (``diskspace``);
+    the message says where and how much: the caller answers "retry later", as for a full spool."""
 
 
 class _Refused(Exception):
@@ -103,9 +113,10 @@ class _Refused(Exception):
 class _Inserts:
     """Inserts into one table that log one line when they start failing and one when they work again."""
 
-    def __init__(self, store: Store, what: str):
+    def __init__(self, store: Store, what: str, guard: Callable[[], int] | None = None):
         self.store = store
         self.what = what  # what the rows are, for the log lines
+        self.guard = guard  # the free bytes below which the engine refuses the insert (NOT_ENOUGH_SPACE)
         self.failing_since: float | None = None
         # the columns' types, asked of the store once: without them clickhouse-connect asks before every insert
         self._types: dict[tuple, list] = {}
@@ -113,6 +124,9 @@ class _Inserts:
     def __call__(self, table: str, rows: list, columns, token: str) -> bool:
         """True when inserted, False when the store failed; raises _Refused when it refused the rows' values."""
         settings = {"insert_deduplication_token": token}
+        guard = self.guard() if self.guard is not None else 0
+        if guard:  # the engine's own check, against the disk its parts go to
+            settings["min_free_disk_bytes_to_perform_insert"] = guard
         try:
             key = (table, tuple(columns))
             types = self._types.get(key)
@@ -164,11 +178,17 @@ class DurableWriter:
 
     ``kind`` names the spool (``spans``, ``metrics``); ``spool_dir``: False for none, None for
     ``STAGETRACE_SPOOL_DIR`` or beside the store; a store shared read-only by an agent still spools, for
-    the agent to adopt.
+    the agent to adopt. ``headroom`` (the agent's): below its reserve ``write_ahead`` raises NoRoom, batches are
+    not spooled (``write`` returns False: the caller keeps them), and inserts into an embedded store carry the
+    engine's guard.
     """
 
-    def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None):
+    def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None,
+                 headroom: Headroom | None = None):  # fmt: skip
         self.store = store
+        # the agent's free-space reserve: requests refused below it, batches kept out of the spool, and the
+        # engine's insert guard for an embedded store
+        self.headroom = headroom
         # a store the agent shares read-only takes no inserts: batches go to the spool's inbox, which it adopts
         self.handoff = store.read_only
         self.spool = None if spool_dir is False else spool.open_spool(
@@ -215,7 +235,10 @@ class DurableWriter:
     def write_ahead(self, kind: str, payload: bytes, rows: int, token: str) -> bool:
         """Store one request of ``kind`` (see ``RECORD_KINDS``) durably; True once it is a fsynced record (or it
         was already: a sender's retry), or, without a spool or with the store held by the agent, once its rows
-        are written as ``write`` writes them. False: refused (the caller answers "retry later")."""
+        are written as ``write`` writes them. False: refused (the caller answers "retry later"); NoRoom: refused
+        because free space is below the reserve."""
+        if self.headroom is not None and not self.headroom.admit():
+            raise NoRoom(self.headroom.reason())
         if self.spool is None or self.handoff:
             return all(self.write(table, columns, table_rows, token)
                        for table, (columns, table_rows) in record_tables(kind)(payload).items())  # fmt: skip
@@ -231,7 +254,8 @@ class DurableWriter:
         """Insert now, splitting out rows the store refuses; False when the store failed (nothing is spooled)."""
         inserts = self._inserts.get(table)
         if inserts is None:
-            inserts = self._inserts[table] = _Inserts(self.store, spool.dropped_kind(table).replace("_", " "))
+            guard = self.headroom.engine_guard if self.headroom is not None and self.store.location.embedded else None
+            inserts = self._inserts[table] = _Inserts(self.store, spool.dropped_kind(table).replace("_", " "), guard)
         try:
             return inserts(table, rows, columns, token)
         except _Refused as refused:
@@ -262,6 +286,8 @@ class DurableWriter:
             logger.error("dropped a row of %s the store refuses (%s); the rest of its batch is stored", table, reason)
 
     def _spool(self, table: str, columns, rows: list, token: str) -> bool:
+        if self.headroom is not None and not self.headroom.room():
+            return False  # the caller keeps them (the metric writer in memory) until there is room again
         segment = self.spool.put(table, columns, rows, token)
         if segment is not None and self.handoff:
             self._handed.append(segment.path)
@@ -358,4 +384,4 @@ class DurableWriter:
                 self._retry_at = time.monotonic() + self._backoff
 
 
-__all__ = ["DurableWriter", "ROW_ERROR_CODES", "row_error"]
+__all__ = ["DurableWriter", "NoRoom", "ROW_ERROR_CODES", "UNAVAILABLE_CODES", "row_error"]

@@ -22,8 +22,9 @@ killed in between) does not store it twice. Answers, as the OTLP/HTTP specificat
   411 no Content-Length · 413 body over the limit, compressed or inflated, or more spans than one request may
   hold · 415 another content type.
 * 503 with ``Retry-After`` when the request cannot be kept now: the spool is full (the store has refused
-  inserts for long) or its disk refuses writes, or there is no spool and the store refuses inserts. The
-  sender retries later; a full spool refuses new requests rather than dropping acknowledged ones.
+  inserts for long) or its disk refuses writes, free space under the store or the spool is below the agent's
+  reserve (``--min-free-space``, see ``exporters.diskspace``), or there is no spool and the store refuses
+  inserts. The sender retries later; a full spool refuses new requests rather than dropping acknowledged ones.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from stagetrace.exporters.clickhouse import (
     attribute_map,
     span_row,
 )
-from stagetrace.exporters.durable import DurableWriter
+from stagetrace.exporters.durable import DurableWriter, NoRoom
 from stagetrace.exporters.spool import new_token
 from stagetrace.store import Store
 
@@ -334,17 +335,17 @@ class OtlpReceiver:
     """OTLP/HTTP on ``listen`` into ``store`` until ``close``.
 
     With ``listen=None`` it serves no HTTP: it is then only the core that ``otlp_grpc`` hands its calls to.
-    ``spool_dir``: see :class:`~stagetrace.exporters.durable.DurableWriter`.
+    ``spool_dir``, ``headroom``: see :class:`~stagetrace.exporters.durable.DurableWriter`.
     """
 
     def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None,
-                 max_in_flight: int = MAX_IN_FLIGHT, web=None):  # fmt: skip
+                 max_in_flight: int = MAX_IN_FLIGHT, web=None, headroom=None):  # fmt: skip
         self.token = token
         self.max_body_bytes = max_body_bytes
         self.max_spans = max_spans
         self.max_in_flight = max_in_flight
-        self.writer = DurableWriter(store, "spans", spool_dir=spool_dir)
+        self.writer = DurableWriter(store, "spans", spool_dir=spool_dir, headroom=headroom)
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
@@ -401,7 +402,11 @@ class OtlpReceiver:
 
     def _write_ahead(self, kind: str, request, body: bytes | None, rows: int, token: str | None) -> None:
         payload = body if body is not None else request.SerializeToString()
-        if not self.writer.write_ahead(kind, payload, rows, token or new_token()):
+        try:
+            written = self.writer.write_ahead(kind, payload, rows, token or new_token())
+        except NoRoom as exc:  # below the free-space reserve: refused like a full spool, the sender retries
+            raise OtlpError(503, f"{exc}: retry later", retry=True) from None
+        if not written:
             why = ("the store is not taking inserts now and there is no spool" if self.writer.spool is None else
                    "the spool is full (the store has not taken inserts for long) or its disk refuses writes")  # fmt: skip
             raise OtlpError(503, f"{why}: retry later", retry=True)

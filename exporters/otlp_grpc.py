@@ -11,7 +11,8 @@ has them for gRPC:
 * ``INVALID_ARGUMENT``: the message does not decode.
 * ``RESOURCE_EXHAUSTED`` without RetryInfo, so final: a message over the size limit (gRPC checks it, inflated
   for gzip calls), or more spans in one call than the receiver takes.
-* ``UNAVAILABLE`` with ``google.rpc.RetryInfo``: the store refuses inserts and there is no spool; the
+* ``UNAVAILABLE`` with ``google.rpc.RetryInfo``: the store refuses inserts and there is no spool, the spool is
+  full, or free space under the store or the spool is below the agent's reserve (``--min-free-space``); the
   sender waits and retries. RetryInfo goes in ``google.rpc.retryinfo-bin`` (the only place the Python exporter
   reads it) and in the rich status ``grpc-status-details-bin`` (where grpc-go senders, the Collector's, look).
 """

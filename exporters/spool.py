@@ -52,6 +52,7 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
 
+from stagetrace.exporters.diskspace import Spell
 from stagetrace.store import StoreError
 
 logger = logging.getLogger(__name__)
@@ -208,6 +209,8 @@ class Spool:
         self._recent: dict[str, None] = {}  # request tokens of records written or stored, oldest first
         self._landed_fd: int | None = None
         self._landed_lines = 0
+        self._refusal: tuple[str, Spell] | None = None  # why requests are being refused, while they are
+        self._put_failing = False  # the last batch could not be written
         try:
             if handoff:  # for the process that holds the store: its adopt() takes them, whenever it runs
                 self.directory, self._lock_fd, self._segments = self.base / INBOX, None, []
@@ -264,10 +267,16 @@ class Spool:
             try:
                 _write_atomically(segment.path, data)
             except OSError as exc:  # the writer thread must survive a full or failing disk
+                # logged once until a write works again: a writer retries each interval
                 self._count_dropped(table, len(rows), "spool_write_failed",
-                                    f"cannot write {segment.path.name}: {exc.strerror or exc}")  # fmt: skip
+                                    f"cannot write {segment.path.name}: {exc.strerror or exc}",
+                                    quiet=self._put_failing)  # fmt: skip
+                self._put_failing = True
                 segment = None
             else:
+                if self._put_failing:
+                    logger.warning("spool %s: writes work again", self.directory)
+                    self._put_failing = False
                 if not self.handoff:
                     self._segments.append(segment)
         self._notify_dropped(dropped)
@@ -317,8 +326,9 @@ class Spool:
         is dropped then: the caller must not acknowledge the request, whose sender retries it."""
         with self._lock:
             if sum(s.size for s in self._segments) + len(payload) > self.max_bytes:
-                logger.warning("spool %s is full (%d bytes): refusing a request until the store takes the backlog "
-                               "(raise %s)", self.directory, self.max_bytes, ENV_SPOOL_MAX_BYTES)  # fmt: skip
+                self._refusing("full", logging.WARNING, "spool %s is full (%d bytes): refusing requests until the "
+                               "store takes the backlog (raise %s)", self.directory, self.max_bytes,
+                               ENV_SPOOL_MAX_BYTES)  # fmt: skip
                 return None
             self._seq = max(self._seq + 1, time.time_ns())
             segment = Segment(self.directory / f"{self._seq:020d}.{kind}.{rows}.{token}.wal", kind, rows,
@@ -326,11 +336,31 @@ class Spool:
             try:
                 _write_atomically(segment.path, payload)
             except OSError as exc:
-                logger.error("spool %s: cannot write a request (%s); refusing it", self.directory, exc.strerror or exc)
+                self._refusing("unwritable", logging.ERROR, "spool %s: cannot write requests (%s): refusing them until "
+                               "it can", self.directory, exc.strerror or exc)  # fmt: skip
                 return None
             self._segments.append(segment)
             self._remember(token)
+            self._taking()
         return segment
+
+    def _refusing(self, why: str, level: int, message: str, *args) -> None:
+        """A request refused: the first of a spell is logged, the others counted (never a line per request)."""
+        if self._refusal is not None and self._refusal[0] != why:
+            self._taking()  # from full to unwritable, or back: each spell its own pair of lines
+        if self._refusal is None:
+            self._refusal = (why, Spell(logger))
+            self._refusal[1].begin(level, message, *args)
+        self._refusal[1].refused += 1
+
+    def _taking(self) -> None:
+        if self._refusal is not None:
+            why, spell = self._refusal
+            self._refusal = None
+            lasted, refused = spell.end()
+            state = "full" if why == "full" else "its disk refused writes"
+            logger.warning("spool %s takes requests again after %.1f s (%s meanwhile: refused %d requests)",
+                           self.directory, lasted, state, refused)  # fmt: skip
 
     def head_group(self, max_rows: int) -> tuple[str, list[Segment]]:
         """The group of write-ahead records at the head of the spool, and its token: a group sealed earlier
@@ -425,10 +455,12 @@ class Spool:
         if segment in self._segments:
             self._segments.remove(segment)
 
-    def _count_dropped(self, table: str, rows: int, reason: str, why: str) -> None:
+    def _count_dropped(self, table: str, rows: int, reason: str, why: str, quiet: bool = False) -> None:
         kind = dropped_kind(table)
         self.dropped_rows += rows
         DROPPED.add(kind, rows, reason)
+        if quiet:
+            return
         advice = f" (raise {ENV_SPOOL_MAX_BYTES})" if reason == "spool_full" else ""
         logger.error("spool %s: dropped %d %s: %s%s", self.directory, rows, kind.replace("_", " "), why, advice)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from stagetrace import store_health
 from stagetrace.analysis import live
 from stagetrace.collectors import MODULES as COLLECTOR_MODULES
 from stagetrace.collectors.base import MetricSpec
@@ -68,7 +69,8 @@ def test_every_rule_has_a_firing_and_a_non_firing_case():
              "StagetraceRdmaLinkDowned", "StagetraceNicPauseStorm", "StagetraceNicPfcPaused", "StagetraceMpsClientsHigh",
              "StagetraceCollectorFailing", "StagetraceRdmaRailsUnbalanced", "StagetraceRdmaLinkBelowPeers",
              "StagetraceRdmaLinkRenegotiatedDown", "StagetraceNodeDown", "StagetraceGpuAllocatedBeyondSharing",
-             "StagetraceGpuDevicesDoubleCounted", "StagetraceDeviatingOutputs", "StagetraceAnalysisLagging"}  # fmt: skip
+             "StagetraceGpuDevicesDoubleCounted", "StagetraceDeviatingOutputs", "StagetraceAnalysisLagging",
+             "StagetraceStoreBrokenParts"}  # fmt: skip
     assert set(_alerts()) == asked
     cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
     for alert in asked:
@@ -112,6 +114,7 @@ def collector_metric_names() -> set[str]:
 
     modules = [importlib.import_module(f"stagetrace.collectors.{m}") for m in ("base", *COLLECTOR_MODULES)]
     modules.append(live)  # the live analyser's own series
+    modules.append(store_health)  # the store's health, which the agent checks
     for module in modules:
         for value in vars(module).values():
             walk(value)
@@ -174,8 +177,10 @@ def test_every_metric_name_used_is_in_the_expected_scrape():
                if line and not line.startswith("#")}  # fmt: skip
     # Scrape durations are left out of the expected file as non-deterministic; their spec is checked above.
     scraped.add("stagetrace_collector_duration_seconds")
-    # The live analyser's series join the agent's scrape when it analyses (tests/test_live_analysis.py scrapes them)
-    scraped |= {spec.name for spec in vars(live).values() if isinstance(spec, MetricSpec)}
+    # The live analyser's series join the agent's scrape when it analyses (tests/test_live_analysis.py scrapes them),
+    # the store's health when the agent holds a store (tests/test_store_health.py scrapes it)
+    for module in (live, store_health):
+        scraped |= {spec.name for spec in vars(module).values() if isinstance(spec, MetricSpec)}
     missing = {where: sorted(names - scraped) for where, names in _names_used().items() if names - scraped}
     assert not missing, f"metric names missing from {EXPECTED_SCRAPE.name}: {missing}"
 

@@ -138,19 +138,22 @@ def test_a_group_stored_just_before_a_crash_adds_nothing_when_the_next_writer_re
         after.close()
 
 
-def test_a_full_spool_refuses_new_requests_and_drops_none_it_acknowledged(store):
+def test_a_full_spool_refuses_new_requests_and_drops_none_it_acknowledged(store, caplog):
     body = trace_request(0)
     writer = DurableWriter(store, "spans", spool_max_bytes=len(body) * 3 + 10)
     store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.traces_away")
     try:
-        answers = [writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token()) for n in range(5)]
-        assert answers == [True, True, True, False, False]  # refused: the sender keeps them and retries
+        answers = [writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token()) for n in range(50)]
+        assert answers == [True] * 3 + [False] * 47  # refused: the sender keeps them and retries
         assert writer.dropped_rows == 0
         store.client.command("RENAME TABLE stagetrace.traces_away TO stagetrace.otel_traces")
         assert writer.flush() and stored_spans(store) == 9
         assert writer.write_ahead("otlp_traces", trace_request(3), 3, spool.new_token())  # room again
     finally:
         writer.close()
+    # the spell in two lines, not a line per refused request
+    assert sum("is full" in m for m in caplog.messages) == 1
+    assert [m for m in caplog.messages if "takes requests again" in m][0].endswith("(full meanwhile: refused 47 requests)")
 
 
 def test_a_running_writer_adopts_what_a_writer_that_is_gone_wrote_ahead(store):
@@ -173,3 +176,61 @@ def test_a_running_writer_adopts_what_a_writer_that_is_gone_wrote_ahead(store):
         assert stored_spans(store) == 12 and not any(gone.directory.glob("*.wal"))
     finally:
         running.close()
+
+
+# --- a store without room: ClickHouse's NOT_ENOUGH_SPACE ------------------------------------------------------
+
+
+def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_and_stores_it_once_later(tmp_path, caplog):
+    """A ClickHouse server whose disk is below its free-space guard answers inserts with NOT_ENOUGH_SPACE (code
+    243): the store is unavailable, not the rows. Nothing is split or dropped; the requests wait in the spool, the
+    failure is one log line, and they land once the server takes inserts again. The server is ClickHouse's HTTP
+    interface over the engine in a process of its own (``benchmarks.clickhouse_http``), its guard the table's
+    ``min_free_disk_bytes_to_perform_insert`` set beyond any disk."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from tests.agents import free_port
+
+    from stagetrace.store import open_store
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(tmp_path / "server"), str(port)],
+                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
+                break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        with open_store(f"http://default@127.0.0.1:{port}/stagetrace") as store:
+            guard = "ALTER TABLE stagetrace.otel_traces MODIFY SETTING min_free_disk_bytes_to_perform_insert = {}"
+            store.client.command(guard.format(10**18))
+            writer = DurableWriter(store, "spans", spool_dir=tmp_path / "spool")
+            try:
+                for n in range(10):
+                    assert writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token())
+                assert not writer.flush(timeout_s=1.0)  # the server refuses: they stay
+                deadline = time.monotonic() + 10
+                while not any("NOT_ENOUGH_SPACE" in m for m in caplog.messages) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                assert writer.spooled_rows() == 30 and writer.dropped_rows == 0 and stored_spans(store) == 0
+                store.client.command(guard.format(0))  # room again
+                assert writer.flush(timeout_s=30)
+                assert stored_spans(store) == 30
+                assert store.client.command("SELECT uniqExact(SpanId) FROM stagetrace.otel_traces") == 30
+            finally:
+                writer.close()
+        failures = [m for m in caplog.messages if "NOT_ENOUGH_SPACE" in m]
+        assert len(failures) == 1 and "will retry" in failures[0], caplog.messages  # one line, not one per retry
+        assert any("work again" in m for m in caplog.messages)
+    finally:
+        server.kill()
+        server.wait(timeout=30)

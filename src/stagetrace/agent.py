@@ -21,12 +21,13 @@ import time
 
 from stagetrace import httpd, hub
 from stagetrace.collectors.base import Node
-from stagetrace.exporters import spool
+from stagetrace.exporters import diskspace, spool
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
 from stagetrace.store import AGENT_ENGINE, open_store, parse_dsn, without_dataframe_checks
+from stagetrace.store_health import StoreHealth
 
 logger = logging.getLogger("stagetrace.agent")
 
@@ -91,18 +92,21 @@ class SerializedNode:
         self.node = node
         self._lock = threading.Lock()
         self.analysis = None  # the live analyser's Stats, when it runs here
+        self.health = None  # the store's StoreHealth (broken parts), when the agent checks it
 
     def collect(self) -> list:
         with self._lock:
             # with what the exporters dropped, so /metrics and the store show losses, not only the collectors
             analysis = list(self.analysis.families(self.node.host)) if self.analysis else []
-            return [*self.node.collect(), *spool.DROPPED.families(self.node.host), *analysis]
+            health = list(self.health.families(self.node.host)) if self.health else []
+            return [*self.node.collect(), *spool.DROPPED.families(self.node.host), *health, *analysis]
 
     def collect_samples(self) -> list:
         """What the writer stores: the collectors' ``Samples`` as they are (building client_python's families of
-        them took 1.8 of a scrape's 4.1 ms on the fixture node) and the drop counters' families."""
+        them took 1.8 of a scrape's 4.1 ms on the fixture node), the drop counters' and the store's health's."""
         with self._lock:
-            return [*self.node.collect_samples(), *spool.DROPPED.families(self.node.host)]
+            health = list(self.health.families(self.node.host)) if self.health else []
+            return [*self.node.collect_samples(), *spool.DROPPED.families(self.node.host), *health]
 
 
 def failed_collectors(families) -> list[str]:
@@ -147,7 +151,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
         low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None,
-        analysis_by_default: bool = True, open_query: bool = False, web=None) -> int:  # fmt: skip
+        analysis_by_default: bool = True, open_query: bool = False, web=None,
+        min_free_space: diskspace.Reserve | None = None) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
@@ -157,6 +162,9 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     every interval), so a short interval costs scrapes, not engine inserts. ``analysis`` is the live analyser's
     ``live.Schedule`` (None: the defaults), which runs with an embedded store; with a server store (whose analyser
     is ``stagetrace analyse``, one per store) only when asked for (``analysis_by_default`` False).
+    ``min_free_space``: the reserve kept free on the store's and the spool's filesystems (``exporters.diskspace``;
+    None: the default), below which writes are refused. The store is checked for parts the engine detached as
+    broken at start and every minute (``store_health``).
     """
     stop = stop or threading.Event()
     shared = SerializedNode(node)
@@ -169,7 +177,17 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         # Never through another agent's query endpoint: this agent must hold the store it writes.
         opened = open_store(store, agent_fallback=False, engine=AGENT_ENGINE)
         cleanup.callback(opened.close)
-        writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False,
+        location = opened.location
+        reserve = diskspace.DEFAULT if min_free_space is None else min_free_space
+        spool_base = spool.directory_setting(location)
+        headroom = diskspace.Headroom({"store": location.path if location.embedded else None, "spool": spool_base},
+                                      reserve)  # fmt: skip
+        health = StoreHealth(opened.another())  # a server store's client runs one query at a time
+        if health.store is not opened:
+            cleanup.callback(health.store.close)
+        health.check()  # at start: what the engine moved aside while loading the tables
+        shared.health = health
+        writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False, headroom=headroom,
                                         insert_every_s=max(insert_every_s, interval_s))  # fmt: skip
         cleanup.callback(writer.close)
         server = _bind(lambda: serve(shared, listen, web=web), listen, "--listen")
@@ -178,8 +196,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         if otlp or otlp_grpc:
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web), otlp or "", "--otlp",
-                             " for OTLP")  # fmt: skip
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom), otlp or "",
+                             "--otlp", " for OTLP")  # fmt: skip
             cleanup.callback(receiver.close)  # before the store closes: its replay stops
             if otlp:
                 endpoints["otlp"] = receiver.url
@@ -192,8 +210,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
                 cleanup.callback(grpc_server.close)  # first: calls in flight finish before the receiver closes
                 endpoints["otlp_grpc"] = grpc_server.url
         else:  # no receiver, whose writer would: store what processes that found the store held handed over
-            cleanup.callback(DurableWriter(opened, "spans").close)
-        location = opened.location
+            cleanup.callback(DurableWriter(opened, "spans", headroom=headroom).close)
         if query_listen and location.embedded and location.path:
             # who reaches it must show something: a token, a basic-auth user, or a certificate the CA signed
             verified = web is not None and bool(web.users or (web.tls and web.tls.client_auth == "RequireAndVerifyClientCert"))
@@ -233,6 +250,9 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         )  # fmt: skip
         if lowered:
             logger.info("running at low priority: %s (--no-low-priority to turn off)", ", ".join(lowered))
+        if not headroom.off:
+            logger.info("refusing writes while free space under %s is below %s (--min-free-space)",
+                        " or ".join(str(p) for p in headroom.paths.values()), reserve)  # fmt: skip
         if "otlp" in endpoints:
             logger.info("receiving OTLP/HTTP at %s/v1/traces and /v1/metrics", endpoints["otlp"])
         if "otlp_grpc" in endpoints:
@@ -246,6 +266,9 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         said = None
         diagnosing = any(c.name == "kubernetes" for c in node.collectors)  # nothing to read on every scrape else
         while True:
+            headroom.room()  # space back is said when it is back, not at the next request
+            if health.due():
+                health.check()
             collected = shared.collect_samples()
             writer.write(collected)
             if diagnosing:

@@ -143,6 +143,10 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--web-config-file", metavar="FILE",
                    help="TLS and basic auth for every listener, in Prometheus' web configuration format "
                         "(tls_server_config, basic_auth_users; env STAGETRACE_WEB_CONFIG_FILE)")
+    p.add_argument("--min-free-space", metavar="SIZE|PCT",
+                   help="refuse new writes (503 / UNAVAILABLE, the senders retry) while free space on the store's or "
+                        "the spool's filesystem is below this, e.g. 2GiB or 5%%, 0 for never (default 1GiB, at most 5%% "
+                        "of the filesystem; env STAGETRACE_MIN_FREE_SPACE)")
     p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY"),
                    help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
                         "0 with a server store, where `stagetrace analyse` runs it; env STAGETRACE_ANALYSE_EVERY)")
@@ -337,6 +341,7 @@ def _collect(args) -> int:
 
 def _agent(args) -> int:
     from stagetrace import agent, httpd, web_config
+    from stagetrace.exporters import diskspace
     from stagetrace.httpd import parse_listen
 
     _log_to_stderr("stagetrace agent")
@@ -359,6 +364,7 @@ def _agent(args) -> int:
         token = httpd.load_token(args.token_file)
         web = web_config.load(args.web_config_file)
         limits = _query_limits(args)
+        reserve = diskspace.reserve_setting(args.min_free_space)
         node = _node(args)
     except (ValueError, httpd.TokenError) as exc:  # a WebConfigError is a ValueError
         print(f"stagetrace agent: {exc}", file=sys.stderr)
@@ -367,7 +373,8 @@ def _agent(args) -> int:
         return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
                          low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis,
-                         analysis_by_default=not asked, open_query=args.query_open, web=web)  # fmt: skip
+                         analysis_by_default=not asked, open_query=args.query_open, web=web,
+                         min_free_space=reserve)  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2

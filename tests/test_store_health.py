@@ -1,0 +1,109 @@
+"""The store says when it is hurt (``stagetrace.store_health``): parts the engine detached as broken are named.
+
+Real stores, real damage: a part file truncated while the agent was down, which the engine moves aside as
+``broken-on-start`` when the agent starts again; and a part moved into ``detached/`` under the name the engine
+gives a part it finds broken while running. Each is one log line naming the table, the part, its rows and its time
+range, and ``stagetrace_store_broken_parts`` on the agent's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import urllib.request
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from tests.agents import Agent
+
+from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
+from stagetrace.exporters.durable import DurableWriter
+from stagetrace.exporters.otlp import span_views
+from stagetrace.store_health import BROKEN_PARTS, StoreHealth
+
+T0 = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
+
+
+def request(n: int, spans: int = 100) -> ExportTraceServiceRequest:
+    """``spans`` spans one second apart from T0 + n minutes, IDs of their own."""
+    message = ExportTraceServiceRequest()
+    scope = message.resource_spans.add().scope_spans.add()
+    for k in range(spans):
+        start = T0 + n * 60 * 10**9 + k * 10**9
+        scope.spans.add(name=f"part-{n}", trace_id=(n + 1).to_bytes(16, "big"),
+                        span_id=(n * spans + k + 1).to_bytes(8, "big"), start_time_unix_nano=start,
+                        end_time_unix_nano=start + 1000)  # fmt: skip
+    return message
+
+
+def table_directory(store_path: Path, table: str) -> Path:
+    """Where the embedded engine keeps ``table``'s parts: ``store/<uuid[:3]>/<uuid>`` from its metadata."""
+    uuid = re.search(r"UUID '([0-9a-f-]+)'", (store_path / "metadata" / "stagetrace" / f"{table}.sql").read_text())[1]
+    return store_path / "store" / uuid[:3] / uuid
+
+
+def broken_parts_metric(metrics: str) -> dict[str, float]:
+    series = re.compile(r'^stagetrace_store_broken_parts\{[^}]*table="([^"]+)"[^}]*\} (\S+)$', re.M)
+    return {m[1]: float(m[2]) for m in series.finditer(metrics)}
+
+
+def test_a_part_truncated_while_the_agent_was_down_is_named_at_start_and_counted_on_metrics(tmp_path):
+    agent = Agent(tmp_path)
+    try:
+        for n in range(3):  # three requests: three parts, unless merged meanwhile
+            post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(n).SerializeToString(),
+                                          headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+            with urllib.request.urlopen(post, timeout=30) as answer:
+                assert answer.status == 200
+        healthy = urllib.request.urlopen(agent.endpoints["metrics"], timeout=10).read().decode()
+    finally:
+        log = agent.stop()
+    assert broken_parts_metric(healthy)["otel_traces"] == 0  # every table from the start, zero included
+    assert "detached part" not in log
+    # while it is down, a part loses the end of its data file (a disk that failed, a copy cut short)
+    parts = sorted(p for p in table_directory(agent.store, "otel_traces").iterdir() if (p / "count.txt").exists())
+    victim = parts[0]
+    rows = int((victim / "count.txt").read_text())
+    data = next(victim.glob("*.bin"))
+    with data.open("r+b") as out:
+        out.truncate(data.stat().st_size // 2)
+    again = Agent(tmp_path)
+    try:
+        metrics = urllib.request.urlopen(again.endpoints["metrics"], timeout=10).read().decode()
+    finally:
+        log = again.stop()
+    lines = [line for line in log.splitlines() if "detached part" in line]
+    assert len(lines) == 1, log
+    assert (f"table otel_traces: the engine detached part {victim.name} as broken-on-start ({rows:,} rows, "
+            f"2023-11-14 22:") in lines[0], lines[0]  # fmt: skip
+    assert " UTC, " in lines[0] and "its rows are no longer read" in lines[0]
+    assert broken_parts_metric(metrics)["otel_traces"] == 1
+    assert (table_directory(agent.store, "otel_traces") / "detached" / f"broken-on-start_{victim.name}").is_dir()
+
+
+def test_a_part_the_engine_detaches_as_broken_while_running_is_found_by_the_next_check_and_named_once(store, caplog):
+    writer = DurableWriter(store, "spans", spool_dir=False)
+    for n in range(2):
+        rows = [span_row(view, _Resources()) for view in span_views(request(n))[0]]
+        assert writer.insert("otel_traces", COLUMNS, rows, f"health-{n}")
+    writer.close()
+    health = StoreHealth(store)
+    assert health.check() == [] and not health.failed
+    families = {s.labels["table"]: s.value for f in health.families("node-a") for s in f.samples}
+    assert families["otel_traces"] == 0 and "stagetrace_requests" in families
+    # the engine moves a part it finds broken into detached/ as broken_<part>; here a part is moved as it would be
+    ((name,),) = store.client.query("SELECT name FROM system.parts WHERE database = 'stagetrace' AND "
+                                    "table = 'otel_traces' AND active ORDER BY name LIMIT 1").result_rows  # fmt: skip
+    store.client.command(f"ALTER TABLE stagetrace.otel_traces DETACH PART '{name}'")
+    detached = table_directory(Path(store.location.path), "otel_traces") / "detached"
+    shutil.move(detached / name, detached / f"broken_{name}")
+    (found,) = health.check()
+    assert (found.table, found.reason, found.rows) == ("otel_traces", "broken", 100)
+    assert f"{found.first:%Y-%m-%d %H:%M:%S}" == "2023-11-14 22:13:20" and f"{found.last:%H:%M:%S}" == "22:14:59"
+    families = {s.labels["table"]: s.value for f in health.families("node-a") for s in f.samples}
+    assert families["otel_traces"] == 1 and BROKEN_PARTS.name == "stagetrace_store_broken_parts"
+    assert health.check() == [found]  # still there: counted, not said again
+    said = [m for m in caplog.messages if "detached part" in m]
+    assert said == [f"store: table otel_traces: the engine detached part {name} as broken (100 rows, 2023-11-14 "
+                    f"22:13:20 to 2023-11-14 22:14:59 UTC, {found.bytes:,} bytes): its rows are no longer read; its "
+                    f"files are in {found.path}"]  # fmt: skip
