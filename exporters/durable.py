@@ -110,6 +110,26 @@ class _Refused(Exception):
         self.reason = reason
 
 
+def _in_seconds(data: list, types) -> list:
+    """Columns of nanosecond times made whole seconds where the table keeps seconds: the Collector's current metric
+    tables have ``DateTime`` times, its previous ones and stagetrace's ``DateTime64(9)`` (``schema.check``)."""
+    for i, column_type in enumerate(types):
+        if column_type.base_type == "DateTime":  # DateTime64's base type is DateTime64
+            data[i] = [v // 1_000_000_000 if isinstance(v, int) else v for v in data[i]]
+    return data
+
+
+def insert_rows(store: Store, table: str, rows: list, columns, types=None, settings=None) -> None:
+    """Insert rows (times in nanoseconds) into a table of either generation, column by column; ``types``: the
+    columns' types, when the caller asked the store for them once already."""
+    if types is None:
+        types = store.client.create_insert_context(table, column_names=list(columns), database=store.database).column_types
+    # transposed by zip, in C: clickhouse-connect's own transposition of rows is slower (5-25% of a 4,096-span
+    # insert, measured)
+    store.client.insert(table, _in_seconds(list(zip(*rows)), types), column_names=columns, database=store.database,
+                        column_types=types, settings=settings, column_oriented=True)  # fmt: skip
+
+
 class _Inserts:
     """Inserts into one table that log one line when they start failing and one when they work again."""
 
@@ -134,15 +154,11 @@ class _Inserts:
                 types = self._types[key] = self.store.client.create_insert_context(
                     table, column_names=list(columns), database=self.store.database).column_types  # fmt: skip
             try:
-                # transposed by zip, in C: clickhouse-connect's own transposition of rows is slower (5-25% of
-                # a 4,096-span insert, measured)
-                self.store.client.insert(table, list(zip(*rows)), column_names=columns, database=self.store.database,
-                                         column_types=types, settings=settings, column_oriented=True)  # fmt: skip
+                insert_rows(self.store, table, rows, columns, types, settings)
             except UnicodeEncodeError:
                 # Checking every string on the hot path costs more than this rare retry.
                 rows = _scrubbed(rows)
-                self.store.client.insert(table, rows, column_names=columns, database=self.store.database,
-                                         column_types=types, settings=settings)  # fmt: skip
+                insert_rows(self.store, table, rows, columns, types, settings)
         except Exception as exc:  # any driver or server error: refused rows are split out, the rest is kept
             reason = row_error(exc)
             if reason is not None:

@@ -28,6 +28,7 @@ from stagetrace.demo import fabric, faults, world
 from stagetrace.demo.pipeline import DONE, RequestSpec, Result, node_main
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
+from stagetrace.exporters.durable import insert_rows
 from stagetrace.store import Store
 
 TRUTH_TABLE = "stagetrace_demo_truth"
@@ -219,9 +220,8 @@ def _receive(store: Store, messages, node_count: int, total: int, procs, progres
 
 
 def _insert_metrics(store: Store, table: str, rows: list[tuple]) -> int:
-    if rows:
-        store.client.insert(table, rows, column_names=SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS,
-                            database=store.database)  # fmt: skip
+    if rows:  # times in seconds where the Collector's current tables keep seconds
+        insert_rows(store, table, rows, SUM_COLUMNS if table == SUM_TABLE else METRIC_COLUMNS)
     count = len(rows)
     rows.clear()
     return count
