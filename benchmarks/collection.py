@@ -5,11 +5,16 @@
   ``node_scrape_collector_duration_seconds{collector="infiniband"}``), median over the scrapes; and once
   more without ``hw_counters/``, which node_exporter before 1.6 does not read, for the same files read.
 * One whole-node snapshot of every collector that exists, in-process and as a ``collect --once`` process.
+* The gpu collector's scrape at a 1 s interval on 8 H200s replaying the recorded GPM series (h200-gpm), with GPM
+  on, beside the same GPUs answering that they have no GPM (what the collector read before GPM): the cost of one
+  ``nvmlGpmSampleGet`` and one ``nvmlGpmMetricsGet`` a GPU. Both read the same snapshot file, so the replay's
+  parsing weighs on both alike; NVML's own time in the calls is not in a replay (scripts/gpu-check times it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import statistics
@@ -24,9 +29,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import Figure, benchmark, median_seconds
 from stagetrace.collectors import available
-from stagetrace.collectors.base import REGISTRY, Node, Options
+from stagetrace.collectors.base import REGISTRY, Node, Options, Samples
+from stagetrace.collectors.gpu import GpuCollector
 from stagetrace.collectors.podresources import RecordedKubelet
 from stagetrace.collectors.rdma import RdmaCollector
+from stagetrace.collectors.nvml import write_nvml_fixture
 from stagetrace.exporters.prometheus import exposition
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "node"
@@ -149,6 +156,61 @@ def _flags(options: Options) -> list[str]:
     return flags
 
 
+class _SteppedClock:
+    """The collector's clock, one scrape interval further at each reading of a scrape: every scrape a GPM interval."""
+
+    def __init__(self, interval_s: float):
+        self.now, self.interval_s = 0.0, interval_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def step(self) -> None:
+        self.now += self.interval_s
+
+
+def _gpm_node_fixture(directory: Path, gpus: int, gpm: bool) -> Path:
+    """``gpus`` copies of the recorded H200 (its GPM series included), answering GPM support as ``gpm`` says."""
+    snapshot = json.loads((FIXTURE / "nvml" / "h200-gpm" / "nvml.json").read_text())
+    recorded = snapshot.pop("gpus")[0]
+    copies = []
+    for index in range(gpus):
+        gpu = json.loads(json.dumps(recorded))
+        gpu["nvmlDeviceGetUUID"] = f"{recorded['nvmlDeviceGetUUID'][:-2]}{index:02x}"
+        gpu["nvmlGpmQueryDeviceSupport"]["isSupportedDevice"] = int(gpm)
+        copies.append(gpu)
+    write_nvml_fixture(directory, copies, **snapshot)
+    return directory
+
+
+def _gpu_scrape_ms(directory: Path, scrapes: int) -> float:
+    clock = _SteppedClock(1.0)
+    collector = GpuCollector(Options(nvml_fixture=directory, procfs=FIXTURE / "proc", kubelet_log_dir=FIXTURE / "log",
+                                     host="bench"), clock=clock)  # fmt: skip
+
+    def scrape() -> None:
+        clock.step()
+        collector.collect(Samples())
+
+    try:
+        return median_seconds(scrape, scrapes, warmup=2) * 1e3
+    finally:
+        collector.close()
+
+
+def _gpm_figures(scrapes: int) -> list[Figure]:
+    gpus = 8
+    with tempfile.TemporaryDirectory() as tmp:
+        on = _gpu_scrape_ms(_gpm_node_fixture(Path(tmp, "on"), gpus, gpm=True), scrapes)
+        off = _gpu_scrape_ms(_gpm_node_fixture(Path(tmp, "off"), gpus, gpm=False), scrapes)
+    return [
+        Figure(f"gpu collector scrape at 1 s, {gpus} H200s (recorded GPM series), GPM on", on, "ms",
+               "the same GPUs without GPM", off),
+        Figure("GPM's cost per GPU per scrape (nvmlGpmSampleGet, nvmlGpmMetricsGet, 12 metrics)",
+               (on - off) / gpus * 1e3, "µs"),
+    ]
+
+
 @benchmark("collection")
 def collection(quick: bool) -> list[Figure]:
     scrapes = 5 if quick else 200
@@ -175,4 +237,5 @@ def collection(quick: bool) -> list[Figure]:
     finally:
         kubelet.stop()
     figures.append(Figure("`stagetrace collect --once` process, incl. interpreter start-up", process, "ms"))
+    figures += _gpm_figures(scrapes)
     return figures

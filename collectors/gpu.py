@@ -13,6 +13,9 @@ and decides what an error means:
 - No library or driver at all (``NVMLError_LibraryNotFound``, ``DriverNotLoaded``): raise
   :class:`SourceUnavailable` with a one-line reason.
 
+Every error NVML answers a per-GPU call with is counted in ``gpu_nvml_errors_total{function, error}``; none fails
+the scrape. GPM activity (SM, tensor, FP pipes, DRAM, PCIe and NVLink bytes) comes from :mod:`.gpm` on GPUs that
+have it (``gpu_gpm_supported``); each GPU's processes and the pods they belong to from :mod:`.gpu_tenants`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import pynvml
 from stagetrace.collectors.base import (
     COUNTER, GAUGE, INFO, Collector, MetricSpec, Options, Samples, SourceUnavailable, register,
 )  # fmt: skip
+from stagetrace.collectors.gpm import GPM_METRIC_IDS, SUPPORT_CALL, SUPPORTED, GpmReader
+from stagetrace.collectors.gpu_tenants import KUBELET_LOG_DIR, PROCFS, PodNames, ProcessOwners, tenant_samples
 from stagetrace.collectors.nvml import (
     NVML_FIXTURE,
     SYSTEM_CALLS,
@@ -136,6 +141,11 @@ PROCESS_MEMORY = MetricSpec(
 XID_ERRORS = MetricSpec(
     "gpu_xid_errors_total", COUNTER, "XID critical-error events since the collector started.", (*GPU_LABELS, "xid")
 )
+NVML_ERROR_COUNT = MetricSpec(
+    "gpu_nvml_errors_total", COUNTER,
+    "Errors NVML answered a call for this GPU with, by function and NVML error (NotSupported: once, not asked again).",
+    (*GPU_LABELS, "function", "error"),
+)  # fmt: skip
 
 # nvmlClocksEventReason* bits, by the label they get (the constant's name in snake case).
 CLOCK_EVENT_REASONS = {
@@ -238,12 +248,13 @@ READINGS = (
 )
 
 
-def record_nvml_fixture(source: NvmlSource, directory: Path | str) -> Path:
-    """Snapshot every reading the collectors make from ``source`` (e.g. the real library) into the fixture format."""
+def record_nvml_fixture(source: NvmlSource, directory: Path | str, gpm_interval_s: float = 1.0) -> Path:
+    """Snapshot every reading the collectors make from ``source`` (e.g. the real library) into the fixture format;
+    on GPUs with GPM, one ``nvmlGpmMetricsGet`` answer between two samples ``gpm_interval_s`` apart."""
     from stagetrace.collectors.mps import NVML_CALLS as MPS_CALLS  # the mps collector's readings
 
     calls = [("nvmlDeviceGetUUID",), ("nvmlDeviceGetName",), *(r.call for r in READINGS), *MPS_CALLS,
-             *((call,) for call in INVENTORY_CALLS)]  # fmt: skip
+             *((call,) for call in INVENTORY_CALLS), SUPPORT_CALL]  # fmt: skip
     source.open()
     try:
         system = {}
@@ -265,9 +276,41 @@ def record_nvml_fixture(source: NvmlSource, directory: Path | str) -> Path:
                     node = node.setdefault(key, {})
                 node[(function, *constants)[-1]] = value
             gpus.append(device)
+        _record_gpm(source, gpus, gpm_interval_s)
     finally:
         source.close()
     return write_nvml_fixture(directory, gpus, **system)
+
+
+def _record_gpm(source: NvmlSource, gpus: list[dict], interval_s: float) -> None:
+    """Add one GPM interval to each recorded GPU that supports GPM, in the shape of nvmlGpmMetricsGet's metrics."""
+    codes = {cls.__name__: code for code, cls in pynvml.NVMLError._valClassMapping.items()}
+    first = {}
+    for index, device in enumerate(gpus):
+        if isinstance(device.get(SUPPORT_CALL[0]), dict) and device[SUPPORT_CALL[0]].get("isSupportedDevice"):
+            try:
+                first[index] = source.gpm_sample(index)
+            except NVML_ERRORS as exc:
+                device["nvmlGpmMetricsGet"] = error_name(exc)
+    if first:
+        time.sleep(interval_s)
+    for index, older in first.items():
+        try:
+            newer = source.gpm_sample(index)
+            try:
+                answers = source.gpm_metrics(older, newer, GPM_METRIC_IDS)
+            finally:
+                source.gpm_free(newer)
+        except NVML_ERRORS as exc:
+            gpus[index]["nvmlGpmMetricsGet"] = error_name(exc)
+            continue
+        finally:
+            source.gpm_free(older)
+        gpus[index]["nvmlGpmMetricsGet"] = [[
+            {"metricId": metric_id, "nvmlReturn": codes.get(value, pynvml.NVML_ERROR_UNKNOWN), "value": 0.0}
+            if isinstance(value, str) else {"metricId": metric_id, "nvmlReturn": pynvml.NVML_SUCCESS, "value": value}
+            for metric_id, value in answers.items()
+        ]]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,7 +336,7 @@ class GpuCollector(Collector):
     """NVIDIA GPUs through NVML: one set of ``gpu_*`` series per GPU, labelled gpu, uuid, model."""
 
     name = "gpu"
-    settings = (NVML_FIXTURE,)
+    settings = (NVML_FIXTURE, PROCFS, KUBELET_LOG_DIR)
 
     def __init__(
         self, options: Options, *, source: NvmlSource | None = None, clock: Callable[[], float] = time.monotonic
@@ -301,6 +344,8 @@ class GpuCollector(Collector):
         super().__init__(options)
         self.source = source if source is not None else nvml_source(options)
         self._reads = CachedReads(self.source)
+        self._gpm = GpmReader(self.source, self._reads, clock)
+        self._owners = ProcessOwners(options.procfs, PodNames(options.kubelet_log_dir))
         self._clock = clock
         self._open = False
         self._known: dict[str, GpuIdentity] = {}  # every GPU seen since start, by UUID
@@ -319,13 +364,17 @@ class GpuCollector(Collector):
                 raise SourceUnavailable(unavailable_reason(exc)) from None
             self._session_lost(exc)
             count = 0
+        self._owners.begin()
         reported = {self._collect_gpu(index, out).uuid for index in range(count)}
+        self._owners.end()
         for identity in self._known.values():
             if identity.uuid not in reported:
                 out.add(UP, 0, **identity.labels())
         for (gpu, uuid, xid), n in sorted(self.source.xid_counts().items()):
             identity = self._known.get(uuid, GpuIdentity(gpu, uuid))
             out.add(XID_ERRORS, n, **identity.labels(), xid=xid)
+        for (gpu, function, error), n in sorted(self._reads.errors.items()):
+            out.add(NVML_ERROR_COUNT, n, **self._last_identity(gpu).labels(), function=function, error=error)
         if count and not self._lost:
             self._backoff = BACKOFF_FIRST_S
 
@@ -342,6 +391,7 @@ class GpuCollector(Collector):
 
     def _close_session(self) -> None:
         if self._open:
+            self._gpm.forget()  # its samples are NVML's: free them before NVML shuts down
             self.source.close()
         self._open = False
         self._identities.clear()
@@ -373,10 +423,13 @@ class GpuCollector(Collector):
         try:
             identity = self._identify(index)
             inventory = self._inventory(index)  # inside: a GPU lost while it answers is that GPU lost
+            answers = {}
             for reading in READINGS:
-                value = self._reads.read(index, *reading.call)
+                value = answers[reading.call] = self._reads.read(index, *reading.call)
                 if value is not None:
                     reading.emit(value, lambda spec, v, **extra: pending.append((spec, v, extra)))
+            pending += self._activity(index, inventory)
+            pending += self._tenants(index, answers)
         except NVML_ERRORS as exc:  # LOST-class, or the GPU cannot even say who it is
             identity = self._last_identity(index)
             self._lost.add(index)
@@ -396,6 +449,20 @@ class GpuCollector(Collector):
         for spec, value, extra in pending:
             out.add(spec, value, **labels, **extra)
         return identity
+
+    def _activity(self, index: int, inventory: dict[str, str]) -> list[tuple[MetricSpec, float, dict]]:
+        """gpu_gpm_supported, and on a GPU with GPM its activity between the last two scrapes."""
+        if not self._gpm.supported(index):
+            return [(SUPPORTED, 0, {})]
+        return [(SUPPORTED, 1, {}), *self._gpm.read(index, inventory.get("mig_mode") == "enabled")]
+
+    def _tenants(self, index: int, answers: dict) -> list[tuple[MetricSpec, Any, dict]]:
+        """The GPU's processes and the pods they belong to."""
+        running = answers[("nvmlDeviceGetComputeRunningProcesses",)]
+        clients = self._reads.read(index, "nvmlDeviceGetMPSComputeRunningProcesses")
+        utilization = self._reads.read(index, "nvmlDeviceGetProcessUtilization") if running or clients else None
+        memory = answers[("nvmlDeviceGetMemoryInfo",)]
+        return tenant_samples(running, clients, utilization, memory and memory["used"], self._owners)
 
     def _inventory(self, index: int) -> dict[str, str]:
         """gpu_info's labels: the driver's versions (asked once a session) and the GPU's current ECC and MIG modes."""

@@ -26,7 +26,10 @@ Fixture format: ``<Options.nvml_fixture>/nvml.json`` (see :func:`write_nvml_fixt
         "nvmlDeviceGetMPSComputeRunningProcesses": [… same shape …],
         "nvmlDeviceGetProcessUtilization": [{"pid": …, "timeStamp": µs, "smUtil": %, "memUtil": %,
                                              "encUtil": %, "decUtil": %}],
-        "nvmlEventSetWait_v2": [{"eventType": 8, "eventData": 48, "gpuInstanceId": …, "computeInstanceId": …}]}]}
+        "nvmlEventSetWait_v2": [{"eventType": 8, "eventData": 48, "gpuInstanceId": …, "computeInstanceId": …}],
+        "nvmlGpmQueryDeviceSupport": {"version": 1, "isSupportedDevice": 1},
+        "nvmlGpmMetricsGet": [[{"metricId": 2, "nvmlReturn": 0, "value": 95.9}, …], …],   # one per interval
+        "nvmlGpmMigSampleGet": {"1": [[… the same, for GPU instance 1 …]]}}]}
 
 Each key is a pynvml function; its value is what the call returns, structs as objects with the C field
 names. A call that takes constants nests one object per argument, keyed by the pynvml constant's name.
@@ -35,7 +38,16 @@ names. A call that takes constants nests one object per argument, keyed by the p
 for that GPU fail so; top-level ``"nvmlInit"`` / ``"nvmlDeviceGetCount"`` may hold an error too.
 ``nvmlEventSetWait_v2`` lists every event recorded since start (eventType 8 =
 ``nvmlEventTypeXidCriticalError``, eventData = the XID); ``null`` in a per-link list is a link NVML
-answered with an error. The file is read again at each scrape, so a writer may advance it; use
+answered with an error.
+
+GPM (GPU Performance Monitoring, Hopper and newer) samples are opaque handles; what a recording can hold is what
+``nvmlGpmMetricsGet`` answered between two consecutive samples: ``nvmlGpmMetricsGet`` lists those answers, one per
+interval, each the ``metrics`` array of ``c_nvmlGpmMetricsGet_t`` (``metricId``, ``nvmlReturn``: 0 or NVML's error
+code, ``value``: percent or MiB/s; ``metricInfo`` is left out, nothing reads it). The n-th sample taken of a GPU
+closes the (n-1)-th interval, round the list again at its end, so a replay runs for as long as it is scraped; a
+metric the recording does not hold reads as ``NVML_ERROR_NOT_SUPPORTED``. ``nvmlGpmMigSampleGet`` holds the same per
+MIG GPU instance ID. An error name as ``nvmlGpmSampleGet`` makes taking a sample fail, as ``nvmlGpmMetricsGet``
+computing the metrics. The file is read again at each scrape, so a writer may advance it; use
 :func:`write_nvml_fixture` (atomic replace) and :func:`gpu_snapshot` for an idle GPU to start from.
 :func:`stagetrace.collectors.gpu.record_nvml_fixture` writes the same format from any source, the real
 library included.
@@ -143,6 +155,19 @@ class NvmlSource(Protocol):
 
     def xid_counts(self) -> Mapping[tuple[int, str, int], int]:
         """XID critical-error events seen since the source was created, by (gpu index, uuid, xid)."""
+
+    def gpu_instances(self, gpu: int) -> list[int]:
+        """The MIG GPU instance IDs of a GPU whose MIG mode is on; raises pynvml errors."""
+
+    def gpm_sample(self, gpu: int, instance: int | None = None) -> Any:
+        """A new GPM sample of the GPU (``nvmlGpmSampleGet``) or of one of its MIG GPU instances
+        (``nvmlGpmMigSampleGet``): an opaque handle for :meth:`gpm_metrics`, freed with :meth:`gpm_free`."""
+
+    def gpm_metrics(self, older: Any, newer: Any, metric_ids: tuple[int, ...]) -> dict[int, float | str]:
+        """``nvmlGpmMetricsGet`` between two samples of one GPU: each metric's value (NVML's percent or MiB/s), or
+        the name of the error NVML answered for that metric (``NVMLError_NotSupported``); raises pynvml errors."""
+
+    def gpm_free(self, sample: Any) -> None: ...
 
 
 def nvml_source(options: Options, watch_xids: bool = True) -> NvmlSource:
@@ -287,6 +312,43 @@ class PynvmlSource:
             self._utilization_seen[gpu] = max(s["timeStamp"] for s in samples)
         return samples
 
+    def gpu_instances(self, gpu: int) -> list[int]:
+        handle = self._handle(gpu)
+        ids = set()
+        for index in range(self.nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:  # one handle per compute instance; several may share a GPU instance
+                mig = self.nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, index)
+            except self.nvml.NVMLError_NotFound:
+                continue
+            ids.add(self.nvml.nvmlDeviceGetGpuInstanceId(mig))
+        return sorted(ids)
+
+    def gpm_sample(self, gpu: int, instance: int | None = None) -> Any:
+        handle = self._handle(gpu)
+        sample = self.nvml.nvmlGpmSampleAlloc()
+        try:
+            if instance is None:
+                self.nvml.nvmlGpmSampleGet(handle, sample)
+            else:
+                self.nvml.nvmlGpmMigSampleGet(handle, instance, sample)
+        except NVML_ERRORS:
+            self.nvml.nvmlGpmSampleFree(sample)
+            raise
+        return sample
+
+    def gpm_metrics(self, older: Any, newer: Any, metric_ids: tuple[int, ...]) -> dict[int, float | str]:
+        request = self.nvml.c_nvmlGpmMetricsGet_t()
+        request.version = self.nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(metric_ids)
+        request.sample1, request.sample2 = older, newer
+        for slot, metric_id in enumerate(metric_ids):
+            request.metrics[slot].metricId = metric_id
+        self.nvml.nvmlGpmMetricsGet(request)
+        return gpm_answers(plain(request.metrics[slot]) for slot in range(len(metric_ids)))
+
+    def gpm_free(self, sample: Any) -> None:
+        self.nvml.nvmlGpmSampleFree(sample)
+
     def _count_xid(self, gpu: int, uuid: str, xid: int) -> None:
         with self._xid_lock:
             self._xids[(gpu, uuid, xid)] += 1
@@ -365,6 +427,7 @@ class FixtureSource:
     def __init__(self, directory: Path):
         self.path = Path(directory) / SNAPSHOT_FILE
         self._snapshot: dict = {}
+        self._gpm_taken: Counter[tuple[int, int | None]] = Counter()  # samples taken, by (gpu, GPU instance)
 
     def _load(self) -> dict:
         try:
@@ -408,6 +471,55 @@ class FixtureSource:
                 if event["eventType"] & pynvml.nvmlEventTypeXidCriticalError:
                     counts[(index, device["nvmlDeviceGetUUID"], event["eventData"])] += 1
         return dict(counts)
+
+    def gpu_instances(self, gpu: int) -> list[int]:
+        return sorted(int(instance) for instance in self.read(gpu, "nvmlGpmMigSampleGet"))
+
+    def gpm_sample(self, gpu: int, instance: int | None = None) -> RecordedGpmSample:
+        device = self._snapshot["gpus"][gpu]
+        _raise_if_error(device.get("nvmlDeviceGetHandleByIndex"))
+        if instance is None:
+            _raise_if_error(device.get("nvmlGpmSampleGet"))  # an error here: sampling fails
+            recorded = device.get("nvmlGpmMetricsGet", "NVMLError_NotSupported")  # an error here: the metrics do
+        else:
+            recorded = self.read(gpu, "nvmlGpmMigSampleGet").get(str(instance), "NVMLError_NotFound")
+        self._gpm_taken[(gpu, instance)] += 1
+        return RecordedGpmSample(recorded, self._gpm_taken[(gpu, instance)])
+
+    def gpm_metrics(self, older: Any, newer: Any, metric_ids: tuple[int, ...]) -> dict[int, float | str]:
+        _raise_if_error(newer.intervals)
+        if not newer.intervals:
+            raise pynvml.NVMLError_NotSupported()
+        answered = gpm_answers(newer.intervals[(newer.number - 2) % len(newer.intervals)])
+        return {metric_id: answered.get(metric_id, "NVMLError_NotSupported") for metric_id in metric_ids}
+
+    def gpm_free(self, sample: Any) -> None:
+        pass
+
+
+class RecordedGpmSample:
+    """A GPM sample replayed from a recording: the recorded intervals and which sample of the GPU this is."""
+
+    def __init__(self, intervals: list | str, number: int):
+        self.intervals = intervals
+        self.number = number
+
+
+def gpm_answers(metrics) -> dict[int, float | str]:
+    """``c_nvmlGpmMetric_t`` entries (as plain data) as metric ID → value, or the error NVML answered for it."""
+    answers: dict[int, float | str] = {}
+    for metric in metrics:
+        code = metric["nvmlReturn"]
+        answers[metric["metricId"]] = metric["value"] if code == pynvml.NVML_SUCCESS else nvml_error_name(code)
+    return answers
+
+
+def nvml_error_name(code: int) -> str:
+    """The pynvml exception name of an NVML return code (3 → ``NVMLError_NotSupported``)."""
+    try:
+        return pynvml.nvmlExceptionClass(code).__name__
+    except ValueError:
+        return "NVMLError_Unknown"
 
 
 def _raise_if_error(value: Any) -> None:
@@ -504,6 +616,8 @@ class CachedReads:
         self.source = source
         self._unsupported: set[tuple[int, tuple[str, ...]]] = set()
         self._logged: set[tuple[int, tuple[str, ...], str]] = set()
+        # every error NVML answered, by (gpu, function, error name): kept across re-initialisations, as counts are
+        self.errors: Counter[tuple[int, str, str]] = Counter()
 
     def read(self, gpu: int, *call: str) -> Any:
         if (gpu, call) in self._unsupported:
@@ -511,16 +625,26 @@ class CachedReads:
         try:
             return self.source.read(gpu, *call)
         except NVML_ERRORS as exc:
-            name = error_name(exc)
-            if name in LOST:
-                raise
-            if name in UNSUPPORTED:
-                self._unsupported.add((gpu, call))
-                logger.debug("gpu %d: %s %s; not asked again until NVML is re-initialised", gpu, " ".join(call), name)
-            elif (gpu, call, name) not in self._logged:
-                self._logged.add((gpu, call, name))
-                logger.warning("gpu %d: %s failed: %s", gpu, " ".join(call), name)
-            return None
+            return self.failed(gpu, call, exc)
+
+    def failed(self, gpu: int, call: tuple[str, ...], exc: BaseException) -> None:
+        """Count an NVML error of ``call`` (function and constants) and decide what it means: LOST-class errors
+        propagate; an unsupported call is not asked again; any other is logged once and read as no answer."""
+        name = error_name(exc)
+        self.errors[(gpu, call[0], name)] += 1
+        if name in LOST:
+            raise exc
+        if name in UNSUPPORTED:
+            self._unsupported.add((gpu, call))
+            logger.debug("gpu %d: %s %s; not asked again until NVML is re-initialised", gpu, " ".join(call), name)
+        elif (gpu, call, name) not in self._logged:
+            self._logged.add((gpu, call, name))
+            logger.warning("gpu %d: %s failed: %s", gpu, " ".join(call), name)
+        return None
+
+    def unsupported(self, gpu: int, *call: str) -> bool:
+        """Whether NVML said it does not support ``call`` on this GPU (this session)."""
+        return (gpu, call) in self._unsupported
 
     def forget(self) -> None:
         """After NVML is re-initialised (the driver may have changed), ask everything once again."""

@@ -19,8 +19,8 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
     rows = [line for line in written.splitlines() if line.startswith("| collection |")]
     assert [r.split(" | ")[1].split(",")[0].split(" (")[0] for r in rows] == [
         "RDMA collector", "RDMA collector", "RDMA collector", "whole-node snapshot in-process",
-        "`stagetrace collect --once` process",
-    ]  # against node_exporter, node_exporter on the same files, coreutils cat
+        "`stagetrace collect --once` process", "gpu collector scrape at 1 s", "GPM's cost per GPU per scrape",
+    ]  # against node_exporter, node_exporter on the same files, coreutils cat; GPM on against off
     assert all(line in result.stdout for line in rows)
     rdma = rows[0].split(" | ")
     assert rdma[2].endswith(" ms")

@@ -107,6 +107,8 @@ BUILT_IN = [  # attribute, flag, variables, default, a value's text, that value
     ("gpu_resources", "--gpu-resources", ["STAGETRACE_GPU_RESOURCES"], ("nvidia.com/gpu*", "nvidia.com/mig-*"),
      "amd.com/gpu,,x", ("amd.com/gpu", "x")),
     ("gpu_sharing_factor", "--gpu-sharing-factor", ["STAGETRACE_GPU_SHARING_FACTOR"], 1, "2", 2),
+    ("procfs", "--procfs", ["STAGETRACE_PROCFS"], Path("/proc"), "/x", Path("/x")),
+    ("kubelet_log_dir", "--kubelet-log-dir", ["STAGETRACE_KUBELET_LOG_DIR"], Path("/var/log"), "/x", Path("/x")),
     ("host", "--host", ["STAGETRACE_HOST"], None, "n7", "n7"),
 ]
 

@@ -2,8 +2,9 @@
 
 The fixture node has 8 GPUs (NVML snapshots recorded in NVML's own shapes: no GPU exists here), MPS
 control answers, 8 RDMA ports as a sysfs tree, 4 dual-port NICs' ethtool statistics, NCCL
-Inspector dumps, and a kubelet serving its pods' PodResources over gRPC on a unix socket (the
-answers under tests/fixtures/kubelet/h200-node). ``stagetrace collect --once`` runs as a real process over them; the series that
+Inspector dumps, a kubelet serving its pods' PodResources over gRPC on a unix socket (the
+answers under tests/fixtures/kubelet/h200-node), and the host's /proc and /var/log as far as they name the GPU
+processes' pods. ``stagetrace collect --once`` runs as a real process over them; the series that
 cannot be deterministic (scrape durations, dump ages) are dropped before the diff. A change to a
 name, a help text or a label shows up here as a diff. Regenerate with
 ``STAGETRACE_UPDATE_GOLDEN=1 bash scripts/test tests/test_e2e_scrape.py``.
@@ -32,7 +33,8 @@ def scrape(tmp_path: Path, kubelet_socket: Path) -> str:
          "gpu,mps,rdma,ethtool,nccl,kubernetes",
          "--sysfs", str(FIXTURES / "sys"), "--nvml-fixture", str(FIXTURES / "nvml"),
          "--mps-fixture", str(FIXTURES / "mps"), "--ethtool-fixture", str(FIXTURES / "ethtool" / "statistics.json"),
-         "--nccl-dir", str(nccl), "--kubelet-socket", str(kubelet_socket)],
+         "--nccl-dir", str(nccl), "--kubelet-socket", str(kubelet_socket),
+         "--procfs", str(FIXTURES / "proc"), "--kubelet-log-dir", str(FIXTURES / "log")],
         capture_output=True, text=True, timeout=120, env={**os.environ, "STAGETRACE_HOST": "fixture-node"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
