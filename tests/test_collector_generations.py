@@ -127,3 +127,14 @@ def test_trace_explain_and_divergences_read_the_current_generation(current_store
     (item,) = [i for g in found["groups"] for i in g["deviating"]]
     assert item["request_id"] == "odd" and item["first_divergent_stage"] == "decode"
     assert "gpu_xid_errors_total" in item["summary"]  # read from the metric tables here too
+
+
+def test_schema_check_prints_each_tables_generation(store_dsn, capsys):
+    from stagetrace.cli import main
+
+    assert main(["schema", "--store", store_dsn]) == 0
+    capsys.readouterr()
+    assert main(["schema", "--check", "--store", store_dsn]) == 0
+    lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
+    assert lines["otel_metrics_sum"] == "the Collector's previous layout (stagetrace creates it)"
+    assert lines["stagetrace_stages_mv"] == "stagetrace's own view"

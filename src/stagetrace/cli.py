@@ -65,6 +65,9 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p = commands.add_parser("schema", parents=[store], help="create the ClickHouse tables (idempotent)")
     p.add_argument("--cluster", metavar="NAME", help="emit ON CLUSTER DDL with Replicated and Distributed tables")
     p.add_argument("--print", action="store_true", help="print the DDL instead of running it")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing: say which generation of the Collector's layout each table has, which are "
+                        "stagetrace's own, and which are missing")
     p.set_defaults(run=_schema)
 
     p = commands.add_parser("trace", parents=[store], help="show a request's spans in order")
@@ -180,6 +183,12 @@ def _schema(args) -> int:
         print(";\n\n".join(schema.statements(database, args.cluster)) + ";")
         return 0
     with open_store(args.store, create_schema=False) as store:
+        if args.check:
+            states = schema.check(store.client, store.database)
+            width = max(len(table) for table, _ in states)
+            for table, state in states:
+                print(f"{table:<{width}}  {state}")
+            return 1 if any(state == "missing" for _, state in states) else 0
         applied = store.ensure_schema(args.cluster)
         state = "created" if applied else "already up to date"
         print(f"schema version {schema.SCHEMA_VERSION} {state} in {store.location.redacted()}")
