@@ -89,3 +89,13 @@ def test_upgrade_to_version_8_builds_the_trace_projection_from_stored_requests(s
         assert int(built) == int(store.client.command("SELECT count() FROM stagetrace.stagetrace_requests")) > 0
     trace_id = lookup.by_request_id(store, "before-upgrade").trace_id
     assert lookup.by_trace_id(store, trace_id).request_id == "before-upgrade"
+
+
+def test_an_embedded_stores_inserts_are_fsynced_before_they_return(store):
+    """The spool drops a segment once its rows are inserted: on an embedded store an insert is durable by then."""
+    from stagetrace import schema
+
+    for table in schema.DURABLE_TABLES:
+        ddl = store.client.command(f"SHOW CREATE TABLE stagetrace.{table}")
+        assert "fsync_after_insert = 1" in ddl and "fsync_part_directory = 1" in ddl, table
+    assert schema.make_durable(store.client, store.database) == []  # once is enough

@@ -131,7 +131,10 @@ class Store:
 
     def ensure_schema(self, cluster: str | None = None) -> bool:
         try:
-            return schema.ensure_schema(self.client, self.database, cluster)
+            applied = schema.ensure_schema(self.client, self.database, cluster)
+            if self.location.embedded and not self.read_only:
+                applied = bool(schema.make_durable(self.client, self.database)) or applied
+            return applied
         except Exception as exc:  # the server's own message names the statement and the reason
             raise StoreError(f"cannot create the schema in {self.location.redacted()}: {_first_line(exc)}") from exc
 
