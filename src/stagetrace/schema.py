@@ -41,6 +41,11 @@ _DEDUP = "non_replicated_deduplication_window = 1000"
 
 # A trace's request rows by trace ID (a lookup by trace ID, and the request fields of a lookup by request ID), read
 # from a copy of the table in trace order: a bounded number of granules however large the store.
+# A trace's spans sit in one granule per span name (otel_traces) and per stage (stagetrace_stages), found by the
+# bloom filter on TraceId and the time; a lookup reads those granules whole, so they are an eighth of the Collector's
+# 8192 rows: the span read of a lookup takes half the time (11.0 against 21.5 ms p50 at 21.6M spans) for 0.6% more
+# disk and eight times the marks. A store the Collector created keeps its 8192 (a granularity is fixed at creation).
+_LOOKUP_GRANULARITY = 1024
 _BY_TRACE, _BY_TRACE_SELECT = "by_trace", "SELECT * ORDER BY TraceId, Start"
 # the same-input requests of one input (the trace lookup's summary, a live pass's new inputs) by key: narrow, as only
 # what those queries read
@@ -139,7 +144,7 @@ TABLES = (
         "MergeTree()",
         f"""PARTITION BY toDate(Timestamp)
 ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))
-SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
+SETTINGS index_granularity = {_LOOKUP_GRANULARITY}, ttl_only_drop_parts = 1, {_DEDUP}""",
         "cityHash64(TraceId)",
     ),
     Table(
@@ -220,7 +225,7 @@ SETTINGS index_granularity = 2048, {_DEDUP}""",
         "MergeTree()",
         f"""PARTITION BY toDate(Start)
 ORDER BY (Stage, Start)
-SETTINGS index_granularity = 8192, {_DEDUP}""",
+SETTINGS index_granularity = {_LOOKUP_GRANULARITY}, {_DEDUP}""",
         "cityHash64(TraceId)",
     ),
     Table(
