@@ -18,8 +18,8 @@ TAG = "stagetrace"
 TRACE_LOOKUP_UID = "stagetrace-trace-lookup"
 
 # A ClickHouse target's format (the plugin's src/data/utils.ts) and the query type that goes with it.
-TIME_SERIES, TABLE, TRACES = 0, 1, 3
-_QUERY_TYPE = {TIME_SERIES: "timeseries", TABLE: "table", TRACES: "traces"}
+TIME_SERIES, TABLE, LOGS, TRACES = 0, 1, 2, 3
+_QUERY_TYPE = {TIME_SERIES: "timeseries", TABLE: "table", LOGS: "logs", TRACES: "traces"}
 
 
 def sql_text(sql: str) -> str:
@@ -125,6 +125,11 @@ def table(title: str, sql: str, unit: str, *, description: str, width: int = 24,
 def traces(title: str, sql: str, *, description: str, width: int = 24, height: int = 14) -> dict:
     # The Traces panel ignores units; "ms" documents what its duration column holds.
     return _panel("traces", title, description, "ms", width, height, targets=[target(sql, TRACES)])
+
+
+def logs(title: str, sql: str, *, description: str, width: int = 24, height: int = 8) -> dict:
+    # the Logs panel reads a time column, a body and a level (the plugin's logs format)
+    return _panel("logs", title, description, "none", width, height, targets=[target(sql, LOGS)])
 
 
 def row(title: str) -> dict:

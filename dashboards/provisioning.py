@@ -76,6 +76,9 @@ class ClickHouseSettings:
             # the plugin's trace view over the collector-compatible otel_traces table
             "traces": {"defaultDatabase": self.database, "defaultTable": "otel_traces", "otelEnabled": True,
                        "otelVersion": "latest", "durationUnit": "nanoseconds"},  # fmt: skip
+            # and its logs view ("View logs" on a trace) over the Collector's otel_logs
+            "logs": {"defaultDatabase": self.database, "defaultTable": "otel_logs", "otelEnabled": True,
+                     "otelVersion": "latest"},  # fmt: skip
         }
 
 

@@ -149,6 +149,13 @@ FROM otel_traces
 WHERE TraceId = trace_id AND Timestamp >= trace_start AND Timestamp <= trace_end
 ORDER BY startTime ASC"""
 
+# The request's log lines (otel_logs): by the bloom filter on TraceId inside the request's time, a minute either side.
+LOGS_SQL = f"""{REQUEST_CONTEXT}
+SELECT Timestamp AS timestamp, Body AS body, lower(SeverityText) AS level, ServiceName AS service, SpanId AS span_id
+FROM otel_logs
+WHERE TraceId = trace_id AND Timestamp >= request_start - INTERVAL 1 MINUTE AND Timestamp <= request_end + INTERVAL 1 MINUTE
+ORDER BY Timestamp"""
+
 # The request's stage spans as the store named them (any producer's conventions), content left out.
 STAGES_SQL = f"""{REQUEST_CONTEXT}
 SELECT {STAGE} AS stage, SpanName AS span, ServiceName AS service, HostName AS host, Start AS start,
@@ -201,6 +208,8 @@ def panels() -> list[dict]:
                 description="The request's root span; deviates compares its output with the majority output of "
                             "requests with the same input digest within a day of it."),
         p.traces("Trace", TRACE_SQL, description="Every span of the request's trace."),
+        p.logs("Log lines", LOGS_SQL, description="The engines' own log lines of the request's trace (otel_logs): "
+               "preemptions, fallbacks, warnings, as they were sent."),
         p.table("Stages", STAGES_SQL, "none", height=8, overrides=[ms],
                 description="Stage spans in pipeline order: input and output digests show where the output changed; "
                             "attributes show how each stage ran."),

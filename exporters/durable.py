@@ -52,6 +52,7 @@ MAX_GROUP_ROWS = 8192  # rows of write-ahead records inserted together: past thi
 RECORD_KINDS = {
     "otlp_traces": "stagetrace.exporters.otlp:trace_tables",
     "otlp_metrics": "stagetrace.exporters.otlp:metric_tables",
+    "otlp_logs": "stagetrace.exporters.otlp:log_tables",
 }
 ADOPT_EVERY_S = 5.0  # how often the replay thread looks for the segments of writers that are gone
 

@@ -1,5 +1,7 @@
-"""OTLP/HTTP receiver: ``POST /v1/traces`` and ``/v1/metrics`` into the tables the Python exporters write;
-its core (``OtlpReceiver.traces``/``metrics``) also serves the OTLP/gRPC receiver (``otlp_grpc``).
+"""OTLP/HTTP receiver: ``POST /v1/traces``, ``/v1/metrics`` and ``/v1/logs`` into the tables the Python exporters
+and the Collector write; its core (``OtlpReceiver.traces``/``metrics``/``logs``) also serves the OTLP/gRPC receiver
+(``otlp_grpc``). Log records go to the Collector's ``otel_logs``, bodies as the producer sent them, joined to the
+request's trace by ``TraceId``/``SpanId``.
 
 Whatever speaks OTLP/HTTP can send to ``stagetrace agent --otlp 127.0.0.1:4318``: an OpenTelemetry SDK's
 ``OTLPSpanExporter``, vLLM (``--otlp-traces-endpoint`` with ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf``),
@@ -39,6 +41,7 @@ from urllib.parse import urlsplit
 
 from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, json_format, message_factory
 from google.protobuf.message import DecodeError
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest, ExportLogsServiceResponse
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
@@ -313,6 +316,53 @@ def metric_rows(request: ExportMetricsServiceRequest) -> dict[str, list[tuple]]:
     return tables
 
 
+# --- logs -------------------------------------------------------------------------------------------------
+
+LOGS_TABLE = "otel_logs"
+LOG_COLUMNS = (
+    "Timestamp", "TraceId", "SpanId", "TraceFlags", "SeverityText", "SeverityNumber", "ServiceName", "Body",
+    "ResourceSchemaUrl", "ResourceAttributes", "ScopeSchemaUrl", "ScopeName", "ScopeVersion", "ScopeAttributes",
+    "LogAttributes",
+)  # fmt: skip
+
+
+def _body(any_value) -> str:
+    """A log record's body as the Collector stores it: a string as it is, anything else as JSON."""
+    value = _value(any_value)
+    if isinstance(value, str):
+        return value
+    return json.dumps(list(value) if isinstance(value, tuple) else value, separators=(",", ":"))
+
+
+def log_rows(request: ExportLogsServiceRequest) -> list[tuple]:
+    """One ``otel_logs`` row per log record, in the Collector's columns (``LOG_COLUMNS``): a record without a time
+    takes the time it was observed; trace and span IDs as hex, empty when the record belongs to no span."""
+    rows = []
+    for resource_logs in request.resource_logs:
+        resource = attribute_map(_attributes(resource_logs.resource.attributes))
+        service = resource.get("service.name", "")
+        for scope_logs in resource_logs.scope_logs:
+            scope = scope_logs.scope
+            scope_head = (scope_logs.schema_url, scope.name, scope.version, attribute_map(_attributes(scope.attributes)))
+            for record in scope_logs.log_records:
+                rows.append((
+                    record.time_unix_nano or record.observed_time_unix_nano, record.trace_id.hex(),
+                    record.span_id.hex(), record.flags & 0xFF, record.severity_text, int(record.severity_number),
+                    service, _body(record.body), resource_logs.schema_url, resource, *scope_head,
+                    attribute_map(_attributes(record.attributes)),
+                ))  # fmt: skip
+    return rows
+
+
+def log_counts(request: ExportLogsServiceRequest) -> int:
+    return sum(len(s.log_records) for r in request.resource_logs for s in r.scope_logs)
+
+
+def log_tables(payload: bytes) -> dict[str, tuple]:
+    """A write-ahead record of an ``ExportLogsServiceRequest`` as rows (``durable.RECORD_KINDS``)."""
+    return {LOGS_TABLE: (LOG_COLUMNS, log_rows(ExportLogsServiceRequest.FromString(payload)))}
+
+
 # --- the receiver -----------------------------------------------------------------------------------------
 
 
@@ -340,8 +390,9 @@ class OtlpReceiver:
 
     def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None,
-                 max_in_flight: int = MAX_IN_FLIGHT, web=None, headroom=None):  # fmt: skip
+                 max_in_flight: int = MAX_IN_FLIGHT, web=None, headroom=None, logs: bool = True):  # fmt: skip
         self.token = token
+        self.logs_enabled = logs  # --otlp-logs none: log requests are refused
         self.max_body_bytes = max_body_bytes
         self.max_spans = max_spans
         self.max_in_flight = max_in_flight
@@ -400,6 +451,20 @@ class OtlpReceiver:
                 logger.warning("OTLP: rejected %d metric points: %s", rejected, why)
         return response
 
+    def logs(self, request: ExportLogsServiceRequest, token: str | None = None,
+             body: bytes | None = None) -> ExportLogsServiceResponse:  # fmt: skip
+        """Store the request's log records (bodies as the producer sent them) and answer; OtlpError when not
+        stored, or when logs are turned off."""
+        if not self.logs_enabled:
+            raise OtlpError(404, "this agent takes no logs (--otlp-logs none): send them elsewhere or turn them on")
+        records = log_counts(request)
+        if records > self.max_spans:
+            raise OtlpError(413, f"{records} log records in one request are more than the receiver takes "
+                                 f"({self.max_spans}): send smaller batches")  # fmt: skip
+        if records:
+            self._write_ahead("otlp_logs", request, body, records, token)
+        return ExportLogsServiceResponse()
+
     def _write_ahead(self, kind: str, request, body: bytes | None, rows: int, token: str | None) -> None:
         payload = body if body is not None else request.SerializeToString()
         try:
@@ -415,6 +480,7 @@ class OtlpReceiver:
 _ROUTES = {
     "/v1/traces": (ExportTraceServiceRequest, OtlpReceiver.traces),
     "/v1/metrics": (ExportMetricsServiceRequest, OtlpReceiver.metrics),
+    "/v1/logs": (ExportLogsServiceRequest, OtlpReceiver.logs),
 }
 
 
@@ -430,7 +496,7 @@ class _OtlpHandler(httpd.Handler):
         try:
             route = _ROUTES.get(urlsplit(self.path).path.rstrip("/"))
             if route is None:
-                raise OtlpError(404, f"no OTLP endpoint at {urlsplit(self.path).path}: use /v1/traces or /v1/metrics",
+                raise OtlpError(404, f"no OTLP endpoint at {urlsplit(self.path).path}: use /v1/traces, /v1/metrics or /v1/logs",
                                 body_read=False)  # fmt: skip
             if not self.admitted(self.receiver.token):
                 raise OtlpError(401, "missing or wrong bearer token", body_read=False)

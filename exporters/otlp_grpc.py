@@ -31,6 +31,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
 import grpc  # noqa: E402
 from google.protobuf.duration_pb2 import Duration  # noqa: E402
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2  # noqa: E402
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2  # noqa: E402
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2  # noqa: E402
 
@@ -60,6 +61,7 @@ _RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
 
 # the HTTP status OtlpError carries -> the gRPC code the OTLP specification names for the same case
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          404: grpc.StatusCode.UNIMPLEMENTED,  # logs turned off (--otlp-logs none)
           413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
 
 # (service full name, request class, receiver method): the names from the service definitions opentelemetry-proto
@@ -70,6 +72,8 @@ _SERVICES = (
      trace_service_pb2.ExportTraceServiceRequest, OtlpReceiver.traces),
     (metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"],
      metrics_service_pb2.ExportMetricsServiceRequest, OtlpReceiver.metrics),
+    (logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"],
+     logs_service_pb2.ExportLogsServiceRequest, OtlpReceiver.logs),
 )  # fmt: skip
 
 

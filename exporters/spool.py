@@ -94,7 +94,9 @@ REASONS = (
 
 def dropped_kind(table: str) -> str:
     """What the rows of ``table`` (or of a write-ahead record kind) are counted as when dropped."""
-    return "spans" if table in ("otel_traces", "otlp_traces") else "metric_samples"
+    if table in ("otel_traces", "otlp_traces"):
+        return "spans"
+    return "log_records" if table in ("otel_logs", "otlp_logs") else "metric_samples"
 
 
 class _Dropped:
@@ -113,10 +115,10 @@ class _Dropped:
             return sum(n for (k, _), n in self.counts.items() if k == kind)
 
     def families(self, host: str) -> list:
-        """``stagetrace_dropped_spans_total`` and ``stagetrace_dropped_metric_samples_total``, labelled ``host`` and
+        """``stagetrace_dropped_spans_total``, ``..._metric_samples_total`` and ``..._log_records_total``, labelled ``host`` and
         ``reason`` (every reason, zero included, so that rate() and alerts see the series from the start)."""
         out = []
-        for kind, text in (("spans", "Spans"), ("metric_samples", "Metric samples")):
+        for kind, text in (("spans", "Spans"), ("metric_samples", "Metric samples"), ("log_records", "Log records")):
             family = CounterMetricFamily(f"stagetrace_dropped_{kind}", f"{text} dropped before reaching the store.",
                                          labels=["host", "reason"])  # fmt: skip
             with self._lock:

@@ -109,7 +109,7 @@ def test_every_panel_has_a_unit_and_reads_the_selected_data_source():
             assert 0 <= panel["gridPos"]["x"] and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24, where
             for target in panel["targets"]:
                 assert target["datasource"] == panel["datasource"] and target["editorType"] == "sql", where
-                expected_format = {"timeseries": 0, "traces": 3}.get(panel["type"], 1)
+                expected_format = {"timeseries": 0, "logs": 2, "traces": 3}.get(panel["type"], 1)
                 assert target["format"] == expected_format, where
 
 
@@ -200,6 +200,10 @@ def column_problems(kind: str, names: list[str], types: list[str], item: dict) -
             if alias not in typed or not pattern.match(typed[alias]):
                 problems.append(f"the Traces panel needs {alias} ({pattern.pattern}), got {typed.get(alias)}")
         problems += [f"unexpected Traces column {n}" for n in names if n not in TRACE_COLUMNS and n not in TRACE_OPTIONAL]
+    elif kind == "logs":  # the plugin's logs format: a time, a body, a level
+        for column, pattern in (("timestamp", TIME), ("body", STRING), ("level", STRING)):
+            if column not in typed or not pattern.match(typed[column]):
+                problems.append(f"the Logs panel needs {column} ({pattern.pattern}), got {typed.get(column)}")
     elif kind == "table":
         if not names:
             problems.append("a table needs columns")
@@ -211,13 +215,14 @@ def column_problems(kind: str, names: list[str], types: list[str], item: dict) -
 
 
 def may_be_empty(sql: str, demo_metrics: set[str]) -> bool:
-    """The demo writes no divergence analysis and no MPS, ethtool or NCCL samples: panels of those may be empty.
+    """The demo writes no divergence analysis, no logs and no MPS, ethtool or NCCL samples: panels of those may be
+    empty.
 
     A panel's metrics are those of its first MetricName condition (later ones filter, e.g. rdma_port_info).
     """
     plotted = re.search(r"MetricName (?:= '([a-z0-9_]+)'|IN \(([^)]*)\))", sql)
     names = set(re.findall(r"[a-z0-9_]+", plotted.group(1) or plotted.group(2))) if plotted else set()
-    return "stagetrace_divergences" in sql or bool(names and not names & demo_metrics)
+    return "stagetrace_divergences" in sql or "otel_logs" in sql or bool(names and not names & demo_metrics)
 
 
 @pytest.mark.parametrize("uid", sorted(DASHBOARDS))

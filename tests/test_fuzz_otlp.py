@@ -95,7 +95,8 @@ def sometimes(usual, odd):
 requests = st.fixed_dictionaries({
     "body": bodies,
     # mostly what the receiver serves, so most requests reach the decoder rather than a 404/405/415
-    "path": st.sampled_from(["/v1/traces"] * 5 + ["/v1/metrics"] * 4 + ["/v1/traces/", "/v1/logs", "/", "/v1/traces?x=%00"]),
+    "path": st.sampled_from(["/v1/traces"] * 5 + ["/v1/metrics"] * 4 + ["/v1/logs"] * 3
+                            + ["/v1/traces/", "/v1/profiles", "/", "/v1/traces?x=%00"]),
     "method": st.sampled_from(["POST"] * 15 + ["GET", "PUT"]),
     "content_type": sometimes(st.sampled_from(["application/x-protobuf"] * 8 + ["application/json"] * 8
                                     + ["application/json; charset=utf-8", "text/plain", ""]), header_text),

@@ -18,7 +18,7 @@ SECTIONS = {"receivers": "receivers", "processors": "processors", "exporters": "
 
 def test_every_pipeline_names_only_defined_components_and_every_component_is_used():
     pipelines = CONFIG["service"]["pipelines"]
-    assert set(pipelines) == {"traces", "metrics"}
+    assert set(pipelines) == {"traces", "metrics", "logs"}
     used = {section: set() for section in SECTIONS}
     for name, pipeline in pipelines.items():
         assert pipeline["receivers"] and pipeline["exporters"], name
@@ -42,8 +42,9 @@ def test_the_clickhouse_exporter_writes_the_database_and_tables_stagetrace_schem
     database = parse_dsn("chdb:///tmp/x").database
     assert exporter["database"] == database == "stagetrace"
     assert exporter["create_schema"] is False
-    written = {exporter["traces_table_name"], *(table["name"] for table in exporter["metrics_tables"].values())}
-    assert written == {"otel_traces", "otel_metrics_gauge", "otel_metrics_sum"}
+    written = {exporter["traces_table_name"], exporter["logs_table_name"],
+               *(table["name"] for table in exporter["metrics_tables"].values())}  # fmt: skip
+    assert written == {"otel_traces", "otel_logs", "otel_metrics_gauge", "otel_metrics_sum"}
     assert {(database, table) for table in written} <= created
     assert exporter["metrics_tables"]["gauge"]["name"] == "otel_metrics_gauge"
     assert exporter["metrics_tables"]["sum"]["name"] == "otel_metrics_sum"

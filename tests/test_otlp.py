@@ -195,7 +195,7 @@ def test_other_paths_methods_and_a_missing_token(store):
     receiver = OtlpReceiver(store, "127.0.0.1:0", token="s3cret")
     try:
         url = f"{receiver.url}/v1/traces"
-        assert post(f"{receiver.url}/v1/logs", b"", "application/x-protobuf", Authorization="Bearer s3cret")[0] == 404
+        assert post(f"{receiver.url}/v1/profiles", b"", "application/x-protobuf", Authorization="Bearer s3cret")[0] == 404
         with pytest.raises(urllib.error.HTTPError) as get:
             urllib.request.urlopen(url, timeout=5)
         assert get.value.code == 405 and get.value.headers["Allow"] == "POST"

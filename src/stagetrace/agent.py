@@ -152,7 +152,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
         low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None,
         analysis_by_default: bool = True, open_query: bool = False, web=None,
-        min_free_space: diskspace.Reserve | None = None) -> int:  # fmt: skip
+        min_free_space: diskspace.Reserve | None = None, otlp_logs: bool = True) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
@@ -196,7 +196,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         if otlp or otlp_grpc:
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom), otlp or "",
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom, logs=otlp_logs),
+                             otlp or "",
                              "--otlp", " for OTLP")  # fmt: skip
             cleanup.callback(receiver.close)  # before the store closes: its replay stops
             if otlp:

@@ -74,6 +74,7 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("request_id", nargs="?", metavar="REQUEST_ID")
     p.add_argument("--trace-id", metavar="TRACE_ID", help="look the trace up by its trace ID instead")
     p.add_argument("--json", action="store_true", help="print the trace as JSON")
+    p.add_argument("--logs", action="store_true", help="show all the request's log lines, not only the first few")
     p.set_defaults(run=_trace)
 
     p = commands.add_parser("explain", parents=[store], help="why a request's output deviates: stage, change, hardware")
@@ -118,9 +119,9 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
                    help="how often samples are inserted into the store, at least every interval "
                         "(default 10s, env STAGETRACE_INSERT_EVERY)")
     p.add_argument("--otlp", metavar="HOST:PORT", default="127.0.0.1:4318",
-                   help="OTLP/HTTP receiver for spans and metrics, or 'none' (default 127.0.0.1:4318)")
+                   help="OTLP/HTTP receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4318)")
     p.add_argument("--otlp-grpc", metavar="HOST:PORT", default="127.0.0.1:4317",
-                   help="OTLP/gRPC receiver for spans and metrics, or 'none' (default 127.0.0.1:4317)")
+                   help="OTLP/gRPC receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4317)")
     p.add_argument("--query-listen", metavar="HOST:PORT", default=DEFAULT_QUERY_LISTEN,
                    help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands and "
                         f"Grafana, or 'none' (default {DEFAULT_QUERY_LISTEN})")
@@ -146,6 +147,9 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--web-config-file", metavar="FILE",
                    help="TLS and basic auth for every listener, in Prometheus' web configuration format "
                         "(tls_server_config, basic_auth_users; env STAGETRACE_WEB_CONFIG_FILE)")
+    p.add_argument("--otlp-logs", choices=("store", "none"), default=os.environ.get("STAGETRACE_OTLP_LOGS", "store"),
+                   help="OTLP log records (/v1/logs, LogsService) into otel_logs, bodies as sent, or none: refused "
+                        "(default store; env STAGETRACE_OTLP_LOGS)")
     p.add_argument("--min-free-space", metavar="SIZE|PCT",
                    help="refuse new writes (503 / UNAVAILABLE, the senders retry) while free space on the store's or "
                         "the spool's filesystem is below this, e.g. 2GiB or 5%%, 0 for never (default 1GiB, at most 5%% "
@@ -212,17 +216,23 @@ def _trace(args) -> int:
             return 1
         hardware = context(store, found)
         pods = gpu_pods(store, found)
+        logs = lookup.logs_of(store, found)
     if args.json:
-        json.dump({**found.to_json(), "hardware": hardware, "pods": pods}, sys.stdout, indent=2, ensure_ascii=False)
+        json.dump({**found.to_json(), "hardware": hardware, "pods": pods, "logs": [line.to_json() for line in logs]},
+                  sys.stdout, indent=2, ensure_ascii=False)  # fmt: skip
         sys.stdout.write("\n")
     else:
-        from stagetrace.render import Output, gpu_holders, hardware_rises, waterfall
+        from stagetrace.render import Output, gpu_holders, hardware_rises, log_lines, waterfall
 
         out = Output()
         waterfall(out, found)
         gpu_holders(out, pods)
         hardware_rises(out, hardware)
+        log_lines(out, logs, None if args.logs else FIRST_LOG_LINES)
     return 0
+
+
+FIRST_LOG_LINES = 5  # `trace` shows this many of a request's log lines; --logs shows all
 
 
 def _duration_ns(text: str, option: str) -> int:
@@ -383,7 +393,7 @@ def _agent(args) -> int:
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
                          low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis,
                          analysis_by_default=not asked, open_query=args.query_open, web=web,
-                         min_free_space=reserve)  # fmt: skip
+                         min_free_space=reserve, otlp_logs=args.otlp_logs == "store")  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2

@@ -242,5 +242,39 @@ def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows:
     return out
 
 
+# The trace's log lines (otel_logs, the Collector's), by the bloom filter on TraceId inside the trace's time: a
+# producer's log line for a request comes while it runs, or just after (a minute either side).
+LOGS_SQL = """
+SELECT toUnixTimestamp64Nano(Timestamp), SeverityText, SeverityNumber, ServiceName, SpanId, Body, LogAttributes
+FROM {db:Identifier}.otel_logs
+WHERE TraceId = {tid:String}
+  AND Timestamp >= fromUnixTimestamp64Nano({t0:Int64}) AND Timestamp <= fromUnixTimestamp64Nano({t1:Int64})
+ORDER BY Timestamp
+LIMIT {limit:UInt64}"""
+
+
+@dataclass
+class LogLine:
+    time_ns: int
+    severity: str
+    severity_number: int
+    service: str
+    span_id: str
+    body: str
+    attributes: dict
+
+    def to_json(self) -> dict:
+        return {"time": iso_ns(self.time_ns), "severity": self.severity, "service": self.service,
+                "span_id": self.span_id or None, "body": self.body, "attributes": self.attributes}  # fmt: skip
+
+
+def logs_of(store: Store, trace: Trace, limit: int = 10_000) -> list[LogLine]:
+    """The log lines of the trace, in time order (at most ``limit``); none where the store keeps no logs."""
+    params = {"db": store.database, "tid": trace.trace_id, "t0": trace.start_ns - WINDOW_MARGIN_NS,
+              "t1": trace.start_ns + trace.duration_ns + WINDOW_MARGIN_NS, "limit": limit}  # fmt: skip
+    rows = store.client.query(LOGS_SQL, parameters=params).result_rows
+    return [LogLine(int(t), sev, int(num), service, span, body, dict(attrs)) for t, sev, num, service, span, body, attrs in rows]
+
+
 def _spans(store: Store, trace_id: str, start_ns: int, end_ns: int) -> list[Span]:
     return spans_of(store, [trace_id], start_ns, end_ns).get(trace_id, [])

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stagetrace import conventions
-from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace
+from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace, iso_ns
 
 WIDE = 110  # columns from which a trace's attributes fit beside its waterfall
 _STATUS_TEXT = {"Unset": "", "Ok": "ok", "Error": "error"}
@@ -249,6 +249,18 @@ def hardware_rises(out: Output, rises: list[dict]) -> None:
     columns = [Column("device", keep=True), Column("stage"), Column("host", keep=True), Column("counter", keep=True),
                Column("labels"), Column("increase", right=True)]  # fmt: skip
     out.table("hardware while it ran: error counters that rose", columns, rows)
+
+
+def log_lines(out: Output, lines: list, first: int | None) -> None:
+    """The request's log lines (otel_logs): how many, and the first ``first`` (all when None)."""
+    if not lines:
+        return
+    shown = lines if first is None else lines[:first]
+    rows = [[iso_ns(line.time_ns), line.severity or str(line.severity_number or ""), line.service,
+             Text(line.body)] for line in shown]  # fmt: skip
+    more = f" (the first {len(shown)}; --logs for all)" if len(shown) < len(lines) else ""
+    columns = [Column("time", keep=True), Column("severity"), Column("service"), Column("body")]
+    out.table(f"{len(lines)} log line{'s' if len(lines) != 1 else ''} of the request{more}", columns, rows)
 
 
 # --- explain ------------------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 5: why a request or stage is nondeterministic by design (conventions.NONDETERMINISM_SQL)
 # 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
-# in trace order (projection by_trace); 9: the requests' digests in input order (by_input)
-SCHEMA_VERSION = 9
+# in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs
+SCHEMA_VERSION = 10
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -157,6 +157,39 @@ SETTINGS index_granularity = {_LOOKUP_GRANULARITY}, ttl_only_drop_parts = 1, {_D
         "MergeTree()",
         f"""PARTITION BY toDate(Start)
 ORDER BY (TraceId, Start)
+SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
+        "cityHash64(TraceId)",
+    ),
+    # The Collector's log table (its newest layout, as its span table's: no TimestampTime column, the time in the key
+    # as toDateTime(Timestamp)): an engine's own log lines, joined to the request's trace by TraceId and SpanId.
+    Table(
+        "otel_logs",
+        f"""
+    Timestamp DateTime64(9) CODEC(Delta(8), ZSTD(1)),
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    TraceFlags UInt8,
+    SeverityText LowCardinality(String) CODEC(ZSTD(1)),
+    SeverityNumber UInt8,
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    Body String CODEC(ZSTD(1)),
+    ResourceSchemaUrl LowCardinality(String) CODEC(ZSTD(1)),
+    ResourceAttributes {_MAP} CODEC(ZSTD(1)),
+    ScopeSchemaUrl LowCardinality(String) CODEC(ZSTD(1)),
+    ScopeName String CODEC(ZSTD(1)),
+    ScopeVersion LowCardinality(String) CODEC(ZSTD(1)),
+    ScopeAttributes {_MAP} CODEC(ZSTD(1)),
+    LogAttributes {_MAP} CODEC(ZSTD(1)),
+    INDEX idx_trace_id TraceId TYPE bloom_filter(0.001) GRANULARITY 1,
+    INDEX idx_res_attr_key mapKeys(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_res_attr_value mapValues(ResourceAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_log_attr_key mapKeys(LogAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_log_attr_value mapValues(LogAttributes) TYPE bloom_filter(0.01) GRANULARITY 1,
+    INDEX idx_body Body TYPE tokenbf_v1(32768, 3, 0) GRANULARITY 8""",
+        "MergeTree()",
+        f"""PARTITION BY toDate(Timestamp)
+PRIMARY KEY (ServiceName, toDateTime(Timestamp))
+ORDER BY (ServiceName, toDateTime(Timestamp), Timestamp)
 SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
         "cityHash64(TraceId)",
     ),
@@ -407,7 +440,7 @@ def statements(database: str = "stagetrace", cluster: str | None = None, *, view
 
 
 # -- which generation of the Collector's tables a store holds: read from the store, not assumed
-COLLECTOR_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum")
+COLLECTOR_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "otel_logs")
 CURRENT, PREVIOUS = "the Collector's current layout", "the Collector's previous layout (stagetrace creates it)"
 _TABLES_SQL = """
 SELECT t.name, t.engine, t.sorting_key, c.type
@@ -446,7 +479,7 @@ def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
 # An embedded store's acknowledged rows rest on its own disk alone: its inserts are fsynced before they return, so
 # that a spool segment removed after the insert leaves nothing on an unsynced file (+8% a 4,096-span insert,
 # benchmarks/RESULTS.md). A server store keeps the engine's settings: its operator decides (replicas, its own fsync).
-DURABLE_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum",
+DURABLE_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "otel_logs",
                   "stagetrace_requests", "stagetrace_stages")
 DURABLE_SETTINGS = "fsync_after_insert = 1, fsync_part_directory = 1"
 _NOT_DURABLE_SQL = """
