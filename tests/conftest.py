@@ -89,6 +89,20 @@ def store(store_dsn):
         yield s
 
 
+@pytest.fixture
+def spans():
+    """What the span API records, in memory: stagetrace configured with the SDK's in-memory exporter."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    stagetrace.configure(tracer_provider=provider)
+    return memory
+
+
 @pytest.fixture(autouse=True)
 def _reset_tracing():
     yield

@@ -20,9 +20,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from opentelemetry.context import Context
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 import stagetrace
 from stagetrace import completion, lookup
@@ -98,15 +95,6 @@ def group(tmp_path):
     yield
     recording.remove()
     dist.destroy_process_group()
-
-
-@pytest.fixture
-def spans():
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    stagetrace.configure(tracer_provider=provider)
-    return memory
 
 
 class RowWise(torch.nn.Module):

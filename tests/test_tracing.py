@@ -18,15 +18,6 @@ from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
 from stagetrace.store import open_store
 
 
-@pytest.fixture
-def spans():
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    stagetrace.configure(tracer_provider=provider)
-    return memory
-
-
 def _by_name(memory):
     return {s.name: s for s in memory.get_finished_spans()}
 
