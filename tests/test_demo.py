@@ -26,7 +26,7 @@ from stagetrace.store import open_store
 REQUESTS, NODES, SEED = 600, 4, 11
 PIPELINE = {"service": SERVICE_NAME}  # query parameter: the pipeline's rows, not the fabric scenario's
 PIPELINE_HOST = "match(ResourceAttributes['host.name'], '^gpu-node-[0-9]+$')"
-README = Path(__file__).resolve().parents[1] / "README.md"
+GETTING_STARTED = Path(__file__).resolve().parents[1] / "docs" / "getting-started.md"
 
 
 def _demo(*args: str, env=None) -> subprocess.CompletedProcess:
@@ -333,8 +333,8 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "stagetrace" / "store").is_dir()
     assert "served 1000 requests" in done.stdout
-    # the README's figure for this run is what it prints
-    low, high = map(int, re.search(r"With the defaults, about (\d+)–(\d+)% of requests deviate", README.read_text()).groups())
+    # the docs' figure for this run is what it prints
+    low, high = map(int, re.search(r"With the defaults, about (\d+)–(\d+)% of requests deviate", GETTING_STARTED.read_text()).groups())
     deviating = int(re.search(r"deviating outputs: (\d+)", done.stdout)[1])
     assert low <= deviating / 10 <= high
     commands = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ") and "stagetrace " in line]

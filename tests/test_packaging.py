@@ -76,8 +76,10 @@ def test_wheel_from_a_clean_copy_imports_every_subpackage(tmp_path):
 
 
 def test_the_readme_otlp_example_is_installed_by_the_otlp_extra():
-    """The README's plain-SDK example imports the official OTLP exporters: `pip install '.[otlp]'` brings them."""
-    readme = (ROOT / "README.md").read_text()
+    """The docs' plain-SDK example imports the official OTLP exporters: `pip install '.[otlp]'` brings them, and the
+    README's front page says so too."""
+    readme = (ROOT / "docs" / "otlp.md").read_text()
+    assert "pip install '.[otlp]'" in (ROOT / "README.md").read_text()
     imported = set(re.findall(r"from opentelemetry\.exporter\.otlp\.proto\.(\w+)\.trace_exporter import", readme))
     assert imported == {"grpc", "http"}
     assert "pip install '.[otlp]'" in readme
