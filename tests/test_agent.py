@@ -158,6 +158,23 @@ def test_a_taken_listen_address_exits_2_with_one_line(tmp_path):
     ]
 
 
+def test_every_taken_address_is_named_in_one_line_at_the_first_start(tmp_path):
+    """Four listeners, two of their ports taken: one start says both, not one start per port."""
+    with socket.socket() as one, socket.socket() as two:
+        for taken in (one, two):
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+        metrics, otlp = ("127.0.0.1:%d" % s.getsockname()[1] for s in (one, two))
+        result = stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", metrics, "--otlp", otlp,
+                            "--otlp-grpc", "127.0.0.1:0", "--query-listen", "127.0.0.1:0",
+                            "--store", f"chdb://{tmp_path / 'store'}")  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"stagetrace agent: cannot listen on {metrics} (--listen: Address already in use), {otlp} (--otlp: Address "
+        "already in use): choose other addresses with those options (or none for the receivers and the query endpoint)"
+    ]
+
+
 def start_agent(tmp_path) -> tuple[subprocess.Popen, str]:
     """A running agent on a free loopback port, and its /metrics URL from its own log line."""
     log = tmp_path / "agent.log"

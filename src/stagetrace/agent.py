@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import signal
+import socket
 import threading
 import time
 
@@ -141,6 +142,25 @@ def _bind(start, listen: str, flag: str, what: str = ""):
         ) from None
 
 
+def _busy(listens: list[tuple[str | None, str]]) -> list[str]:
+    """The addresses (with the option that sets each) that something else listens on now: all of them found before
+    anything starts, so that a person fixes every one at once, not one per start."""
+    busy = []
+    for listen, flag in listens:
+        if not listen:
+            continue
+        host, port = parse_listen(listen)
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no owner
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                busy.append(f"{listen} ({flag}: {exc.strerror or exc})")
+    return busy
+
+
 def _exposed(listen: str, what: str, token: str | None) -> None:
     if token is None and not httpd.is_loopback(parse_listen(listen)[0]):
         logger.warning("%s listens on %s without a token: anyone who can reach it can use it "
@@ -166,6 +186,10 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     None: the default), below which writes are refused. The store is checked for parts the engine detached as
     broken at start and every minute (``store_health``).
     """
+    busy = _busy([(listen, "--listen"), (otlp, "--otlp"), (otlp_grpc, "--otlp-grpc"), (query_listen, "--query-listen")])
+    if len(busy) > 1:  # one alone gets the message of the listener that fails, below
+        raise AgentError(f"cannot listen on {', '.join(busy)}: choose other addresses with those options "
+                         "(or none for the receivers and the query endpoint)")  # fmt: skip
     stop = stop or threading.Event()
     shared = SerializedNode(node)
     embedded = parse_dsn(store).embedded
