@@ -55,7 +55,8 @@ def run(args) -> int:
         if args.to_dir:
             for path in write_tree(args.to_dir, settings, args.provisioning_path):
                 print(f"wrote {path}")
-            print("Grafana reads the data source password from $STAGETRACE_CLICKHOUSE_PASSWORD in its environment")
+            if settings.password_needed:
+                print("Grafana reads the data source password from $STAGETRACE_CLICKHOUSE_PASSWORD in its environment")
         else:
             from stagetrace.dashboards.grafana_api import provision
 

@@ -58,6 +58,7 @@ class ClickHouseSettings:
     # an embedded store: Grafana reads it through the agent's query endpoint; what to tell the operator
     through_agent: str = ""
     ca_file: str = ""  # the CA Grafana verifies the server's certificate against ($STAGETRACE_CA_FILE)
+    password_needed: bool = True  # False: through an agent that asks for no token
 
     def secure_json_data(self, password: str) -> dict:
         """The secrets: the password, and the CA certificate (the file's contents) when one is named."""
@@ -99,14 +100,14 @@ def settings_from(
         raise ProvisionError(str(exc)) from None
     server = None if location.embedded else location
     host = host or os.environ.get(ENV_HOST) or (server.host if server else None)
-    note = ""
+    note, needed = "", True
     if not host:
         if not location.path:
             raise ProvisionError(
                 "an in-memory store cannot be shared with Grafana: give --store chdb:///path (served by `stagetrace "
                 f"agent`), a server store with --store http(s)://host:8123/db, or --clickhouse-host (or {ENV_HOST})"
             )
-        host, port, note, agent_tls = _through_agent(location, port)
+        host, port, note, agent_tls, needed = _through_agent(location, port)
         secure = agent_tls if secure is None else secure
     protocol = protocol or os.environ.get(ENV_PROTOCOL) or "http"
     if protocol not in PROTOCOLS:
@@ -125,12 +126,13 @@ def settings_from(
     if ca_file and not Path(ca_file).is_file():
         raise ProvisionError(f"{ENV_CA_FILE}={ca_file} is not a file: name the CA that signed the server's certificate")
     return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password, note,
-                              ca_file)  # fmt: skip
+                              ca_file, needed or bool(password))  # fmt: skip
 
 
-def _through_agent(location, port: int | None) -> tuple[str, int, str, bool]:
+def _through_agent(location, port: int | None) -> tuple[str, int, str, bool, bool]:
     """Grafana reads an embedded store through the query endpoint of the agent that holds it: the address it
-    advertises, else the agent's default one; what the operator needs to know about it; whether it speaks TLS."""
+    advertises, else the agent's default one; what the operator needs to know about it; whether it speaks TLS;
+    whether it asks for its token (Grafana's data source password)."""
     record = through_agent.advertised(location)
     url = urlsplit(f"http://{config.DEFAULT_QUERY_LISTEN}" if record is None else record["query"])
     host, port = url.hostname or "127.0.0.1", port or url.port or 8123
@@ -140,7 +142,7 @@ def _through_agent(location, port: int | None) -> tuple[str, int, str, bool]:
     reach = ("run Grafana on this host's network (docker run --network host ...)" if host in ("127.0.0.1", "::1", "localhost")
              else f"Grafana must reach {host}:{port}")  # fmt: skip
     note = f"the store is embedded: Grafana reads it through the agent's query endpoint; {state}; {reach}{token}"
-    return host, port, note, url.scheme == "https"
+    return host, port, note, url.scheme == "https", bool(token)
 
 
 def _port(text: str | None) -> int | None:

@@ -382,6 +382,18 @@ def test_settings_come_from_flags_then_environment_then_the_store_dsn(monkeypatc
         settings_from(store="chdb://memory")
 
 
+def test_a_password_is_mentioned_only_where_grafana_needs_one(tmp_path, monkeypatch, capsys):
+    """Through an agent that asks for no token, Grafana needs no password, and `provision` says none; a server store
+    (or an agent with a token) does."""
+    monkeypatch.delenv("STAGETRACE_CLICKHOUSE_PASSWORD", raising=False)
+    monkeypatch.delenv("STAGETRACE_CLICKHOUSE_PASSWORD_FILE", raising=False)
+    assert cli.main(["provision", "--to-dir", str(tmp_path / "a"), "--store", f"chdb://{tmp_path / 'store'}"]) == 0
+    out = capsys.readouterr().out
+    assert "through the agent's query endpoint" in out and "data source password" not in out
+    assert cli.main(["provision", "--to-dir", str(tmp_path / "b"), "--store", "http://grafana@ch.internal:8123/stagetrace"]) == 0
+    assert "password from $STAGETRACE_CLICKHOUSE_PASSWORD" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # The provisioning tree against Grafana's file formats
 
