@@ -303,3 +303,17 @@ def test_an_agent_writing_to_a_server_store_loads_no_engine_and_no_dataframe_lib
             if process is not None:
                 process.terminate()
                 process.wait(timeout=30)
+
+
+def test_demo_on_a_store_an_agent_holds_says_so_first(tmp_path):
+    """The demo writes: on a store a running agent holds it says so at once, not after asking for --fresh."""
+    from tests.agents import Agent
+
+    agent = Agent(tmp_path)
+    try:
+        for extra in ((), ("--fresh",)):
+            result = stagetrace("demo", "--requests", "20", "--store", agent.dsn, *extra)
+            assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+            assert "in use by" in result.stderr and "stagetrace agent" in result.stderr, result.stderr
+    finally:
+        agent.stop()

@@ -302,7 +302,8 @@ def _demo(args) -> int:
     from stagetrace.render import Output, demo_summary, progress_bar
     from stagetrace.store import open_store
 
-    with open_store(args.store) as store, progress_bar("serving requests", enabled=not args.json) as progress:
+    # never through an agent: the demo writes, so a store an agent holds is said to be held before anything else
+    with open_store(args.store, agent_fallback=False) as store, progress_bar("serving requests", enabled=not args.json) as progress:
         try:
             earlier = "fresh" if args.fresh else "append" if args.append else "refuse"
             result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress,
