@@ -14,6 +14,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.terminal import run_on_terminal
 
@@ -208,3 +210,19 @@ def test_a_store_on_a_read_only_filesystem_is_read_in_place(demo_store, tmp_path
         assert found["deviating"] == json_of("divergences", "--since", "1d", "--store", dsn)["deviating"] > 0
     finally:
         subprocess.run(["umount", str(mounted)], check=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(words=st.lists(st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=50),
+                      min_size=1, max_size=30),
+       width=st.integers(min_value=10, max_value=120))  # fmt: skip
+def test_free_text_breaks_only_between_words(words, width):
+    """A free-text line on a terminal (explain's verdict, trace's attribute names): every line fits, or holds one
+    word wider than the line alone; every word (an ID to copy) comes out whole, in order."""
+    from rich.text import Text
+
+    from stagetrace.render import wrapped
+
+    lines = [line.plain for line in wrapped(Text(" ".join(words)), width)]
+    assert [w for line in lines for w in line.split()] == words
+    assert all(len(line) <= width or len(line.split()) == 1 for line in lines)

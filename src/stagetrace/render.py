@@ -14,6 +14,7 @@ Two layouts of the same content, one for people and one for pipes:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,6 +49,22 @@ def _plain(cell: Cell) -> str:
     return text.replace("\t", " ").replace("\n", " ")
 
 
+def wrapped(text: Text, width: int) -> list[Text]:
+    """``text`` in lines of at most ``width`` cells, broken only between words: an ID a person copies is never split
+    (a word wider than the line stands alone on its own line), its styles kept."""
+    out: list[Text] = []
+    for paragraph in text.split("\n", allow_blank=True):
+        offsets, start = [], 0
+        for word in re.finditer(r"\S+", paragraph.plain):
+            if word.end() - start > width and paragraph.plain[start:word.start()].strip():
+                offsets.append(word.start())
+                start = word.start()
+        for part in paragraph.divide(offsets):
+            part.rstrip()
+            out.append(part)
+    return out
+
+
 class Output:
     """Where a command prints: a terminal (``console.is_terminal``) or a pipe; see the module docstring."""
 
@@ -63,7 +80,8 @@ class Output:
         if not self.terminal:
             self.console.file.write(_plain(text) + "\n")
             return
-        self.console.print(text if isinstance(text, Text) else Text(text), style=style, soft_wrap=True)
+        for part in wrapped(text if isinstance(text, Text) else Text(text), self.width):
+            self.console.print(part, style=style, soft_wrap=True)
 
     def table(self, title: str, columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> None:
         if not rows:
