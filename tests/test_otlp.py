@@ -260,3 +260,28 @@ def test_gauges_and_sums_from_the_sdk_metric_exporter_land_in_the_collector_tabl
 def test_an_empty_metrics_request_is_accepted(receiver):
     body = ExportMetricsServiceRequest().SerializeToString()
     assert post(f"{receiver.url}/v1/metrics", body, "application/x-protobuf")[0] == 200
+
+
+def test_the_docs_sdk_snippet_holds_a_burst_of_6000_spans(store):
+    """The plain-SDK snippet in docs/otlp.md sizes the SDK's queue: a burst of 6,000 spans made faster than they can
+    be sent all reach the store (the SDK's default queue of 2,048 drops what overruns it, out of stagetrace's
+    sight). The queue settings are read from the page itself."""
+    import re
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "otlp.md").read_text()
+    settings = {k: int(v) for k, v in re.findall(r"(max_queue_size|max_export_batch_size)=(\d+)", page)}
+    assert settings["max_queue_size"] >= 6000
+    receiver = OtlpReceiver(store, "127.0.0.1:0")
+    try:
+        provider = TracerProvider()
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{receiver.url}/v1/traces"), **settings))
+        tracer = provider.get_tracer("burst")
+        for _ in range(6000):
+            tracer.start_span("burst").end()
+        provider.shutdown()
+        assert receiver.writer.flush()
+        assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 6000
+    finally:
+        receiver.close()
