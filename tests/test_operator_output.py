@@ -136,6 +136,13 @@ def test_divergences_open_with_a_tally_that_counts_the_rows(demo_store):
     assert run.stdout.index("# by cause") < run.stdout.index("# deviating requests")
     top = found["tally"][0]
     assert f"{top['cause']}\t{top['stage']}\t{top['requests']}\t" in run.stdout
+    # the header says what was left out and how to have it: the unseeded requests by service (here the demo's RL
+    # tenant; named when more than one service has some), and the way to analyse every deviating request
+    by_service = found["nondeterministic_by_service"]
+    assert by_service and sum(by_service.values()) == found["nondeterministic"]
+    header = run.stdout.splitlines()[0]
+    assert all(f"{service} {n}" in header for service, n in by_service.items()) == (len(by_service) > 1), header
+    assert ("--limit 0 analyses all" in header) == (found["analysed"] < found["deviating"]), header
 
 
 @pytest.mark.parametrize("columns", [80, 200, None])  # None: piped
@@ -226,3 +233,19 @@ def test_free_text_breaks_only_between_words(words, width):
     lines = [line.plain for line in wrapped(Text(" ".join(words)), width)]
     assert [w for line in lines for w in line.split()] == words
     assert all(len(line) <= width or len(line.split()) == 1 for line in lines)
+
+
+def test_the_divergences_header_counts_unseeded_requests_by_service():
+    import io
+
+    from rich.console import Console
+
+    from stagetrace.render import Output, divergence_groups
+
+    piped = io.StringIO()
+    found = {"deviating": 145, "analysed": 76, "nondeterministic": 841,
+             "nondeterministic_by_service": {"fabric": 720, "rag-demo": 121}, "groups": [], "tally": []}  # fmt: skip
+    divergence_groups(Output(Console(file=piped)), found, "1h")
+    assert piped.getvalue().splitlines()[0] == (
+        "145 deviating requests in the last 1h; the latest 76 analysed (--limit 0 analyses all); "
+        "841 sampled without a seed, not compared (fabric 720, rag-demo 121)")

@@ -344,11 +344,20 @@ def _seen(iso: str) -> str:
     return iso[:19].replace("T", " ")
 
 
+def _by_service(counts: dict[str, int]) -> str:
+    """`` (fabric 720, rag-demo 121)`` where more than one service counts; nothing for one."""
+    if len(counts) < 2:
+        return ""
+    return " (" + ", ".join(f"{service or '(no service)'} {n}" for service, n in counts.items()) + ")"
+
+
 def divergence_groups(out: Output, found: dict, since: str) -> None:
     """``stagetrace divergences``: a tally by cause and stage first, then each deviating request."""
     out.line(f"{found['deviating']} deviating requests in the last {since}"
-             + (f"; the latest {found['analysed']} analysed" if found["analysed"] < found["deviating"] else "")
+             + (f"; the latest {found['analysed']} analysed (--limit 0 analyses all)"
+                if found["analysed"] < found["deviating"] else "")
              + (f"; {found['nondeterministic']} sampled without a seed, not compared"
+                + _by_service(found.get("nondeterministic_by_service", {}))
                 if found.get("nondeterministic") else ""))  # fmt: skip
     for rollout in found.get("rollouts", ()):
         out.line(f"rollout: {rollout['summary']}")

@@ -159,6 +159,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "deviating": len(deviations) - explained,
         "analysed": len(rows),
         "nondeterministic": population.nondeterministic(store, t0, until_ns),
+        "nondeterministic_by_service": population.nondeterministic_by_service(store, t0, until_ns),
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
         "tally": tally(groups.values()),
         "groups": list(groups.values()),

@@ -39,6 +39,15 @@ def _requests(only: str = "") -> str:
 NONDETERMINISTIC_COUNT_SQL = f"""
 SELECT uniqExact(TraceId) FROM ({conventions.nondeterministic_traces_sql(
     _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})"""
+# the same requests by the service of their root span (a fleet's services sample differently)
+NONDETERMINISTIC_BY_SERVICE_SQL = f"""
+SELECT ServiceName, count() FROM (
+    SELECT TraceId, any(ServiceName) AS ServiceName FROM {{db:Identifier}}.stagetrace_requests
+    WHERE {_IN_WINDOW} AND TraceId IN ({conventions.nondeterministic_traces_sql(
+        _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})
+    GROUP BY TraceId)
+GROUP BY ServiceName ORDER BY count() DESC, ServiceName"""
+
 
 def _pairs(requests: str) -> str:
     """Each deviating request with its baseline, in one pass over ``requests``: the members of an input group are
@@ -118,6 +127,12 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inp
 def nondeterministic(store: Store, t0_ns: int, t1_ns: int) -> int:
     """How many requests in [t0, t1) sample nondeterministically by design."""
     return int(store.client.command(NONDETERMINISTIC_COUNT_SQL, parameters=_window(store, t0_ns, t1_ns)))
+
+
+def nondeterministic_by_service(store: Store, t0_ns: int, t1_ns: int) -> dict[str, int]:
+    """The same, by service, most first."""
+    rows = store.client.query(NONDETERMINISTIC_BY_SERVICE_SQL, parameters=_window(store, t0_ns, t1_ns)).result_rows
+    return {service: int(n) for service, n in rows}
 
 
 @dataclass
