@@ -314,6 +314,6 @@ def test_demo_on_a_store_an_agent_holds_says_so_first(tmp_path):
         for extra in ((), ("--fresh",)):
             result = stagetrace("demo", "--requests", "20", "--store", agent.dsn, *extra)
             assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-            assert "in use by" in result.stderr and "stagetrace agent" in result.stderr, result.stderr
+            assert "is held by the stagetrace agent" in result.stderr and "send spans over OTLP" in result.stderr
     finally:
         agent.stop()

@@ -300,10 +300,11 @@ def _divergences(args) -> int:
 def _demo(args) -> int:
     from stagetrace import demo
     from stagetrace.render import Output, demo_summary, progress_bar
-    from stagetrace.store import open_store
+    from stagetrace.store import StoreError, open_store
 
-    # never through an agent: the demo writes, so a store an agent holds is said to be held before anything else
-    with open_store(args.store, agent_fallback=False) as store, progress_bar("serving requests", enabled=not args.json) as progress:
+    with open_store(args.store) as store, progress_bar("serving requests", enabled=not args.json) as progress:
+        if store.read_only:  # the demo writes: a store an agent holds is said to be held before anything else
+            raise StoreError(store.client.refusal)
         try:
             earlier = "fresh" if args.fresh else "append" if args.append else "refuse"
             result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress,
