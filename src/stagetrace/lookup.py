@@ -134,11 +134,13 @@ FROM {db:Identifier}.stagetrace_requests
 WHERE RequestId = {rid:String}
 ORDER BY Start
 LIMIT 100"""
-# A trace's time span, from the Collector's trace-ID table (ordered by trace ID).
-TRACE_SPAN_SQL = """
-SELECT toUnixTimestamp(min(Start)), toUnixTimestamp(max(End)) + 1
+# Traces' time spans, from the Collector's trace-ID table (ordered by trace ID): the first and after the last second
+# their spans started in.
+TRACE_SPANS_SQL = """
+SELECT TraceId, toUnixTimestamp(min(Start)), toUnixTimestamp(max(End)) + 1
 FROM {db:Identifier}.otel_traces_trace_id_ts
-WHERE TraceId = {tid:String}"""
+WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
+GROUP BY TraceId"""
 
 
 def _request(store: Store, trace_id: str) -> tuple[str | None, str, str, str]:
@@ -167,10 +169,15 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     return Trace(request_id, latest_trace, trace_rows[0][3], start, end - start, spans, *request)
 
 
+def _extents(store: Store, trace_ids) -> dict[str, tuple[int, int]]:
+    """Trace ID → the first and after the last second (ns) its spans started in, by the trace-ID table."""
+    rows = store.client.query(TRACE_SPANS_SQL, parameters={"db": store.database, "traces": sorted(set(trace_ids))}).result_rows
+    return {trace_id: (start * S, end * S) for trace_id, start, end in rows}
+
+
 def _extent(store: Store, trace_id: str) -> tuple[int, int]:
-    """The first and last second (ns) the trace's spans started in, by the trace-ID table; (0, 0) when it has none."""
-    start, end = store.client.query(TRACE_SPAN_SQL, parameters={"db": store.database, "tid": trace_id}).result_rows[0]
-    return (start * 1_000_000_000, end * 1_000_000_000) if end > 1 else (0, 0)
+    """One trace's :func:`_extents`; (0, 0) when the table has none of its spans."""
+    return _extents(store, [trace_id]).get(trace_id, (0, 0))
 
 
 def by_trace_id(store: Store, trace_id: str) -> Trace:
@@ -213,11 +220,6 @@ def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int) -> 
     return out
 
 
-TRACES_SPAN_SQL = """
-SELECT TraceId, toUnixTimestamp(min(Start)), toUnixTimestamp(max(End)) + 1
-FROM {db:Identifier}.otel_traces_trace_id_ts
-WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
-GROUP BY TraceId"""
 MAX_WINDOWS = 32  # queries one spans_of_many runs at most
 
 
@@ -225,9 +227,8 @@ def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows:
     """The spans of many traces within ``within``, read only in the seconds they ran (by the trace-ID table): traces
     close in time share one window, at most ``max_windows`` of them (the nearest merged), so that a few thousand
     traces cost what their seconds of spans cost, not the whole window's."""
-    rows = store.client.query(TRACES_SPAN_SQL, parameters={"db": store.database, "traces": sorted(set(trace_ids))}).result_rows
-    extents = sorted((max(start * S, within[0]), min(end * S, within[1]), trace_id)
-                     for trace_id, start, end in rows)  # fmt: skip
+    extents = sorted((max(start, within[0]), min(end, within[1]), trace_id)
+                     for trace_id, (start, end) in _extents(store, trace_ids).items())  # fmt: skip
     if not extents:
         return {}
     # windows split at the widest gaps between one trace's end and the next one's start

@@ -132,8 +132,8 @@ class Store:
     def ensure_schema(self, cluster: str | None = None) -> bool:
         try:
             applied = schema.ensure_schema(self.client, self.database, cluster)
-            if self.location.embedded and not self.read_only:
-                applied = bool(schema.make_durable(self.client, self.database)) or applied
+            if applied and self.location.embedded:  # once, as the schema is made or upgraded (a Collector's too)
+                schema.make_durable(self.client, self.database)
             return applied
         except Exception as exc:  # the server's own message names the statement and the reason
             raise StoreError(f"cannot create the schema in {self.location.redacted()}: {_first_line(exc)}") from exc

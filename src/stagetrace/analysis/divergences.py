@@ -154,12 +154,13 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     if rows and not store.read_only:  # through a running agent's read-only endpoint, report without persisting
         store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
     explained = sum(expected.values())
+    unseeded = population.nondeterministic_by_service(store, t0, until_ns)
     return {
         "since_ns": since_ns,
         "deviating": len(deviations) - explained,
         "analysed": len(rows),
-        "nondeterministic": population.nondeterministic(store, t0, until_ns),
-        "nondeterministic_by_service": population.nondeterministic_by_service(store, t0, until_ns),
+        "nondeterministic": sum(unseeded.values()),
+        "nondeterministic_by_service": unseeded,
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
         "tally": tally(groups.values()),
         "groups": list(groups.values()),

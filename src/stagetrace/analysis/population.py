@@ -36,10 +36,8 @@ def _requests(only: str = "") -> str:
               _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}))
     GROUP BY RequestId
     HAVING InputDigest != ''"""
-NONDETERMINISTIC_COUNT_SQL = f"""
-SELECT uniqExact(TraceId) FROM ({conventions.nondeterministic_traces_sql(
-    _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})"""
-# the same requests by the service of their root span (a fleet's services sample differently)
+# Requests that sample nondeterministically by design, by the service of their root span (a fleet's services sample
+# differently)
 NONDETERMINISTIC_BY_SERVICE_SQL = f"""
 SELECT ServiceName, count() FROM (
     SELECT TraceId, any(ServiceName) AS ServiceName FROM {{db:Identifier}}.stagetrace_requests
@@ -54,7 +52,7 @@ def _pairs(requests: str) -> str:
     gathered into an array, and its majority and the baselines found with array functions."""
     return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
-       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(b, 4)
+       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2)
 FROM (
     SELECT InputDigest, members, Majority, Support,
            arrayFilter(m -> tupleElement(m, 3) = Majority, members) AS agreeing,
@@ -102,7 +100,6 @@ class Deviation:
     host: str
     baseline_request_id: str
     baseline_trace_id: str
-    baseline_start_ns: int
 
 
 def _window(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> dict:
@@ -120,17 +117,12 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inp
         parameters["inputs_from"] = inputs_from_ns
     sql = PAIRS_OF_NEW_INPUTS_SQL if inputs_from_ns else PAIRS_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, int(base_start))
-            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, base_start in rows]  # fmt: skip
-
-
-def nondeterministic(store: Store, t0_ns: int, t1_ns: int) -> int:
-    """How many requests in [t0, t1) sample nondeterministically by design."""
-    return int(store.client.command(NONDETERMINISTIC_COUNT_SQL, parameters=_window(store, t0_ns, t1_ns)))
+    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid)
+            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in rows]  # fmt: skip
 
 
 def nondeterministic_by_service(store: Store, t0_ns: int, t1_ns: int) -> dict[str, int]:
-    """The same, by service, most first."""
+    """How many requests in [t0, t1) sample nondeterministically by design, by service, most first."""
     rows = store.client.query(NONDETERMINISTIC_BY_SERVICE_SQL, parameters=_window(store, t0_ns, t1_ns)).result_rows
     return {service: int(n) for service, n in rows}
 
