@@ -94,6 +94,9 @@ KUBELET_LOG_DIR = Setting(
 )  # fmt: skip
 
 MPS_SERVER_COMM = "nvidia-cuda-mps-server"
+# gpu_process_info's roles; the analysis reads MPS_SERVER to know whose utilization is every client's
+COMPUTE, MPS_SERVER, MPS_CLIENT = "compute", "mps_server", "mps_client"
+UID_POD = "uid:"  # the pod label of a pod the kubelet's log directory does not name: uid:<pod UID>
 
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 _POD_UID = re.compile(rf"pod({_UID})")  # systemd's driver writes the UID's dashes as underscores
@@ -199,7 +202,7 @@ class ProcessOwners:
         if by_container is not None:
             return by_container
         pod = self.names.pod(uid)
-        return pod if pod is not None else Owner(pod=f"uid:{uid}")  # a pod the log directory does not name (yet)
+        return pod if pod is not None else Owner(pod=f"{UID_POD}{uid}")  # a pod the log directory does not name (yet)
 
     def is_mps_server(self, pid: int) -> bool:
         if pid not in self._roles:
@@ -257,12 +260,12 @@ def tenant_samples(
     tenants: dict[Owner, _Tenant] = defaultdict(_Tenant)
     for pid in sorted(memory):
         owner = owners.owner(pid) or NO_POD
-        role = "mps_client" if pid in clients else "mps_server" if owners.is_mps_server(pid) else "compute"
+        role = MPS_CLIENT if pid in clients else MPS_SERVER if owners.is_mps_server(pid) else COMPUTE
         pending.append((PROCESS, {"namespace": owner.namespace, "pod": owner.pod, "container": owner.container,
                                   "role": role}, {"pid": pid}))  # fmt: skip
         tenant = tenants[Owner(owner.namespace, owner.pod)]
         tenant.processes += 1
-        tenant.mps_clients += role == "mps_client"
+        tenant.mps_clients += role == MPS_CLIENT
         tenant.memory += memory[pid] or 0
         if samples.get(pid):
             sm = fmean(s["smUtil"] for s in samples[pid]) / 100

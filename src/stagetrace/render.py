@@ -291,6 +291,11 @@ def evidence(cause: dict, text=str, device=str) -> str:
         return text(f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
                     f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the "
                     "baseline's")  # fmt: skip
+    if cause["kind"] == "hardware" and cause.get("tenant"):
+        from stagetrace.analysis.tenants import describe
+
+        rank = text(f"rank {cause['rank']}: ") if cause.get("rank") else ""
+        return f"{rank}{text(describe(cause['name'], cause))}"
     if cause["kind"] == "hardware":
         rank = text(f"rank {cause['rank']}: ") if cause.get("rank") else ""
         shared = text(", shared with " + " ".join(cause["co_tenants"])) if cause.get("co_tenants") else ""

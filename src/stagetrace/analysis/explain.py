@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from stagetrace import conventions, lookup
-from stagetrace.analysis import detectors, inventory, population, rollouts
+from stagetrace.analysis import detectors, inventory, population, rollouts, tenants
 from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples
 from stagetrace.conventions import PIPELINE_STAGES
@@ -259,6 +259,9 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
         return (f"{lead}: {ev['gpu']} ({ev['host']}) used weights of step {top.value} ({top.name}) while its fleet "
                 f"served {top.baseline_value} ({ev['gpus_on_fleet_step']}/{ev['gpus']} other GPUs, since "
                 f"{ev['fleet_step_since'][:19].replace('T', ' ')} UTC): it missed a weight sync {tail}")  # fmt: skip
+    if top.kind == "hardware" and "tenant" in top.evidence:
+        rank = f" rank {top.evidence['rank']}'s" if top.evidence.get("rank") else " its"
+        return f"{lead}:{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the baseline {tail}"
     if top.kind == "hardware":
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
         change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")

@@ -18,7 +18,7 @@ from stagetrace.analysis.hardware import Samples
 from stagetrace.store import Store
 
 # Module names, which are the detectors' names, in the order they run.
-MODULES = ("attributes", "hardware", "rollout", "nondeterminism", "weights")
+MODULES = ("attributes", "hardware", "cotenants", "rollout", "nondeterminism", "weights")
 
 
 @dataclass
