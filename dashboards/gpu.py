@@ -1,4 +1,5 @@
-"""GPU & MPS: how busy, hot and throttled each GPU is, its XID and ECC events, MPS co-tenancy, and who holds it.
+"""GPU & MPS: how busy, hot and throttled each GPU is, its XID and ECC events, MPS co-tenancy, its SM, tensor and DRAM
+activity, and who holds and uses it.
 
 Reads the samples the gpu, mps and kubernetes collectors write to ClickHouse (``stagetrace agent``), the
 same samples the trace-lookup dashboard and divergence analysis read. The Kubernetes row sets the
@@ -9,6 +10,10 @@ and a node whose device plugin advertises two devices for it as counted twice.
 
 from __future__ import annotations
 
+from stagetrace.collectors.gpm import GPM_METRICS
+from stagetrace.collectors.gpu_tenants import (
+    TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UNATTRIBUTED,
+)  # fmt: skip
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import GPU, HOST, any_selected, counter, gauge
 
@@ -132,6 +137,70 @@ def kubernetes_panels() -> list[dict]:
     ]  # fmt: skip
 
 
+# -- GPM activity (Hopper and newer) and the tenants of each GPU: the gpu collector's gpm and gpu_tenants series
+
+GPM = {m.spec.name: m.spec for m in GPM_METRICS}
+# a MIG GPU instance's series beside its GPU's ("" is the whole GPU)
+GPU_OR_INSTANCE = f"concat({GPU}, if(Attributes['gpu_instance'] = '', '', concat(' GI ', Attributes['gpu_instance'])))"
+
+
+def activity(title: str, metrics: list[str], description: str) -> dict:
+    labels = {"gpu": GPU_OR_INSTANCE}
+    if len(metrics) > 1:  # which of the metrics, in its own words: tensor_active, tensor_hmma_active
+        labels["measure"] = "replaceRegexpOne(MetricName, '^gpu_(.*)_ratio$', '\\\\1')"
+    return p.timeseries(title, gauge([GPM[m].name for m in metrics], labels, "active", where=GPU_FILTERS),
+                        "percentunit", max_value=1, width=8, description=description)  # fmt: skip
+
+
+def tenants_of_each_gpu() -> str:
+    """Per GPU, at its newest tenant scrape in the range: each pod's memory, processes, MPS clients, SM and
+    memory-copy share (NULL where NVML cannot say: MPS clients), and the memory no listed process holds."""
+    tenant = "if(Attributes['pod'] = '', '(no pod)', concat(Attributes['namespace'], '/', Attributes['pod']))"
+    shares = {"sm_utilization": TENANT_SM.name, "memory_copy_utilization": TENANT_MEMORY_COPY.name}
+    share_columns = ", ".join(f"if(countIf(MetricName = '{name}') = 0, NULL, sumIf(Value, MetricName = '{name}')) "
+                              f"AS {alias}" for alias, name in shares.items())  # fmt: skip
+    names = ", ".join(f"'{spec.name}'" for spec in (TENANT_MEMORY, TENANT_PROCESSES, TENANT_MPS_CLIENTS, TENANT_SM,
+                                                    TENANT_MEMORY_COPY, UNATTRIBUTED))  # fmt: skip
+    return f"""
+        SELECT {HOST} AS host, Attributes['gpu'] AS gpu, Attributes['uuid'] AS uuid,
+               if(MetricName = '{UNATTRIBUTED.name}', '(unattributed)', {tenant}) AS tenant,
+               sumIf(Value, MetricName IN ('{TENANT_MEMORY.name}', '{UNATTRIBUTED.name}')) AS memory,
+               sumIf(Value, MetricName = '{TENANT_PROCESSES.name}') AS processes,
+               sumIf(Value, MetricName = '{TENANT_MPS_CLIENTS.name}') AS mps_clients, {share_columns}
+        FROM otel_metrics_gauge
+        WHERE MetricName IN ({names}) AND $__timeFilter(TimeUnix) AND {" AND ".join(GPU_FILTERS)}
+          AND ({HOST}, Attributes['uuid'], TimeUnix) IN (
+              SELECT {HOST}, Attributes['uuid'], max(TimeUnix) FROM otel_metrics_gauge
+              WHERE MetricName = '{TENANT_PROCESSES.name}' AND $__timeFilter(TimeUnix) GROUP BY 1, 2)
+        GROUP BY host, gpu, uuid, tenant
+        ORDER BY host, gpu, uuid, tenant = '(unattributed)', memory DESC
+    """
+
+
+def activity_panels() -> list[dict]:
+    return [
+        p.row("Activity (GPM) and tenants"),
+        activity("SM active", ["gpu_sm_active_ratio", "gpu_sm_occupancy_ratio"],
+                 "Fraction of SMs busy and resident warps against the maximum, between two scrapes (NVML GPM, DCGM's "
+                 "SM active and occupancy). GPUs without GPM (before Hopper) have none: gpu_gpm_supported 0."),
+        activity("Tensor active", ["gpu_tensor_active_ratio", "gpu_tensor_hmma_active_ratio"],
+                 "Fraction of time the SMs ran tensor-core instructions (any, and FP16/BF16 HMMA). A serving GPU "
+                 "whose memory is full and whose tensor activity stays near zero while a kernel runs is hung."),
+        activity("DRAM bandwidth active", ["gpu_dram_bandwidth_active_ratio"],
+                 "Device memory bandwidth used against its maximum (DCGM's DRAM active): decode is bound by it."),
+        p.table("Tenants of each GPU", tenants_of_each_gpu(), "none", height=8,
+                overrides=[p.override("memory", unit="bytes"),
+                           p.override("sm_utilization", unit="percentunit", noValue="MPS: the server's"),
+                           p.override("memory_copy_utilization", unit="percentunit", noValue="MPS: the server's")],
+                description="Each pod with processes on the physical GPU at its newest scrape, from NVML's process "
+                            "lists mapped to pods through /proc/<pid>/cgroup: its device memory (each process once, "
+                            "so the tenants and (unattributed) add up to the GPU's used memory), processes, MPS "
+                            "clients and SM and memory-copy share. Under MPS NVML samples only the MPS server, so its "
+                            "clients' pods have no share of their own. `stagetrace explain` names a co-tenant whose "
+                            "use rose while a request's stage ran on the GPU."),
+    ]  # fmt: skip
+
+
 def variables() -> list[dict]:
     gpus_of_hosts = (
         f"SELECT DISTINCT Attributes['uuid'] AS value, {GPU} AS text FROM otel_metrics_gauge "
@@ -210,6 +279,7 @@ def panels() -> list[dict]:
                      "bool", max_value=1,
                      description="Whether the gpu, mps and kubernetes collectors' last scrapes succeeded (0: source "
                                  "unavailable)."),
+        *activity_panels(),
         *kubernetes_panels(),
     ]  # fmt: skip
 
@@ -217,7 +287,7 @@ def panels() -> list[dict]:
 def build() -> dict:
     return p.dashboard(
         UID, "stagetrace: GPU & MPS",
-        "Utilization, memory, power, clocks and throttle reasons, XID and ECC events, MPS clients per GPU, and the "
-        "pods the kubelet allocated each GPU to.",
+        "Utilization, memory, power, clocks and throttle reasons, XID and ECC events, MPS clients per GPU, SM, tensor "
+        "and DRAM activity (GPM), the tenants of each GPU, and the pods the kubelet allocated each GPU to.",
         panels(), variables(),
     )  # fmt: skip

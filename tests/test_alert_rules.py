@@ -20,6 +20,7 @@ import yaml
 from stagetrace import store_health
 from stagetrace.analysis import live
 from stagetrace.collectors import MODULES as COLLECTOR_MODULES
+from stagetrace.collectors import gpm, gpu_tenants
 from stagetrace.collectors.base import MetricSpec
 from stagetrace.dashboards import alert_rules, build_all
 from stagetrace.dashboards.macros import QueryContext, expand
@@ -70,7 +71,7 @@ def test_every_rule_has_a_firing_and_a_non_firing_case():
              "StagetraceCollectorFailing", "StagetraceRdmaRailsUnbalanced", "StagetraceRdmaLinkBelowPeers",
              "StagetraceRdmaLinkRenegotiatedDown", "StagetraceNodeDown", "StagetraceGpuAllocatedBeyondSharing",
              "StagetraceGpuDevicesDoubleCounted", "StagetraceDeviatingOutputs", "StagetraceAnalysisLagging",
-             "StagetraceStoreBrokenParts"}  # fmt: skip
+             "StagetraceStoreBrokenParts", "StagetraceGpuHung"}  # fmt: skip
     assert set(_alerts()) == asked
     cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
     for alert in asked:
@@ -113,6 +114,8 @@ def collector_metric_names() -> set[str]:
                 walk(item, depth + 1)
 
     modules = [importlib.import_module(f"stagetrace.collectors.{m}") for m in ("base", *COLLECTOR_MODULES)]
+    modules.append(gpu_tenants)  # the gpu collector's per-process and per-pod series
+    names |= {metric.spec.name for metric in gpm.GPM_METRICS}  # the gpu collector's GPM series
     modules.append(live)  # the live analyser's own series
     modules.append(store_health)  # the store's health, which the agent checks
     for module in modules:
@@ -181,6 +184,9 @@ def test_every_metric_name_used_is_in_the_expected_scrape():
     # the store's health when the agent holds a store (tests/test_store_health.py scrapes it)
     for module in (live, store_health):
         scraped |= {spec.name for spec in vars(module).values() if isinstance(spec, MetricSpec)}
+    # GPM's series are computed between two samples a scrape apart, and `collect --once` takes one: the fixture
+    # node's scrape has gpu_gpm_supported alone (tests/test_collector_gpu_activity.py scrapes the series twice)
+    scraped |= {metric.spec.name for metric in gpm.GPM_METRICS}
     missing = {where: sorted(names - scraped) for where, names in _names_used().items() if names - scraped}
     assert not missing, f"metric names missing from {EXPECTED_SCRAPE.name}: {missing}"
 
