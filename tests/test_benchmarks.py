@@ -39,6 +39,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("durability", 14, [""] * 14),  # nine figures and one per drop reason
         ("live", 2, ["`divergences` over the window", "`divergences` once a minute"]),
         ("tensors", 5, [".float().cpu().numpy()"] * 3 + ["", "NumPy lanes"]),
+        ("decode", 2, ["the same loop unrecorded"] * 2),
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
         assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)

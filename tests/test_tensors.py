@@ -204,6 +204,32 @@ def test_arrays_through_dlpack():
     assert digest(Producer(torch.arange(10))) == digest(np.arange(10))
 
 
+@pytest.mark.parametrize("dtype, row", [
+    (torch.float32, (64,)),  # rows of whole words: one pass for every group
+    (torch.bfloat16, (4, 8)),
+    (torch.int64, ()),  # token IDs: a word a row
+    (torch.float32, (70_000,)),  # a batch larger than the host's hashing chunk, still one pass
+    (torch.float32, (1 << 20,)),  # larger than one pass takes: group by group
+    (torch.bfloat16, (3,)),  # 6-byte rows, not whole words: group by group
+])  # fmt: skip
+def test_each_request_of_a_batch_digests_as_its_rows_alone(dtype, row):
+    batch = (torch.randn((6, *row), generator=torch.Generator().manual_seed(3)) * 1000).to(dtype)
+    groups = [[(0, 2), (4, 5)], [(2, 3)], [(5, 6)]]  # row 3 is nobody's
+    alone = [digest(torch.cat([batch[a:b] for a, b in runs])) for runs in groups]
+    assert [d.result() for d in tensors.start_rows(batch, groups)] == alone
+    if dtype == torch.float32:
+        assert [d.result() for d in tensors.start_rows(batch.numpy(), groups)] == alone
+    changed = batch.clone()
+    changed[2].view(-1)[-1] *= -2  # one element of the second group's row (exact in every dtype here)
+    after = [d.result() for d in tensors.start_rows(changed, groups)]
+    assert after[0] == alone[0] and after[2] == alone[2] and after[1] != alone[1]
+
+
+def test_rows_outside_the_batch_are_a_one_line_error():
+    with pytest.raises(ValueError, match=r"^rows 4:9 are not within the batch's 6 rows$"):
+        tensors.start_rows(torch.zeros(6, 8), [[(0, 2)], [(4, 9)]])
+
+
 def test_stagetrace_digests_arrays_without_torch():
     """torch is never a dependency: without it, NumPy arrays and host DLPack producers digest the same."""
     script = (

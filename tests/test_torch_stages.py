@@ -166,6 +166,20 @@ def test_a_request_batched_with_others_digests_as_it_does_alone(group, spans):
     assert completion.DIGEST_ERROR not in got[("b", "decode")]
 
 
+def test_a_sampler_recorded_without_its_inputs_records_token_ids_only(group, spans):
+    model = RowWise()
+    sampler = torch.nn.Module()
+    sampler.forward = lambda logits: logits.float().argmax(dim=-1)
+    hook = stagetrace_torch.record_decode(sampler, inputs=False)
+    with torch.no_grad(), _root("ids") as req, stagetrace_torch.serving(req):
+        tokens = [sampler(model(torch.tensor([5]))) for _ in range(2)]
+    hook.remove()
+    assert stagetrace.flush(5_000)
+    decode = _stages(spans)[("ids", "decode")]
+    assert "stagetrace.stage.input_digest" not in decode
+    assert decode["stagetrace.stage.output_digest"] == digest([digest(t) for t in tokens])
+
+
 def test_nothing_is_recorded_outside_serving_and_remove_restores_torch(tmp_path, spans):
     original = dist.all_reduce
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)

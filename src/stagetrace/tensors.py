@@ -42,6 +42,7 @@ ready. Nothing synchronises the caller's stream or thread; the result is read wh
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -54,6 +55,7 @@ from stagetrace.digest import framed, digest
 TAG = b"X"
 M1, C1, C2, M3 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xBF58476D1CE4E5B9
 HOST_CHUNK_WORDS = 1 << 15  # 256 KiB of words and two temporaries of that size stay in a core's L2 cache
+ROWS_PASS_WORDS = 1 << 21  # a batch up to 16 MiB is split among its groups in one pass (two temporaries its size)
 DEVICE_CHUNK_WORDS = 1 << 23  # 64 MiB temporaries on the device: a larger tensor is hashed in several chunks
 _MASK64 = (1 << 64) - 1
 
@@ -74,6 +76,24 @@ _S32, _S33 = np.uint64(32), np.uint64(33)
 _INDEX = np.arange(HOST_CHUNK_WORDS, dtype=np.uint64)  # word indices of a chunk, made once
 
 
+def _a_terms(words: np.ndarray, index: np.ndarray, x: np.ndarray, t: np.ndarray) -> None:
+    """x <- fmix64((words * M1) ^ index), the terms of A; t is scratch (it may hold ``index``: read before reuse)."""
+    np.multiply(words, _M1_64, out=x)
+    np.bitwise_xor(x, index, out=x)
+    for multiplier in (_C1_64, _C2_64, None):  # fmix64
+        np.right_shift(x, _S33, out=t)
+        np.bitwise_xor(x, t, out=x)
+        if multiplier is not None:
+            np.multiply(x, multiplier, out=x)
+
+
+def _b_terms(x: np.ndarray, t: np.ndarray) -> None:
+    """x (A's terms) <- B's terms, in place."""
+    np.multiply(x, _M3_64, out=x)
+    np.right_shift(x, _S32, out=t)
+    np.bitwise_xor(x, t, out=x)
+
+
 def host_lanes(words: np.ndarray, start: int = 0) -> tuple[int, int]:
     """(A, B) of little-endian uint64 ``words`` whose first word has index ``start``."""
     n = len(words)
@@ -85,21 +105,10 @@ def host_lanes(words: np.ndarray, start: int = 0) -> tuple[int, int]:
     for lo in range(0, n, size):
         k = min(n, lo + size) - lo
         xs, ts = x[:k], t[:k]
-        np.multiply(words[lo : lo + k], _M1_64, out=xs)
-        if start + lo:
-            np.add(_INDEX[:k], np.uint64(start + lo), out=ts)
-            np.bitwise_xor(xs, ts, out=xs)
-        else:
-            np.bitwise_xor(xs, _INDEX[:k], out=xs)
-        for multiplier in (_C1_64, _C2_64, None):  # fmix64
-            np.right_shift(xs, _S33, out=ts)
-            np.bitwise_xor(xs, ts, out=xs)
-            if multiplier is not None:
-                np.multiply(xs, multiplier, out=xs)
+        index = np.add(_INDEX[:k], np.uint64(start + lo), out=ts) if start + lo else _INDEX[:k]
+        _a_terms(words[lo : lo + k], index, xs, ts)
         a += int(xs.sum(dtype=np.uint64))  # NumPy's uint64 sum wraps modulo 2**64, as the definition does
-        np.multiply(xs, _M3_64, out=xs)  # x is spent: y in its place
-        np.right_shift(xs, _S32, out=ts)
-        np.bitwise_xor(xs, ts, out=xs)
+        _b_terms(xs, ts)
         b += int(xs.sum(dtype=np.uint64))
     return a & _MASK64, b & _MASK64
 
@@ -188,8 +197,12 @@ def torch_dtype_name(dtype) -> str:
 
 def payload(name: str, shape, lanes: tuple[int, int]) -> bytes:
     """What goes into the BLAKE2b frame: ``name(shape)``, a zero byte, A and B as 8 little-endian bytes each."""
-    meta = f"{name}{tuple(int(d) for d in shape)}".encode()
-    return meta + b"\0" + lanes[0].to_bytes(8, "little") + lanes[1].to_bytes(8, "little")
+    return _meta(name, tuple(shape)) + lanes[0].to_bytes(8, "little") + lanes[1].to_bytes(8, "little")
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta(name: str, shape: tuple) -> bytes:  # a decode loop digests the same few shapes at every step
+    return f"{name}{tuple(int(d) for d in shape)}".encode() + b"\0"
 
 
 def _host_array(value) -> np.ndarray:
@@ -408,17 +421,92 @@ def _ready(payload_bytes: bytes) -> Ready:
 
 def host_payload(array) -> bytes:
     """The frame payload of a NumPy array or a CPU tensor (hashed here, now)."""
-    if isinstance(array, np.ndarray):
-        name, shape = numpy_dtype_name(array.dtype), array.shape
-        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    else:
-        import torch
-
-        name, shape = torch_dtype_name(array.dtype), array.shape
-        if array.numel() == 0:
-            return payload(name, shape, (0, 0))
-        data = _flat(array).view(torch.uint8).numpy()
+    name, shape, data = _host_bytes(array)
     return payload(name, shape, host_lanes(host_words(data)))
+
+
+def _host_bytes(array) -> tuple[str, tuple, np.ndarray]:
+    """A NumPy array's or a CPU tensor's dtype name, shape and bytes in C order (uint8, a view where it can be)."""
+    if isinstance(array, np.ndarray):
+        return numpy_dtype_name(array.dtype), array.shape, np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    import torch
+
+    name, shape = torch_dtype_name(array.dtype), array.shape
+    if array.numel() == 0:
+        return name, shape, np.empty(0, np.uint8)
+    return name, shape, _flat(array).view(torch.uint8).numpy()
+
+
+# -- the rows of a batch, each group's own: start(batch[rows]) for every group, in one pass
+def start_rows(value, groups: list[list[tuple[int, int]]]) -> list:
+    """Each group's digest of its rows of ``value``: ``groups[g]`` lists runs ``(start, stop)`` of the leading
+    dimension, and its digest is ``start()``'s of those rows concatenated in order. On the host, when a row is whole
+    64-bit words, every group is hashed in one pass over the batch: each word's index is its index in its group's
+    rows, and the lanes are summed per run (the hash's terms depend on one word and its index only); else, and on
+    a device, group by group. Runs must lie within the leading dimension and not overlap."""
+    array = as_tensor_or_array(value)
+    on_host = isinstance(array, np.ndarray) or (array.device.type == "cpu" and storage_problem(array) is None)
+    if on_host and array.ndim and array.shape[0]:
+        name, shape, data = _host_bytes(array)
+        row_bytes = len(data) // shape[0]
+        if row_bytes and row_bytes % 8 == 0 and len(data) // 8 <= ROWS_PASS_WORDS:
+            sums = _RowLayout.of(shape[0], row_bytes // 8, groups).lanes(data.view("<u8"))
+            return [_ready(payload(name, (rows, *shape[1:]), lanes)) for rows, lanes in sums]
+    return [start(_take(array, runs)) for runs in groups]
+
+
+def _take(array, runs: list[tuple[int, int]]):
+    if len(runs) == 1:
+        return array[runs[0][0] : runs[0][1]]
+    if isinstance(array, np.ndarray):
+        return np.concatenate([array[a:b] for a, b in runs])
+    import torch
+
+    return torch.cat([array[a:b] for a, b in runs])
+
+
+class _RowLayout:
+    """For a batch of ``rows`` rows of ``row_words`` words and the groups' runs: each word's index in its group's
+    rows, and the segments to sum. Made once per layout: a decode loop asks for the same one at every step."""
+
+    _made: dict = {}
+
+    @classmethod
+    def of(cls, rows: int, row_words: int, groups: list[list[tuple[int, int]]]) -> _RowLayout:
+        key = (rows, row_words, tuple(tuple(runs) for runs in groups))
+        layout = cls._made.get(key)
+        if layout is None:
+            if len(cls._made) >= 64:
+                cls._made.clear()
+            layout = cls._made[key] = cls(rows, row_words, groups)
+        return layout
+
+    def __init__(self, rows: int, row_words: int, groups: list[list[tuple[int, int]]]):
+        self.index = np.zeros(rows * row_words, np.uint64)  # rows in no group: hashed, never summed
+        self.rows = []
+        starts = []
+        for runs in groups:
+            offset = 0
+            for a, b in runs:
+                if not 0 <= a < b <= rows:
+                    raise ValueError(f"rows {a}:{b} are not within the batch's {rows} rows")
+                self.index[a * row_words : b * row_words] = np.arange(offset, offset + (b - a) * row_words, dtype=np.uint64)
+                offset += (b - a) * row_words
+                starts.append(a * row_words)
+            self.rows.append(offset // row_words)
+        bounds = sorted(set(starts) | {b * row_words for runs in groups for _, b in runs} | {0})
+        self.bounds = np.array([w for w in bounds if w < rows * row_words], np.intp)
+        at = {w: i for i, w in enumerate(self.bounds.tolist())}
+        self.segments = [[at[a * row_words] for a, _ in runs] for runs in groups]
+
+    def lanes(self, words: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
+        x, t = np.empty_like(self.index), np.empty_like(self.index)
+        _a_terms(words, self.index, x, t)
+        a = np.add.reduceat(x, self.bounds, dtype=np.uint64).tolist()
+        _b_terms(x, t)
+        b = np.add.reduceat(x, self.bounds, dtype=np.uint64).tolist()
+        return [(rows, (sum(a[i] for i in segments) & _MASK64, sum(b[i] for i in segments) & _MASK64))
+                for rows, segments in zip(self.rows, self.segments)]  # fmt: skip
 
 
 def _flat(tensor):

@@ -167,23 +167,16 @@ class serving:
         return False
 
     # -- what each request gets of a tensor
-    def _own_rows(self, tensor, member: _Member):
-        if member.runs is None or tensor.dim() == 0 or tensor.shape[0] != self._rows:
-            return tensor
-        if len(member.runs) == 1:
-            start, stop = member.runs[0]
-            return tensor[start:stop]
-        return torch.cat([tensor[start:stop] for start, stop in member.runs])
-
     def _digests(self, tensor) -> list:
-        """Each member's digest of its rows of ``tensor`` (Ready, Pending on a device, or Failed)."""
-        out = []
-        for member in self._members:
-            try:
-                out.append(tensors.start(self._own_rows(tensor, member)))
-            except Exception as exc:  # a tensor that cannot be digested: the span says so, the model goes on
-                out.append(tensors.Failed(f"cannot digest the tensor: {exc}"))
-        return out
+        """Each member's digest of its rows of ``tensor`` (Ready, Pending on a device, or Failed): a tensor whose
+        leading dimension is the batch's rows is split, one pass for all members; any other is each one's whole."""
+        members = self._members
+        try:
+            if members[0].runs is not None and tensor.dim() and tensor.shape[0] == self._rows:
+                return tensors.start_rows(tensor, [member.runs for member in members])
+            return [tensors.start(tensor)] * len(members)
+        except Exception as exc:  # a tensor that cannot be digested: the span says so, the model goes on
+            return [tensors.Failed(f"cannot digest the tensor: {exc}")] * len(members)
 
     # -- the collectives
     def _collective_begins(self, tensor, group):
@@ -350,22 +343,23 @@ def _recording_all_reduce(original):
     return all_reduce
 
 
-def record_decode(module: torch.nn.Module, *, select=None):
+def record_decode(module: torch.nn.Module, *, select=None, inputs: bool = True):
     """Record ``module``'s calls inside ``serving`` as the requests' ``decode`` stage: its output (logits, or the
-    token IDs of a sampling module) and its first input. ``select(output)`` picks the tensor when the output is not
-    one (default: the output itself, a tuple's first tensor, or a model output's ``logits``). Returns the hook's
-    handle (``.remove()``)."""
+    token IDs of a sampling module) and, unless ``inputs=False``, its first input. ``select(output)`` picks the
+    tensor when the output is not one (default: the output itself, a tuple's first tensor, or a model output's
+    ``logits``). Returns the hook's handle (``.remove()``). A sampler hooked with ``inputs=False`` records token IDs
+    only: the cheapest decode content (its input, the logits, is the largest tensor of a step)."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"record_decode needs a torch.nn.Module, not {type(module).__name__}")
 
-    def hook(_module, inputs, output):
+    def hook(_module, args, output):
         batch = _active.get()
         if batch is None:
             return
         tensor = select(output) if select is not None else _decode_tensor(output)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"record_decode: the output is a {type(tensor).__name__}; pass select= to pick its tensor")
-        batch._decoded(inputs, tensor)
+        batch._decoded(args if inputs else (), tensor)
 
     return module.register_forward_hook(hook)
 
