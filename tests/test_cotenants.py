@@ -13,6 +13,7 @@ own pod busier, the MPS server's utilization rising with everyone's work.
 from __future__ import annotations
 
 import random
+import re
 import statistics
 import time
 
@@ -24,14 +25,18 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from stagetrace import conventions as st
+from stagetrace import lookup
+from stagetrace.analysis import activity
 from stagetrace.analysis.explain import Explainer
 from stagetrace.analysis.tenants import GIB, amount, describe
 from stagetrace.collectors.base import Samples
+from stagetrace.collectors.gpm import GPM_METRICS
 from stagetrace.collectors.gpu_tenants import (
     MPS_SERVER, PROCESS, TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM,
 )  # fmt: skip
 from stagetrace.exporters.clickhouse import METRIC_COLUMNS, ClickHouseSpanExporter, metric_rows
-from stagetrace.render import evidence
+from stagetrace.render import Output, evidence, gpu_activity
+from stagetrace.report import incident_html
 
 S = 1_000_000_000
 INTERVAL = 15 * S
@@ -70,11 +75,14 @@ def request(store, request_id: str, interval: int, output: str, pod: tuple[str, 
     provider.shutdown()
 
 
-def scrapes(store, tenants: dict[tuple[str, str], dict], mps_server: tuple[str, str] | None = None) -> None:
+def scrapes(store, tenants: dict[tuple[str, str], dict], mps_server: tuple[str, str] | None = None,
+            gpm: dict | None = None) -> None:  # fmt: skip
     """The gpu collector's tenant series at every scrape. ``tenants`` maps a pod to {spec: {scrape: value}}; a pod
-    is on the GPU at the scrapes its memory has a value for."""
+    is on the GPU at the scrapes its memory has a value for. ``gpm``: the whole GPU's GPM series, {spec: values}."""
     for i in range(SCRAPES):
         out = Samples()
+        for spec, values in (gpm or {}).items():
+            out.add(spec, values[i], **GPU_LABELS, gpu_instance="")
         for (namespace, pod), series in tenants.items():
             if i not in series[TENANT_MEMORY]:
                 continue
@@ -187,3 +195,25 @@ def test_a_span_that_names_no_pod_gets_a_co_tenants_burst_as_weak_evidence_only(
     assert named and all(c["weak"] and c["own_pod"].startswith("unknown") for c in named)
     assert "batch/worker-0" in {c["tenant"] for c in named}
     assert "shared by" not in report["summary"]
+
+
+def test_trace_and_the_incident_report_show_the_gpus_activity_and_the_co_tenants_use(store, capsys):
+    """Beside the stage: its GPU's SM, tensor and DRAM activity over the scrapes that cover it; in the report, the
+    co-tenant's series and the GPU's activity around the stage's window."""
+    specs = {m.spec.name: m.spec for m in GPM_METRICS}
+    gpm = {specs[name]: burst(0.3, 0.9, 0.05, 40 + n) for n, name in enumerate(activity.SHOWN.values())}
+    scrapes(store, time_sliced(burst(0.05, 0.8, 0.02, 41)), gpm=gpm)
+    population(store)
+    [row] = activity.of_trace(store, lookup.by_request_id(store, "odd"))
+    assert (row["stage"], row["device"], row["host"]) == ("decode", UUID, HOST)
+    for column, name in activity.SHOWN.items():  # the decode ran inside one interval: the scrape after it
+        assert row[column] == pytest.approx(gpm[specs[name]][BURST])
+    gpu_activity(Output(), [row])
+    shown = capsys.readouterr().out
+    assert "GPU activity while it ran" in shown and f"{row['tensor_active']:.0%}" in shown
+
+    page = incident_html(store, Explainer(store).explain("odd"))
+    figures = re.findall(r"<figcaption>(.*?)</figcaption>", page)
+    assert any(TENANT_SM.name in f and "batch/worker-0" in f for f in figures), figures
+    assert {name for name in activity.SHOWN.values() if any(name in f and "GPM" in f for f in figures)} == set(
+        activity.SHOWN.values())

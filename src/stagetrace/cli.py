@@ -204,6 +204,7 @@ def _trace(args) -> int:
         print("stagetrace trace: give a REQUEST_ID or --trace-id TRACE_ID", file=sys.stderr)
         return 2
     from stagetrace import lookup
+    from stagetrace.analysis import activity
     from stagetrace.analysis.hardware import context
     from stagetrace.analysis.pods import gpu_pods
     from stagetrace.store import open_store
@@ -215,17 +216,20 @@ def _trace(args) -> int:
             print(f"stagetrace: {exc} in {store.location.redacted()}", file=sys.stderr)
             return 1
         hardware = context(store, found)
+        busy = activity.of_trace(store, found)
         pods = gpu_pods(store, found)
         logs = lookup.logs_of(store, found)
     if args.json:
-        json.dump({**found.to_json(), "hardware": hardware, "pods": pods, "logs": [line.to_json() for line in logs]},
+        json.dump({**found.to_json(), "hardware": hardware, "activity": busy, "pods": pods,
+                   "logs": [line.to_json() for line in logs]},
                   sys.stdout, indent=2, ensure_ascii=False)  # fmt: skip
         sys.stdout.write("\n")
     else:
-        from stagetrace.render import Output, gpu_holders, hardware_rises, log_lines, waterfall
+        from stagetrace.render import Output, gpu_activity, gpu_holders, hardware_rises, log_lines, waterfall
 
         out = Output()
         waterfall(out, found)
+        gpu_activity(out, busy)
         gpu_holders(out, pods)
         hardware_rises(out, hardware)
         log_lines(out, logs, None if args.logs else FIRST_LOG_LINES)

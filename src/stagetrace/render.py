@@ -257,6 +257,18 @@ def gpu_holders(out: Output, pods: list[dict]) -> None:
         out.table("pods on its GPUs", columns, rows)
 
 
+def gpu_activity(out: Output, rows: list[dict]) -> None:
+    """How busy each span's GPU was while it ran (GPM: Hopper and newer), where it has the series."""
+    from stagetrace.analysis.activity import SHOWN
+
+    columns = [Column("stage", keep=True), Column("gpu", keep=True), Column("host", keep=True),
+               *(Column(key.replace("_", " "), right=True) for key in SHOWN)]  # fmt: skip
+    cells = [[row["stage"] + (f"[{row['rank']}]" if row.get("rank") else ""), Text(row["device"]), row["host"],
+              *(f"{row[k]:.0%}" if k in row else "" for k in SHOWN)] for row in rows]  # fmt: skip
+    if cells:
+        out.table("GPU activity while it ran (GPM)", columns, cells)
+
+
 def hardware_rises(out: Output, rises: list[dict]) -> None:
     """Error counters that rose on the request's GPUs and NICs while its stages ran."""
     rows = []
@@ -427,4 +439,4 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: s
 
 
 __all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "evidence", "explanation",
-           "gpu_holders", "hardware_rises", "progress_bar", "waterfall"]
+           "gpu_activity", "gpu_holders", "hardware_rises", "progress_bar", "waterfall"]

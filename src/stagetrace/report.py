@@ -3,7 +3,8 @@
 It holds what ``explain`` concluded and what it saw: the verdict, the request's and the baseline's waterfalls
 side by side with the divergent stage marked, the stage-by-stage digest comparison, the ranked causes with
 their evidence, and for each hardware cause the counter's samples around the stage's window, the window
-shaded. Everything is inline (CSS, SVG): the page fetches nothing, runs no script, and prints as it shows.
+shaded (for a co-tenant, that tenant's use of the GPU), beside the GPM activity of the divergent stage's GPU.
+Everything is inline (CSS, SVG): the page fetches nothing, runs no script, and prints as it shows.
 IDs are in ``<code>`` elements that never wrap and select whole with one click.
 """
 
@@ -12,11 +13,15 @@ from __future__ import annotations
 from html import escape
 
 from stagetrace import lookup
-from stagetrace.analysis.hardware import Samples
+from stagetrace.analysis.activity import NAMES as ACTIVITY_NAMES
+from stagetrace.analysis.activity import Activity
+from stagetrace.analysis.hardware import Samples, devices
+from stagetrace.analysis.tenants import Tenancy
 from stagetrace.render import evidence
 from stagetrace.store import Store
 
 CAUSES_SHOWN = 8
+ACTIVITY_GPUS = 2  # a TP stage's GPUs beyond these add charts, not understanding
 _STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#1d232b;max-width:1400px}
 h1{font-size:20px;margin:0 0 4px}h2{font-size:16px;margin:28px 0 8px;border-bottom:1px solid #d5dae0}
@@ -108,6 +113,41 @@ def _value(text: str) -> str:
     return _code(text) if " " not in text else escape(text)
 
 
+def _figure(times: list[int], values: list[float], window: tuple[int, int], name: str, caption: str) -> str:
+    return f'<figure class="counter">{series_svg(times, values, window, name)}<figcaption>{caption}</figcaption></figure>'
+
+
+def _activity_charts(store: Store, trace: lookup.Trace, stage: str | None) -> list[str]:
+    """The GPM activity of the divergent stage's GPUs (the first ``ACTIVITY_GPUS``) around the stage's window."""
+    spans = [s for s in trace.spans if stage and s.stage == stage]
+    gpus = list(dict.fromkeys((s.resource.get("host.name", ""), u) for s in spans for u in devices(s.attributes)[0]))
+    if not gpus:
+        return []
+    start = min(s.start_ns for s in spans)
+    end = max(s.start_ns + s.duration_ns for s in spans)
+    found = Activity(store, gpus[:ACTIVITY_GPUS], start, end)
+    charts = []
+    for host, uuid in gpus[:ACTIVITY_GPUS]:
+        for name in ACTIVITY_NAMES:
+            times, values = found.series(host, uuid, name)
+            if times:
+                charts.append(_figure(times, values, (start, end), name, f"{escape(name)} on {_code(uuid)} "
+                                      f"({escape(host)}) while {escape(stage)} ran (shaded): GPM activity"))  # fmt: skip
+    return charts
+
+
+def _tenant_chart(store: Store, cause: dict, start: int, end: int) -> str:
+    """A co-tenant cause: that tenant's series on the GPU around the stage's window."""
+    labels = cause["labels"]
+    tenancy = Tenancy(store, [(cause["host"], cause["device"])], start, end)
+    times, values = tenancy.series(cause["host"], cause["device"], cause["name"], labels["namespace"], labels["pod"])
+    if not times:
+        return ""
+    return _figure(times, values, (start, end), cause["name"],
+                   f"{escape(cause['name'])} of {escape(cause['tenant'])} on {_code(cause['device'])} "
+                   f"({escape(cause['host'])}) while {escape(cause['stage'])} ran (shaded)")  # fmt: skip
+
+
 def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict]) -> list[str]:
     """For each hardware cause: the counter's samples on its device around the stage's window."""
     charts = []
@@ -120,6 +160,9 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict]) -> li
             continue
         start = min(s.start_ns for s in spans)
         end = max(s.start_ns + s.duration_ns for s in spans)
+        if cause.get("tenant"):
+            charts += [chart for chart in [_tenant_chart(store, cause, start, end)] if chart]
+            continue
         samples = Samples(store, [cause["host"]], start, end)
         for name, series in samples.series(cause["host"], cause["device"]):
             if name != cause["name"] or series.labels != cause.get("labels", series.labels):
@@ -173,7 +216,7 @@ def incident_html(store: Store, report: dict) -> str:
                        f"<td>{_value(cause['value'])}</td><td>{_value(cause['baseline_value'])}"
                        f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>")  # fmt: skip
         out.append("</table></section>")
-    charts = _counter_charts(store, trace, causes)
+    charts = _counter_charts(store, trace, causes) + _activity_charts(store, trace, stage)
     if charts:
         out.append('<section id="counters"><h2>Counters around the stage</h2>' + "".join(charts) + "</section>")
     out.append(f"<footer><p>stagetrace explain, {escape(lookup.iso_ns(trace.start_ns)[:19])} UTC request</p></footer>")

@@ -132,6 +132,11 @@ class Tenancy:
             else:
                 self._series[(host, uuid)].setdefault((name, namespace, pod), {})[t] = value
 
+    def series(self, host: str, uuid: str, name: str, namespace: str, pod: str) -> tuple[list[int], list[float]]:
+        """One tenant's samples of ``name`` on the GPU, in time order."""
+        values = self._series.get((host, uuid), {}).get((name, namespace, pod), {})
+        return sorted(values), [values[t] for t in sorted(values)]
+
     def rises(self, span) -> list[TenantRise]:
         """The tenants of the span's GPU whose use rose while it ran, the span's own pod included (``own``)."""
         host, uuid = span.resource.get(conventions.HOST, ""), span.attributes.get(conventions.GPU_UUID, "")
