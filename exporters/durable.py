@@ -17,6 +17,9 @@ then be given. False means neither (no spool, or the disk refused it): the calle
 * **Write-ahead records** (the OTLP receivers): ``write_ahead`` fsyncs a request as it arrived and returns;
   the replay thread turns the oldest records into rows and inserts them together under their group's token
   (see ``exporters.spool``), so a request costs an fsync, not an insert, and many requests make one insert.
+  A group sealed by an earlier process may be stored already with the engine's memory of its token lost (its
+  deduplication log is not fsynced with the part): only the rows the table lacks are inserted
+  (``exporters.restore.missing``).
   ``RECORD_KINDS`` names, for each kind of record, the function that turns one into rows; any writer
   replays any record, so what a killed agent wrote ahead is stored by whichever process writes next.
 * **A store held by the agent** (shared read-only through its query endpoint) takes no inserts: batches go
@@ -40,7 +43,7 @@ from collections.abc import Callable
 
 from clickhouse_connect.driver.exceptions import DataError
 
-from stagetrace.exporters import spool
+from stagetrace.exporters import restore, spool
 from stagetrace.exporters.diskspace import Headroom
 from stagetrace.store import Store
 
@@ -215,6 +218,7 @@ class DurableWriter:
         self._inserts: dict[str, _Inserts] = {}
         self._warned: set[str] = set()  # refusal reasons already logged
         self._rejected = 0  # rows the store refused, dropped
+        self._check_failing = False  # a replayed group could not be checked against the store (said once)
         self._cond = threading.Condition()
         self._replay_lock = threading.Lock()  # one replay at a time: the thread's or a flush's
         self._closed = False
@@ -369,7 +373,21 @@ class DurableWriter:
             for table, (columns, rows) in decoded.items():
                 tables.setdefault(table, (columns, []))[1].extend(rows)
             stored.append(segment)
+        inherited = self.spool.inherited(group)
         for table, (columns, rows) in tables.items():
+            if rows and inherited:
+                # sealed by an earlier process: perhaps stored already, and the engine's memory of the token lost
+                # with an unsynced file (spool's docstring); the rows the table holds are not inserted again
+                try:
+                    rows = restore.missing(self.store, table, columns, rows)
+                except Exception as exc:  # the store is down: the group waits, as for a failed insert
+                    if not self._check_failing:
+                        logger.error("cannot check %d replayed %s against %s, will retry: %s", len(rows),
+                                     spool.dropped_kind(table).replace("_", " "), self.store.location.redacted(),
+                                     str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+                    self._check_failing = True
+                    return False
+                self._check_failing = False
             if rows and not self.insert(table, columns, rows, group):
                 return False
         self.spool.landed(stored)

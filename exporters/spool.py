@@ -28,14 +28,26 @@ The spool is bounded by ``max_bytes``; when a new batch would exceed it, the old
 counted in ``stagetrace_dropped_spans_total`` / ``stagetrace_dropped_metric_samples_total`` (by ``reason``)
 and logged.
 
+**Kept after storing.** A group of records, once stored, is not deleted but moved into ``<directory>/<kind>/kept``
+(renamed ``….kept``: nothing replays it), where the newest ``STAGETRACE_SPOOL_KEEP_BYTES`` (64 MiB, at most 2% of
+the filesystem; ``0``: none) stay, the oldest deleted first. They are what restores the rows of a part the engine
+loses (``exporters.restore``): a part that a disk fault or a power cut leaves broken holds rows that were
+acknowledged long ago, whose records would be gone otherwise. A rename instead of an unlink: the cost is the disk.
+
+**Groups sealed by an earlier process** (found sealed at start or adopted) may have been stored already: their
+insert fsyncs the part, but neither the engine's deduplication log (which the token relies on) nor the records'
+removal is fsynced, so a power cut or a filesystem that turns read-only (its journal aborted) can forget both.
+``head_group`` says so (``inherited``), and the writer stores only the rows the table does not hold yet.
+
 Settings are arguments with environment fallbacks: ``STAGETRACE_SPOOL_DIR`` (``off`` disables the spool),
-``STAGETRACE_SPOOL_MAX_BYTES`` (256 MiB). The default directory is beside an embedded store on disk
+``STAGETRACE_SPOOL_MAX_BYTES`` (256 MiB), ``STAGETRACE_SPOOL_KEEP_BYTES``. The default directory is beside an embedded store on disk
 (``<store>.spool``), else ``$XDG_STATE_HOME/stagetrace/spool/<host>-<port>-<database>``; an in-memory
 store, which does not outlive the process, has no spool.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import json
@@ -59,11 +71,18 @@ logger = logging.getLogger(__name__)
 
 ENV_SPOOL_DIR = "STAGETRACE_SPOOL_DIR"
 ENV_SPOOL_MAX_BYTES = "STAGETRACE_SPOOL_MAX_BYTES"
+ENV_SPOOL_KEEP_BYTES = "STAGETRACE_SPOOL_KEEP_BYTES"
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+# 64 MiB of requests as they arrived: some 300,000 spans of the benchmarks' batches, minutes of a busy node and
+# hours of a quiet one; the 2% cap keeps a small volume (a test's tmpfs) from filling with it
+DEFAULT_KEEP_BYTES = 64 * 1024 * 1024
+KEEP_FRACTION_CAP = 0.02
+KEPT = "kept"  # under the base: stored records, kept to restore a part the engine loses
 MAX_SLOTS = 64
 INBOX = "inbox"  # where a process that cannot write the store (held by the agent) hands its batches over
 # batches: <seq>.<table>.<rows>.seg; write-ahead records: <seq>.<kind>.<rows>.<token>[.<group>].wal
 _SEGMENT = re.compile(r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)(?:\.seg|\.([0-9a-f]{32})(?:\.([0-9a-f]{32}))?\.wal)$")
+_KEPT_NAME = re.compile(r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)\.([0-9a-f]{32})\.([0-9a-f]{32})\.kept$")
 _FORMAT = 1
 RECENT_TOKENS = 20_000  # request tokens remembered for recognising a sender's retry: minutes of a busy agent
 LANDED = "landed"  # per slot: the tokens of requests stored, one per line
@@ -146,6 +165,39 @@ def max_bytes_setting(max_bytes: int | None = None) -> int:
     return DEFAULT_MAX_BYTES
 
 
+def keep_bytes_setting(base: Path, keep_bytes: int | None = None) -> int:
+    """How many bytes of stored records to keep under ``base`` (see the module docstring)."""
+    if keep_bytes is None:
+        raw = os.environ.get(ENV_SPOOL_KEEP_BYTES)
+        keep_bytes = DEFAULT_KEEP_BYTES
+        if raw:
+            try:
+                return max(0, int(float(raw)))
+            except ValueError:
+                logger.warning("ignoring %s=%r: not a number of bytes; using %d", ENV_SPOOL_KEEP_BYTES, raw, keep_bytes)
+        try:
+            stats = os.statvfs(base)
+            keep_bytes = min(keep_bytes, int(stats.f_blocks * stats.f_frsize * KEEP_FRACTION_CAP))
+        except OSError:
+            pass
+    return max(0, int(keep_bytes))
+
+
+def kept_records(base: Path) -> list[Segment]:
+    """The stored records kept under ``base`` (a spool's ``<directory>/<kind>``), oldest first."""
+    try:
+        entries = list(os.scandir(Path(base) / KEPT))
+    except OSError:
+        return []
+    kept = []
+    for entry in entries:
+        match = _KEPT_NAME.match(entry.name)
+        if match is not None:
+            with contextlib.suppress(OSError):
+                kept.append(Segment(Path(entry.path), match[2], int(match[3]), entry.stat().st_size, match[4], match[5]))
+    return sorted(kept, key=lambda s: s.path.name)
+
+
 def directory_setting(location, directory: str | os.PathLike | None = None) -> Path | None:
     """The spool's base directory for a store ``location``; None when there is to be no spool."""
     chosen = directory if directory is not None else os.environ.get(ENV_SPOOL_DIR)
@@ -213,12 +265,22 @@ class Spool:
         self._landed_lines = 0
         self._refusal: tuple[str, Spell] | None = None  # why requests are being refused, while they are
         self._put_failing = False  # the last batch could not be written
+        self._retire_failing = False  # stored records could not be removed (a read-only disk), said once
+        self._sealed_here: set[str] = set()  # groups this process sealed (the others may be stored already)
+        self._seal_failing = False
+        self._kept: collections.deque[tuple[Path, int]] = collections.deque()
+        self._kept_bytes = 0
+        self.keep_bytes = 0
         try:
             if handoff:  # for the process that holds the store: its adopt() takes them, whenever it runs
                 self.directory, self._lock_fd, self._segments = self.base / INBOX, None, []
                 self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
             else:
                 self.directory, self._lock_fd = _claim(self.base)
+                self.keep_bytes = keep_bytes_setting(self.base)
+                for kept in kept_records(self.base):
+                    self._kept.append((kept.path, kept.size))
+                    self._kept_bytes += kept.size
                 self._segments = self._scan()
                 self.adopt()
                 self._load_landed()
@@ -385,12 +447,22 @@ class Spool:
                 try:
                     os.rename(segment.path, sealed.path)
                 except OSError as exc:
-                    logger.error("spool %s: cannot seal %s: %s", self.directory, segment.path.name, exc.strerror or exc)
+                    if not self._seal_failing:  # the replay retries with back-off: one line until it works
+                        logger.error("spool %s: cannot seal %s: %s", self.directory, segment.path.name,
+                                     exc.strerror or exc)  # fmt: skip
+                    self._seal_failing = True
                     break
+                self._seal_failing = False
+                self._sealed_here.add(group)
                 self._segments[i] = sealed
                 members.append(sealed)
                 rows += segment.rows
             return (group, members) if members else ("", [])
+
+    def inherited(self, group: str) -> bool:
+        """Whether ``group`` was sealed by an earlier process, so that its rows may be in the store already."""
+        with self._lock:
+            return group not in self._sealed_here
 
     def read_record(self, segment: Segment) -> bytes | None:
         """A record's request; None (and the record dropped and counted) when it cannot be read."""
@@ -409,16 +481,62 @@ class Spool:
         self._notify_dropped([segment])
 
     def landed(self, members: list[Segment]) -> None:
-        """The records of a group are in the store: remember their tokens (a sender's retry), then remove them."""
+        """The records of a group are in the store: remember their tokens (a sender's retry), then keep them (see
+        the module docstring) or remove them. A disk that refuses (read-only) leaves them where they are: the next
+        process finds the group sealed by another and stores only what the store lacks."""
         with self._lock:
-            if self._landed_fd is not None:
-                # no fsync: a retry the next owner does not recognise after a power cut is stored twice, at worst
-                os.write(self._landed_fd, "".join(f"{s.token}\n" for s in members).encode())
-                self._landed_lines += len(members)
-                if self._landed_lines > 2 * RECENT_TOKENS:
-                    self._rewrite_landed()
+            try:
+                if self._landed_fd is not None:
+                    # no fsync: a retry the next owner does not recognise after a power cut is stored twice, at worst
+                    os.write(self._landed_fd, "".join(f"{s.token}\n" for s in members).encode())
+                    self._landed_lines += len(members)
+                    if self._landed_lines > 2 * RECENT_TOKENS:
+                        self._rewrite_landed()
+                for segment in members:
+                    self._retire(segment)
+            except OSError as exc:
+                if not self._retire_failing:
+                    logger.error("spool %s: cannot remove records already stored (%s): they stay, and are checked "
+                                 "against the store when the spool is next opened", self.directory,
+                                 exc.strerror or exc)  # fmt: skip
+                self._retire_failing = True
+            else:
+                if self._retire_failing:
+                    logger.warning("spool %s: stored records are removed again", self.directory)
+                self._retire_failing = False
             for segment in members:
-                self._discard(segment)
+                if segment in self._segments:
+                    self._segments.remove(segment)
+                self._sealed_here.discard(segment.group)
+            self._forget_kept()
+
+    def _retire(self, segment: Segment) -> None:
+        if not self.keep_bytes or not segment.group:
+            self._discard(segment)
+            return
+        kept = self.base / KEPT / f"{segment.path.name[:-4]}.kept"
+        try:
+            os.rename(segment.path, kept)
+        except FileNotFoundError:
+            if segment.path.exists():  # the first of them: make the folder
+                kept.parent.mkdir(exist_ok=True, mode=0o700)
+                os.rename(segment.path, kept)
+            else:
+                return
+        self._kept.append((kept, segment.size))
+        self._kept_bytes += segment.size
+
+    def _forget_kept(self) -> None:
+        while self._kept and self._kept_bytes > self.keep_bytes:
+            path, size = self._kept.popleft()
+            self._kept_bytes -= size
+            with contextlib.suppress(FileNotFoundError):
+                try:
+                    path.unlink()
+                except OSError:
+                    self._kept.appendleft((path, size))
+                    self._kept_bytes += size
+                    return
 
     def close(self) -> None:
         with self._lock:
@@ -508,7 +626,7 @@ class Spool:
         """Move the segments of slots no process holds (a writer that died or exited with segments left) into
         this one, keeping their time order; how many were adopted."""
         adopted = 0
-        for slot in sorted(p for p in self.base.iterdir() if p.is_dir() and p != self.directory):
+        for slot in sorted(p for p in self.base.iterdir() if p.is_dir() and p != self.directory and p.name != KEPT):
             fd = None
             if slot.name != INBOX:  # segments in the inbox are whole and handed over: no lock to take
                 try:
@@ -575,5 +693,5 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-__all__ = ["Batch", "DROPPED", "REASONS", "ENV_SPOOL_DIR", "ENV_SPOOL_MAX_BYTES", "Segment", "Spool", "SpoolError",
-           "directory_setting", "dropped_kind", "new_token", "open_spool"]  # fmt: skip
+__all__ = ["Batch", "DROPPED", "REASONS", "ENV_SPOOL_DIR", "ENV_SPOOL_KEEP_BYTES", "ENV_SPOOL_MAX_BYTES", "KEPT",
+           "Segment", "Spool", "SpoolError", "directory_setting", "dropped_kind", "keep_bytes_setting", "kept_records", "new_token", "open_spool"]  # fmt: skip

@@ -3,7 +3,8 @@
 Real stores, real damage: a part file truncated while the agent was down, which the engine moves aside as
 ``broken-on-start`` when the agent starts again; and a part moved into ``detached/`` under the name the engine
 gives a part it finds broken while running. Each is one log line naming the table, the part, its rows and its time
-range, and ``stagetrace_store_broken_parts`` on the agent's ``/metrics``.
+range, and ``stagetrace_store_broken_parts`` on the agent's ``/metrics``; the agent restores the truncated part's
+rows from the spool's kept records, each once, and says so in one line, or says how many it could not restore.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tests.agents import Agent
 from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import span_views
+from stagetrace.store import open_store
 from stagetrace.store_health import BROKEN_PARTS, StoreHealth
 
 T0 = 1_700_000_000_000_000_000  # 2023-11-14 22:13:20 UTC
@@ -47,6 +49,27 @@ def broken_parts_metric(metrics: str) -> dict[str, float]:
     return {m[1]: float(m[2]) for m in series.finditer(metrics)}
 
 
+def spans_by_id(store_path: Path) -> dict[str, int]:
+    with open_store(f"chdb://{store_path}") as store:
+        return dict(store.client.query("SELECT lower(SpanId), count() FROM stagetrace.otel_traces "
+                                       "WHERE startsWith(SpanName, 'part-') GROUP BY SpanId").result_rows)  # fmt: skip
+
+
+def sent_ids(n: int) -> list[str]:
+    return [f"{s.span_id.hex()}" for s in request(n).resource_spans[0].scope_spans[0].spans]
+
+
+def truncate_a_part(store_path: Path) -> tuple[Path, int]:
+    """While the agent is down, a part of otel_traces loses the end of a data file (a disk that failed, a copy cut
+    short): the part and its rows."""
+    parts = sorted(p for p in table_directory(store_path, "otel_traces").iterdir() if (p / "count.txt").exists())
+    victim = parts[0]
+    data = max(victim.glob("*.bin"), key=lambda p: p.stat().st_size)
+    with data.open("r+b") as out:
+        out.truncate(data.stat().st_size // 2)
+    return victim, int((victim / "count.txt").read_text())
+
+
 def test_a_part_truncated_while_the_agent_was_down_is_named_at_start_and_counted_on_metrics(tmp_path):
     agent = Agent(tmp_path)
     try:
@@ -60,13 +83,9 @@ def test_a_part_truncated_while_the_agent_was_down_is_named_at_start_and_counted
         log = agent.stop()
     assert broken_parts_metric(healthy)["otel_traces"] == 0  # every table from the start, zero included
     assert "detached part" not in log
-    # while it is down, a part loses the end of its data file (a disk that failed, a copy cut short)
-    parts = sorted(p for p in table_directory(agent.store, "otel_traces").iterdir() if (p / "count.txt").exists())
-    victim = parts[0]
-    rows = int((victim / "count.txt").read_text())
-    data = next(victim.glob("*.bin"))
-    with data.open("r+b") as out:
-        out.truncate(data.stat().st_size // 2)
+    acknowledged = [span_id for n in range(3) for span_id in sent_ids(n)]
+    assert spans_by_id(agent.store) == dict.fromkeys(acknowledged, 1)
+    victim, rows = truncate_a_part(agent.store)
     again = Agent(tmp_path)
     try:
         metrics = urllib.request.urlopen(again.endpoints["metrics"], timeout=10).read().decode()
@@ -79,6 +98,37 @@ def test_a_part_truncated_while_the_agent_was_down_is_named_at_start_and_counted
     assert " UTC, " in lines[0] and "its rows are no longer read" in lines[0]
     assert broken_parts_metric(metrics)["otel_traces"] == 1
     assert (table_directory(agent.store, "otel_traces") / "detached" / f"broken-on-start_{victim.name}").is_dir()
+    # its rows are back, from the records the spool kept after storing them, and no span is stored twice
+    restored = [line for line in log.splitlines() if "restored" in line]
+    assert restored == [f"stagetrace agent: store: table otel_traces: restored all {rows:,} rows of part {victim.name} "
+                        "from the spool's kept records"], log  # fmt: skip
+    assert spans_by_id(agent.store) == dict.fromkeys(acknowledged, 1)
+    # restored once: the next start names the part again (it stays detached for a person to look at) but restores
+    # nothing twice
+    log = Agent(tmp_path).stop()
+    assert len([line for line in log.splitlines() if "detached part" in line]) == 1 and "restored" not in log, log
+    assert spans_by_id(agent.store) == dict.fromkeys(acknowledged, 1)
+
+
+def test_rows_older_than_the_kept_records_are_counted_as_not_restored(tmp_path):
+    """With no records kept (STAGETRACE_SPOOL_KEEP_BYTES=0), the truncated part's rows cannot come back: the agent
+    says exactly how many are lost and why, in one line."""
+    agent = Agent(tmp_path, env={"STAGETRACE_SPOOL_KEEP_BYTES": "0"})
+    try:
+        for n in range(2):
+            post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(n).SerializeToString(),
+                                          headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+            with urllib.request.urlopen(post, timeout=30) as answer:
+                assert answer.status == 200
+    finally:
+        agent.stop()
+    assert len(spans_by_id(agent.store)) == 200
+    victim, rows = truncate_a_part(agent.store)
+    log = Agent(tmp_path, env={"STAGETRACE_SPOOL_KEEP_BYTES": "0"}).stop()
+    (line,) = [line for line in log.splitlines() if "restored" in line]
+    assert (f"restored 0 rows of part {victim.name} from the spool's kept records; {rows:,} of its {rows:,} rows could "
+            "not be restored: the spool keeps no records (STAGETRACE_SPOOL_KEEP_BYTES)") in line, line  # fmt: skip
+    assert len(spans_by_id(agent.store)) == 200 - rows
 
 
 def test_a_part_the_engine_detaches_as_broken_while_running_is_found_by_the_next_check_and_named_once(store, caplog):

@@ -27,6 +27,7 @@ from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
+from stagetrace.exporters.restore import Restorer
 from stagetrace.store import AGENT_ENGINE, open_store, parse_dsn, without_dataframe_checks
 from stagetrace.store_health import StoreHealth
 
@@ -206,7 +207,9 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         spool_base = spool.directory_setting(location)
         headroom = diskspace.Headroom({"store": location.path if location.embedded else None, "spool": spool_base},
                                       reserve)  # fmt: skip
-        health = StoreHealth(opened.another())  # a server store's client runs one query at a time
+        checked = opened.another()  # a server store's client runs one query at a time
+        # the receivers' spool keeps what they stored, to restore the rows of a part the engine loses
+        health = StoreHealth(checked, restore=Restorer(checked, spool_base / "spans" if spool_base else None))
         if health.store is not opened:
             cleanup.callback(health.store.close)
         health.check()  # at start: what the engine moved aside while loading the tables

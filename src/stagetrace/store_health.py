@@ -8,7 +8,8 @@ database at start and every ``CHECK_EVERY_S`` (a listing of directories: cheap),
 not reported yet, naming the table, the part, why, and where the part's files are readable here (an embedded
 store) its rows (``count.txt``) and time range (the partition key's min-max index); and exposes
 ``stagetrace_store_broken_parts{table}`` on the agent's ``/metrics``, every table zero included so that an
-alert sees the series from the start.
+alert sees the series from the start. A part found for the first time is handed to ``restore`` (the agent's
+``exporters.restore.Restorer``), which puts its rows back from the spool's kept records and says how many.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def _min_max(part: Path, column: str, type_: str) -> tuple[datetime, datetime] |
 class StoreHealth:
     """Broken parts of ``store``'s tables, checked when due (see the module docstring); ``families`` for /metrics."""
 
-    def __init__(self, store, every_s: float = CHECK_EVERY_S):
+    def __init__(self, store, every_s: float = CHECK_EVERY_S, restore=None):
         self.store = store
+        self.restore = restore  # called with the parts found for the first time
         self.every_s = every_s
         self._lock = threading.Lock()
         self._due = 0.0
@@ -125,13 +127,17 @@ class StoreHealth:
         self.failed = False
         parts = [self._describe(*row) for row in rows]
         counts = dict.fromkeys(self._tables, 0)
+        found = []
         for part in parts:
             counts[part.table] = counts.get(part.table, 0) + 1
             if (part.table, part.name) not in self._reported:
                 self._reported.add((part.table, part.name))
                 logger.error("%s", part.line())
+                found.append(part)
         with self._lock:
             self._counts = counts
+        if found and self.restore is not None:
+            self.restore(found)
         return parts
 
     def _describe(self, table: str, name: str, reason: str, size: int, path: str) -> BrokenPart:
