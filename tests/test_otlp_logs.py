@@ -134,6 +134,27 @@ def test_otlp_logs_none_refuses_them_over_both_protocols(tmp_path):
         agent.stop()
 
 
+AGENT_LINES_SQL = """
+SELECT SeverityText, SeverityNumber, Body, ResourceAttributes['host.name'], LogAttributes['code.namespace']
+FROM stagetrace.otel_logs WHERE ServiceName = 'stagetrace-agent' ORDER BY Timestamp"""
+
+
+def test_the_agents_own_lines_go_to_otel_logs_when_asked_and_only_then(tmp_path):
+    asked = agents.Agent(tmp_path / "asked", "--agent-logs", "store")
+    log = asked.stop()
+    with open_store(asked.dsn) as store:
+        rows = store.client.query(AGENT_LINES_SQL).result_rows
+    bodies = [r[2] for r in rows]
+    serving = next(r for r in rows if r[2].startswith("serving "))
+    assert serving[:2] == ("INFO", 9) and serving[4] == "stagetrace.agent" and serving[3]
+    assert bodies[-1] == "stopping"  # the last line, logged as the agent closes, is written before the store closes
+    assert all(body in log for body in bodies)  # the same lines as its standard error, no other
+    default = agents.Agent(tmp_path / "default")
+    default.stop()
+    with open_store(default.dsn) as store:
+        assert store.client.query(AGENT_LINES_SQL).result_rows == []
+
+
 class LogSender(threading.Thread):
     """Sends batches of new log records through one official exporter until told to stop; a batch is sent again
     until the exporter says SUCCESS, and only then counts as acknowledged."""

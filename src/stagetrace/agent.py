@@ -23,6 +23,7 @@ import time
 from stagetrace import httpd, hub
 from stagetrace.collectors.base import Node
 from stagetrace.exporters import diskspace, spool
+from stagetrace.exporters.agent_logs import StoreLogHandler
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
@@ -173,7 +174,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
         low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None,
         analysis_by_default: bool = True, open_query: bool = False, web=None,
-        min_free_space: diskspace.Reserve | None = None, otlp_logs: bool = True) -> int:  # fmt: skip
+        min_free_space: diskspace.Reserve | None = None, otlp_logs: bool = True,
+        agent_logs: bool = False) -> int:  # fmt: skip
     """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
 
     ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
@@ -185,7 +187,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
     is ``stagetrace analyse``, one per store) only when asked for (``analysis_by_default`` False).
     ``min_free_space``: the reserve kept free on the store's and the spool's filesystems (``exporters.diskspace``;
     None: the default), below which writes are refused. The store is checked for parts the engine detached as
-    broken at start and every minute (``store_health``).
+    broken at start and every minute (``store_health``). ``agent_logs``: the agent's own log lines into
+    ``otel_logs`` as well (``exporters.agent_logs``).
     """
     busy = _busy([(listen, "--listen"), (otlp, "--otlp"), (otlp_grpc, "--otlp-grpc"), (query_listen, "--query-listen")])
     if len(busy) > 1:  # one alone gets the message of the listener that fails, below
@@ -207,6 +210,11 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         spool_base = spool.directory_setting(location)
         headroom = diskspace.Headroom({"store": location.path if location.embedded else None, "spool": spool_base},
                                       reserve)  # fmt: skip
+        if agent_logs:
+            own = StoreLogHandler(opened, node.host, headroom=headroom)
+            cleanup.callback(own.close)  # after it is removed: what it holds is written
+            logging.getLogger("stagetrace").addHandler(own)
+            cleanup.callback(logging.getLogger("stagetrace").removeHandler, own)
         checked = opened.another()  # a server store's client runs one query at a time
         # the receivers' spool keeps what they stored, to restore the rows of a part the engine loses
         health = StoreHealth(checked, restore=Restorer(checked, spool_base / "spans" if spool_base else None))

@@ -150,6 +150,9 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--otlp-logs", choices=("store", "none"), default=os.environ.get("STAGETRACE_OTLP_LOGS", "store"),
                    help="OTLP log records (/v1/logs, LogsService) into otel_logs, bodies as sent, or none: refused "
                         "(default store; env STAGETRACE_OTLP_LOGS)")
+    p.add_argument("--agent-logs", choices=("store", "none"), default=os.environ.get("STAGETRACE_AGENT_LOGS", "none"),
+                   help="the agent's own log lines (INFO and above) into otel_logs too, service stagetrace-agent "
+                        "(default none; env STAGETRACE_AGENT_LOGS)")
     p.add_argument("--min-free-space", metavar="SIZE|PCT",
                    help="refuse new writes (503 / UNAVAILABLE, the senders retry) while free space on the store's or "
                         "the spool's filesystem is below this, e.g. 2GiB or 5%%, 0 for never (default 1GiB, at most 5%% "
@@ -399,7 +402,8 @@ def _agent(args) -> int:
                          otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
                          low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis,
                          analysis_by_default=not asked, open_query=args.query_open, web=web,
-                         min_free_space=reserve, otlp_logs=args.otlp_logs == "store")  # fmt: skip
+                         min_free_space=reserve, otlp_logs=args.otlp_logs == "store",
+                         agent_logs=args.agent_logs == "store")  # fmt: skip
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
