@@ -40,6 +40,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("live", 2, ["`divergences` over the window", "`divergences` once a minute"]),
         ("tensors", 5, [".float().cpu().numpy()"] * 3 + ["", "NumPy lanes"]),
         ("decode", 2, ["the same loop unrecorded"] * 2),
+        ("generations", 4, ["the Collector's previous layout"] * 4),
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
         assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)

@@ -4,9 +4,11 @@ and read.
 ``tests/fixtures/collector/current.sql`` is the Collector's current ``clickhouseexporter`` DDL (rendered from its
 ``internal/sqltemplates``, committed as the Collector renders it): metric tables with ``DateTime`` (seconds)
 times, ``LowCardinality`` metric names and another sort key, the trace-ID table on ``AggregatingMergeTree``,
-``otel_traces`` with ``Timestamp`` in its sort key. The tests create those tables first, as a fleet shipping through
-the Collector has them, let stagetrace adopt the store, write spans with stagetrace's writer and samples with a
-plain ``INSERT`` as the Collector writes them, and run the analysis on it.
+``otel_traces`` with ``Timestamp`` in its sort key. ``previous.sql`` is its previous layout (bloom filters only,
+``DateTime64(9)`` metric times, the trace-ID table on ``MergeTree``), which stores made by older Collectors and older
+stagetrace releases have. The tests create one generation's tables first, as a fleet shipping through the Collector
+has them, let stagetrace adopt the store, write spans with stagetrace's writer and samples with a plain ``INSERT``
+as the Collector writes them, and run the analysis on it.
 """
 
 from __future__ import annotations
@@ -24,26 +26,38 @@ from stagetrace.analysis.explain import Explainer
 from stagetrace.store import open_store
 from stagetrace.tracing import PIPELINE_STAGES
 
-DDL = Path(__file__).with_name("fixtures") / "collector" / "current.sql"
+GENERATIONS = ("current", "previous")
 PROMPT = {"prompt": "why is the sky blue?", "seed": 7}
 
 
-def collector_statements() -> list[str]:
-    """The DDL's statements (separated by lines holding only ``;;``), comments left out."""
-    chunks = re.split(r"^;;$", DDL.read_text(), flags=re.M)
+def collector_statements(generation: str = "current") -> list[str]:
+    """The generation's DDL statements (separated by lines holding only ``;;``), comments left out."""
+    ddl = Path(__file__).with_name("fixtures") / "collector" / f"{generation}.sql"
+    chunks = re.split(r"^;;$", ddl.read_text(), flags=re.M)
     statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip() for chunk in chunks]
     return [s for s in statements if s]
 
 
-@pytest.fixture
-def current_store(store_dsn):
-    """A store whose span, trace-ID and metric tables the current Collector created, then opened by stagetrace."""
+def adopted(store_dsn: str, generation: str):
+    """A store whose span, trace-ID and metric tables the Collector of ``generation`` created, opened by stagetrace
+    (which adopts it: its own tables and views beside the Collector's)."""
     with open_store(store_dsn, create_schema=False) as bare:
         bare.client.command("CREATE DATABASE IF NOT EXISTS stagetrace")
-        for statement in collector_statements():
+        for statement in collector_statements(generation):
             bare.client.command(statement)
-        with open_store(store_dsn) as store:  # adopts it: stagetrace's own tables and views beside the Collector's
-            yield store
+    return open_store(store_dsn)
+
+
+@pytest.fixture
+def current_store(store_dsn):
+    with adopted(store_dsn, "current") as store:
+        yield store
+
+
+@pytest.fixture(params=GENERATIONS)
+def collector_store(request, store_dsn):
+    with adopted(store_dsn, request.param) as store:
+        yield store
 
 
 def column_type(store, table: str, column: str) -> str:
@@ -90,42 +104,55 @@ def test_the_collectors_current_tables_are_adopted_as_they_are(current_store):
     assert states["stagetrace_requests"] == "stagetrace's own table" and "missing" not in states.values()
 
 
-def test_a_store_stagetrace_created_is_the_previous_generation(store):
+def test_the_collectors_previous_tables_are_adopted_as_they_are(store_dsn):
     from stagetrace import schema
 
-    states = dict(schema.check(store.client, store.database))
+    with adopted(store_dsn, "previous") as store:
+        assert column_type(store, "otel_metrics_sum", "TimeUnix") == "DateTime64(9)"
+        states = dict(schema.check(store.client, store.database))
     spans_and_samples = [t for t in schema.COLLECTOR_TABLES if t != "otel_logs"]
     assert {t: states[t] for t in spans_and_samples} == {t: schema.PREVIOUS for t in spans_and_samples}
     assert states["otel_logs"] == schema.CURRENT  # logs came later: stagetrace creates the current log table
+
+
+def test_a_store_stagetrace_creates_has_the_current_span_tables_and_nanosecond_samples(store):
+    """New stores get the Collector's current span and trace-ID tables; the metric tables keep nanosecond sample
+    times on purpose (docs/store.md), which is the previous layout's time type."""
+    from stagetrace import schema
+
+    states = dict(schema.check(store.client, store.database))
+    assert [states[t] for t in ("otel_traces", "otel_traces_trace_id_ts", "otel_logs")] == [schema.CURRENT] * 3
+    assert column_type(store, "otel_traces", "Duration") == "UInt64"
+    assert column_type(store, "otel_metrics_gauge", "TimeUnix") == "DateTime64(9)"
     store.client.command("DROP TABLE stagetrace.stagetrace_divergences")
     assert dict(schema.check(store.client, store.database))["stagetrace_divergences"] == "missing"
 
 
-def test_trace_explain_and_divergences_read_the_current_generation(current_store):
+def test_trace_explain_and_divergences_read_each_generation(collector_store):
     """An XID on the request's GPU, in samples with whole-second times: `explain` names it from the metric tables,
     `divergences` finds the request and reads the same samples, the lookup finds its trace through the Collector's
     trace-ID table."""
-    stagetrace.configure(store=current_store, host_name="node-a", service_name="rag")
+    stagetrace.configure(store=collector_store, host_name="node-a", service_name="rag")
     gpu = {"gpu": "0", "uuid": "GPU-a", "model": "H200"}
-    collector_sample(current_store, "gpu_energy_joules_total", gpu, 1)  # a scrape
+    collector_sample(collector_store, "gpu_energy_joules_total", gpu, 1)  # a scrape
     for i in range(3):
         record(f"ok-{i}")
     time.sleep(1.1)  # samples are whole seconds here: the next scrape lands after the agreeing requests
-    collector_sample(current_store, "gpu_energy_joules_total", gpu, 2)
-    collector_sample(current_store, "gpu_xid_errors_total", {**gpu, "xid": "48"}, 1)  # born at its first event
+    collector_sample(collector_store, "gpu_energy_joules_total", gpu, 2)
+    collector_sample(collector_store, "gpu_xid_errors_total", {**gpu, "xid": "48"}, 1)  # born at its first event
     time.sleep(1.1)
     record("odd", deviate=True)
     time.sleep(1.1)
-    collector_sample(current_store, "gpu_energy_joules_total", gpu, 3)
-    collector_sample(current_store, "gpu_xid_errors_total", {**gpu, "xid": "48"}, 1)
+    collector_sample(collector_store, "gpu_energy_joules_total", gpu, 3)
+    collector_sample(collector_store, "gpu_xid_errors_total", {**gpu, "xid": "48"}, 1)
 
-    trace = lookup.by_request_id(current_store, "odd")
-    assert len(trace.spans) == 6 and lookup.by_trace_id(current_store, trace.trace_id).request_id == "odd"
-    report = Explainer(current_store).explain("odd")
+    trace = lookup.by_request_id(collector_store, "odd")
+    assert len(trace.spans) == 6 and lookup.by_trace_id(collector_store, trace.trace_id).request_id == "odd"
+    report = Explainer(collector_store).explain("odd")
     assert report["first_divergent_stage"] == "decode", report["summary"]
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["device"], top["value"]) == ("hardware", "gpu_xid_errors_total", "GPU-a", "+1")
-    found = divergences.find(current_store, 3600 * 10**9)
+    found = divergences.find(collector_store, 3600 * 10**9)
     (item,) = [i for g in found["groups"] for i in g["deviating"]]
     assert item["request_id"] == "odd" and item["first_divergent_stage"] == "decode"
     assert "gpu_xid_errors_total" in item["summary"]  # read from the metric tables here too
@@ -138,5 +165,6 @@ def test_schema_check_prints_each_tables_generation(store_dsn, capsys):
     capsys.readouterr()
     assert main(["schema", "--check", "--store", store_dsn]) == 0
     lines = dict(line.split(None, 1) for line in capsys.readouterr().out.splitlines())
-    assert lines["otel_metrics_sum"] == "the Collector's previous layout (stagetrace creates it)"
+    assert lines["otel_traces"] == "the Collector's current layout"
+    assert lines["otel_metrics_sum"] == "the Collector's previous layout"  # nanosecond sample times, on purpose
     assert lines["stagetrace_stages_mv"] == "stagetrace's own view"

@@ -1,11 +1,11 @@
-"""The dashboards and the Grafana alert rules on a store whose tables the current Collector created.
+"""The dashboards and the Grafana alert rules on a store whose tables the Collector created, in each generation.
 
 Grafana runs their SQL without stagetrace, so they must work on either generation of the Collector's tables as
 they are (``tests/test_collector_generations.py`` says what differs). The demo writes its spans and samples into a
-store where the Collector's current DDL created the span, trace-ID and metric tables first (samples become whole
-seconds there); then every query of every dashboard, expanded as the data source does, and every Grafana-managed
-rule, after one pass of the live analyser, runs on it with the checks the previous generation's tests apply
-(``tests/test_dashboards.py``, ``tests/test_alert_rules.py``).
+store where the Collector's DDL of one generation created the span, trace-ID and metric tables first (samples
+become whole seconds in the current one); then every query of every dashboard, expanded as the data source does,
+and every Grafana-managed rule, after one pass of the live analyser, runs on it with the checks the tests of a
+store stagetrace created apply (``tests/test_dashboards.py``, ``tests/test_alert_rules.py``).
 """
 
 from __future__ import annotations
@@ -38,37 +38,38 @@ rule_checks = _load("test_alert_rules")
 DASHBOARDS = build_all()
 
 
-@pytest.fixture(scope="module")
-def current_demo(tmp_path_factory):
-    """The demo's store on the Collector's current tables, after one pass of the live analyser."""
-    dsn = f"chdb://{tmp_path_factory.mktemp('current') / 'store'}"
+@pytest.fixture(scope="module", params=generations.GENERATIONS)
+def collector_demo(request, tmp_path_factory):
+    """The demo's store on the Collector's tables of one generation, after one pass of the live analyser."""
+    dsn = f"chdb://{tmp_path_factory.mktemp(request.param) / 'store'}"
     with open_store(dsn, create_schema=False) as bare:
         bare.client.command("CREATE DATABASE IF NOT EXISTS stagetrace")
-        for statement in generations.collector_statements():
+        for statement in generations.collector_statements(request.param):
             bare.client.command(statement)
     done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr
     with open_store(dsn) as store:
         store.client.database = store.database
-        assert generations.column_type(store, "otel_metrics_gauge", "TimeUnix") == "DateTime"
+        want = "DateTime" if request.param == "current" else "DateTime64(9)"
+        assert generations.column_type(store, "otel_metrics_gauge", "TimeUnix") == want
         assert live.Analyser(store, live.Schedule(settle_s=0, lookback_s=7200)).step().analysed > 0
         yield store
 
 
-def test_every_dashboard_query_runs_on_the_collectors_current_tables(current_demo):
-    ((first, last),) = current_demo.client.query("SELECT min(Timestamp), max(Timestamp) FROM otel_traces").result_rows
+def test_every_dashboard_query_runs_on_each_generation(collector_demo):
+    ((first, last),) = collector_demo.client.query("SELECT min(Timestamp), max(Timestamp) FROM otel_traces").result_rows
     window = QueryContext(first.replace(tzinfo=timezone.utc) - timedelta(minutes=1),
                           last.replace(tzinfo=timezone.utc) + timedelta(minutes=1), interval_ms=1000)  # fmt: skip
-    metrics = {r[0] for r in current_demo.client.query(
+    metrics = {r[0] for r in collector_demo.client.query(
         "SELECT DISTINCT MetricName FROM otel_metrics_gauge UNION DISTINCT SELECT DISTINCT MetricName FROM otel_metrics_sum"
     ).result_rows}  # fmt: skip
-    request_id = dashboard_checks.truth_request(current_demo, "gpu_xid_errors_total")
+    request_id = dashboard_checks.truth_request(collector_demo, "gpu_xid_errors_total")
     failures, ran = [], 0
     for uid, dashboard in sorted(DASHBOARDS.items()):
         for what, kind, sql, item in dashboard_checks.queries(dashboard):
             try:
-                names, types, rows = dashboard_checks.run(current_demo, expand(sql, window,
+                names, types, rows = dashboard_checks.run(collector_demo, expand(sql, window,
                                                                                 dashboard_checks.all_selected(request_id)))
             except Exception as exc:
                 failures.append(f"{uid} / {what}: {str(exc).splitlines()[0]}")
@@ -81,7 +82,7 @@ def test_every_dashboard_query_runs_on_the_collectors_current_tables(current_dem
 
 
 @pytest.mark.parametrize("rule", alert_rules.RULES, ids=lambda r: r.uid)
-def test_every_grafana_rule_runs_on_the_collectors_current_tables(rule, current_demo):
-    names, types, rows = rule_checks._evaluate(current_demo, rule)
+def test_every_grafana_rule_runs_on_each_generation(rule, collector_demo):
+    names, types, rows = rule_checks._evaluate(collector_demo, rule)
     numeric = [n for n, t in zip(names, types) if rule_checks.NUMERIC.match(t)]
     assert len(numeric) == 1 and rows, (names, types)
