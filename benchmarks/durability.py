@@ -222,30 +222,43 @@ def durability(quick: bool) -> list[Figure]:
 
 @benchmark("reserve")
 def reserve(quick: bool) -> list[Figure]:
-    """What the free-space reserve (``--min-free-space``) costs the write path: the same OTLP/HTTP requests of
-    512 spans into one receiver with the agent's default reserve (its cached ``statvfs`` check per request and the
-    engine's insert guard) and one without (the path before it), alternating, on one embedded store; the clock
-    stops when every span is in ``otel_traces``. Beside it, the check itself per request against one ``statvfs``."""
+    """What issue 36's protections cost the write path, in one run: the same OTLP/HTTP requests of 512 spans into
+    three receivers on one embedded store, alternating, the clock stopping when every span is in ``otel_traces``:
+    as shipped (the default free-space reserve, its cached ``statvfs`` check per request and the engine's insert
+    guard; the fsync settings of the store's tables; stored records kept to restore a broken part), the same
+    without the reserve, and the write path before any of them (no reserve, tables without the fsync settings, in
+    a database of their own, and no records kept). Beside it, the check itself per request against one
+    ``statvfs``."""
     import statistics
 
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
     from benchmarks.export import make_spans
+    from stagetrace import schema
     from stagetrace.exporters.diskspace import DEFAULT, Headroom
     from stagetrace.exporters.otlp import OtlpReceiver
 
     requests, rounds = (40, 1) if quick else (400, 4)
     spans = make_spans(requests * 512 // 6 + 1)
     bodies = [encode_spans(spans[i:i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
-    seconds: dict[str, list[float]] = {"reserve": [], "none": []}
+    names = ("shipped", "no reserve", "before")
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    kept_before = os.environ.pop(spool.ENV_SPOOL_KEEP_BYTES, None)
     with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}/store") as store:  # fmt: skip
-        headroom = Headroom({"store": store.location.path, "spool": f"{store.location.path}.spool"}, DEFAULT)
-        receivers = {"reserve": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom),
-                     "none": OtlpReceiver(store, "127.0.0.1:0")}  # fmt: skip
+            open_store(f"chdb://{directory}/store") as store, \
+            open_store(f"chdb://{directory}/store?database=before") as before:  # fmt: skip
+        for table in schema.DURABLE_TABLES:  # the tables as they were: the engine's defaults
+            before.client.command(f"ALTER TABLE before.`{table}` MODIFY SETTING fsync_after_insert = 0, "
+                                  "fsync_part_directory = 0")  # fmt: skip
+        headroom = Headroom({"store": store.location.path, "spool": directory}, DEFAULT)
+        receivers = {"shipped": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom, spool_dir=f"{directory}/a"),
+                     "no reserve": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b")}  # fmt: skip
+        os.environ[spool.ENV_SPOOL_KEEP_BYTES] = "0"  # read as the spool opens: none kept
+        receivers["before"] = OtlpReceiver(before, "127.0.0.1:0", spool_dir=f"{directory}/c")
+        del os.environ[spool.ENV_SPOOL_KEEP_BYTES]
         try:
             for round_ in range(rounds):
-                for name in (("reserve", "none") if round_ % 2 == 0 else ("none", "reserve")):
+                for name in names[round_ % 3:] + names[:round_ % 3]:  # each goes first in turn
                     receiver = receivers[name]
                     conn = http.client.HTTPConnection("127.0.0.1", int(receiver.url.rsplit(":", 1)[1]), timeout=60)
                     started = time.perf_counter()
@@ -259,11 +272,14 @@ def reserve(quick: bool) -> list[Figure]:
                         raise RuntimeError("the spool did not drain")
                     seconds[name].append(time.perf_counter() - started)
                     conn.close()
-                store.client.command("TRUNCATE TABLE stagetrace.otel_traces")  # the next round's tokens are new
+                for db in ("stagetrace", "before"):
+                    store.client.command(f"TRUNCATE TABLE {db}.otel_traces")  # the next round's tokens are new
                 bodies = [body + b"\x0a\x00" for body in bodies]  # an empty ResourceSpans more: another request
         finally:
             for receiver in receivers.values():
                 receiver.close()
+            if kept_before is not None:
+                os.environ[spool.ENV_SPOOL_KEEP_BYTES] = kept_before
         n = 200_000 if not quick else 20_000
         started = time.perf_counter()
         for _ in range(n):
@@ -275,9 +291,12 @@ def reserve(quick: bool) -> list[Figure]:
         statvfs_ns = (time.perf_counter() - started) / (n // 10) * 1e9
     total = len(bodies) * 512
     rate = {name: total / statistics.median(values) for name, values in seconds.items()}
+    before_36 = "the write path before issue 36 (no reserve, no fsync settings, no records kept)"
     return [
-        Figure(f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, default reserve {DEFAULT}", rate["reserve"],
-               "spans/s", "no reserve (the write path before it)", rate["none"]),  # fmt: skip
+        Figure(f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, as shipped (reserve {DEFAULT}, fsync "
+               "settings, records kept)", rate["shipped"], "spans/s", before_36, rate["before"]),
+        Figure("the same without the reserve (fsync settings, records kept)", rate["no reserve"], "spans/s",
+               before_36, rate["before"]),
         Figure("reserve check per request (statvfs cached for 0.25 s)", check_ns, "ns", "one statvfs", statvfs_ns),
         Figure("reserve check per span (512-span requests)", check_ns / 512, "ns"),
-    ]
+    ]  # fmt: skip
