@@ -110,9 +110,7 @@ def test_the_collectors_previous_tables_are_adopted_as_they_are(store_dsn):
     with adopted(store_dsn, "previous") as store:
         assert column_type(store, "otel_metrics_sum", "TimeUnix") == "DateTime64(9)"
         states = dict(schema.check(store.client, store.database))
-    spans_and_samples = [t for t in schema.COLLECTOR_TABLES if t != "otel_logs"]
-    assert {t: states[t] for t in spans_and_samples} == {t: schema.PREVIOUS for t in spans_and_samples}
-    assert states["otel_logs"] == schema.CURRENT  # logs came later: stagetrace creates the current log table
+    assert {t: states[t] for t in schema.COLLECTOR_TABLES} == {t: schema.PREVIOUS for t in schema.COLLECTOR_TABLES}
 
 
 def test_a_store_stagetrace_creates_has_the_current_span_tables_and_nanosecond_samples(store):
@@ -156,6 +154,73 @@ def test_trace_explain_and_divergences_read_each_generation(collector_store):
     (item,) = [i for g in found["groups"] for i in g["deviating"]]
     assert item["request_id"] == "odd" and item["first_divergent_stage"] == "decode"
     assert "gpu_xid_errors_total" in item["summary"]  # read from the metric tables here too
+
+
+# The Grafana plugin's "View logs" on a trace (src/data/utils.ts: a logs query with the OTel log columns and a TraceId
+# filter, rendered by src/data/sqlGenerator.ts), as it builds it, and as newer releases do with the time range
+# filter on Timestamp (the OTel 1.3.0 map; its 1.2.9 map filters on TimestampTime, which the newest table lacks).
+PLUGIN_VIEW_LOGS_SQL = (
+    """SELECT Timestamp as "timestamp", Body as "body", SeverityText as "level", LogAttributes as "labels", """
+    """TraceId as "traceID" FROM "stagetrace"."otel_logs" WHERE ( traceID = '{trace_id}' ) """
+    """ORDER BY timestamp ASC LIMIT 1000""",
+    """SELECT Timestamp as "timestamp", Body as "body", SeverityText as "level", LogAttributes as "labels", """
+    """TraceId as "traceID" FROM "stagetrace"."otel_logs" WHERE ( Timestamp >= toDateTime({start}) AND """
+    """Timestamp <= toDateTime({end}) ) AND ( traceID = '{trace_id}' ) ORDER BY timestamp ASC LIMIT 1000""",
+)
+
+
+# The plugin's trace-ID query when the trace-ID table exists (src/data/sqlGenerator.ts, as its own tests expect it).
+PLUGIN_TRACE_SQL = (
+    """WITH '{trace_id}' as trace_id, (SELECT min(Start) FROM "stagetrace"."otel_traces_trace_id_ts" WHERE TraceId = """
+    """trace_id) as trace_start, (SELECT max(End) + 1 FROM "stagetrace"."otel_traces_trace_id_ts" WHERE TraceId = """
+    """trace_id) as trace_end SELECT "TraceId" as traceID, "SpanId" as spanID, "ParentSpanId" as parentSpanID, """
+    """"ServiceName" as serviceName, "SpanName" as operationName, multiply(toUnixTimestamp64Nano("Timestamp"), """
+    """0.000001) as startTime, multiply("Duration", 0.000001) as duration, arrayMap(key -> map('key', key, 'value',"""
+    """"SpanAttributes"[key]), mapKeys("SpanAttributes")) as tags, arrayMap(key -> map('key', key, 'value',"""
+    """"ResourceAttributes"[key]), mapKeys("ResourceAttributes")) as serviceTags, if("StatusCode" IN ('Error', """
+    """'STATUS_CODE_ERROR'), 2, 0) as statusCode FROM "stagetrace"."otel_traces" WHERE traceID = trace_id AND """
+    """"Timestamp" >= trace_start AND "Timestamp" <= trace_end LIMIT 1000"""
+)
+
+
+def test_logs_land_and_are_read_on_each_generation(collector_store):
+    """A log line written by stagetrace's receiver path and one the Collector inserts, in the request's trace:
+    `trace` reads both, and so does the Grafana plugin's "View logs" query, on each generation's log table; the
+    plugin's trace query finds the trace's spans through each generation's trace-ID table."""
+    from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
+    from opentelemetry.proto.logs.v1.logs_pb2 import LogRecord, ResourceLogs, ScopeLogs
+
+    from stagetrace.exporters.durable import DurableWriter
+    from stagetrace.exporters.otlp import LOG_COLUMNS, LOGS_TABLE, log_rows
+
+    stagetrace.configure(store=collector_store, host_name="node-a", service_name="rag")
+    record("logged")
+    trace = lookup.by_request_id(collector_store, "logged")
+    decode = next(s for s in trace.spans if s.stage_name == "decode")
+    sent = ExportLogsServiceRequest(resource_logs=[ResourceLogs(scope_logs=[ScopeLogs(log_records=[LogRecord(
+        time_unix_nano=decode.start_ns, severity_text="WARN", severity_number=13,
+        trace_id=bytes.fromhex(trace.trace_id), span_id=bytes.fromhex(decode.span_id))])])])  # fmt: skip
+    sent.resource_logs[0].scope_logs[0].log_records[0].body.string_value = "preempted: KV cache full"
+    writer = DurableWriter(collector_store, "logs", spool_dir=False)
+    assert writer.write(LOGS_TABLE, LOG_COLUMNS, log_rows(sent))
+    writer.close()
+    collector_store.client.command(  # the Collector's own insert: its columns, the time as it came
+        "INSERT INTO {db:Identifier}.otel_logs (Timestamp, TraceId, SpanId, SeverityText, SeverityNumber, ServiceName, "
+        "Body) VALUES (fromUnixTimestamp64Nano({t:Int64}), {tid:String}, {sid:String}, 'ERROR', 17, 'vllm', "
+        "'CUDA graph replay fell back to eager mode')",
+        parameters={"db": collector_store.database, "t": decode.start_ns + 1000, "tid": trace.trace_id,
+                    "sid": decode.span_id})  # fmt: skip
+    lines = lookup.logs_of(collector_store, trace)
+    assert [(line.severity, line.body) for line in lines] == [
+        ("WARN", "preempted: KV cache full"), ("ERROR", "CUDA graph replay fell back to eager mode")]
+    spans = collector_store.client.query(PLUGIN_TRACE_SQL.format(trace_id=trace.trace_id)).result_rows
+    assert sorted(r[1] for r in spans) == sorted(s.span_id for s in trace.spans)
+    start, end = trace.start_ns // 10**9 - 60, trace.start_ns // 10**9 + 60
+    for sql in PLUGIN_VIEW_LOGS_SQL:
+        rows = collector_store.client.query(sql.format(trace_id=trace.trace_id, start=start, end=end)).result_rows
+        assert [(r[1], r[2], r[4]) for r in rows] == [
+            ("preempted: KV cache full", "WARN", trace.trace_id),
+            ("CUDA graph replay fell back to eager mode", "ERROR", trace.trace_id)], sql
 
 
 def test_schema_check_prints_each_tables_generation(store_dsn, capsys):

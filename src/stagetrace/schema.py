@@ -462,6 +462,8 @@ def _generation(table: str, engine: str, sorting_key: str, time_type: str) -> st
         return CURRENT if time_type == "DateTime" else PREVIOUS
     if table == "otel_traces_trace_id_ts":
         return CURRENT if "Aggregating" in engine else PREVIOUS
+    if table == "otel_logs":  # the newest keys on toDateTime(Timestamp); before, on a TimestampTime column
+        return PREVIOUS if "TimestampTime" in sorting_key else CURRENT
     return CURRENT if sorting_key.replace(" ", "").endswith(",Timestamp") else PREVIOUS  # otel_traces
 
 
