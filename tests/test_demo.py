@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from stagetrace import demo
-from stagetrace.demo import faults, world
+from stagetrace.demo import faults, hardware, world
 from stagetrace.demo.pipeline import REMOTE_RANKS, SERVICE_NAME, DocCache
 from stagetrace.digest import digest
 from stagetrace.store import open_store
@@ -228,6 +228,28 @@ def test_hardware_faults_show_in_the_collected_counters(recorded):
     assert {h for h, _ in rose["rdma_out_of_sequence_total"]} == remote
     for name in ("rdma_packet_seq_err_total", "rdma_implied_nak_seq_err_total"):
         assert not rose[name], f"{name} rose: the sequence-error fault raises one counter"
+
+
+TENANTS_SQL = """
+SELECT ResourceAttributes['host.name'], Attributes['uuid'], Attributes['namespace'], Attributes['pod'], max(Value)
+FROM {db:Identifier}.otel_metrics_gauge
+WHERE MetricName = 'gpu_tenant_memory_used_bytes' GROUP BY 1, 2, 3, 4"""
+
+
+def test_the_mps_shared_gpu_shows_both_tenants_and_the_mps_server(run):
+    """The node that shares a GPU through MPS: the gpu collector names each client process's pod from the host's
+    procfs and the kubelet's log directory, as on a real node, and the pods' memory is counted once each."""
+    dsn, _ = run
+    with open_store(dsn) as store:
+        rows = store.client.query(TENANTS_SQL, parameters={"db": store.database}).result_rows
+    by_gpu = defaultdict(dict)
+    for host, uuid, namespace, pod, memory in rows:
+        by_gpu[(host, uuid)][(namespace, pod)] = memory
+    (shared_host, _), tenants = next((gpu, t) for gpu, t in by_gpu.items() if len(t) > 1)
+    sharing = {(namespace, pod) for namespace, pod, _ in hardware.SHARING_PODS}
+    assert set(tenants) == sharing | {("kube-system", f"nvidia-device-plugin-{shared_host}")}
+    assert all(tenants[pod] > 2**30 for pod in sharing)  # each client's own memory, not the device's
+    assert sum(len(t) > 1 for t in by_gpu.values()) == 1  # one GPU shared, on one host
 
 
 def test_a_tp_group_across_two_hosts_records_one_allreduce_span_per_rank(run):

@@ -18,7 +18,9 @@ there are 4, and GPU 3 as used twice: the state the kubernetes collector names (
 
 from __future__ import annotations
 
+import hashlib
 import time
+import uuid
 from pathlib import Path
 
 from stagetrace.collectors import build_node
@@ -89,8 +91,10 @@ class NodeHardware:
         # The kubelet starts with the first scrape: gRPC starts threads, and the node forks its TP ranks first. Only
         # the node that shares a GPU runs one: a gRPC server in every node process doubled the demo's time.
         self.kubelet = RecordedKubelet(self.root / "kubelet" / "kubelet.sock", self.root / "kubelet") if shared_gpu else None
+        shared = {"kubelet_socket": self.kubelet.socket_path, "procfs": self.root / "proc",
+                  "kubelet_log_dir": self.root / "log"} if self.kubelet else {}  # fmt: skip
         options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.nvml, mps_fixture=self.root / "mps",
-                          **({"kubelet_socket": self.kubelet.socket_path} if self.kubelet else {}))  # fmt: skip
+                          **shared)  # fmt: skip
         self._collectors = build_node(["gpu", "rdma", *(["mps", "kubernetes"] if shared_gpu else [])], options)
         self._nic_collectors = build_node(["rdma"], options)
         self._started_ns = time.time_ns()
@@ -183,9 +187,29 @@ class NodeHardware:
             write_mps_fixture(self.root / "mps", {
                 "get_server_list": f"{MPS_SERVER}\n", f"get_client_list {MPS_SERVER}": "".join(f"{p}\n" for p in MPS_CLIENTS),
                 "get_default_active_thread_percentage": "50.0\n"})  # fmt: skip
+            self._write_tenants()
         for path, text in port_files(self.root / "sys", NIC, "400 Gb/sec (4X NDR)", NETDEV).items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text + "\n")
+
+    def _write_tenants(self) -> None:
+        """What names the shared GPU's processes' pods on a host: each one's ``/proc/<pid>/cgroup`` (the systemd
+        driver's layout, cgroup v2) and ``comm``, and the kubelet's log directory, which names pod UIDs and
+        container IDs (``collectors.gpu_tenants``)."""
+        daemon = ("kube-system", f"nvidia-device-plugin-{self.host}", "nvidia-device-plugin")  # runs the MPS server
+        owners = [(MPS_SERVER, "nvidia-cuda-mps-server", daemon),
+                  *((pid, pod[2], pod) for pid, pod in zip(MPS_CLIENTS, SHARING_PODS))]  # fmt: skip
+        for pid, comm, (namespace, pod, container) in owners:
+            uid = str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.host}/{namespace}/{pod}"))
+            container_id = hashlib.sha256(f"{uid}/{container}".encode()).hexdigest()
+            proc = self.root / "proc" / str(pid)
+            proc.mkdir(parents=True, exist_ok=True)
+            (proc / "comm").write_text(comm + "\n")
+            (proc / "cgroup").write_text(f"0::/kubepods.slice/kubepods-pod{uid.replace('-', '_')}.slice/"
+                                         f"cri-containerd-{container_id}.scope\n")  # fmt: skip
+            (self.root / "log" / "pods" / f"{namespace}_{pod}_{uid}" / container).mkdir(parents=True, exist_ok=True)
+            (self.root / "log" / "containers").mkdir(parents=True, exist_ok=True)
+            (self.root / "log" / "containers" / f"{pod}_{namespace}_{container}-{container_id}.log").touch()
 
     def _write_counters(self) -> None:
         port = self.root / "sys" / "class" / "infiniband" / NIC / "ports" / "1"
