@@ -225,6 +225,24 @@ def test_each_request_of_a_batch_digests_as_its_rows_alone(dtype, row):
     assert after[0] == alone[0] and after[2] == alone[2] and after[1] != alone[1]
 
 
+def test_row_batches_keep_the_bytes_as_they_were_and_digest_as_each_groups_rows_alone():
+    """A decode loop's tensors, kept and hashed later many at a time: each digest is what its rows gave when they
+    were added, though the tensor is overwritten in place afterwards (as an all-reduce does to its input)."""
+    batches = tensors.RowBatches()
+    groups = [[(0, 1), (3, 4)], [(1, 3)]]
+    batch = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+    expected, laters = [], []
+    for step in range(5):
+        expected.append([digest(torch.cat([batch[a:b] for a, b in runs])) for runs in groups])
+        laters.append(batches.add(batch, groups))
+        batch.mul_(-1.5).add_(step)  # in place, after it was added
+    odd = batches.add(torch.zeros(4, 3, dtype=torch.bfloat16), groups)  # 6-byte rows: started now
+    assert [[d.result() for d in step] for step in laters] == expected
+    with pytest.raises(ValueError, match="^a 0-dimensional array has no rows to split: digest it whole$"):
+        batches.add(torch.tensor(3.0), [[(0, 1)]])
+    assert [d.result() for d in odd] == [digest(torch.zeros(2, 3, dtype=torch.bfloat16))] * 2
+
+
 def test_rows_outside_the_batch_are_a_one_line_error():
     with pytest.raises(ValueError, match=r"^rows 4:9 are not within the batch's 6 rows$"):
         tensors.start_rows(torch.zeros(6, 8), [[(0, 2)], [(4, 9)]])

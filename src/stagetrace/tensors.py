@@ -445,14 +445,97 @@ def start_rows(value, groups: list[list[tuple[int, int]]]) -> list:
     rows, and the lanes are summed per run (the hash's terms depend on one word and its index only); else, and on
     a device, group by group. Runs must lie within the leading dimension and not overlap."""
     array = as_tensor_or_array(value)
+    if not array.ndim:
+        raise ValueError("a 0-dimensional array has no rows to split: digest it whole")
     on_host = isinstance(array, np.ndarray) or (array.device.type == "cpu" and storage_problem(array) is None)
-    if on_host and array.ndim and array.shape[0]:
+    if on_host and array.shape[0]:
         name, shape, data = _host_bytes(array)
         row_bytes = len(data) // shape[0]
         if row_bytes and row_bytes % 8 == 0 and len(data) // 8 <= ROWS_PASS_WORDS:
             sums = _RowLayout.of(shape[0], row_bytes // 8, groups).lanes(data.view("<u8"))
             return [_ready(payload(name, (rows, *shape[1:]), lanes)) for rows, lanes in sums]
     return [start(_take(array, runs)) for runs in groups]
+
+
+class RowBatches:
+    """Host tensors whose groups of rows are hashed later, many tensors together: ``add`` keeps a copy of the
+    tensor's bytes and returns each group's digest (``Later``), which is computed, for every copy of the same dtype,
+    shape and groups kept so far, in one pass (``start_rows``'s, over the copies end to end) when one of them is
+    asked for or when the copies reach ``ROWS_PASS_WORDS``. A decode loop hands the same layout at every step: its
+    hooks then cost a copy each, not a hash, and the hash's fixed cost is paid once for many steps. What cannot
+    wait this way (a device's tensor, rows that are not whole words) is started now (``start_rows``)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[tuple, _Kept] = {}
+
+    def add(self, value, groups: list[list[tuple[int, int]]]) -> list:
+        array = as_tensor_or_array(value)
+        on_host = isinstance(array, np.ndarray) or (array.device.type == "cpu" and storage_problem(array) is None)
+        if not (on_host and array.ndim and array.shape[0]):
+            return start_rows(array, groups)
+        name, shape, data = _host_bytes(array)
+        row_bytes = len(data) // shape[0]
+        if not row_bytes or row_bytes % 8 or len(data) // 8 > ROWS_PASS_WORDS:
+            return start_rows(array, groups)
+        key = (name, tuple(shape), tuple(tuple(runs) for runs in groups))
+        with self._lock:
+            kept = self._open.get(key)
+            if kept is None:
+                kept = self._open[key] = _Kept(name, tuple(shape), groups)
+            later = kept.add(data.copy())  # the bytes as of now: an all-reduce overwrites its input next
+            if kept.words >= ROWS_PASS_WORDS:
+                del self._open[key]
+                kept.compute()
+        return later
+
+
+class _Kept:
+    """The copies of one layout's tensors, and once hashed, every group's digest of every copy in order."""
+
+    def __init__(self, name: str, shape: tuple, groups: list[list[tuple[int, int]]]):
+        self.name, self.shape, self.groups = name, shape, groups
+        self.copies: list[np.ndarray] = []
+        self.words = 0
+        self.digests: list[tuple[str, bytes]] | None = None
+        self._lock = threading.Lock()
+
+    def add(self, data: np.ndarray) -> list[Later]:
+        first = len(self.copies) * len(self.groups)
+        self.copies.append(data)
+        self.words += len(data) // 8
+        return [Later(self, first + g) for g in range(len(self.groups))]
+
+    def compute(self) -> None:
+        with self._lock:
+            if self.digests is not None:
+                return
+            rows = self.shape[0]
+            runs = [[(k * rows + a, k * rows + b) for a, b in group] for k in range(len(self.copies))
+                    for group in self.groups]  # fmt: skip
+            words = np.concatenate(self.copies).view("<u8")
+            layout = _RowLayout(rows * len(self.copies), len(words) // (rows * len(self.copies)), runs)
+            payloads = [payload(self.name, (n, *self.shape[1:]), lanes) for n, lanes in layout.lanes(words)]
+            self.digests = [(framed(TAG, p), p) for p in payloads]
+            self.copies = []
+
+
+class Later:
+    """A digest ``RowBatches`` computes when it is first asked for (with every other digest of its layout)."""
+
+    def __init__(self, kept: _Kept, index: int):
+        self._kept, self._index = kept, index
+
+    def done(self) -> bool:
+        return True  # host work: computed on demand, never waited for
+
+    def result(self, timeout_s: float | None = None) -> str:
+        self._kept.compute()
+        return self._kept.digests[self._index][0]
+
+    def payload(self, timeout_s: float | None = None) -> bytes:
+        self._kept.compute()
+        return self._kept.digests[self._index][1]
 
 
 def _take(array, runs: list[tuple[int, int]]):

@@ -152,6 +152,7 @@ class serving:
         self._tp_size: int | None = None
         self._allreduce, self._decode = _Window(), _Window()
         self._decode_rows: int | None = None
+        self._batches = tensors.RowBatches()  # host tensors hashed many steps at a time, at the latest on exit
         self._token = None
 
     def __enter__(self) -> serving:
@@ -168,12 +169,15 @@ class serving:
 
     # -- what each request gets of a tensor
     def _digests(self, tensor) -> list:
-        """Each member's digest of its rows of ``tensor`` (Ready, Pending on a device, or Failed): a tensor whose
-        leading dimension is the batch's rows is split, one pass for all members; any other is each one's whole."""
+        """Each member's digest of its rows of ``tensor`` (computed later on the host, pending on a device, or
+        Failed): a tensor whose leading dimension is the batch's rows is split, one pass for all members; any
+        other is each one's whole."""
         members = self._members
         try:
-            if members[0].runs is not None and tensor.dim() and tensor.shape[0] == self._rows:
-                return tensors.start_rows(tensor, [member.runs for member in members])
+            if tensor.dim() and members[0].runs is not None and tensor.shape[0] == self._rows:
+                return self._batches.add(tensor, [member.runs for member in members])
+            if tensor.dim():
+                return self._batches.add(tensor, [[(0, tensor.shape[0])]]) * len(members)
             return [tensors.start(tensor)] * len(members)
         except Exception as exc:  # a tensor that cannot be digested: the span says so, the model goes on
             return [tensors.Failed(f"cannot digest the tensor: {exc}")] * len(members)
