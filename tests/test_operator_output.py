@@ -128,14 +128,16 @@ def test_divergences_open_with_a_tally_that_counts_the_rows(demo_store):
     dsn, demo = demo_store
     found = json_of("divergences", "--since", "1d", "--store", dsn)
     rows = [i for g in found["groups"] for i in g["deviating"]]
-    assert sum(t["requests"] for t in found["tally"]) == len(rows) > 0
+    # every deviating request is tallied, those analysed in full among them
+    assert sum(t["requests"] for t in found["tally"]) == found["deviating"] >= len(rows) > 0
+    assert sum(t["analysed"] for t in found["tally"]) == len(rows) == found["analysed"]
     assert all(t["hosts"] and t["first_seen"] <= t["last_seen"] for t in found["tally"])
     assert all(i["host"] for i in rows)
     run = subprocess.run([*STAGETRACE, "divergences", "--since", "1d", "--store", dsn], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert run.stdout.index("# by cause") < run.stdout.index("# deviating requests")
     top = found["tally"][0]
-    assert f"{top['cause']}\t{top['stage']}\t{top['requests']}\t" in run.stdout
+    assert f"{top['cause']}\t{top['stage']}\t{top['requests']}\t{top['analysed']}\t" in run.stdout
     # the header says what was left out and how to have it: the unseeded requests by service (here the demo's RL
     # tenant; named when more than one service has some), and the way to analyse every deviating request
     by_service = found["nondeterministic_by_service"]
@@ -247,5 +249,5 @@ def test_the_divergences_header_counts_unseeded_requests_by_service():
              "nondeterministic_by_service": {"fabric": 720, "rag-demo": 121}, "groups": [], "tally": []}  # fmt: skip
     divergence_groups(Output(Console(file=piped)), found, "1h")
     assert piped.getvalue().splitlines()[0] == (
-        "145 deviating requests in the last 1h; the latest 76 analysed (--limit 0 analyses all); "
+        "145 deviating requests in the last 1h; the latest 76 analysed in full (--limit 0 analyses all); "
         "841 sampled without a seed, not compared (fabric 720, rag-demo 121)")

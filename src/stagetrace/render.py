@@ -371,18 +371,22 @@ def _by_service(counts: dict[str, int]) -> str:
 def divergence_groups(out: Output, found: dict, since: str) -> None:
     """``stagetrace divergences``: a tally by cause and stage first, then each deviating request."""
     out.line(f"{found['deviating']} deviating requests in the last {since}"
-             + (f"; the latest {found['analysed']} analysed (--limit 0 analyses all)"
+             + (f"; the latest {found['analysed']} analysed in full (--limit 0 analyses all)"
                 if found["analysed"] < found["deviating"] else "")
              + (f"; {found['nondeterministic']} sampled without a seed, not compared"
                 + _by_service(found.get("nondeterministic_by_service", {}))
                 if found.get("nondeterministic") else ""))  # fmt: skip
     for rollout in found.get("rollouts", ()):
         out.line(f"rollout: {rollout['summary']}")
-    tally = [[t["cause"] or "(none found)", t["stage"] or "after the last stage", str(t["requests"]),
+    # every deviating request, analysed in full or not: a cause of those not analysed is the setting the contrast
+    # ranks first, and none when no setting stands out (a hardware fault shows only in the analysed ones)
+    tally = [[t["cause"] or ("(none found)" if t.get("analysed", t["requests"]) else "(no setting stands out)"),
+              t["stage"] or "after the last stage", str(t["requests"]), str(t.get("analysed", t["requests"])),
               " ".join(t["hosts"]), _seen(t["first_seen"]), _seen(t["last_seen"])]
              for t in found.get("tally", ())]  # fmt: skip
     out.table("by cause", [Column("cause", keep=True), Column("stage", keep=True), Column("requests", right=True),
-                           Column("hosts"), Column("first seen", keep=True), Column("last seen", keep=True)], tally)  # fmt: skip
+                           Column("analysed", right=True), Column("hosts"), Column("first seen", keep=True),
+                           Column("last seen", keep=True)], tally)  # fmt: skip
     rows = []
     for group in found["groups"]:
         for item in group["deviating"]:

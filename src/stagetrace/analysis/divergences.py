@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import time
 
-from stagetrace import lookup
+from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, rollouts
+from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measurement, ranked
 from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
                                          first_divergence, setting_keys, stage_differences, summary)
 from stagetrace.analysis.hardware import Samples, devices
@@ -61,12 +62,14 @@ def _located(deviations: list[population.Deviation], where: dict[str, Divergence
 
 
 def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
-         analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0) -> dict:
+         analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0, tally_all: bool = True) -> dict:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
     started at ``analyse_from_ns`` or later and, when ``analyse`` is given, for which ``analyse(deviation)`` is
     true: the live analyser's new ones), grouped by input; with ``inputs_from_ns``, only the groups of the inputs
     that arrived since then (the live analyser's: those the new requests can have changed), and the stage
-    majorities that weigh the causes taken from the requests around the analysed ones, not the whole window."""
+    majorities that weigh the causes taken from the requests around the analysed ones, not the whole window.
+    ``tally_all``: the tally covers every deviating request (where each first differs, found in SQL); off, only the
+    analysed ones (the live analyser's passes, which do not show it and whose cost must follow the new traffic)."""
     until_ns = until_ns or time.time_ns()
     t0 = until_ns - since_ns
     window = (t0 - MARGIN_NS, until_ns + MARGIN_NS)
@@ -78,26 +81,39 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     deviations = population.deviations(store, t0, until_ns, inputs_from_ns=inputs_from_ns)
     # the GPUs' inventory at the latest deviating request (nothing to read when none deviates)
     gpus = inventory.read(store, max(d.start_ns for d in deviations)) if deviations else inventory.Inventory({})
+    # Where every deviation first differs (in SQL, for all of them): the settings a rollout may have moved, and the
+    # tally. Rollouts are looked for among those settings, checked on a sample across the window and the latest
+    # SAMPLED, so that what is found (and so which requests deviate) does not depend on how many are analysed.
+    differences = population.first_differences(store, t0, until_ns, window, inputs_from_ns=inputs_from_ns) \
+        if tally_all else {}
     analysed = chosen(deviations)
-    # rollouts are looked for among the settings that differ for the latest and for a sample across the window:
-    # a rollout early in it makes the requests before it deviate, not the latest ones
-    sample = list({id(d): d for d in analysed + deviations[::max(1, len(deviations) // SAMPLED)]}.values())
-    traces = _traces(store, sample, window, gpus)
+    sample = list({id(d): d for d in deviations[-SAMPLED:] + deviations[::max(1, len(deviations) // SAMPLED)]}.values())
+    traces = _traces(store, list({id(d): d for d in analysed + sample}.values()), window, gpus)
     first = _divergences(sample, traces)
-    candidates = sorted({(where.stage, key) for d, where in _located(sample, first)
-                         for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage)})  # fmt: skip
-    seen = rollouts.values_of(((s.stage, s) for t in traces.values() for s in t.spans if s.stage), candidates)
+    candidates = {(where.stage, key) for d, where in _located(sample, first)
+                  for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage)}  # fmt: skip
+    candidates |= {(found.stage, name) for found in differences.values() for name in _settings(found)}
+    in_sample = {t for d in sample for t in (d.trace_id, d.baseline_trace_id)}
+    seen = rollouts.values_of(((s.stage, s) for t in traces.values() if t.trace_id in in_sample for s in t.spans
+                               if s.stage), sorted(candidates))  # fmt: skip
     found_rollouts = rollouts.detect(store, rollouts.suspects(seen), t0, until_ns)
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
-        deviations = population.deviations(store, t0, until_ns, [r.fleet_ns for r in found_rollouts], inputs_from_ns)
+        epochs = [r.fleet_ns for r in found_rollouts]
+        deviations = population.deviations(store, t0, until_ns, epochs, inputs_from_ns)
+        if tally_all:
+            differences = population.first_differences(store, t0, until_ns, window, epochs, inputs_from_ns)
     latest = {d.trace_id for d in chosen(deviations)}
+    waves: set[str] = set()
     if found_rollouts:  # the latest of the new grouping, and every request in a wave
         during = [d for d in deviations
-                  if d.trace_id in latest or any(r.from_ns <= d.start_ns <= r.until_ns for r in found_rollouts)]
+                  if d.trace_id in latest or rollouts.in_wave(None, d.start_ns, found_rollouts)]
         traces = _traces(store, during, window, gpus)
         first = _divergences(during, traces)
-        analysed = [d for d in during if d.trace_id in latest or (
-            d.trace_id in first and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts))]  # fmt: skip
+        waves = {d.trace_id for d in during
+                 if d.trace_id in first and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts)}
+        analysed = [d for d in during if d.trace_id in latest or d.trace_id in waves]
+    else:
+        first = _divergences(analysed, traces)
     nowhere = Divergence(None, [], False)  # the request's or its baseline's spans are gone
     where = {d.trace_id: first.get(d.trace_id, nowhere) for d in analysed}
 
@@ -118,6 +134,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     groups: dict[str, dict] = {}
     rows = []
     expected: dict[int, int] = {}  # rollout index → requests its wave explains
+    explained_ids: set[str] = set()
     detected = time.time_ns() // 1_000_000
     for d in analysed:
         baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)
@@ -127,9 +144,11 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
             found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id], contrasts.get(stage),
                              samples, found_rollouts)  # fmt: skip
         top = next((c for c in found if not c.weak), None)
-        if top is not None and top.kind == "rollout" and top.evidence.get("expected"):
+        # a wave's requests are all analysed, whatever the limit: the rollout explains those (not counted as deviating)
+        if top is not None and top.kind == "rollout" and top.evidence.get("expected") and d.trace_id in waves:
             index = next(i for i, r in enumerate(found_rollouts) if (r.stage, r.name) == (top.stage, top.name))
             expected[index] = expected.get(index, 0) + 1
+            explained_ids.add(d.trace_id)
             continue
         if d.trace_id not in latest:
             continue
@@ -154,6 +173,13 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     if rows and not store.read_only:  # through a running agent's read-only endpoint, report without persisting
         store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
     explained = sum(expected.values())
+    tops = {item["trace_id"]: (item["top_cause"] or {}).get("name", "") for g in groups.values() for item in g["deviating"]}
+    if tally_all:
+        remaining = [d for d in deviations if d.trace_id not in explained_ids]
+        by_request = _tally_causes(store, remaining, differences, tops, t0, until_ns, found_rollouts, gpus)
+    else:  # the analysed requests' own
+        remaining = [d for d in deviations if d.trace_id in tops]
+        by_request = {d.trace_id: (where[d.trace_id].stage or "", tops[d.trace_id]) for d in remaining}
     unseeded = population.nondeterministic_by_service(store, t0, until_ns)
     return {
         "since_ns": since_ns,
@@ -162,7 +188,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "nondeterministic": sum(unseeded.values()),
         "nondeterministic_by_service": unseeded,
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
-        "tally": tally(groups.values()),
+        "tally": tally(remaining, by_request, set(tops)),
         "groups": list(groups.values()),
     }
 
@@ -176,14 +202,60 @@ def stage_devices(trace: lookup.Trace | None, stage: str | None, ranks) -> list[
     return gpus or sorted({n for s in spans for n in devices(s.attributes)[1]})
 
 
-def tally(groups) -> list[dict]:
-    """The deviating requests by top cause and first divergent stage, most first: how many, on which hosts,
-    first and last seen (so 80 requests of one index rebuild read as one line)."""
-    by: dict[tuple[str, str], list[dict]] = {}
-    for group in groups:
-        for item in group["deviating"]:
-            cause = (item["top_cause"] or {}).get("name", "")
-            by.setdefault((cause, item["first_divergent_stage"] or ""), []).append(item)
-    return [{"cause": cause, "stage": stage, "requests": len(items), "hosts": sorted({i["host"] for i in items}),
-             "first_seen": min(i["start"] for i in items), "last_seen": max(i["start"] for i in items)}
+def _settings(found: population.Difference) -> list[str]:
+    """The contrast keys of the settings (not measurements) that differ at a deviation's first divergent stage."""
+    keys = [name for name, _, _ in found.attributes] + [RESOURCE + name for name, _, _ in found.resource]
+    return [key for key in keys if conventions.is_comparable(key.removeprefix(RESOURCE)) and not is_measurement(key)]
+
+
+def _span(stage: str, attributes: dict, resource: dict, start_ns: int) -> lookup.Span:
+    """A stage span as far as its differing attributes tell (what ``attribute_causes`` weighs)."""
+    return lookup.Span("", "", stage, "", "", start_ns, 0, "", "", attributes, resource, stage_name=stage)
+
+
+def _tally_causes(store: Store, deviations: list[population.Deviation], differences: dict, tops: dict[str, str],
+                  t0: int, t1: int, found_rollouts, gpus) -> dict[str, tuple[str, str]]:  # fmt: skip
+    """Trace ID → (first divergent stage, cause) of every deviation: an analysed one's top cause; for the others the
+    setting the attribute detector ranks first at that stage (its contrast weighed over the whole window), "" when
+    none stands out (a hardware fault, which only the full analysis reads counters for, shows so)."""
+    keys: dict[str, set[str]] = {}
+    for d in deviations:
+        found = differences.get(d.trace_id)
+        if found is not None and d.trace_id not in tops:
+            keys.setdefault(found.stage, set()).update(
+                k for k in [n for n, _, _ in found.attributes] + [RESOURCE + n for n, _, _ in found.resource]
+                if conventions.is_comparable(k.removeprefix(RESOURCE)))  # fmt: skip
+    contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, t0, t1, found_rollouts,
+                                     inventory=gpus) if keys else {}  # fmt: skip
+    out = {}
+    for d in deviations:
+        found = differences.get(d.trace_id)
+        stage = found.stage if found else ""
+        if d.trace_id in tops:
+            out[d.trace_id] = (stage, tops[d.trace_id])
+            continue
+        cause = ""
+        if found is not None:
+            mine = _span(stage, {n: v for n, v, _ in found.attributes}, {n: v for n, v, _ in found.resource}, d.start_ns)
+            theirs = _span(stage, {n: b for n, _, b in found.attributes}, {n: b for n, _, b in found.resource},
+                           d.start_ns)  # fmt: skip
+            top = next((c for c in ranked(attribute_causes(stage, mine, theirs, contrasts.get(stage))) if not c.weak),
+                       None)  # fmt: skip
+            cause = top.name if top is not None else ""
+        out[d.trace_id] = (stage, cause)
+    return out
+
+
+def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str]) -> list[dict]:
+    """Every deviating request (not only those analysed in full) by cause and first divergent stage, most first: how
+    many, how many of them were analysed in full, on which hosts, first and last seen (so 80 requests of one index
+    rebuild read as one line, whatever ``--limit`` is)."""
+    by: dict[tuple[str, str], list[population.Deviation]] = {}
+    for d in deviations:
+        stage, cause = by_request.get(d.trace_id, ("", ""))
+        by.setdefault((cause, stage), []).append(d)
+    return [{"cause": cause, "stage": stage, "requests": len(items),
+             "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
+             "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
+             "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}
             for (cause, stage), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]  # fmt: skip

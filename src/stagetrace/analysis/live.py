@@ -200,7 +200,7 @@ class Analyser:
 
         found = divergences.find(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
                                  limit=None, analyse_from_ns=analyse_from, analyse=changed,
-                                 inputs_from_ns=start_ns)  # fmt: skip
+                                 inputs_from_ns=start_ns, tally_all=False)  # fmt: skip
         new: dict[tuple[str, str, str], int] = {}
         analysed = 0
         for group in found["groups"]:

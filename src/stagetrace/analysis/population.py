@@ -261,3 +261,63 @@ LIMIT 1 BY Stage, key, if({identifier}, '', value)"""
 CONTRAST_SQLS = {(waves, inventory): _contrast_sql(waves, inventory) for waves in (False, True)
                  for inventory in (False, True)}  # fmt: skip
 
+
+# Where every deviating request first differs from its baseline, for the tally of ``divergences`` (which covers all
+# of them, not only those analysed in full). The SQL twin of ``explain.compare_stages`` and ``first_divergence`` at
+# the level of whole stages: a stage's output is the set of its spans' outputs (every rank and pass: a TP group on
+# several hosts compares with an engine's one span by its outputs, as there), a stage one side lacks differs, and
+# stages go in pipeline order, then by start. Its attributes are those of its lowest rank's first pass, as
+# ``explain.stage_differences`` takes them; only those that differ come back (with the request's and the baseline's
+# values), so the rows stay small. ``pairs``: the deviations (``_pairs``), read in the same query rather than sent as
+# parameters (100,000 trace IDs bound as an array took 43 s to parse in chdb, far more than grouping again).
+def _first_differences(pairs: str) -> str:
+    stages = "[" + ", ".join(f"'{s}'" for s in conventions.PIPELINE_STAGES) + "]"
+    first_pass = "(toUInt64OrZero(Rank), Rank, Start)"
+    differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
+                     arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
+    return f"""
+WITH pairs AS (SELECT c2 AS Dev, c11 AS Base FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11)),
+passes AS (
+    SELECT TraceId, Stage, min(Start) AS First, arraySort(groupUniqArray(OutputDigest)) AS Outputs,
+           argMin(Attributes, {first_pass}) AS Attrs, argMin(ResourceAttributes, {first_pass}) AS Resource
+    FROM {{db:Identifier}}.stagetrace_stages
+    WHERE Start >= fromUnixTimestamp64Nano({{s0:Int64}}) AND Start < fromUnixTimestamp64Nano({{s1:Int64}})
+      AND TraceId IN (SELECT Dev FROM pairs UNION ALL SELECT Base FROM pairs)
+    GROUP BY TraceId, Stage),
+mine AS (SELECT Dev, Stage, First, Outputs, Attrs, Resource FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Dev),
+theirs AS (SELECT Dev, Stage, First, Outputs, Attrs, Resource FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base)
+SELECT Dev, argMin((Stage, Attributes, ResourceAttributes), Place)
+FROM (
+    SELECT Dev, Stage, (if(indexOf({stages}, Stage) = 0, {len(conventions.PIPELINE_STAGES) + 1}, indexOf({stages}, Stage)),
+                        if(empty(t.Outputs), m.First, t.First)) AS Place,
+           {differing.replace('mine', 'm.Attrs').replace('theirs', 't.Attrs')} AS Attributes,
+           {differing.replace('mine', 'm.Resource').replace('theirs', 't.Resource')} AS ResourceAttributes
+    FROM mine AS m FULL OUTER JOIN theirs AS t USING (Dev, Stage)
+    WHERE m.Outputs != t.Outputs)
+GROUP BY Dev"""
+
+
+FIRST_DIFFERENCES_SQL = _first_differences(PAIRS_SQL)
+FIRST_DIFFERENCES_OF_NEW_INPUTS_SQL = _first_differences(PAIRS_OF_NEW_INPUTS_SQL)
+
+
+@dataclass
+class Difference:
+    """Where a deviating request first differs from its baseline (``first_differences``)."""
+
+    stage: str
+    attributes: list[tuple[str, str, str]]  # (name, value, baseline value) of the stage's span that differ
+    resource: list[tuple[str, str, str]]  # the same of its resource
+
+
+def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, int], epochs: list[int] = (),
+                      inputs_from_ns: int = 0) -> dict[str, Difference]:  # fmt: skip
+    """Trace ID → where each of :func:`deviations` (same arguments) first differs from its baseline; the stage spans
+    read within ``window``. A request none of whose recorded stages differs has no entry."""
+    parameters = {**_window(store, t0_ns, t1_ns, epochs), "s0": window[0], "s1": window[1]}
+    if inputs_from_ns:
+        parameters["inputs_from"] = inputs_from_ns
+    sql = FIRST_DIFFERENCES_OF_NEW_INPUTS_SQL if inputs_from_ns else FIRST_DIFFERENCES_SQL
+    rows = store.client.query(sql, parameters=parameters).result_rows
+    return {trace_id: Difference(stage, list(attributes), list(resource))
+            for trace_id, (stage, attributes, resource) in rows}  # fmt: skip

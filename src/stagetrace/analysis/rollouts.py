@@ -94,8 +94,10 @@ def value_of(span, key: str) -> str:
 
 
 def in_wave(stage: str | None, t_ns: int, found: list[Rollout]) -> bool:
-    """Whether a request that diverged first at ``stage`` at ``t_ns`` falls in the wave of a rollout of that stage."""
-    return any(r.stage == stage and r.from_ns <= t_ns <= r.until_ns for r in found)
+    """Whether a request that diverged first at ``stage`` (None: at any) and started at ``t_ns`` falls in the wave of
+    a rollout of that stage. A wave is dated by its stage spans, which start after their requests: a request that
+    started up to ``AMONG_MARGIN_NS`` before it counts too."""
+    return any((stage is None or r.stage == stage) and r.from_ns - AMONG_MARGIN_NS <= t_ns <= r.until_ns for r in found)
 
 
 def _clock(t_ns: int) -> str:

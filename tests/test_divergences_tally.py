@@ -1,0 +1,93 @@
+"""``divergences`` says what it did, whatever ``--limit`` is: the tally covers every deviating request in the window,
+the deviating count is the same for every limit, and the header says how many were analysed in full.
+
+The class of case: a fleet whose largest fault is older than the newest deviating requests (a stale index on one
+host for the first minutes, then a smaller fault elsewhere), so a limit that analyses only the newest requests in
+full never reaches the largest fault's. The fleet is recorded through the span exporter into a real store
+(``tests/fleet.py``), and every figure is derived from how it was built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import sys
+from pathlib import Path
+
+from stagetrace.analysis import divergences
+
+_spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
+fleet = sys.modules.get(_spec.name) or importlib.util.module_from_spec(_spec)
+if _spec.name not in sys.modules:
+    sys.modules[_spec.name] = fleet
+    _spec.loader.exec_module(fleet)
+
+INDEX, STEP = "retrieval.index.version", "model.weights.step"
+TALLY_KEYS = {"cause", "stage", "requests", "analysed", "hosts", "first_seen", "last_seen"}
+
+
+def _two_faults(store):
+    """Hosts a..d, each prompt served three times a minute per host for eight minutes. Minutes 0-4: host a serves a
+    stale index (retrieval differs); minutes 5-7: host c serves other weights (decode differs). (the fleet, the
+    request IDs of each fault)."""
+    fl = fleet.Fleet(store)
+    old, new = [], []
+    n = 0
+    for minute in range(8):
+        for k in range(3):
+            for host in "abcd":
+                for prompt in range(2):
+                    at = fl.at(minute, seconds=20 * k + n % 20)
+                    stale = host == "a" and minute < 5
+                    other_weights = host == "c" and minute >= 5
+                    fl.request(f"r{n}", at, host, prompt=prompt,
+                               settings={INDEX: "v40"} if stale else {STEP: 1100} if other_weights else None,
+                               differs={"retrieval": "stale"} if stale else {"decode": "w"} if other_weights else None)  # fmt: skip
+                    (old if stale else new if other_weights else []).append(f"r{n}")
+                    n += 1
+    fl.flush()
+    return fl, old, new
+
+
+def _find(store, fl, limit):
+    until = max(r["end_ns"] for r in fl.requests.values()) + fleet.MINUTE
+    return divergences.find(store, until - fl.t0 + fleet.MINUTE, until_ns=until, limit=limit)
+
+
+def test_the_tally_covers_every_deviating_request_and_the_count_ignores_the_limit(store):
+    fl, old, new = _two_faults(store)
+    assert len(old) > len(new) > 5  # the largest fault is the older one
+    found = {limit: _find(store, fl, limit) for limit in (5, len(new) + 2, None)}
+    for limit, result in found.items():
+        rows = [i["request_id"] for g in result["groups"] for i in g["deviating"]]
+        assert result["deviating"] == len(old) + len(new), (limit, result["deviating"])  # the same for every limit
+        assert result["analysed"] == len(rows) == min(limit or len(old) + len(new), len(old) + len(new))
+        tally = result["tally"]
+        assert all(set(t) == TALLY_KEYS for t in tally), tally
+        assert sum(t["requests"] for t in tally) == result["deviating"]  # every deviating request, analysed or not
+        assert sum(t["analysed"] for t in tally) == result["analysed"]
+        by = {(t["cause"], t["stage"]): t for t in tally}
+        # the older, larger fault is in the tally at every limit, with its setting as the cause and its host
+        stale = by[(INDEX, "retrieval")]
+        assert (stale["requests"], stale["hosts"]) == (len(old), ["a"]), tally
+        assert tally[0] is stale  # most first
+        assert by[(STEP, "decode")]["requests"] == len(new), tally
+        if limit == 5:  # the newest five are the newer fault's: the older one was tallied, not analysed in full
+            assert stale["analysed"] == 0 and set(rows) <= set(new)
+    assert found[None]["tally"] == [{**t, "analysed": t["requests"]} for t in found[5]["tally"]]
+
+    # the header says how many were analysed in full and how to analyse all; the tally's table shows both counts
+    from rich.console import Console
+
+    from stagetrace.render import Output, divergence_groups
+
+    for limit, result in found.items():
+        piped = io.StringIO()
+        divergence_groups(Output(Console(file=piped)), result, "3h")
+        text = piped.getvalue()
+        header = text.splitlines()[0]
+        assert header.startswith(f"{len(old) + len(new)} deviating requests in the last 3h"), header
+        assert (f"the latest {result['analysed']} analysed in full (--limit 0 analyses all)" in header) == (
+            limit is not None), header
+        analysed = next(t["analysed"] for t in result["tally"] if t["cause"] == INDEX)
+        assert f"{INDEX}\tretrieval\t{len(old)}\t{analysed}\ta\t" in text, text
