@@ -225,6 +225,20 @@ def test_each_request_of_a_batch_digests_as_its_rows_alone(dtype, row):
     assert after[0] == alone[0] and after[2] == alone[2] and after[1] != alone[1]
 
 
+def test_per_row_lanes_on_the_host_and_in_torch_ops_compute_the_definition():
+    """Each row hashed from its own first index: the host's NumPy and the torch ops a GPU runs (here on the CPU)
+    agree with the definition for the row's words at those indices."""
+    rng = np.random.default_rng(9)
+    words = rng.integers(0, 2**63, (5, 7), dtype=np.int64).view(np.uint64) * np.uint64(3)  # high bits set too
+    bases = np.array([0, 7, 70, 0, 2**40], np.uint64)
+    a, b = tensors.host_row_lanes(words, bases)
+    for row in range(5):  # the definition's lanes of a row whose first word has index bases[row]
+        expected = tensors.host_lanes(words[row], start=int(bases[row]))
+        assert (a[row], b[row]) == expected
+    lanes = tensors.device_row_lanes(torch.from_numpy(words.view(np.int64)), torch.from_numpy(bases.view(np.int64)))
+    assert [[v & MASK for v in side] for side in lanes.tolist()] == [a, b]
+
+
 def test_row_batches_keep_the_bytes_as_they_were_and_digest_as_each_groups_rows_alone():
     """A decode loop's tensors, kept and hashed later many at a time: each digest is what its rows gave when they
     were added, though the tensor is overwritten in place afterwards (as an all-reduce does to its input)."""

@@ -438,12 +438,76 @@ def _host_bytes(array) -> tuple[str, tuple, np.ndarray]:
 
 
 # -- the rows of a batch, each group's own: start(batch[rows]) for every group, in one pass
+#
+# A group's rows, concatenated, are its content: the word at column c of the j-th of its rows has index
+# j * row_words + c in it. So each row of the batch is hashed once with its own first index ("base"), its terms
+# summed per row, and a group's lanes are the sums of its rows' (the terms depend on one word and its index only).
+# Rows of many tensors of one layout (a decode loop's steps) are hashed the same way, end to end.
+
+
+def row_bases(rows: int, row_words: int, groups: list[list[tuple[int, int]]]) -> np.ndarray:
+    """Each row's first word index within its group's rows (uint64; 0 for a row of no group)."""
+    bases = np.zeros(rows, np.uint64)
+    for runs in groups:
+        offset = 0
+        for a, b in runs:
+            if not 0 <= a < b <= rows:
+                raise ValueError(f"rows {a}:{b} are not within the batch's {rows} rows")
+            bases[a:b] = np.arange(offset, offset + (b - a) * row_words, row_words, dtype=np.uint64)
+            offset += (b - a) * row_words
+    return bases
+
+
+@functools.lru_cache(maxsize=64)
+def _columns(row_words: int) -> np.ndarray:
+    return np.arange(row_words, dtype=np.uint64)
+
+
+def host_row_lanes(words: np.ndarray, bases: np.ndarray) -> tuple[list[int], list[int]]:
+    """(A, B) of each row of ``words`` (uint64, rows × row_words) whose first word has index ``bases[row]``."""
+    x, t = np.empty_like(words), np.empty_like(words)
+    np.add(bases[:, None], _columns(words.shape[1])[None, :], out=t)
+    _a_terms(words, t, x, t)
+    a = x.sum(axis=1, dtype=np.uint64).tolist()
+    _b_terms(x, t)
+    return a, x.sum(axis=1, dtype=np.uint64).tolist()
+
+
+def device_row_lanes(words, bases):
+    """(A, B) of each row as an int64 tensor (2, rows) on the words' device, from int64 ``words`` (rows ×
+    row_words) and int64 ``bases``: ``host_row_lanes`` in torch ops, bit for bit."""
+    import torch
+
+    index = bases[:, None] + torch.arange(words.shape[1], dtype=torch.int64, device=words.device)[None, :]
+    x = torch.mul(words, _M1).bitwise_xor_(index)
+    t = index  # spent: scratch from here
+    for multiplier in (_C1, _C2, None):  # fmix64
+        torch.bitwise_right_shift(x, 33, out=t).bitwise_and_(_LOW31)
+        x.bitwise_xor_(t)
+        if multiplier is not None:
+            x.mul_(multiplier)
+    a = x.sum(dim=1)
+    y = x.mul_(_M3)
+    torch.bitwise_right_shift(y, 32, out=t).bitwise_and_(_LOW32)
+    return torch.stack([a, y.bitwise_xor_(t).sum(dim=1)])
+
+
+def _group_lanes(a: list[int], b: list[int], groups, rows: int, copies: int = 1) -> list[tuple[int, tuple[int, int]]]:
+    """Each copy's each group's (rows, (A, B)) from per-row lanes, copies of ``rows`` rows end to end."""
+    out = []
+    for k in range(copies):
+        first = k * rows
+        for runs in groups:
+            span = [r for x, y in runs for r in range(first + x, first + y)]
+            out.append((len(span), (sum(a[r] for r in span) & _MASK64, sum(b[r] for r in span) & _MASK64)))
+    return out
+
+
 def start_rows(value, groups: list[list[tuple[int, int]]]) -> list:
     """Each group's digest of its rows of ``value``: ``groups[g]`` lists runs ``(start, stop)`` of the leading
     dimension, and its digest is ``start()``'s of those rows concatenated in order. On the host, when a row is whole
-    64-bit words, every group is hashed in one pass over the batch: each word's index is its index in its group's
-    rows, and the lanes are summed per run (the hash's terms depend on one word and its index only); else, and on
-    a device, group by group. Runs must lie within the leading dimension and not overlap."""
+    64-bit words, every group is hashed in one pass over the batch (see above); else, and on a device, group by
+    group. Runs must lie within the leading dimension and not overlap."""
     array = as_tensor_or_array(value)
     if not array.ndim:
         raise ValueError("a 0-dimensional array has no rows to split: digest it whole")
@@ -452,18 +516,20 @@ def start_rows(value, groups: list[list[tuple[int, int]]]) -> list:
         name, shape, data = _host_bytes(array)
         row_bytes = len(data) // shape[0]
         if row_bytes and row_bytes % 8 == 0 and len(data) // 8 <= ROWS_PASS_WORDS:
-            sums = _RowLayout.of(shape[0], row_bytes // 8, groups).lanes(data.view("<u8"))
-            return [_ready(payload(name, (rows, *shape[1:]), lanes)) for rows, lanes in sums]
+            bases = row_bases(shape[0], row_bytes // 8, groups)
+            a, b = host_row_lanes(data.view("<u8").reshape(shape[0], -1), bases)
+            return [_ready(payload(name, (n, *shape[1:]), lanes)) for n, lanes in _group_lanes(a, b, groups, shape[0])]
     return [start(_take(array, runs)) for runs in groups]
 
 
 class RowBatches:
-    """Host tensors whose groups of rows are hashed later, many tensors together: ``add`` keeps a copy of the
-    tensor's bytes and returns each group's digest (``Later``), which is computed, for every copy of the same dtype,
-    shape and groups kept so far, in one pass (``start_rows``'s, over the copies end to end) when one of them is
-    asked for or when the copies reach ``ROWS_PASS_WORDS``. A decode loop hands the same layout at every step: its
-    hooks then cost a copy each, not a hash, and the hash's fixed cost is paid once for many steps. What cannot
-    wait this way (a device's tensor, rows that are not whole words) is started now (``start_rows``)."""
+    """Tensors whose groups of rows are hashed later, many tensors together: ``add`` keeps a copy of the tensor
+    (on the host its bytes; on a GPU a device copy, made on the producer's stream) and returns each group's digest,
+    which is computed, for every copy of the same dtype, shape, groups and device kept so far, in one pass over the
+    copies end to end when one of them is asked for (on a GPU: launched on a side stream, read when its event says
+    so) or when the copies reach ``ROWS_PASS_WORDS``. A decode loop hands the same layout at every step: its hooks
+    then cost a copy each, not a hash, and the hash's fixed cost (a GPU's ~20 kernel launches) is paid once for many
+    steps. What cannot wait this way (rows that are not whole words) is started now (``start_rows``)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -471,71 +537,143 @@ class RowBatches:
 
     def add(self, value, groups: list[list[tuple[int, int]]]) -> list:
         array = as_tensor_or_array(value)
-        on_host = isinstance(array, np.ndarray) or (array.device.type == "cpu" and storage_problem(array) is None)
-        if not (on_host and array.ndim and array.shape[0]):
+        if not (array.ndim and array.shape[0]):
             return start_rows(array, groups)
-        name, shape, data = _host_bytes(array)
-        row_bytes = len(data) // shape[0]
-        if not row_bytes or row_bytes % 8 or len(data) // 8 > ROWS_PASS_WORDS:
+        on_host = isinstance(array, np.ndarray) or array.device.type == "cpu"
+        if on_host:
+            problem = None if isinstance(array, np.ndarray) else storage_problem(array)
+            if problem is not None:
+                return [Failed(f"cannot digest the tensor: {problem}")] * len(groups)
+            name, shape, data = _host_bytes(array)
+            nbytes, device, stream = len(data), None, None
+        elif array.device.type == "cuda":
+            import torch
+
+            name, shape, nbytes = torch_dtype_name(array.dtype), tuple(array.shape), array.numel() * array.element_size()
+            device, stream = array.device, torch.cuda.current_stream(array.device)
+        else:
             return start_rows(array, groups)
-        key = (name, tuple(shape), tuple(tuple(runs) for runs in groups))
+        row_bytes = nbytes // shape[0]
+        if not row_bytes or row_bytes % 8 or nbytes // 8 > ROWS_PASS_WORDS:
+            return start_rows(array, groups)
+        row_bases(shape[0], row_bytes // 8, groups)  # runs outside the rows: a one-line error now, not later
+        key = (name, tuple(shape), tuple(tuple(runs) for runs in groups), device, stream)
         with self._lock:
             kept = self._open.get(key)
             if kept is None:
-                kept = self._open[key] = _Kept(name, tuple(shape), groups)
-            later = kept.add(data.copy())  # the bytes as of now: an all-reduce overwrites its input next
+                kept = self._open[key] = _Kept(name, tuple(shape), groups, stream)
+            # the bytes as of now (an all-reduce overwrites its input next): a host copy, or a device copy ordered
+            # on the producer's stream
+            later = kept.add(data.copy() if on_host else _flat(array).clone())
             if kept.words >= ROWS_PASS_WORDS:
                 del self._open[key]
-                kept.compute()
+                kept.start()
         return later
 
 
 class _Kept:
     """The copies of one layout's tensors, and once hashed, every group's digest of every copy in order."""
 
-    def __init__(self, name: str, shape: tuple, groups: list[list[tuple[int, int]]]):
-        self.name, self.shape, self.groups = name, shape, groups
-        self.copies: list[np.ndarray] = []
+    def __init__(self, name: str, shape: tuple, groups: list[list[tuple[int, int]]], stream=None):
+        self.name, self.shape, self.groups, self.stream = name, shape, groups, stream
+        self.copies: list = []
         self.words = 0
         self.digests: list[tuple[str, bytes]] | None = None
+        self.error: str | None = None
+        self._device = None  # on a GPU, once started: (pinned lanes, event, what must live until it fires)
         self._lock = threading.Lock()
 
-    def add(self, data: np.ndarray) -> list[Later]:
+    def add(self, copy) -> list[Later]:
         first = len(self.copies) * len(self.groups)
-        self.copies.append(data)
-        self.words += len(data) // 8
+        self.copies.append(copy)
+        self.words += (copy.nbytes if isinstance(copy, np.ndarray) else copy.numel() * copy.element_size()) // 8
         return [Later(self, first + g) for g in range(len(self.groups))]
 
-    def compute(self) -> None:
+    def start(self) -> None:
+        """Hash the copies: now on the host; on a GPU, launched on a side stream."""
         with self._lock:
-            if self.digests is not None:
+            if self.digests is not None or self.error is not None or self._device is not None:
                 return
-            rows = self.shape[0]
-            runs = [[(k * rows + a, k * rows + b) for a, b in group] for k in range(len(self.copies))
-                    for group in self.groups]  # fmt: skip
-            words = np.concatenate(self.copies).view("<u8")
-            layout = _RowLayout(rows * len(self.copies), len(words) // (rows * len(self.copies)), runs)
-            payloads = [payload(self.name, (n, *self.shape[1:]), lanes) for n, lanes in layout.lanes(words)]
-            self.digests = [(framed(TAG, p), p) for p in payloads]
+            rows, copies = self.shape[0], len(self.copies)
+            bases = np.tile(row_bases(rows, self.words // (rows * copies), self.groups), copies)
+            try:
+                if self.stream is None:
+                    words = np.concatenate(self.copies).view("<u8").reshape(rows * copies, -1)
+                    self._finish(*host_row_lanes(words, bases))
+                else:
+                    self._launch(bases)
+            except Exception as exc:  # a device error: every digest of the batch says so
+                self.error = f"the device failed while digesting the tensor ({_one_line(exc)})"
             self.copies = []
+
+    def _launch(self, bases: np.ndarray) -> None:
+        import torch
+
+        rows = len(bases)
+        side = _side_stream(self.stream.device)
+        side.wait_stream(self.stream)  # the copies were made in the producer's order; the host does not wait
+        with torch.cuda.stream(side):
+            words = torch_words(torch.cat(self.copies)).view(rows, -1)
+            pinned = torch.from_numpy(bases.view(np.int64)).pin_memory()  # an asynchronous copy needs pinned memory
+            on_device = pinned.to(self.stream.device, non_blocking=True)
+            lanes = device_row_lanes(words, on_device)
+            host = torch.empty((2, rows), dtype=torch.int64, pin_memory=True)
+            host.copy_(lanes, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        for copy in self.copies:
+            copy.record_stream(side)  # the allocator may not reuse them before the side stream is done
+        self._device = (host, ready, (pinned, words, on_device, lanes))
+
+    def _finish(self, a: list[int], b: list[int]) -> None:
+        lanes = _group_lanes(a, b, self.groups, self.shape[0], len(a) // self.shape[0])
+        payloads = [payload(self.name, (n, *self.shape[1:]), sums) for n, sums in lanes]
+        self.digests = [(framed(TAG, p), p) for p in payloads]
+
+    def done(self) -> bool:
+        self.start()
+        with self._lock:
+            if self.digests is not None or self.error is not None:
+                return True
+            host, ready, _ = self._device
+            try:
+                if not ready.query():
+                    return False
+                a, b = host.tolist()  # pinned host memory: no device access
+                self._finish([v & _MASK64 for v in a], [v & _MASK64 for v in b])
+            except Exception as exc:  # a CUDA error raised by the query: the spans say so
+                self.error = f"the device failed before the digest was ready ({_one_line(exc)})"
+            self._device = None
+            return True
 
 
 class Later:
-    """A digest ``RowBatches`` computes when it is first asked for (with every other digest of its layout)."""
+    """A digest ``RowBatches`` computes when it is first asked for, with every other digest of its layout;
+    ``done()`` polls without blocking, ``result()`` waits (on a GPU, for its event)."""
 
     def __init__(self, kept: _Kept, index: int):
         self._kept, self._index = kept, index
 
     def done(self) -> bool:
-        return True  # host work: computed on demand, never waited for
+        return self._kept.done()
 
     def result(self, timeout_s: float | None = None) -> str:
-        self._kept.compute()
-        return self._kept.digests[self._index][0]
+        return self._wait(timeout_s)[0]
 
     def payload(self, timeout_s: float | None = None) -> bytes:
-        self._kept.compute()
-        return self._kept.digests[self._index][1]
+        return self._wait(timeout_s)[1]
+
+    def _wait(self, timeout_s: float | None) -> tuple[str, bytes]:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pause = 20e-6
+        while not self._kept.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise DigestUnavailable(f"the device had not finished the digest after {timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+        if self._kept.error is not None:
+            raise DigestUnavailable(self._kept.error)
+        return self._kept.digests[self._index]
 
 
 def _take(array, runs: list[tuple[int, int]]):
@@ -546,50 +684,6 @@ def _take(array, runs: list[tuple[int, int]]):
     import torch
 
     return torch.cat([array[a:b] for a, b in runs])
-
-
-class _RowLayout:
-    """For a batch of ``rows`` rows of ``row_words`` words and the groups' runs: each word's index in its group's
-    rows, and the segments to sum. Made once per layout: a decode loop asks for the same one at every step."""
-
-    _made: dict = {}
-
-    @classmethod
-    def of(cls, rows: int, row_words: int, groups: list[list[tuple[int, int]]]) -> _RowLayout:
-        key = (rows, row_words, tuple(tuple(runs) for runs in groups))
-        layout = cls._made.get(key)
-        if layout is None:
-            if len(cls._made) >= 64:
-                cls._made.clear()
-            layout = cls._made[key] = cls(rows, row_words, groups)
-        return layout
-
-    def __init__(self, rows: int, row_words: int, groups: list[list[tuple[int, int]]]):
-        self.index = np.zeros(rows * row_words, np.uint64)  # rows in no group: hashed, never summed
-        self.rows = []
-        starts = []
-        for runs in groups:
-            offset = 0
-            for a, b in runs:
-                if not 0 <= a < b <= rows:
-                    raise ValueError(f"rows {a}:{b} are not within the batch's {rows} rows")
-                self.index[a * row_words : b * row_words] = np.arange(offset, offset + (b - a) * row_words, dtype=np.uint64)
-                offset += (b - a) * row_words
-                starts.append(a * row_words)
-            self.rows.append(offset // row_words)
-        bounds = sorted(set(starts) | {b * row_words for runs in groups for _, b in runs} | {0})
-        self.bounds = np.array([w for w in bounds if w < rows * row_words], np.intp)
-        at = {w: i for i, w in enumerate(self.bounds.tolist())}
-        self.segments = [[at[a * row_words] for a, _ in runs] for runs in groups]
-
-    def lanes(self, words: np.ndarray) -> list[tuple[int, tuple[int, int]]]:
-        x, t = np.empty_like(self.index), np.empty_like(self.index)
-        _a_terms(words, self.index, x, t)
-        a = np.add.reduceat(x, self.bounds, dtype=np.uint64).tolist()
-        _b_terms(x, t)
-        b = np.add.reduceat(x, self.bounds, dtype=np.uint64).tolist()
-        return [(rows, (sum(a[i] for i in segments) & _MASK64, sum(b[i] for i in segments) & _MASK64))
-                for rows, segments in zip(self.rows, self.segments)]  # fmt: skip
 
 
 def _flat(tensor):

@@ -27,8 +27,9 @@ Other ranks (processes) name the request by the carrier rank 0 sent them: ``serv
 ``serving([(req_a, slice(0, 2)), (req_b, [2])])``; every recorded tensor whose leading dimension is the batch's
 rows is then split, and each request digests its own rows (a tensor of another leading size is each one's whole).
 
-Tensors on a GPU are hashed on the device and the spans completed off the caller's thread (``stagetrace.tensors``,
-``stagetrace.completion``); recording never synchronises the stream. Recording never breaks the model either: a
+Each recorded tensor is copied at the hook (on a GPU, on the producer's stream) and hashed later, many steps of one
+shape in one pass (``tensors.RowBatches``); on a GPU on the device, the spans completed off the caller's thread
+(``stagetrace.completion``): recording never synchronises the stream. Recording never breaks the model either: a
 tensor that cannot be digested leaves ``stagetrace.digest.error`` on the span instead of a digest. Eager mode only:
 ``torch.compile`` and CUDA graphs do not call these hooks per step. Hooks see the thread that entered ``serving``.
 """
