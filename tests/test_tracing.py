@@ -52,6 +52,26 @@ def test_content_is_recorded_only_when_asked(spans):
     assert json.loads(root.attributes["stagetrace.output.content"]) == {"text": "hi"}
 
 
+def test_spans_lie_on_the_clock_they_are_configured_with(spans):
+    """A simulation or a replay gives its own clock: requests and stages start and end when it says, not when the
+    process ran them (the demo's spans do, so that a loaded machine cannot move them)."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    now = [1_700_000_000_000_000_000]
+    stagetrace.configure(tracer_provider=provider, clock=lambda: now[0])
+    with stagetrace.request("r-clock") as req:
+        now[0] += 1_000
+        with stagetrace.stage("retrieval") as st:
+            now[0] += 250_000
+            st.set_output(["d1"])
+        now[0] += 2_000
+        req.set_output("out")
+    got = _by_name(spans)
+    base = 1_700_000_000_000_000_000
+    assert (got["inference.request"].start_time, got["inference.request"].end_time) == (base, base + 253_000)
+    assert (got["stage.retrieval"].start_time, got["stage.retrieval"].end_time) == (base + 1_000, base + 251_000)
+
+
 def test_a_failing_stage_is_an_error_span_and_the_exception_propagates(spans):
     with pytest.raises(RuntimeError):
         with stagetrace.request("r-3"):

@@ -29,7 +29,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -60,12 +60,13 @@ _SCOPE = "stagetrace"
 
 
 class _Config:
-    def __init__(self, provider, record_content: bool, exporter=None, owns_provider: bool = False):
+    def __init__(self, provider, record_content: bool, exporter=None, owns_provider: bool = False, clock=None):
         self.provider = provider
         self.tracer = provider.get_tracer(_SCOPE)
         self.record_content = record_content
         self.exporter = exporter
         self.owns_provider = owns_provider
+        self.clock = clock  # None: the SDK reads the wall clock
 
 
 _lock = threading.Lock()
@@ -80,13 +81,16 @@ def configure(
     record_content: bool | None = None,
     host_name: str | None = None,
     resource_attributes: Mapping[str, str] | None = None,
+    clock: Callable[[], int] | None = None,
 ) -> None:
     """Set up the API once per process.
 
     With ``tracer_provider``, spans go wherever that provider sends them (its processors and
     exporters are yours). Otherwise stagetrace builds a provider with ``service.name`` and
     ``host.name`` and a ``BatchSpanProcessor`` into a ``ClickHouseSpanExporter`` on ``store``
-    (a DSN, default ``$STAGETRACE_STORE`` or the embedded store).
+    (a DSN, default ``$STAGETRACE_STORE`` or the embedded store). ``clock``: where requests and
+    stages read their start and end times (nanoseconds since the epoch), for a simulation or a
+    replay whose spans must lie on its own clock; by default the wall clock.
     """
     global _config
     record = config.record_content() if record_content is None else record_content
@@ -94,7 +98,7 @@ def configure(
         if _config is not None:
             _shutdown_locked()
         if tracer_provider is not None:
-            _config = _Config(tracer_provider, record)
+            _config = _Config(tracer_provider, record, clock=clock)
             return
         from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
 
@@ -103,7 +107,7 @@ def configure(
         provider = TracerProvider(resource=Resource.create(attrs))
         exporter = ClickHouseSpanExporter(store=store)
         provider.add_span_processor(BatchSpanProcessor(exporter, **batching()))
-        _config = _Config(provider, record, exporter, owns_provider=True)
+        _config = _Config(provider, record, exporter, owns_provider=True, clock=clock)
 
 
 # The exporter stores each batch before it answers, and one insert costs about the same up to a few thousand
@@ -225,8 +229,10 @@ class _Span:
         return started
 
     def __enter__(self):
+        clock = self._cfg.clock
         self.span = self._cfg.tracer.start_span(
-            self._name, context=self._parent, kind=self._kind, attributes=self._attributes
+            self._name, context=self._parent, kind=self._kind, attributes=self._attributes,
+            start_time=clock() if clock else None,
         )
         self._token = otel_context.attach(trace.set_span_in_context(self.span))
         return self
@@ -238,10 +244,11 @@ class _Span:
                 self.span.set_status(Status(StatusCode.ERROR, f"{exc_type.__name__}: {exc}"))
         finally:
             otel_context.detach(self._token)
+            clock = self._cfg.clock
             if self._pending:  # the stage ends now; its span when the device has the digests
-                completion.submit(self.span, self._pending, time.time_ns())
+                completion.submit(self.span, self._pending, clock() if clock else time.time_ns())
             else:
-                self.span.end()
+                self.span.end(end_time=clock() if clock else None)
         return False
 
     @property
