@@ -91,3 +91,24 @@ def test_the_tally_covers_every_deviating_request_and_the_count_ignores_the_limi
             limit is not None), header
         analysed = next(t["analysed"] for t in result["tally"] if t["cause"] == INDEX)
         assert f"{INDEX}\tretrieval\t{len(old)}\t{analysed}\ta\t" in text, text
+
+
+def test_past_the_tally_bound_the_tally_covers_the_analysed_and_says_so(store, monkeypatch):
+    """Tallying every deviating request costs a join over each one's stages: past ``TALLY_ALL_MAX`` deviating
+    requests the tally covers those analysed in full, the count stays whole, and the output says so."""
+    import io
+
+    from rich.console import Console
+
+    from stagetrace.render import Output, divergence_groups
+
+    fl, old, new = _two_faults(store)
+    monkeypatch.setattr(divergences, "TALLY_ALL_MAX", len(old) + len(new) - 1)
+    result = _find(store, fl, 5)
+    assert result["tally_covers"] == "analysed" and result["deviating"] == len(old) + len(new)
+    assert sum(t["requests"] for t in result["tally"]) == result["analysed"] == 5
+    piped = io.StringIO()
+    divergence_groups(Output(Console(file=piped)), result, "3h")
+    assert (f"the tally below covers the 5 analysed in full, not all {len(old) + len(new)}: so many take long to "
+            "tally one by one (--limit 0 tallies all)") in piped.getvalue()
+    assert _find(store, fl, None)["tally_covers"] == "analysed"  # --limit 0: every one analysed, so tallied

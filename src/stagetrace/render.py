@@ -380,6 +380,9 @@ def divergence_groups(out: Output, found: dict, since: str) -> None:
         out.line(f"rollout: {rollout['summary']}")
     # every deviating request, analysed in full or not: a cause of those not analysed is the setting the contrast
     # ranks first, and none when no setting stands out (a hardware fault shows only in the analysed ones)
+    if found.get("tally_covers") == "analysed" and found["analysed"] < found["deviating"]:
+        out.line(f"the tally below covers the {found['analysed']} analysed in full, not all {found['deviating']}: "
+                 "so many take long to tally one by one (--limit 0 tallies all)")
     tally = [[t["cause"] or ("(none found)" if t.get("analysed", t["requests"]) else "(no setting stands out)"),
               t["stage"] or "after the last stage", str(t["requests"]), str(t.get("analysed", t["requests"])),
               " ".join(t["hosts"]), _seen(t["first_seen"]), _seen(t["last_seen"])]
