@@ -77,3 +77,26 @@ def test_the_report_renders_offline_with_verdict_waterfalls_marked_stage_and_cou
     shot = ARTIFACTS / "incident-report.png"
     taken = browser(component, "--window-size=1300,1800", f"--screenshot={shot}", page.as_uri())
     assert taken.returncode == 0 and shot.stat().st_size > 10_000, taken.stderr
+
+
+def test_the_reports_charts_share_one_span_show_the_rise_and_shade_the_stage_visibly(hardware_deviation, tmp_path):
+    """Every chart of a report spans the same time; a counter's chart rises within it by the increase the cause
+    cites (the demo's XID series is born at its first event: drawn from 0, not a flat line at 1); the stage's
+    shading is at least a few pixels wide however short the stage."""
+    from stagetrace.report import MIN_SHADE_PX
+
+    dsn, report = hardware_deviation
+    page = tmp_path / "incident.html"
+    run = subprocess.run([*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    counters = page.read_text().split('id="counters"', 1)[1]
+    charts = re.findall(r'<svg [^>]*data-t0="(\d+)" data-t1="(\d+)".*?</svg>', counters, flags=re.S)
+    assert len(charts) >= 2 and len(set(charts)) == 1, charts  # the cause's counter and the GPU's activity, one span
+    for width in re.findall(r'class="window" x="[\d.]+" y="\d+" width="([\d.]+)"', counters):
+        assert float(width) >= MIN_SHADE_PX
+    hardware = next(c for c in report["causes"] if c["kind"] == "hardware")
+    chart = next(svg for svg in re.findall(r"<svg .*?</svg>", counters, flags=re.S) if hardware["name"] in svg)
+    ys = [float(point.split(",")[1]) for point in re.search(r'class="series" points="([^"]+)"', chart)[1].split()]
+    assert ys[0] > ys[-1]  # it rises within the chart (SVG y grows downwards)
+    assert re.search(rf">\+{re.escape(hardware['value'].lstrip('+'))}<", chart), hardware["value"]  # the axis: +1

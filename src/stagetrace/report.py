@@ -21,6 +21,8 @@ from stagetrace.render import evidence
 from stagetrace.store import Store
 
 CAUSES_SHOWN = 8
+FRAME_MARGIN_NS = 30 * 10**9  # every chart of a report spans the charted stages and this either side: a few scrapes
+MIN_SHADE_PX = 8.0  # a stage of milliseconds in a minute-wide chart is still seen
 ACTIVITY_GPUS = 2  # a TP stage's GPUs beyond these add charts, not understanding
 _STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#1d232b;max-width:1400px}
@@ -72,11 +74,18 @@ def waterfall_svg(trace: lookup.Trace, marked_stage: str | None, width: int = 64
     return "".join(parts)
 
 
-def series_svg(times: list[int], values: list[float], window: tuple[int, int], title: str, width: int = 640) -> str:
-    """A counter's samples as a step line, the stage's window shaded."""
+def series_svg(times: list[int], values: list[float], window: tuple[int, int], title: str, width: int = 640,
+               frame: tuple[int, int] | None = None, counter: bool = False) -> str:
+    """A series' samples as a step line over ``frame`` (default: the samples and the window), the stage's window
+    shaded, at least ``MIN_SHADE_PX`` wide. A ``counter`` is drawn as its increase since the frame's start, from 0
+    where its series begins inside the frame (born at its first event, as the hardware signals count it), so a
+    rise of 1 on a counter of millions still shows."""
     height, left, right, top, bottom = 170, 60, 16, 22, 30
-    t0, t1 = min([*times, window[0]]), max([*times, window[1]])
-    v0, v1 = min([*values, 0.0]), max(values, default=1.0)  # from zero: a counter born at 1 still shows its rise
+    if frame is None:
+        frame = (min([*times, window[0]]), max([*times, window[1]]))
+    times, values = _framed(times, values, frame, counter)
+    (t0, t1), unit = frame, "+" if counter else ""
+    v0, v1 = min([*values, 0.0]), max(values, default=1.0)
     span_t, span_v = max(t1 - t0, 1), (v1 - v0) or 1.0
     plot_w, plot_h = width - left - right, height - top - bottom
 
@@ -89,21 +98,39 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     points = []
     for i, (t, v) in enumerate(zip(times, values)):
         if i:
-            points.append(f"{x(t):.1f},{y(values[i - 1]):.1f}")  # a counter holds its value until the next scrape
+            points.append(f"{x(t):.1f},{y(values[i - 1]):.1f}")  # a sample holds until the next scrape
         points.append(f"{x(t):.1f},{y(v):.1f}")
-    wx, ww = x(window[0]), max(2.0, x(window[1]) - x(window[0]))
+    shade = max(MIN_SHADE_PX, x(window[1]) - x(window[0]))
+    wx = min(max((x(window[0]) + x(window[1]) - shade) / 2, left), left + plot_w - shade)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
-            f'height="{height}" role="img" aria-label="{escape(title)}">'
-            f'<text x="{left}" y="14">{escape(title)}</text>'
-            f'<rect class="window" x="{wx:.1f}" y="{top}" width="{ww:.1f}" height="{plot_h}" fill="#ffc9c9"/>'
+            f'height="{height}" role="img" aria-label="{escape(title)}" data-t0="{t0}" data-t1="{t1}">'
+            f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>'
+            f'<rect class="window" x="{wx:.1f}" y="{top}" width="{shade:.1f}" height="{plot_h}" fill="#ffc9c9"/>'
             f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#868e96"/>'
             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#868e96"/>'
-            f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{v1:g}</text>'
+            f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{unit}{v1:g}</text>'
             f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{v0:g}</text>'
             f'<text x="{left}" y="{height - 8}">{escape(lookup.iso_ns(t0)[11:19])} UTC</text>'
             f'<text x="{left + plot_w}" y="{height - 8}" text-anchor="end">{escape(lookup.iso_ns(t1)[11:19])} UTC</text>'
             f'<polyline class="series" points="{" ".join(points)}" fill="none" stroke="#1c7ed6" stroke-width="2"/>'
             "</svg>")  # fmt: skip
+
+
+def _framed(times: list[int], values: list[float], frame: tuple[int, int], counter: bool):
+    """The samples within ``frame``, held from the frame's start (the last value before it, or, for a counter
+    whose series begins inside it, 0) to its end; a counter's as increases from the frame's start."""
+    before = [v for t, v in zip(times, values) if t < frame[0]]
+    inside = [(t, v) for t, v in zip(times, values) if frame[0] <= t <= frame[1]]
+    if before:
+        inside.insert(0, (frame[0], before[-1]))
+    elif counter and inside and inside[0][0] > frame[0]:
+        inside.insert(0, (frame[0], 0.0))
+    if inside and inside[-1][0] < frame[1]:
+        inside.append((frame[1], inside[-1][1]))
+    if counter and inside:
+        first = inside[0][1]
+        inside = [(t, v - first) for t, v in inside]
+    return [t for t, _ in inside], [v for _, v in inside]
 
 
 def _value(text: str) -> str:
@@ -113,63 +140,78 @@ def _value(text: str) -> str:
     return _code(text) if " " not in text else escape(text)
 
 
-def _figure(times: list[int], values: list[float], window: tuple[int, int], name: str, caption: str) -> str:
-    return f'<figure class="counter">{series_svg(times, values, window, name)}<figcaption>{caption}</figcaption></figure>'
+def _figure(times: list[int], values: list[float], window: tuple[int, int], frame: tuple[int, int], name: str,
+            caption: str, counter: bool = False) -> str:
+    chart = series_svg(times, values, window, name, frame=frame, counter=counter)
+    return f'<figure class="counter">{chart}<figcaption>{caption}</figcaption></figure>'
 
 
-def _activity_charts(store: Store, trace: lookup.Trace, stage: str | None) -> list[str]:
-    """The GPM activity of the divergent stage's GPUs (the first ``ACTIVITY_GPUS``) around the stage's window."""
+def _stage_window(trace: lookup.Trace, stage: str | None, rank: str = "") -> tuple[int, int] | None:
+    spans = [s for s in trace.spans if stage and s.stage == stage and (not rank or s.rank == rank)]
+    if not spans:
+        return None
+    return min(s.start_ns for s in spans), max(s.start_ns + s.duration_ns for s in spans)
+
+
+def _frame(trace: lookup.Trace, stage: str | None, causes: list[dict]) -> tuple[int, int]:
+    """One span of time for every chart of the report: the stages they shade, ``FRAME_MARGIN_NS`` either side."""
+    windows = [w for w in [_stage_window(trace, stage)] + [_stage_window(trace, c["stage"], c.get("rank") or "")
+                                                           for c in causes if c["kind"] == "hardware"] if w]  # fmt: skip
+    start = min((w[0] for w in windows), default=trace.start_ns)
+    end = max((w[1] for w in windows), default=trace.start_ns + trace.duration_ns)
+    return start - FRAME_MARGIN_NS, end + FRAME_MARGIN_NS
+
+
+def _activity_charts(store: Store, trace: lookup.Trace, stage: str | None, frame: tuple[int, int]) -> list[str]:
+    """The GPM activity of the divergent stage's GPUs (the first ``ACTIVITY_GPUS``) over the report's frame."""
     spans = [s for s in trace.spans if stage and s.stage == stage]
     gpus = list(dict.fromkeys((s.resource.get("host.name", ""), u) for s in spans for u in devices(s.attributes)[0]))
     if not gpus:
         return []
-    start = min(s.start_ns for s in spans)
-    end = max(s.start_ns + s.duration_ns for s in spans)
-    found = Activity(store, gpus[:ACTIVITY_GPUS], start, end)
+    window = _stage_window(trace, stage)
+    found = Activity(store, gpus[:ACTIVITY_GPUS], *frame)
     charts = []
     for host, uuid in gpus[:ACTIVITY_GPUS]:
         for name in ACTIVITY_NAMES:
             times, values = found.series(host, uuid, name)
             if times:
-                charts.append(_figure(times, values, (start, end), name, f"{escape(name)} on {_code(uuid)} "
+                charts.append(_figure(times, values, window, frame, name, f"{escape(name)} on {_code(uuid)} "
                                       f"({escape(host)}) while {escape(stage)} ran (shaded): GPM activity"))  # fmt: skip
     return charts
 
 
-def _tenant_chart(store: Store, cause: dict, start: int, end: int) -> str:
-    """A co-tenant cause: that tenant's series on the GPU around the stage's window."""
+def _tenant_chart(store: Store, cause: dict, window: tuple[int, int], frame: tuple[int, int]) -> str:
+    """A co-tenant cause: that tenant's series on the GPU over the report's frame."""
     labels = cause["labels"]
-    tenancy = Tenancy(store, [(cause["host"], cause["device"])], start, end)
+    tenancy = Tenancy(store, [(cause["host"], cause["device"])], *frame)
     times, values = tenancy.series(cause["host"], cause["device"], cause["name"], labels["namespace"], labels["pod"])
     if not times:
         return ""
-    return _figure(times, values, (start, end), cause["name"],
+    return _figure(times, values, window, frame, cause["name"],
                    f"{escape(cause['name'])} of {escape(cause['tenant'])} on {_code(cause['device'])} "
                    f"({escape(cause['host'])}) while {escape(cause['stage'])} ran (shaded)")  # fmt: skip
 
 
-def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict]) -> list[str]:
-    """For each hardware cause: the counter's samples on its device around the stage's window."""
+def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame: tuple[int, int]) -> list[str]:
+    """For each hardware cause: its series on its device over the report's frame (a counter as its increase)."""
     charts = []
     for cause in causes:
         if cause["kind"] != "hardware":
             continue
-        spans = [s for s in trace.spans if s.stage == cause["stage"]
-                 and (not cause.get("rank") or s.rank == cause["rank"])]  # fmt: skip
-        if not spans:
+        window = _stage_window(trace, cause["stage"], cause.get("rank") or "")
+        if window is None:
             continue
-        start = min(s.start_ns for s in spans)
-        end = max(s.start_ns + s.duration_ns for s in spans)
         if cause.get("tenant"):
-            charts += [chart for chart in [_tenant_chart(store, cause, start, end)] if chart]
+            charts += [chart for chart in [_tenant_chart(store, cause, window, frame)] if chart]
             continue
-        samples = Samples(store, [cause["host"]], start, end)
+        samples = Samples(store, [cause["host"]], *frame)
         for name, series in samples.series(cause["host"], cause["device"]):
             if name != cause["name"] or series.labels != cause.get("labels", series.labels):
                 continue
-            charts.append(f'<figure class="counter">{series_svg(series.times, series.values, (start, end), name)}'
-                          f"<figcaption>{escape(name)} on {_code(cause['device'])} ({escape(cause['host'])}): "
-                          f"{escape(cause['value'])} while {escape(cause['stage'])} ran (shaded)</figcaption></figure>")  # fmt: skip
+            charts.append(_figure(series.times, series.values, window, frame, name,
+                                  f"{escape(name)} on {_code(cause['device'])} ({escape(cause['host'])}): "
+                                  f"{escape(cause['value'])} while {escape(cause['stage'])} ran (shaded)",
+                                  counter=not series.signal.gauge))  # fmt: skip
     return charts
 
 
@@ -216,7 +258,8 @@ def incident_html(store: Store, report: dict) -> str:
                        f"<td>{_value(cause['value'])}</td><td>{_value(cause['baseline_value'])}"
                        f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>")  # fmt: skip
         out.append("</table></section>")
-    charts = _counter_charts(store, trace, causes) + _activity_charts(store, trace, stage)
+    frame = _frame(trace, stage, causes)
+    charts = _counter_charts(store, trace, causes, frame) + _activity_charts(store, trace, stage, frame)
     if charts:
         out.append('<section id="counters"><h2>Counters around the stage</h2>' + "".join(charts) + "</section>")
     out.append(f"<footer><p>stagetrace explain, {escape(lookup.iso_ns(trace.start_ns)[:19])} UTC request</p></footer>")
