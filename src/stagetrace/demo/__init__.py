@@ -7,8 +7,13 @@ NICs and GPUs are scraped by the real collectors, and every fault that changed a
 recorded as ground truth in ``stagetrace_demo_truth``. Two kinds of difference are recorded there
 too but are no deviation: a request whose host ran another context template (or index) than most
 hosts while the rollout wave passed (``expected``), and the requests of the tenant that samples
-without a seed (``nondeterministic``). The nodes keep in step (``pipeline.Lockstep``), so that a
-moment of the run is the same time on every host. The parent process owns the store.
+without a seed (``nondeterministic``). The parent process owns the store.
+
+Every timestamp the pipeline writes is on a simulated clock (``pipeline.SimClock``): request ``i`` arrives
+``SIM_SECONDS_PER_REQUEST`` after request ``i - 1``, and the run ends when the demo started (the fabric's half
+hour ends where it begins). What the analysis reads from the spans (when a host switched to a rolled-out value,
+where a wave ends) is then the same for the same seed however loaded the machine is, and so are the truth and
+the deviating outputs; only the outputs sampled without a seed differ from run to run, by design.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stagetrace.demo import fabric, faults, world
-from stagetrace.demo.pipeline import DONE, RequestSpec, Result, node_main
+from stagetrace.demo.pipeline import SERVICE_NAME, STEP_NS, RequestSpec, Result, node_main
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
 from stagetrace.exporters.durable import insert_rows
@@ -129,16 +134,15 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
             salt = time.time_ns()
     specs = request_specs(requests, nodes, seed, salt)
     plan = faults.observed(faults.plan(nodes), {node: [s.position for s in served] for node, served in specs.items()})
+    start_ns = _timeline_end(store, salt != 0) - requests * STEP_NS  # request 0's arrival on the simulated clock
     hardware_dir = tempfile.mkdtemp(prefix="stagetrace-demo-hw-")
     ctx = mp.get_context("fork")  # nodes inherit the imported modules; the store is opened only here
     messages = ctx.Queue(maxsize=2000)
-    # each node's next request, for the lockstep that keeps positions and wall time together on every host
-    slots = ctx.Array("q", [specs[cfg.index][0].index if specs[cfg.index] else DONE for cfg in plan], lock=False)
-    procs = [ctx.Process(target=node_main, args=(cfg, seed, specs[cfg.index], messages, hardware_dir, slots),
+    procs = [ctx.Process(target=node_main, args=(cfg, seed, specs[cfg.index], messages, hardware_dir, start_ns),
                          name=cfg.host) for cfg in plan]  # fmt: skip
-    # the fabric half hour plays in a process of its own meanwhile: the nodes wait on each other in lockstep
+    # the fabric half hour, which ends where the pipeline's requests begin, plays in a process of its own meanwhile
     fabric_end, fabric_rows = ctx.Pipe(duplex=False)
-    procs.append(ctx.Process(target=_fabric_main, args=(time.time_ns(), seed + salt, fabric_rows), name="fabric"))
+    procs.append(ctx.Process(target=_fabric_main, args=(start_ns, seed + salt, fabric_rows), name="fabric"))
     try:
         for proc in procs:
             proc.start()
@@ -154,6 +158,20 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
     result = _conclude(store, results, spans, samples, plan)
     result.fabric_spans, result.fabric_samples = fabric_spans, fabric_samples
     return result
+
+
+def _timeline_end(store: Store, appended: bool) -> int:
+    """Where the run's simulated clock ends: now, so that every request lies in the past (``divergences`` reads up
+    to now) and the latest lie in its default hour. An appended run ends before the earliest request already in
+    the store instead: laid over it, the hosts would seem to switch values back and forth, and no rollout would
+    show."""
+    now = time.time_ns()
+    if not appended:
+        return now
+    earliest = store.client.command(
+        "SELECT toUnixTimestamp64Nano(min(Timestamp)) FROM {db:Identifier}.otel_traces WHERE ServiceName = {s:String}",
+        parameters={"db": store.database, "s": SERVICE_NAME})  # fmt: skip
+    return min(now, int(earliest) - STEP_NS) if int(earliest or 0) > 0 else now
 
 
 def _fabric_main(end_ns: int, seed: int, conn) -> None:
@@ -241,7 +259,7 @@ _ROLLOUTS = {"retrieval": ("retrieval.index.version", world.NEW_INDEX),
 
 
 def _wave_ends(results: list[Result]) -> dict[str, float]:
-    """Per rolled-out setting, the end of its wave in wall-clock ns, as the requests show it: the fleet moved
+    """Per rolled-out setting, the end of its wave in ns of the run's clock, as the spans show it: the fleet moved
     with the first request on the new value of the host that made it most hosts, and the wave lasts as long
     again after that as the fleet took to move (``analysis.rollouts``)."""
     ends = {}
@@ -258,15 +276,25 @@ def _wave_ends(results: list[Result]) -> dict[str, float]:
     return ends
 
 
+def _majority(outputs: Counter) -> str | None:
+    """The most common output, or None where another output is as common: a tie has no majority, and no request of
+    it deviates. (``most_common`` would pick the tied output counted first, and results arrive from the node
+    processes in whatever order they finish: the same seed gave other deviating outputs from run to run.)"""
+    top = outputs.most_common(2)
+    return None if len(top) == 2 and top[0][1] == top[1][1] else top[0][0]
+
+
 def _conclude(store: Store, results: list[Result], spans: int, samples: int, plan) -> DemoResult:
     """Deviating outputs and the ground truth; the truth table is written.
 
     A request whose host was behind the fleet on a rolled-out setting is an expected change within the
-    wave and a fault after it; the wave's end is measured in wall-clock time, as the analysis sees it.
+    wave and a fault after it; the wave's end is read from the spans' start times, as the analysis reads it
+    (they lie on the run's simulated clock, so the same seed gives the same wave and the same truth).
     A request's comparable requests are those with the same input served while the fleet ran the same
     index and template (a rollout changes outputs, and is no deviation). Deviating are the requests
-    whose output differs from the majority of theirs, except the expected changes of a rollout wave;
-    requests that sample without a seed are compared with none. Truth rows are listed deviations
+    whose output differs from the majority of theirs (where one output is more common than any other),
+    except the expected changes of a rollout wave; requests that sample without a seed are compared with
+    none. Truth rows are listed deviations
     first, then expected changes, then the nondeterministic requests, each by request ID.
     """
     hosts = [cfg.host for cfg in plan]
@@ -278,10 +306,10 @@ def _conclude(store: Store, results: list[Result], spans: int, samples: int, pla
     for r in results:
         if not (r.expected or r.nondeterministic):
             groups[(r.input_digest, r.epoch)][r.output_digest] += 1
-    majority = {k: c.most_common(1)[0][0] for k, c in groups.items()}
+    majority = {k: _majority(c) for k, c in groups.items()}
     results.sort(key=lambda r: r.request_id)
-    deviating = [r.request_id for r in results
-                 if not (r.expected or r.nondeterministic) and r.output_digest != majority[(r.input_digest, r.epoch)]]  # fmt: skip
+    deviating = [r.request_id for r in results if not (r.expected or r.nondeterministic)
+                 and majority[(r.input_digest, r.epoch)] not in (None, r.output_digest)]  # fmt: skip
     truth = [Truth(r.request_id, r.stage, r.cause, hosts[r.node], r.expected, r.nondeterministic)
              for r in results if r.stage is not None]  # fmt: skip
     truth.sort(key=lambda t: (t.nondeterministic, t.expected))  # stable: by request ID within each kind

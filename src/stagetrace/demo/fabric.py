@@ -1,9 +1,9 @@
 """The demo's fabric and weights: half an hour of a cluster's RDMA fabric, played on a clock of its own.
 
-The pipeline's faults play out in a few seconds of real time; the fabric's (a link that renegotiates, a host
-that drops out of its tensor-parallel group, a weight sync a GPU misses) only mean something over scrape
-intervals. So this part of the demo plays ``DURATION_S`` seconds ending when the demo started, scraped every
-``SCRAPE_S`` seconds: each host has a sysfs tree in the ``/sys/class/infiniband`` layout, ethtool statistics and
+The pipeline's faults play out in a few minutes of its simulated clock; the fabric's (a link that renegotiates, a
+host that drops out of its tensor-parallel group, a weight sync a GPU misses) only mean something over scrape
+intervals. So this part of the demo plays ``DURATION_S`` seconds ending where the pipeline's requests begin, scraped
+every ``SCRAPE_S`` seconds: each host has a sysfs tree in the ``/sys/class/infiniband`` layout, ethtool statistics and
 NCCL Inspector dumps in their recorded formats, read by the real ``rdma``, ``ethtool`` and ``nccl`` collectors;
 its spans are made with the OpenTelemetry SDK under each host's own resource. Three groups of hosts:
 

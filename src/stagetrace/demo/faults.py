@@ -13,9 +13,10 @@ the fleet, or behind it until the wave's end: as long again after the fleet move
 to move, the rule ``analysis.rollouts`` applies) and a fault once it lags past the wave. The wave
 is taken as the requests show it: a host switched with its first request on the new value, and the
 fleet moved with the first request of the host that made it most hosts (``observed``, in positions,
-picks the reference pipeline); the wave's end is measured in wall-clock time, as the analysis sees
-it (``demo._conclude``). So the lagging host's first requests after the fleet's rebuild are expected
-changes too, and whether one right at the wave's end is depends on when it was served.
+picks the reference pipeline); the wave's end is read from the spans' start times, as the analysis
+reads it (``demo._conclude``), and those lie on the run's simulated clock (``pipeline.SimClock``), a
+function of the requests' positions. So the lagging host's first requests after the fleet's rebuild are
+expected changes too, and which ones are depends on the seed alone, not on how fast they were served.
 
 The faults, by role (role r goes to node r % nodes):
 

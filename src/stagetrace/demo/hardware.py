@@ -68,7 +68,7 @@ def port_files(sysfs: Path, device: str, rate: str, netdev: str, counters: dict 
 
 class NodeHardware:
     def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False,
-                 gpu_model: str = REFERENCE_GPU_MODEL):  # fmt: skip
+                 gpu_model: str = REFERENCE_GPU_MODEL, start_ns: int | None = None):  # fmt: skip
         self.host = host
         self.nvml = Path(directory) / host / "nvml"  # the NVML snapshots the collectors and the detector read
         self.shared_gpu = shared_gpu
@@ -97,7 +97,8 @@ class NodeHardware:
                           **shared)  # fmt: skip
         self._collectors = build_node(["gpu", "rdma", *(["mps", "kubernetes"] if shared_gpu else [])], options)
         self._nic_collectors = build_node(["rdma"], options)
-        self._started_ns = time.time_ns()
+        # the counters' start: the node's simulated clock's (``pipeline.SimClock``), so its samples lie on that clock
+        self._started_ns = time.time_ns() if start_ns is None else start_ns
 
     # -- what the workload and the faults do
     def allreduce(self, message_bytes: int, ranks: int) -> None:
@@ -144,10 +145,10 @@ class NodeHardware:
             self.kubelet.start()
         return list(self._collectors.collect())
 
-    def sample_rows(self, nic_only: bool = False) -> dict[str, list[tuple]]:
-        """One scrape (``scrape``) as metric rows."""
+    def sample_rows(self, at_ns: int, nic_only: bool = False) -> dict[str, list[tuple]]:
+        """One scrape (``scrape``) as metric rows at ``at_ns`` (the node's simulated clock, as its spans)."""
         families = self.scrape(nic_only)
-        return metric_rows(families, self.host, time.time_ns(), start_ns=self._started_ns)
+        return metric_rows(families, self.host, at_ns, start_ns=self._started_ns)
 
     def close(self) -> None:
         self._collectors.close()

@@ -11,7 +11,7 @@ resource, and samples the remote host's hardware too.
 
 from __future__ import annotations
 
-import time
+import math
 from collections import OrderedDict
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -40,35 +40,54 @@ from stagetrace.demo.tp import TPGroup
 from stagetrace.digest import digest
 from stagetrace.exporters.clickhouse import _Resources, span_row
 
-SIM_SECONDS_PER_REQUEST = 0.25  # the cluster's simulated clock, which drives cache ages and TTLs
+SIM_SECONDS_PER_REQUEST = 0.25  # the simulated clock: requests arrive this far apart (cache ages, TTLs, timestamps)
+STEP_NS = int(SIM_SECONDS_PER_REQUEST * 1e9)
 CACHE_CAPACITY, CACHE_TTL_S = 512, 120.0
 XID_BAD_WEIGHT = (17, 42)  # the element of A a double-bit ECC error corrupts
 REMOTE_RANKS = range(world.TP_SIZE // 2, world.TP_SIZE)  # the ranks on the remote host of a two-host TP group
 SERVICE_NAME = "rag-demo"
-LOCKSTEP_REQUESTS = 2  # a node serves request i only once every other node has reached request i - this
-DONE = 2**62  # a finished node's place in the lockstep
+
+# What the stages take on the simulated clock (ns): a model of the work, never a measurement, so that a loaded
+# machine changes no timestamp. Rough figures of a small RAG service; a request takes well under STEP_NS.
+RETRIEVAL_NS, RETRIEVAL_PER_HIT_NS = 1_500_000, 100_000
+CACHE_HIT_NS, CACHE_MISS_NS = 20_000, 400_000  # a miss fetches the text from the document store
+CONTEXT_NS, CONTEXT_PER_TOKEN_NS = 100_000, 200
+ALLREDUCE_STEP_NS = 8_000  # one send/receive step of the collective; a ring takes 2(p-1), a tree 2 log2 p
+RETRANSMIT_NS, RESEND_NS = 2_000_000, 1_000_000  # the NIC's retransmission timer; a go-back-N resend
+DECODE_TOKEN_NS, DECODE_TOKEN_PER_BATCH_NS = 800_000, 20_000  # co-batched requests slow each token
+SCRAPE_NS = 200_000  # a scrape of the host's hardware; its samples lie in its middle, never at a span's edge
 
 
-class Lockstep:
-    """Keeps the nodes' wall clocks in step with the run's positions.
+class SimClock:
+    """A node's clock, simulated: request ``i`` arrives at ``start_ns + i * STEP_NS``, its stages take the modelled
+    times above, and a scrape takes ``SCRAPE_NS``.
 
-    Left alone, node processes drift apart by a large part of the run, and then a position (the
-    moment a rollout reaches a host, a fault's window) would mean different times on different
-    hosts, though the analysis compares hosts in time. Each node publishes the global index of its
-    next request in a shared array and waits, before serving request ``i``, until every other node
-    has reached ``i - LOCKSTEP_REQUESTS``. The node furthest behind never waits, so none deadlocks.
+    Every span and metric sample of the run is then a function of the seed and the requests' positions alone. On
+    the wall clock a loaded machine moved a request near a rollout wave's end across it (its host's first request
+    on the new value and the wave's end are times the analysis reads from the spans), so the same seed gave
+    another truth and another count of deviating outputs; and node processes drifted apart, so that a position
+    meant different times on different hosts. Time on one node only moves forward: a request that ran past the
+    next one's arrival delays it (the modelled times keep a request far shorter than ``STEP_NS``).
     """
 
-    def __init__(self, slots, node: int):
-        self._slots, self._node = slots, node
+    def __init__(self, start_ns: int):
+        self.start_ns = self.now_ns = start_ns
 
-    def wait(self, index: int) -> None:
-        others = [j for j in range(len(self._slots)) if j != self._node]
-        while min((self._slots[j] for j in others), default=DONE) < index - LOCKSTEP_REQUESTS:
-            time.sleep(0.0005)
+    def __call__(self) -> int:
+        return self.now_ns
 
-    def reached(self, index: int) -> None:
-        self._slots[self._node] = index
+    def arrive(self, index: int) -> None:
+        self.now_ns = max(self.now_ns, self.start_ns + index * STEP_NS)
+
+    def advance(self, ns: int) -> int:
+        self.now_ns += int(ns)
+        return self.now_ns
+
+    def scrape(self) -> int:
+        """The time of a scrape that starts now: half a scrape on, and the clock a whole scrape on."""
+        at = self.advance(SCRAPE_NS // 2)
+        self.advance(SCRAPE_NS - SCRAPE_NS // 2)
+        return at
 
 
 @dataclass
@@ -177,17 +196,18 @@ class _QueueSpanExporter(SpanExporter):
 
 
 class Node:
-    def __init__(self, config: NodeConfig, seed: int, queue, hardware_dir: str, lockstep: Lockstep | None = None):
+    def __init__(self, config: NodeConfig, seed: int, queue, hardware_dir: str, start_ns: int):
         self.config = config
         self.queue = queue
-        self.lockstep = lockstep
+        self.clock = SimClock(start_ns)
         self.model = world.Model(seed)
         self.indexes = world.corpora(seed)
         self.cache = DocCache(CACHE_CAPACITY, CACHE_TTL_S, config.cache_key_has_version)
         self.hardware = NodeHardware(config.host, hardware_dir, seed, shared_gpu=config.shared_gpu,
-                                     gpu_model=config.gpu_model)  # fmt: skip
+                                     gpu_model=config.gpu_model, start_ns=start_ns)  # fmt: skip
         # the remote host of a two-host TP group: its own NIC and GPUs, sampled by this node
-        self.remote = NodeHardware(config.tp_remote_host, hardware_dir, seed) if config.tp_remote_host else None
+        self.remote = (NodeHardware(config.tp_remote_host, hardware_dir, seed, start_ns=start_ns)
+                       if config.tp_remote_host else None)  # fmt: skip
         self._remote_tracer = None
         self._corrupt_left = 0
         self._xid_done = False
@@ -210,7 +230,7 @@ class Node:
         tp = TPGroup(self.model)  # fork the ranks before any thread exists in this process
         backend = self.config.attention_backend(specs[0].position if specs else 0.0)
         provider = self._provider(self.hardware, backend)
-        stagetrace.configure(tracer_provider=provider)
+        stagetrace.configure(tracer_provider=provider, clock=self.clock)
         remote_provider = self._provider(self.remote, backend) if self.remote else None
         if remote_provider:
             self._remote_tracer = remote_provider.get_tracer("stagetrace")
@@ -218,14 +238,13 @@ class Node:
             self._sample_hardware()
             after_error = False
             for n, spec in enumerate(specs):
-                if self.lockstep:
-                    self.lockstep.wait(spec.index)
+                self.clock.arrive(spec.index)
                 self._events(spec)
                 if self.config.attention_backend(spec.position) != backend:  # the engine restarted with another
                     backend = self.config.attention_backend(spec.position)
                     provider.shutdown()  # flushes the old process's spans
                     provider = self._provider(self.hardware, backend)
-                    stagetrace.configure(tracer_provider=provider)
+                    stagetrace.configure(tracer_provider=provider, clock=self.clock)
                 # The remote NIC is scraped right before and right after a request whose all-reduce takes
                 # sequence errors, and again before the next request: a stage's hardware window (from one
                 # scrape before the last at its start to the first after its end) then holds the errors of
@@ -239,12 +258,8 @@ class Node:
                 self.queue.put(("result", result))
                 if n % 10 == 9:
                     self._sample_hardware()
-                if self.lockstep:
-                    self.lockstep.reached(specs[n + 1].index if n + 1 < len(specs) else DONE)
             self._sample_hardware()
         finally:
-            if self.lockstep:
-                self.lockstep.reached(DONE)  # a failed node holds no other back
             provider.shutdown()
             if remote_provider:
                 remote_provider.shutdown()
@@ -262,12 +277,14 @@ class Node:
             self._corrupt_left = self.config.xid_corrupts_requests
 
     def _sample_hardware(self) -> None:
-        self.queue.put(("metrics", self.hardware.sample_rows()))
-        self._sample_remote()
+        at = self.clock.scrape()  # the node's host and the remote host are scraped as one
+        self.queue.put(("metrics", self.hardware.sample_rows(at)))
+        if self.remote:
+            self.queue.put(("metrics", self.remote.sample_rows(at)))
 
     def _sample_remote(self, nic_only: bool = False) -> None:
         if self.remote:
-            self.queue.put(("metrics", self.remote.sample_rows(nic_only)))
+            self.queue.put(("metrics", self.remote.sample_rows(self.clock.scrape(), nic_only)))
 
     def serve(self, spec: RequestSpec, tp: TPGroup) -> Result:
         cfg, inp, pos = self.config, spec.input, spec.position
@@ -280,6 +297,7 @@ class Node:
             query = [inp["prompt"], inp["top_k"]]
             with stagetrace.stage("retrieval", input=query, attributes={"retrieval.index.version": index.version, "retrieval.top_k": inp["top_k"]}) as st:  # fmt: skip
                 hits = index.search(inp["prompt"], inp["top_k"])
+                self.clock.advance(RETRIEVAL_NS + RETRIEVAL_PER_HIT_NS * len(hits))
                 st.set_attribute("retrieval.doc_ids", [h[0] for h in hits])
                 st.set_output(hits)
                 retrieval_started = st.span.start_time
@@ -292,6 +310,7 @@ class Node:
                 fetched = [self.cache.fetch(doc_id, index, now) for doc_id, _ in hits]
                 texts = [f[0] for f in fetched]
                 ages = [f[2] for f in fetched if f[2] is not None]
+                self.clock.advance(CACHE_HIT_NS * len(ages) + CACHE_MISS_NS * (len(hits) - len(ages)))
                 st.set_attributes({"cache.hit": len(ages) == len(hits), "cache.hits": len(ages),
                                    "cache.misses": len(hits) - len(ages),
                                    "cache.entry.age_s": round(max(ages), 3) if ages else 0.0,
@@ -305,6 +324,7 @@ class Node:
             with stagetrace.stage("context_assembly", input=[inp["prompt"], texts],
                                   attributes={"context.template.version": template, "context.max_tokens": max_tokens}) as st:  # fmt: skip
                 context, context_tokens, truncated = assemble_context(inp["prompt"], texts, max_tokens, template)
+                self.clock.advance(CONTEXT_NS + CONTEXT_PER_TOKEN_NS * context_tokens)
                 st.set_attributes({"context.tokens": context_tokens, "context.truncated": truncated})
                 st.set_output(context)
                 context_started = st.span.start_time
@@ -321,25 +341,27 @@ class Node:
                     rank_spans = [spans.enter_context(stagetrace.stage("allreduce", input=x, attributes=attributes))]
                 else:
                     rank_spans = self._rank_spans(spans, req, x, attributes)
-                started = time.perf_counter()
                 partials = tp.partials(x)
+                steps = 2 * (world.TP_SIZE - 1) if algorithm == "ring" else 2 * math.ceil(math.log2(world.TP_SIZE))
+                elapsed_ns = ALLREDUCE_STEP_NS * steps
                 if spec.nic_timeout:
                     late = 1 + spec.index % (world.TP_SIZE - 1)
                     self.hardware.nic_timeout()
-                    time.sleep(0.002)  # the retransmission timer
+                    elapsed_ns += RETRANSMIT_NS
                     h0 = world.arrival_order(partials, late)
                 elif spec.seq_error:  # a remote rank's chunk arrived out of sequence and was resent (go-back-N)
                     late = REMOTE_RANKS[spec.index % len(REMOTE_RANKS)]
                     self.remote.seq_error()
-                    time.sleep(0.001)
+                    elapsed_ns += RESEND_NS
                     h0 = world.arrival_order(partials, late)
                 else:
                     h0 = world.ring_order(partials) if algorithm == "ring" else world.tree_order(partials)
                 tp.finish(h0)
+                self.clock.advance(elapsed_ns)
                 self.hardware.allreduce(world.HIDDEN * 4, world.TP_SIZE)
                 if self.remote is not None:  # the ring crosses the remote host's NIC too
                     self.remote.allreduce(world.HIDDEN * 4, world.TP_SIZE)
-                elapsed_ms = (time.perf_counter() - started) * 1000
+                elapsed_ms = elapsed_ns / 1e6
                 for st in rank_spans:
                     st.set_attributes({"allreduce.time_ms": round(elapsed_ms, 3), "allreduce.max_ms": round(elapsed_ms, 3)})
                     st.set_output(h0)
@@ -357,13 +379,14 @@ class Node:
             unseeded = world.unseeded(inp)
             # the unseeded tenant's sampler draws from OS entropy: its outputs differ from request to request
             sampler = np.random.default_rng() if unseeded else None
-            started = time.perf_counter()
             with stagetrace.stage("decode", input=[h0, inp["max_new_tokens"]],
                                   attributes={"gpu.uuid": self.hardware.gpu_uuids[0], "decode.batch_size": batch,
                                               "model.weights.step": step, "decode.deterministic": False}) as st:  # fmt: skip
                 tokens = self.model.decode(h0, chunks, self._corrupted_a if corrupted else self._weights[step],
                                            inp["temperature"], sampler, backend)  # fmt: skip
-                st.set_attributes({"decode.tokens": len(tokens), "decode.ttft_ms": round((time.perf_counter() - started) * 1000 / len(tokens), 3)})
+                per_token_ns = DECODE_TOKEN_NS + DECODE_TOKEN_PER_BATCH_NS * batch
+                self.clock.advance(per_token_ns * len(tokens))
+                st.set_attributes({"decode.tokens": len(tokens), "decode.ttft_ms": round(per_token_ns / 1e6, 3)})
                 st.set_output(tokens)
             self.hardware.decode(gpu=0, tokens=len(tokens), batch=batch)
             if unseeded:  # never a deviation, whatever else happened upstream
@@ -392,8 +415,8 @@ class Node:
             rank_attributes = {**attributes, TP_RANK: str(rank), "net.rdma.devices": [self.remote.nic], STAGE: "allreduce",
                                STAGE_INPUT_DIGEST: digest(x)}  # fmt: skip
             span = self._remote_tracer.start_span("stage.allreduce", context=trace.set_span_in_context(req.span),
-                                                  attributes=rank_attributes)  # fmt: skip
-            spans.callback(span.end)
+                                                  attributes=rank_attributes, start_time=self.clock())  # fmt: skip
+            spans.callback(lambda span=span: span.end(end_time=self.clock()))
             out.append(_RemoteRankSpan(span))
         return out
 
@@ -413,10 +436,10 @@ class _RemoteRankSpan:
         return output_digest
 
 
-def node_main(config: NodeConfig, seed: int, specs: list[RequestSpec], queue, hardware_dir: str, slots=None) -> None:
-    """Entry point of a node process; ``slots``: the shared array of ``Lockstep``, one per node."""
+def node_main(config: NodeConfig, seed: int, specs: list[RequestSpec], queue, hardware_dir: str, start_ns: int) -> None:
+    """Entry point of a node process; ``start_ns``: when request 0 arrives on the run's simulated clock."""
     try:
-        Node(config, seed, queue, hardware_dir, Lockstep(slots, config.index) if slots is not None else None).run(specs)
+        Node(config, seed, queue, hardware_dir, start_ns).run(specs)
         queue.put(("done", config.index, None))
     except Exception as exc:  # the parent reports it in one line
         queue.put(("done", config.index, f"{type(exc).__name__}: {exc}"))
