@@ -84,8 +84,11 @@ def test_first_stage_and_top_cause_match_the_ground_truth(runs, found):
     print(f"\n{total} deviating requests over seeds {SEEDS}: first stage {stage_right / total:.1%}, top cause {cause_right / total:.1%}")
     for (expected, got), n in sorted(confusion.items(), key=lambda kv: -kv[1]):
         print(f"  injected {expected:34} ranked first {got!s:34} {n}")
-    # The wave of a rollout ends at a time measured in the store, the truth's at a position in the run, so a
-    # request at the very end of a wave may fall on the other side; nothing else may differ.
+    # The demo's clock is simulated, so this is the same on every run of a seed. The truth says the fleet moved
+    # with the first request of the host that made a rollout most hosts; the analysis dates the move by that
+    # request's stage span but puts requests in epochs by their root span, which starts a few ms earlier, so that
+    # one request is compared with the old epoch (seed 2: one request of the small-context host, at the template's
+    # move, missed); nothing else may differ.
     assert off <= 0.01 * total, "the deviating requests are those with an injected fault: " + "; ".join(wrong_sets)
     assert len({cause for cause, got in confusion if got != "(reported)"}) == DEVIATION_CAUSES, \
         "every kind of fault is in the test"  # fmt: skip
