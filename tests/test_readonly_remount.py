@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 from tests.test_agent import wait_for
-from tests.test_disk_full import STARTS_AND_STOPS, Agent, Sender, _unavailable, spooled
+from tests.test_disk_full import STARTS_AND_STOPS, Agent, Sender, _unavailable, assert_stored_once, spooled
 
-from stagetrace.store import open_store
 
 SIZE_MIB = 256
 READ_ONLY_FOR_S = 6.0
@@ -115,12 +114,4 @@ def test_a_filesystem_turned_read_only_mid_stream_refuses_logs_little_and_loses_
     assert read_only_log.count("cannot write requests (") == 1, read_only_log
     assert len(spell) <= 8 and refused > 4 * len(spell), (refused, read_only_log)
 
-    with open_store(f"chdb://{agent.store}") as store:
-        counts = dict(store.client.query("SELECT lower(SpanId), count() FROM stagetrace.otel_traces "
-                                         "WHERE SpanName = 'disk-full' GROUP BY SpanId").result_rows)  # fmt: skip
-    acknowledged = [span_id for sender in senders for span_id in sender.acknowledged]
-    assert len(acknowledged) > 1200
-    missing = [span_id for span_id in acknowledged if span_id not in counts]
-    assert not missing, f"{len(missing)} acknowledged spans are not in the store, e.g. {missing[:5]}\n{log}"
-    assert {span_id: counts[span_id] for span_id in acknowledged} == dict.fromkeys(acknowledged, 1)
-    assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
+    assert_stored_once(agent.store, senders, 1200, log)
