@@ -136,11 +136,7 @@ def device_lanes(words, *, premultiplied: bool = False, chunk: int = DEVICE_CHUN
         u = torch.arange(lo, hi, dtype=torch.int64, device=words.device)
         x.bitwise_xor_(u)
         t = torch.empty_like(x)
-        for multiplier in (_C1, _C2, None):  # fmix64
-            torch.bitwise_right_shift(x, 33, out=t).bitwise_and_(_LOW31)
-            x.bitwise_xor_(t)
-            if multiplier is not None:
-                x.mul_(multiplier)
+        _device_fmix_(x, t)
         sums.append(x.sum())  # int64 sums wrap modulo 2**64 on every device, in any reduction order
         torch.mul(x, _M3, out=t)
         torch.bitwise_right_shift(t, 32, out=u).bitwise_and_(_LOW32)
@@ -149,6 +145,17 @@ def device_lanes(words, *, premultiplied: bool = False, chunk: int = DEVICE_CHUN
         return torch.zeros(2, dtype=torch.int64, device=words.device)
     lanes = torch.stack(sums)
     return lanes if len(sums) == 2 else lanes.view(-1, 2).sum(0)
+
+
+def _device_fmix_(x, t) -> None:
+    """x <- fmix64(x) in place, with torch ops (t: scratch of x's shape)."""
+    import torch
+
+    for multiplier in (_C1, _C2, None):
+        torch.bitwise_right_shift(x, 33, out=t).bitwise_and_(_LOW31)
+        x.bitwise_xor_(t)
+        if multiplier is not None:
+            x.mul_(multiplier)
 
 
 def torch_words(flat):
@@ -316,6 +323,17 @@ class DigestUnavailable(RuntimeError):
     """A tensor's digest could not be computed (a CUDA error, its storage freed, the process exiting)."""
 
 
+def _wait_until(done, timeout_s: float | None) -> None:
+    """Poll ``done()`` (a CUDA event's query: never a blocking wait) with a growing pause, until it is true."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = 20e-6
+    while not done():
+        if deadline is not None and time.monotonic() > deadline:
+            raise DigestUnavailable(f"the device had not finished the digest after {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
+
+
 class Pending:
     """A tensor's digest being computed on its device: ``done()`` polls its CUDA event without blocking;
     ``result()`` waits for it (only the calling thread), then returns the hex digest."""
@@ -344,13 +362,7 @@ class Pending:
             return True
 
     def result(self, timeout_s: float | None = None) -> str:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pause = 20e-6
-        while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
-                raise DigestUnavailable(f"the device had not finished the digest after {timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        _wait_until(self.done, timeout_s)
         if self._error is not None:
             raise DigestUnavailable(self._error)
         return self._value
@@ -481,11 +493,7 @@ def device_row_lanes(words, bases):
     index = bases[:, None] + torch.arange(words.shape[1], dtype=torch.int64, device=words.device)[None, :]
     x = torch.mul(words, _M1).bitwise_xor_(index)
     t = index  # spent: scratch from here
-    for multiplier in (_C1, _C2, None):  # fmix64
-        torch.bitwise_right_shift(x, 33, out=t).bitwise_and_(_LOW31)
-        x.bitwise_xor_(t)
-        if multiplier is not None:
-            x.mul_(multiplier)
+    _device_fmix_(x, t)
     a = x.sum(dim=1)
     y = x.mul_(_M3)
     torch.bitwise_right_shift(y, 32, out=t).bitwise_and_(_LOW32)
@@ -516,9 +524,10 @@ def start_rows(value, groups: list[list[tuple[int, int]]]) -> list:
         name, shape, data = _host_bytes(array)
         row_bytes = len(data) // shape[0]
         if row_bytes and row_bytes % 8 == 0 and len(data) // 8 <= ROWS_PASS_WORDS:
-            bases = row_bases(shape[0], row_bytes // 8, groups)
-            a, b = host_row_lanes(data.view("<u8").reshape(shape[0], -1), bases)
-            return [_ready(payload(name, (n, *shape[1:]), lanes)) for n, lanes in _group_lanes(a, b, groups, shape[0])]
+            kept = _Kept(name, tuple(shape), groups)
+            digests = kept.add(data)  # hashed now, before the caller can change the bytes: no copy
+            kept.start()
+            return digests
     return [start(_take(array, runs)) for runs in groups]
 
 
@@ -664,13 +673,7 @@ class Later:
         return self._wait(timeout_s)[1]
 
     def _wait(self, timeout_s: float | None) -> tuple[str, bytes]:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        pause = 20e-6
-        while not self._kept.done():
-            if deadline is not None and time.monotonic() > deadline:
-                raise DigestUnavailable(f"the device had not finished the digest after {timeout_s:g} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+        _wait_until(self._kept.done, timeout_s)
         if self._kept.error is not None:
             raise DigestUnavailable(self._kept.error)
         return self._kept.digests[self._index]
