@@ -89,20 +89,22 @@ def test_a_hosts_new_kv_cache_dtype_reaches_the_table_and_metrics_within_two_per
         sent = sum(len(r) for r in before.values()) + sum(len(r) for r in after.values())
         last_sent = time.monotonic()
         client = clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port, database="stagetrace")
-        rows = []
-        while time.monotonic() - last_sent < 2 * PERIOD_S + 1 + 20:  # two periods and the settle delay, and slack
+        counted = ('stagetrace_deviating_requests_total{cause="decode.kv_cache_dtype",host="node-a",service="chat",'
+                   f'stage="decode"}} {float(len(changed))}')  # fmt: skip
+        rows, metrics = [], ""
+        # the pass writes the table's rows, then counts them: poll both, within two periods, the settle delay and slack
+        while time.monotonic() - last_sent < 2 * PERIOD_S + 1 + 20:
             rows = client.query("SELECT RequestId, HostName, FirstDivergentStage, TopCauseName, TopCauseValue, "
                                 "TopCauseBaselineValue FROM stagetrace_divergences FINAL ORDER BY RequestId").result_rows  # fmt: skip
-            if len(rows) >= len(changed):
+            metrics = scrape(agent.endpoints["metrics"])
+            if len(rows) >= len(changed) and counted in metrics:
                 break
             time.sleep(0.5)
         waited = time.monotonic() - last_sent
         assert {r[0] for r in rows} == {request_id for request_id, _, _ in changed}, rows
         assert {r[1:] for r in rows} == {("gpu-c", "decode", "decode.kv_cache_dtype", "fp8", "auto")}
+        assert counted in metrics, [line for line in metrics.splitlines() if "deviating" in line]
         assert waited < 2 * PERIOD_S + 1 + 20
-        metrics = scrape(agent.endpoints["metrics"])
-        assert ('stagetrace_deviating_requests_total{cause="decode.kv_cache_dtype",host="node-a",service="chat",'
-                f'stage="decode"}} {float(len(changed))}') in metrics
         assert "stagetrace_analysis_lag_seconds" in metrics and "stagetrace_analysed_requests_total" in metrics
         assert client.command("SELECT count() FROM stagetrace_requests") == sent
     finally:
