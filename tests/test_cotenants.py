@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from stagetrace import conventions as st
 from stagetrace import lookup
-from stagetrace.analysis import activity
+from stagetrace.analysis import activity, divergences
 from stagetrace.analysis.explain import Explainer
 from stagetrace.analysis.tenants import GIB, amount, describe
 from stagetrace.collectors.base import Samples
@@ -184,6 +184,26 @@ def test_no_co_tenant_is_named_without_a_burst_of_its_own_while_the_decode_ran(s
     assert report["first_divergent_stage"] == "decode"
     assert [c for c in report["causes"] if c.get("tenant")] == []
     assert "worker-0" not in report["summary"] and "shared by" not in report["summary"]
+
+
+EVERY_CASE = {**{name: (tenants, server) for name, (tenants, server, _, _) in POSITIVE.items()}, **NEGATIVE}
+
+
+@pytest.mark.parametrize("case", EVERY_CASE, ids=list(EVERY_CASE))
+def test_divergences_reads_the_tenants_once_for_its_pass_and_names_what_explain_names(store, case):
+    """``divergences`` (and so the live analyser) reads the GPUs' tenants once for every request it analyses; the
+    verdict for each request is the one ``explain`` reaches reading that request's alone."""
+    tenants, server = EVERY_CASE[case]
+    scrapes(store, tenants, server)
+    population(store)
+    report = Explainer(store).explain("odd")
+    found = divergences.find(store, 2 * 3600 * S, limit=None)
+    [item] = [item for group in found["groups"] for item in group["deviating"]]
+    assert (item["request_id"], item["first_divergent_stage"]) == ("odd", report["first_divergent_stage"])
+    expected = next((c for c in report["causes"] if not c["weak"]), None)
+    assert (item["top_cause"] or {}).get("name") == (expected or {}).get("name")
+    assert (item["top_cause"] or {}).get("tenant") == (expected or {}).get("tenant")
+    assert item["summary"] == report["summary"]
 
 
 def test_a_span_that_names_no_pod_gets_a_co_tenants_burst_as_weak_evidence_only(store):

@@ -23,6 +23,7 @@ from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measuremen
 from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
                                          first_divergence, setting_keys, stage_differences, summary)
 from stagetrace.analysis.hardware import Samples, devices
+from stagetrace.analysis.tenants import Tenancy, gpus_of
 from stagetrace.store import Store
 
 MARGIN_NS = 60 * 1_000_000_000
@@ -137,6 +138,9 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
                                      around if inputs_from_ns else (t0, until_ns), inventory=gpus)  # fmt: skip
     hosts = sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans})
     samples = Samples(store, hosts, t0, until_ns)
+    read = [t for t in traces.values() if t.spans]
+    tenancy = Tenancy(store, gpus_of(s for t in read for s in t.spans), min((t.start_ns for t in read), default=t0),
+                      max((t.start_ns + t.duration_ns for t in read), default=t0))  # fmt: skip
 
     groups: dict[str, dict] = {}
     rows = []
@@ -149,7 +153,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         found = []
         if stage:
             found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id], contrasts.get(stage),
-                             samples, found_rollouts)  # fmt: skip
+                             samples, found_rollouts, tenancy=tenancy)  # fmt: skip
         top = next((c for c in found if not c.weak), None)
         # a wave's requests are all analysed, whatever the limit: the rollout explains those (not counted as deviating)
         if top is not None and top.kind == "rollout" and top.evidence.get("expected") and d.trace_id in waves:

@@ -208,15 +208,17 @@ def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> l
 
 
 def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
-             samples: Samples | None, found_rollouts: list, reason: str = "") -> list[Cause]:  # fmt: skip
-    """Every detector's causes for one divergent stage, ranked."""
+             samples: Samples | None, found_rollouts: list, reason: str = "", tenancy=None) -> list[Cause]:  # fmt: skip
+    """Every detector's causes for one divergent stage, ranked (``tenancy``: the GPUs' tenants read once for many
+    requests; None reads this request's)."""
     mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
     if not mine:  # the request skipped a stage the baseline ran: compare the requests themselves
         mine, theirs = {"": root(request)}, {"": root(baseline)}
     if theirs and set(theirs) != set(mine):  # other TP ranks on each side: a rank faces its own or the lowest
         lowest = theirs[min(theirs, key=rank_order)]
         theirs = {rank: theirs.get(rank, lowest) for rank in mine}
-    case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason)
+    case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason,
+                          tenancy)  # fmt: skip
     return sourced(ranked(detectors.detect(case)), case.span, case.baseline_span)
 
 

@@ -27,7 +27,7 @@ import bisect
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagetrace import conventions
 from stagetrace.analysis.hardware import DEVICE_LABELS, GPU, LOOKAROUND_NS, MIN_TYPICAL
@@ -77,6 +77,12 @@ ORDER BY T
 """
 
 
+def gpus_of(spans) -> set[tuple[str, str]]:
+    """The (host, GPU UUID) pairs the spans ran on, of those that name a GPU."""
+    return {(s.resource.get(conventions.HOST, ""), s.attributes[conventions.GPU_UUID]) for s in spans
+            if s.attributes.get(conventions.GPU_UUID)}  # fmt: skip
+
+
 def tenant_name(namespace: str, pod: str) -> str:
     return f"{namespace}/{pod}" if pod else "(processes in no pod)"
 
@@ -109,14 +115,34 @@ class TenantRise:
         return tenant_name(self.namespace, self.pod)
 
 
+@dataclass
+class _Gpu:
+    """One GPU's tenant series, indexed once so that asking per stage window costs what the window holds."""
+
+    series: dict[tuple[str, str, str], dict[int, float]]  # (metric, namespace, pod) -> {time: value}
+    servers: set[tuple[str, str]]  # the pods holding its MPS server
+    scrapes: list[int] = field(init=False)  # times at which any tenant was written, in order
+    sampled: dict[str, set[int]] = field(init=False)  # metric -> the scrapes at which some tenant had it
+    mps_at: list[int] = field(init=False)  # the scrapes at which MPS had clients, in order
+
+    def __post_init__(self):
+        self.scrapes = sorted({t for (name, _, _), values in self.series.items() if name in _PRESENCE for t in values})
+        self.sampled = defaultdict(set)
+        for (name, _, _), values in self.series.items():
+            self.sampled[name].update(values)
+        self.mps_at = sorted(t for (name, _, _), values in self.series.items() if name == TENANT_MPS_CLIENTS.name
+                             for t, v in values.items() if v > 0)  # fmt: skip
+
+
 class Tenancy:
-    """The tenant series of some GPUs over a time range, read in one query, asked per stage window."""
+    """The tenant series of some GPUs over a time range, read in one query, asked per stage window (one read serves
+    every request a ``divergences`` pass analyses)."""
 
     def __init__(self, store, gpus: Iterable[tuple[str, str]], t0_ns: int, t1_ns: int):
         gpus = set(gpus)
-        # (host, uuid) -> {(metric, namespace, pod): {time: value}}
-        self._series: dict[tuple[str, str], dict[tuple[str, str, str], dict[int, float]]] = defaultdict(dict)
-        self._servers: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
+        series: dict[tuple[str, str], dict[tuple[str, str, str], dict[int, float]]] = defaultdict(dict)
+        servers: dict[tuple[str, str], set[tuple[str, str]]] = defaultdict(set)
+        self._gpus: dict[tuple[str, str], _Gpu] = {}
         if not gpus:
             return
         names = sorted({*_BY_NAME, *_PRESENCE, TENANT_MPS_CLIENTS.name, PROCESS.name})
@@ -128,43 +154,44 @@ class Tenancy:
             if (host, uuid) not in gpus:
                 continue
             if name == PROCESS.name:
-                self._servers[(host, uuid)].add((namespace, pod))
+                servers[(host, uuid)].add((namespace, pod))
             else:
-                self._series[(host, uuid)].setdefault((name, namespace, pod), {})[t] = value
+                series[(host, uuid)].setdefault((name, namespace, pod), {})[t] = value
+        self._gpus = {gpu: _Gpu(tenants, servers.get(gpu, set())) for gpu, tenants in series.items()}
 
     def series(self, host: str, uuid: str, name: str, namespace: str, pod: str) -> tuple[list[int], list[float]]:
         """One tenant's samples of ``name`` on the GPU, in time order."""
-        values = self._series.get((host, uuid), {}).get((name, namespace, pod), {})
+        gpu = self._gpus.get((host, uuid))
+        values = gpu.series.get((name, namespace, pod), {}) if gpu else {}
         return sorted(values), [values[t] for t in sorted(values)]
 
     def rises(self, span) -> list[TenantRise]:
         """The tenants of the span's GPU whose use rose while it ran, the span's own pod included (``own``)."""
         host, uuid = span.resource.get(conventions.HOST, ""), span.attributes.get(conventions.GPU_UUID, "")
-        series = self._series.get((host, uuid))
-        if not series:
+        gpu = self._gpus.get((host, uuid))
+        if gpu is None:
             return []
-        scrapes = sorted({t for (name, _, _), values in series.items() if name in _PRESENCE for t in values})
+        scrapes = gpu.scrapes
         first = bisect.bisect_right(scrapes, span.start_ns) - 1
         last = bisect.bisect_left(scrapes, span.start_ns + span.duration_ns)
         if first < 0 or last >= len(scrapes):
             return []  # no scrape before the stage, or none since it ended: no window to judge
         w0, w1 = scrapes[first], scrapes[last]
         during = scrapes[first + 1:last + 1]
-        before = [t for t in scrapes[:first + 1] if t >= w0 - LOOKAROUND_NS]
-        present = {(ns, pod) for (name, ns, pod), values in series.items()
+        before = scrapes[bisect.bisect_left(scrapes, w0 - LOOKAROUND_NS):first + 1]
+        present = {(ns, pod) for (name, ns, pod), values in gpu.series.items()
                    if name in _PRESENCE and any(t in values for t in during)}  # fmt: skip
         if len(present) < 2 or len(before) < MIN_TYPICAL:
             return []
-        mps = any(v > 0 for (name, _, _), values in series.items() if name == TENANT_MPS_CLIENTS.name
-                  for t, v in values.items() if w0 - LOOKAROUND_NS <= t <= w1)  # fmt: skip
-        servers = self._servers.get((host, uuid), set())
+        mps_from = bisect.bisect_left(gpu.mps_at, w0 - LOOKAROUND_NS)
+        mps = mps_from < len(gpu.mps_at) and gpu.mps_at[mps_from] <= w1
         out = []
-        for (name, ns, pod), values in series.items():
+        for (name, ns, pod), values in gpu.series.items():
             use = _BY_NAME.get(name)
-            if use is None or (ns, pod) not in present or (use.server_accounted and (ns, pod) in servers):
+            if use is None or (ns, pod) not in present or (use.server_accounted and (ns, pod) in gpu.servers):
                 continue
             # a scrape at which no tenant has this series (NVML did not answer that call) says nothing of anyone
-            sampled = {t for (n, _, _), vs in series.items() if n == name for t in vs}
+            sampled = gpu.sampled[name]
             usual = [values.get(t, 0.0) for t in before if t in sampled]
             now = [values.get(t, 0.0) for t in during if t in sampled]
             if len(usual) < MIN_TYPICAL or not now:

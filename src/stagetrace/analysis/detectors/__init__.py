@@ -15,6 +15,7 @@ from typing import Protocol
 from stagetrace import conventions, lookup
 from stagetrace.analysis.causes import Cause, Contrast
 from stagetrace.analysis.hardware import Samples
+from stagetrace.analysis.tenants import Tenancy
 from stagetrace.store import Store
 
 # Module names, which are the detectors' names, in the order they run.
@@ -36,6 +37,7 @@ class Case:
     samples: Samples | None = None
     rollouts: list = field(default_factory=list)  # rollouts.Rollout around the request
     nondeterminism: str = ""  # the request's reason to differ by design, if any
+    tenancy: Tenancy | None = None  # the tenants of the GPUs, read once for many cases (else each case reads its own)
 
     @property
     def span(self) -> lookup.Span:

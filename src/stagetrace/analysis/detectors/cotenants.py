@@ -12,7 +12,7 @@ from stagetrace import conventions
 from stagetrace.analysis.causes import Cause
 from stagetrace.analysis.detectors import Case, register
 from stagetrace.analysis.detectors.hardware import BOTH_ROSE_WEIGHT
-from stagetrace.analysis.tenants import Tenancy, TenantRise
+from stagetrace.analysis.tenants import Tenancy, TenantRise, gpus_of
 
 UNKNOWN_OWN_WEIGHT = BOTH_ROSE_WEIGHT  # a rise that may be the request's own pod weighs as little as a shared one
 
@@ -30,9 +30,10 @@ class CoTenants:
                  if s.attributes.get(conventions.GPU_UUID)]  # fmt: skip
         if not spans:
             return []
-        gpus = {(s.resource.get(conventions.HOST, ""), s.attributes[conventions.GPU_UUID]) for s in spans}
-        tenancy = Tenancy(case.store, gpus, min(s.start_ns for s in spans),
-                          max(s.start_ns + s.duration_ns for s in spans))  # fmt: skip
+        tenancy = case.tenancy
+        if tenancy is None:
+            tenancy = Tenancy(case.store, gpus_of(spans), min(s.start_ns for s in spans),
+                              max(s.start_ns + s.duration_ns for s in spans))  # fmt: skip
         causes = []
         for rank, span in sorted(case.spans.items()):
             theirs = case.baseline_spans.get(rank)
