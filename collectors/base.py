@@ -20,9 +20,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 logger = logging.getLogger("stagetrace.collectors")
 
@@ -216,6 +217,10 @@ class Samples:
                 yield spec, values, value
 
     def families(self, host: str) -> Iterator[Metric]:
+        # here, not at the top: the metric specs are read by commands that build no families (`stagetrace trace`),
+        # and client_python with its exposition server takes 20 ms to import
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
         for spec, series in self._values.items():
             names = ["host", *spec.labels]
             if spec.type == INFO:

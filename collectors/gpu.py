@@ -32,7 +32,8 @@ import pynvml
 from stagetrace.collectors.base import (
     COUNTER, GAUGE, INFO, Collector, MetricSpec, Options, Samples, SourceUnavailable, register,
 )  # fmt: skip
-from stagetrace.collectors.gpm import GPM_METRIC_IDS, SUPPORT_CALL, SUPPORTED, GpmReader
+from stagetrace.collectors.gpm import GPM_METRIC_IDS, SUPPORTED
+from stagetrace.collectors.gpm_reader import SUPPORT_CALL, GpmReader
 from stagetrace.collectors.gpu_tenants import KUBELET_LOG_DIR, PROCFS, PodNames, ProcessOwners, tenant_samples
 from stagetrace.collectors.nvml import (
     NVML_FIXTURE,

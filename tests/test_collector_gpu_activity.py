@@ -84,6 +84,17 @@ def test_gpm_metrics_equal_nvml_formulas_for_every_recorded_interval():
         assert value(result, "stagetrace_collector_success", collector="gpu") == 1
 
 
+
+def test_the_gpm_table_ids_are_pynvmls_constants():
+    # the table writes nvml.h's IDs out so that readers of it need not load pynvml; they must stay pynvml's
+    import pynvml
+    from stagetrace.collectors import gpm
+
+    written = {name: getattr(gpm, name) for name in dir(gpm) if name.startswith("NVML_GPM_METRIC_")}
+    assert len(written) == len(gpm.GPM_METRICS)
+    assert written == {name: getattr(pynvml, name) for name in written}
+    assert {m.metric_id: m.spec.name for m in gpm.GPM_METRICS} == {i: name for i, (name, _) in EXPECTED_FROM.items()}
+
 def test_activity_tells_apart_what_utilization_does_not():
     """The recording's matmul and its copies both read 100% utilization; GPM says tensor cores against DRAM."""
     clock = Clock()
