@@ -191,6 +191,33 @@ def test_trace_and_schema_work_while_the_agent_holds_the_store(agent):
     assert missing.returncode == 1 and missing.stderr == f"stagetrace: no request with id 'no-such-request' in {agent.dsn}\n"
 
 
+
+# What a lookup through the agent needs none of: the embedded engine and its driver, the span SDK, the collectors'
+# libraries, array libraries. Each costs tens of milliseconds of start-up on a command run in loops and scripts.
+HEAVY = {"chdb", "clickhouse_connect", "numpy", "pyarrow", "pandas", "opentelemetry", "prometheus_client", "pynvml",
+         "grpc", "google", "torch"}  # fmt: skip
+LOADED_BY_MAIN = """
+import contextlib, io, json, sys
+from stagetrace.cli import main
+with contextlib.redirect_stdout(io.StringIO()) as out:
+    code = main(sys.argv[1:])
+print(json.dumps({"code": code, "out": out.getvalue(), "loaded": sorted({m.split(".")[0] for m in sys.modules})}))
+"""
+
+
+@pytest.mark.parametrize("output", ["--json", "text"])
+def test_trace_through_the_agent_loads_neither_the_embedded_engine_nor_heavy_libraries(agent, output):
+    send_request(agent.endpoints["otlp"], "light-1")
+    trace_json("light-1", agent.dsn)  # stored
+    args = ["trace", "light-1", "--store", agent.dsn, *(["--json"] if output == "--json" else [])]
+    result = subprocess.run([sys.executable, "-c", LOADED_BY_MAIN, *args], capture_output=True, text=True,
+                            env=ENV, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    run = json.loads(result.stdout)
+    assert run["code"] == 0 and "light-1" in run["out"] and "decode" in run["out"]
+    assert HEAVY & set(run["loaded"]) == set()
+    assert ("rich" in run["loaded"]) == (output == "text")  # the table is drawn with rich; JSON needs none of it
+
 def test_open_store_falls_back_read_only_and_refuses_writes_in_one_line(agent):
     with pytest.raises(StoreLockedError, match="is in use by process"):
         open_store(agent.dsn, agent_fallback=False)
