@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import Figure, benchmark, compile_sources, synthetic
@@ -124,8 +125,9 @@ def lookup_benchmark(quick: bool) -> list[Figure]:
     ]  # fmt: skip
 
 
-def _through_agent(dsn: str, request_ids: list[str]) -> list[float]:
-    """``trace --json`` processes while ``stagetrace agent`` holds the store: read through its query endpoint."""
+@contextmanager
+def held_by_agent(dsn: str):
+    """``stagetrace agent`` holding the embedded store ``dsn`` (no collectors, no OTLP), its query endpoint up."""
     agent = subprocess.Popen([sys.executable, "-m", "stagetrace", "agent", "--store", dsn, "--collectors", "",
                               "--listen", "127.0.0.1:0", "--otlp", "none", "--otlp-grpc", "none",
                               "--query-listen", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
@@ -136,18 +138,27 @@ def _through_agent(dsn: str, request_ids: list[str]) -> list[float]:
             if agent.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the agent did not start: {agent.stderr.read().decode()[-300:]}")
             time.sleep(0.2)
-        timings = []
-        for request_id in request_ids:
-            started = time.perf_counter()
-            result = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "--json", "--store", dsn, request_id],
-                                    capture_output=True, text=True, check=False)  # fmt: skip
-            timings.append((time.perf_counter() - started) * 1e3)
-            if result.returncode != 0 or request_id not in result.stdout:
-                raise RuntimeError(f"stagetrace trace {request_id} through the agent failed: {result.stderr.strip()[-300:]}")
-        return timings
+        yield
     finally:
         agent.terminate()
         agent.wait(timeout=60)
+
+
+def trace_process_ms(dsn: str, request_id: str, env: dict | None = None) -> float:
+    """One ``stagetrace trace --json`` process, start-up included; fails unless it printed the request."""
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "--json", "--store", dsn, request_id],
+                            capture_output=True, text=True, check=False, env=env)  # fmt: skip
+    elapsed = (time.perf_counter() - started) * 1e3
+    if result.returncode != 0 or request_id not in result.stdout:
+        raise RuntimeError(f"stagetrace trace {request_id} failed: {result.stderr.strip()[-300:]}")
+    return elapsed
+
+
+def _through_agent(dsn: str, request_ids: list[str]) -> list[float]:
+    """``trace --json`` processes while ``stagetrace agent`` holds the store: read through its query endpoint."""
+    with held_by_agent(dsn):
+        return [trace_process_ms(dsn, request_id) for request_id in request_ids]
 
 
 CURVE_RATE = 500  # requests/s: the store grows as a fleet's would, its requests spread over hours

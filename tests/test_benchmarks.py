@@ -31,7 +31,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("instrumentation", 2, ["bare OpenTelemetry SDK"] * 2),
         ("export", 2, ["raw columnar client.insert"] * 2),
         ("lookup", 6, ["", "full scan", "full scan", "same filter through the bloom-filter", "full scan", "aim"]),
-        ("startup", 2, ["aim", "`python -c pass`"]),
+        ("startup", 5, ["aim", "`python -c pass`", "`python -c pass`", "aim", "`python -c pass`"]),
         ("footprint", 10, ["aim", "aim", "aim", "aim", "aim", "aim", "aim", "", "", ""]),
         ("storage", 4, [""] * 4),  # and one row per table a view fills from otel_traces
         ("conventions", 2, ["as stagetrace-convention spans", "stagetrace-convention requests"]),
