@@ -9,7 +9,8 @@ what is measured is the process, whose start-up does not depend on the store's s
 reported. stagetrace's modules are byte-compiled first, as an installed package's are (``benchmarks.compile_sources``).
 
 ``STAGETRACE_BENCH_BEFORE=DIR`` (a checkout of another commit, e.g. ``git worktree add DIR COMMIT``) measures the
-same processes with that checkout's stagetrace too, alternating with this one's, and compares the two side by side.
+same processes with that checkout's stagetrace too, alternating with this one's, and compares the two side by side;
+both run through the same package of links (``_checkout_env``), so the way modules are found is the same for both.
 The agent and the store are this checkout's in both.
 """
 
@@ -28,6 +29,7 @@ from benchmarks import Figure, benchmark, compile_sources
 
 BEFORE_ENV = "STAGETRACE_BENCH_BEFORE"
 PACKAGES = ("collectors", "exporters", "dashboards")  # beside src/stagetrace in a checkout, subpackages when installed
+ROOT = Path(__file__).resolve().parents[1]
 REQUESTS = 2_000  # in the store the agent holds: enough for fresh IDs, small enough to fill in a second
 
 
@@ -49,7 +51,9 @@ def _checkout_env(checkout: Path, directory: Path) -> dict:
             (package / entry.name).symlink_to(entry)
     for name in PACKAGES:
         (package / name).symlink_to(checkout / name)
-    for folder in (package, *(checkout / name for name in PACKAGES)):  # compileall does not follow linked folders
+    # the links' own bytecode beside them, the linked folders' (which compileall does not follow) in the checkout
+    compileall.compile_dir(package, quiet=1, maxlevels=0)
+    for folder in (checkout / "src" / "stagetrace", *(checkout / name for name in PACKAGES)):
         compileall.compile_dir(folder, quiet=1)
     return {**os.environ, "PYTHONPATH": str(directory)}
 
@@ -67,16 +71,17 @@ def startup(quick: bool) -> list[Figure]:
         directory = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="stagetrace-bench-")))
         trees = {"this": None}
         if before_dir:
-            (directory / "before").mkdir()
-            trees["before"] = _checkout_env(Path(before_dir).resolve(), directory / "before")
+            for tree, checkout in (("linked", ROOT), ("before", Path(before_dir).resolve())):
+                (directory / tree).mkdir()
+                trees[tree] = _checkout_env(checkout, directory / tree)
         dsn = f"chdb://{directory / 'store'}"
         with open_store(dsn) as store:
             fill(store, REQUESTS, time.time_ns() - 3600 * 10**9)
         stack.enter_context(held_by_agent(dsn))
         fresh = iter(range(REQUESTS))
         times: dict[tuple[str, str], list[float]] = {}
-        for _ in range(runs):
-            for tree, env in trees.items():
+        for run in range(runs):
+            for tree, env in list(trees.items())[:: -1 if run % 2 else 1]:  # each tree first as often as last
                 for what, measure in (
                     ("floor", lambda: _run_ms([sys.executable, "-c", "pass"], env)),
                     ("help", lambda: _run_ms([sys.executable, "-m", "stagetrace", "--help"], env)),
@@ -98,7 +103,7 @@ def startup(quick: bool) -> list[Figure]:
     ]  # fmt: skip
     if before_dir:
         before = f"the same at {_short_commit(before_dir)}, alternating"
-        figures += [Figure(name, ms[("this", what)], "ms", before, ms[("before", what)])
+        figures += [Figure(name, ms[("linked", what)], "ms", before, ms[("before", what)])
                     for name, what in ((help_, "help"), (import_, "import"), (trace, "trace"))]  # fmt: skip
     return figures
 
