@@ -17,6 +17,9 @@ from opentelemetry.trace import SpanKind, set_span_in_context
 from stagetrace import conventions, lookup
 from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
 
+# every span these tests store is also the corpus of the views' rows (tests/views_reference.py)
+pytestmark = pytest.mark.views_row_for_row
+
 T0 = 1_764_000_000_000_000_000
 
 

@@ -27,6 +27,9 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from stagetrace.exporters.clickhouse import COLUMNS, ClickHouseSpanExporter
 from stagetrace.exporters.otlp import OtlpReceiver
 
+# every span these tests store is also the corpus of the views' rows (tests/views_reference.py)
+pytestmark = pytest.mark.views_row_for_row
+
 VLLM = Path(__file__).parent / "fixtures" / "vllm" / "llm_request.json"
 
 

@@ -17,6 +17,9 @@ from stagetrace.cli import main
 from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
 from stagetrace.store import open_store
 
+# every span these tests store is also the corpus of the views' rows (tests/views_reference.py)
+pytestmark = pytest.mark.views_row_for_row
+
 STAGES = ["retrieval", "cache", "context_assembly", "allreduce", "decode"]
 T0 = 1_764_000_000_000_000_000  # a fixed start, in ns
 
@@ -85,6 +88,7 @@ def test_stage_api_spans_come_back_in_order_with_their_digests(store_dsn, capsys
     assert [s["start"] for s in doc["spans"]] == sorted(s["start"] for s in doc["spans"])
 
 
+@pytest.mark.views_row_for_row(compare=False)  # it empties stagetrace_requests
 def test_lookup_goes_through_the_request_index(store_dsn):
     _write_with_plain_sdk(store_dsn, "indexed")
     with open_store(store_dsn) as store:

@@ -14,6 +14,7 @@ producer is a line here, not a change in four modules.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -21,6 +22,13 @@ from dataclasses import dataclass
 
 def _quote(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _alias(kind: str, expression: str) -> str:
+    """A name for ``expression`` within one query, the same for the same expression: an expression written twice is
+    analysed twice, and ClickHouse analyses a view's query again for every insert, so a view that repeats its long
+    expressions costs milliseconds per insert before it reads a row (issue 32)."""
+    return f"_{kind}_{hashlib.blake2b(expression.encode(), digest_size=6).hexdigest()}"
 
 
 # -- stagetrace's own names
@@ -282,10 +290,14 @@ class Family:
     suffix: str = ""
 
     def sql(self) -> str:
-        keys = (f"arraySort(arrayFilter(k -> startsWith(k, {_quote(self.prefix)}) AND endsWith(k, {_quote(self.suffix)})"
-                f" AND SpanAttributes[k] != {_quote(REDACTED)}, mapKeys(SpanAttributes)))")  # fmt: skip
-        joined = f"arrayStringConcat(arrayMap(k -> concat(k, '=', SpanAttributes[k]), {keys}), '\\n')"
-        return f"if(empty({keys}), '', {CONTENT_DIGEST_SQL.format(x=joined)})"
+        # the members in one pass over the map: looking each key up again (SpanAttributes[k]) scans the map once per
+        # key, which made the views 3x the bare insert on OpenInference spans (issue 32)
+        found = (f"mapFilter((k, v) -> startsWith(k, {_quote(self.prefix)}) AND endsWith(k, {_quote(self.suffix)})"
+                 f" AND v != {_quote(REDACTED)}, SpanAttributes)")  # fmt: skip
+        members = _alias("m", found)
+        lines = f"arrayMap((k, v) -> concat(k, '=', v), mapKeys({members}), mapValues({members}))"
+        joined = f"arrayStringConcat(arraySort((line, k) -> k, {lines}, mapKeys({members})), '\\n')"  # in key order
+        return f"if(empty(({found}) AS {members}), '', {CONTENT_DIGEST_SQL.format(x=joined)})"
 
 
 # 128 bits, hex, like the span API's BLAKE2b-128 digests (ClickHouse has no BLAKE2b); only ever compared with
@@ -454,12 +466,16 @@ def time_ns_sql(column: str) -> str:
 
 # -- SQL over otel_traces columns (SpanName, SpanAttributes, ParentSpanId, ...) for the materialized views
 def _first_sql(sources) -> str:
-    # multiIf evaluates lazily (short_circuit_function_evaluation), so a span with a digest attribute never hashes
+    # multiIf evaluates lazily (short_circuit_function_evaluation), so a span with a digest attribute never hashes;
+    # the digest a producer sent is tested apart, in an if of its own: a multiIf of many branches costs each row
+    # several times that one test even when its first branch holds (measured, issue 32)
+    first, *rest = sources
     parts = []
-    for source in sources:
+    for source in rest:
         expression = source.sql()
-        parts.append(f"{expression} != '', {expression}")
-    return "multiIf(" + ", ".join(parts) + ", '')"
+        name = _alias("d", expression)
+        parts.append(f"(({expression}) AS {name}) != '', {name}")
+    return f"if({first.sql()} != '', {first.sql()}, multiIf(" + ", ".join(parts) + ", ''))"
 
 
 STAGE_SQL = (
@@ -489,6 +505,20 @@ REQUEST_INPUT_DIGEST_SQL = _first_sql(REQUEST_INPUT_DIGEST_SOURCES)
 REQUEST_OUTPUT_DIGEST_SQL = _first_sql(REQUEST_OUTPUT_DIGEST_SOURCES)
 STAGE_INPUT_DIGEST_SQL = _first_sql(STAGE_INPUT_DIGEST_SOURCES)
 STAGE_OUTPUT_DIGEST_SQL = _first_sql(STAGE_OUTPUT_DIGEST_SOURCES)
+# The content sources are the only ones that cost: a span carrying none of their attributes gets its digests from the
+# digest attributes alone (a Content source of an absent key and a Family without members are ''), so the views
+# compute the digest rules only for spans that carry content (HAS_CONTENT_SQL) and read the others' digests as the
+# attributes they are (the *_GIVEN_SQL twins, equal to the full rules on such spans).
+_SOURCES = (REQUEST_INPUT_DIGEST_SOURCES, REQUEST_OUTPUT_DIGEST_SOURCES, STAGE_INPUT_DIGEST_SOURCES,
+            STAGE_OUTPUT_DIGEST_SOURCES)  # fmt: skip
+CONTENT_SOURCE_KEYS = tuple(sorted({s.key for sources in _SOURCES for s in sources if isinstance(s, Content)}))
+CONTENT_SOURCE_PREFIXES = tuple(sorted({s.prefix for sources in _SOURCES for s in sources if isinstance(s, Family)}))
+HAS_CONTENT_SQL = "arrayExists(k -> k IN ({keys}) OR {prefixes}, mapKeys(SpanAttributes))".format(
+    keys=", ".join(_quote(k) for k in CONTENT_SOURCE_KEYS),
+    prefixes=" OR ".join(f"startsWith(k, {_quote(p)})" for p in CONTENT_SOURCE_PREFIXES),
+)
+REQUEST_INPUT_DIGEST_GIVEN_SQL, REQUEST_OUTPUT_DIGEST_GIVEN_SQL, STAGE_INPUT_DIGEST_GIVEN_SQL, \
+    STAGE_OUTPUT_DIGEST_GIVEN_SQL = (sources[0].sql() for sources in _SOURCES)  # fmt: skip
 RANK_SQL = f"SpanAttributes[{_quote(TP_RANK)}]"
 # Stage attributes as stagetrace keeps them: without content, which stays only where its producer sent it.
 STAGE_ATTRIBUTES_SQL = (

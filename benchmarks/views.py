@@ -1,0 +1,179 @@
+"""What the store's materialized views cost per span: the same inserts into a bare ``otel_traces`` and into stores
+with stagetrace's views, side by side in one run.
+
+One embedded store, several databases, each with the same ``otel_traces``: ``bare`` (no view), ``views`` (every view
+as ``stagetrace schema`` creates it now), ``before`` (the views as schema 10 created them, from
+``tests/fixtures/views/schema10.sql``), and one database per view alone (now), which is the profile: what each view
+adds to the bare insert. Two corpora, each made once with the OpenTelemetry SDK and turned into rows by the
+exporter's ``span_row``: stagetrace-convention requests (a root and five stage spans carrying digests, as the span
+API makes them) and OpenInference requests with content (a LlamaIndex-shaped RAG query: the chain, the query
+embedding, the retriever with four documents, the prompt, the LLM with its messages; content of the sizes such apps
+record), whose digests the views compute in the store. The inserts are raw columnar ``client.insert`` of 4,096 rows
+(the exporter's batch) with a token each, databases taking turns batch by batch so that none gets the quieter
+moments; the figure is each database's median seconds per batch, and the ratio is to the bare table's.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.trace import SpanKind
+
+from benchmarks import Figure, benchmark
+from benchmarks.export import BATCH_ROWS, _columnar, _Keep, make_spans
+from stagetrace import schema
+from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
+from stagetrace.store import open_store
+
+BEFORE_SQL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "views" / "schema10.sql"
+
+
+def before_views() -> list[schema.View]:
+    """The views as schema 10 created them (the SELECTs frozen in ``tests/fixtures/views/schema10.sql``)."""
+    out = []
+    for chunk in (c.strip() for c in BEFORE_SQL.read_text().split("\n;;\n") if c.strip()):
+        lines = chunk.splitlines()
+        name, target = [line for line in lines if line.startswith("-- ")][-1][3:].split(" -> ")
+        out.append(schema.View(name, target, "\n".join(line for line in lines if not line.startswith("--"))))
+    return out
+
+
+def by_table(views: list[schema.View]) -> dict[str, list[schema.View]]:
+    """The views that fill each of stagetrace's tables, each with the view that passes spans on to it, if any."""
+    out: dict[str, list[schema.View]] = {}
+    for view in views:
+        if any(w.source == view.target for w in views):  # passes spans on: counted with the views that read them
+            continue
+        for w in [w for w in views if w.target == view.source] + [view]:
+            if w not in out.setdefault(view.target, []):
+                out[view.target].append(w)
+    return out
+
+
+def _text(seed: int, words: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 50_000}" for i in range(words))
+
+
+def openinference_spans(requests: int) -> list:
+    """Finished SDK spans of ``requests`` LlamaIndex-shaped RAG queries, traced as OpenInference records them."""
+    keep = _Keep()
+    provider = TracerProvider(resource=Resource.create({"service.name": "rag", "host.name": "rag-0"}))
+    provider.add_span_processor(SimpleSpanProcessor(keep))
+    tracer = provider.get_tracer("openinference.instrumentation.llama_index")
+    kind = "openinference.span.kind"
+    for i in range(requests):
+        question, answer = _text(i, 16), _text(i + 1, 120)
+        documents = [_text(i * 4 + d, 150) for d in range(4)]
+        with tracer.start_as_current_span("RetrieverQueryEngine.query", kind=SpanKind.SERVER, attributes={
+            kind: "CHAIN", "input.value": question, "output.value": answer, "input.mime_type": "text/plain",
+        }):  # fmt: skip
+            with tracer.start_as_current_span("VectorIndexRetriever.retrieve", attributes={
+                kind: "RETRIEVER", "input.value": question,
+                **{f"retrieval.documents.{d}.document.{field}": value for d, text in enumerate(documents)
+                   for field, value in (("id", f"node-{i}-{d}"), ("content", text), ("score", 0.9 - d / 10))},
+            }):  # fmt: skip
+                with tracer.start_as_current_span("OpenAIEmbedding.get_query_embedding", attributes={
+                    kind: "EMBEDDING", "embedding.model_name": "text-embedding-3-small",
+                    "embedding.embeddings.0.embedding.text": question,
+                }):  # fmt: skip
+                    pass
+            with tracer.start_as_current_span("ChatPromptTemplate", attributes={
+                kind: "PROMPT", "llm.prompt_template.template": "Context: {context}\nQ: {query}",
+                "llm.prompt_template.variables": json.dumps({"query": question}),
+            }):  # fmt: skip
+                pass
+            with tracer.start_as_current_span("OpenAI.chat", attributes={
+                kind: "LLM", "llm.model_name": "gpt-4o-mini", "llm.invocation_parameters": '{"temperature": 0}',
+                "llm.input_messages.0.message.role": "system", "llm.input_messages.0.message.content": "\n".join(documents),
+                "llm.input_messages.1.message.role": "user", "llm.input_messages.1.message.content": question,
+                "llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": answer,
+                "llm.token_count.prompt": 900, "llm.token_count.completion": 160,
+            }):  # fmt: skip
+                pass
+            with tracer.start_as_current_span("CompactAndRefine.get_response", attributes={
+                kind: "CHAIN", "input.value": question, "output.value": answer,
+            }):  # fmt: skip
+                pass
+    provider.shutdown()
+    return keep.spans
+
+
+def _database(store, name: str, views: list[schema.View]) -> None:
+    store.client.command(f"CREATE DATABASE {name}")
+    for sql in schema.statements(name, views=False):
+        store.client.command(sql)
+    for view in views:
+        store.client.command(f"CREATE MATERIALIZED VIEW {name}.`{view.name}` TO {name}.`{view.target}`\n"
+                             f"AS {view.select.format(source=f'{name}.`otel_traces`')}")  # fmt: skip
+
+
+def _insert(store, database: str, columns) -> float:
+    started = time.perf_counter()
+    store.client.insert("otel_traces", columns, column_names=COLUMNS, database=database, column_oriented=True,
+                        settings={"insert_deduplication_token": uuid.uuid4().hex})  # fmt: skip
+    return time.perf_counter() - started
+
+
+def measure(corpora: dict[str, list], rounds: int, per_view: bool = True) -> dict[str, dict[str, float]]:
+    """Median seconds per 4,096-span insert, by corpus and database."""
+    databases = {"bare": [], "views": list(schema.VIEWS), "before": before_views()}
+    if per_view:
+        databases |= by_table(list(schema.VIEWS))
+        databases |= {f"before {table}": views for table, views in by_table(before_views()).items()}
+    out = {}
+    resources = _Resources()
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+            open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
+        names = {}
+        for corpus, spans in corpora.items():
+            rows = [span_row(s, resources) for s in spans]
+            batches = _columnar(rows[: len(rows) // BATCH_ROWS * BATCH_ROWS] or rows, BATCH_ROWS)  # whole batches
+            for name, views in databases.items():
+                names[corpus, name] = f"{corpus}_{name}".replace(" ", "_")
+                _database(store, names[corpus, name], views)
+            seconds: dict[str, list[float]] = {name: [] for name in databases}
+            for name in databases:  # warm-up: the first insert into a table opens it
+                _insert(store, names[corpus, name], batches[0])
+            for r in range(rounds):
+                for b, columns in enumerate(batches):
+                    order = list(databases) if (r + b) % 2 == 0 else list(reversed(databases))
+                    for name in order:
+                        seconds[name].append(_insert(store, names[corpus, name], columns))
+            out[corpus] = {name: statistics.median(values) for name, values in seconds.items()}
+            expected = len(batches[0][0]) + rounds * sum(len(c[0]) for c in batches)
+            for name in databases:
+                stored = int(store.client.command(f"SELECT count() FROM {names[corpus, name]}.otel_traces"))
+                if stored != expected:
+                    raise RuntimeError(f"{names[corpus, name]}.otel_traces holds {stored} rows, expected {expected}")
+    return out
+
+
+CORPORA = {"stagetrace": "stagetrace-convention spans (digests given)",
+           "openinference": "OpenInference spans with content (digests computed in the store)"}  # fmt: skip
+
+
+@benchmark("views")
+def views(quick: bool) -> list[Figure]:
+    requests, rounds = (700, 1) if quick else (7_000, 3)
+    corpora = {"stagetrace": make_spans(requests), "openinference": openinference_spans(requests)}
+    medians = measure(corpora, rounds)
+    figures = []
+    for corpus, seconds in medians.items():
+        bare = seconds["bare"] * 1000
+        label = f"{CORPORA[corpus]}, {BATCH_ROWS:,}-span insert, median"
+        figures.append(Figure(f"{label}: every view, now", seconds["views"] * 1000, "ms", "bare otel_traces", bare))
+        figures.append(Figure(f"{label}: every view, before (schema 10)", seconds["before"] * 1000, "ms",
+                              "bare otel_traces", bare))  # fmt: skip
+        for table in by_table(list(schema.VIEWS)):
+            for when, key in (("now", table), ("before", f"before {table}")):
+                figures.append(Figure(f"{label}: the views into {table} alone, {when}", seconds[key] * 1000, "ms",
+                                      "bare otel_traces", bare))  # fmt: skip
+    return figures
