@@ -162,7 +162,7 @@ CORPORA = {"stagetrace": "stagetrace-convention spans (digests given)",
 
 @benchmark("views")
 def views(quick: bool) -> list[Figure]:
-    requests, rounds = (700, 1) if quick else (7_000, 3)
+    requests, rounds = (700, 1) if quick else (4_100, 3)
     corpora = {"stagetrace": make_spans(requests), "openinference": openinference_spans(requests)}
     medians = measure(corpora, rounds)
     figures = []
