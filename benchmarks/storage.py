@@ -48,14 +48,28 @@ def _parts(store, tables: list[str]) -> dict[str, tuple[int, int, int]]:
 
 
 def _view_tables(store) -> list[str]:
-    """The tables materialized views fill from ``otel_traces`` (request index, trace-ID table, stages, ...)."""
+    """The tables materialized views fill from ``otel_traces`` (request index, trace-ID table, stages, ...).
+
+    A view may write to a Null table that only passes rows on to views of its own (the content route);
+    such a table stores nothing, so the walk goes through it to the tables that do.
+    """
     rows = store.client.query(
-        "SELECT create_table_query FROM system.tables WHERE database = {db:String} AND name IN ("
-        "SELECT arrayJoin(dependencies_table) FROM system.tables WHERE database = {db:String} AND name = 'otel_traces')",
-        parameters={"db": store.database},
-    ).result_rows
-    targets = (re.search(r"\bTO\s+[`\w]+\.`?(\w+)`?", query) for (query,) in rows)
-    return sorted(match.group(1) for match in targets if match)
+        "SELECT name, engine, dependencies_table, create_table_query FROM system.tables WHERE database = {db:String}",
+        parameters={"db": store.database}).result_rows  # fmt: skip
+    tables = {name: (engine, dependents) for name, engine, dependents, _ in rows}
+    queries = {name: query for name, _, _, query in rows}
+    stored, sources, seen = set(), ["otel_traces"], set()
+    while sources:
+        for view in tables.get(sources.pop(), ("", []))[1]:
+            match = re.search(r"\bTO\s+[`\w]+\.`?(\w+)`?", queries.get(view, ""))
+            if not match or match.group(1) in seen:
+                continue
+            seen.add(match.group(1))
+            if tables.get(match.group(1), ("",))[0] == "Null":
+                sources.append(match.group(1))
+            else:
+                stored.add(match.group(1))
+    return sorted(stored)
 
 
 def _moving(families, second: int, rng: random.Random):
