@@ -376,3 +376,26 @@ def test_a_pass_groups_only_the_inputs_that_arrived_and_finds_what_the_whole_win
     assert {d.input_digest for d in grouped} == {d.input_digest for d in whole if d.input_digest in arrived}
     assert [d for d in grouped if d.start_ns >= new_from] == [d for d in whole if d.start_ns >= new_from]
     assert any(d.start_ns < new_from for d in grouped) and len(grouped) < len(whole) / 4
+
+
+def test_a_sample_of_inputs_weighs_settings_as_every_input_does(store):
+    """A busy minute puts hundreds of thousands of requests around the ones a pass analyses; the contrast that weighs
+    their causes counts one input in k, whole groups chosen by the input's digest. Each setting's divergence rate
+    stays what counting every input gives, from about 1/k of the spans."""
+    from benchmarks import synthetic
+    from stagetrace.analysis import population
+
+    now = time.time_ns()
+    synthetic.fill(store, 40_000, now - 600 * 10**9, seconds=540, deviating_percent=5)
+    keys = {stage: [f"setting.{stage}"] for stage in ("retrieval", "decode")}
+    every = population.contrasts(store, keys, now - 600 * 10**9, now)
+    sampled = population.contrasts(store, keys, now - 600 * 10**9, now, sample=4)
+    for stage, (key,) in keys.items():
+        whole, part = every[stage], sampled[stage]
+        spans, sampled_spans = (sum(n for n, _ in c.counts.values()) for c in (whole, part))
+        assert spans / 6 < sampled_spans < spans / 2.5
+        for value in ("a", "b"):
+            rate, n, _ = whole.rate(key, value, counted_as_diverged=False)
+            sampled_rate, sampled_n, _ = part.rate(key, value, counted_as_diverged=False)
+            assert 0 < sampled_n < n and sampled_rate == pytest.approx(rate, abs=0.05), (stage, value)
+        assert part.rate(key, "b", False)[0] > 0.9 > 0.1 > part.rate(key, "a", False)[0]

@@ -8,6 +8,7 @@ What the conventions derive (a span's stage and digests, the request's ID and di
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -107,6 +108,19 @@ class Trace:
             "output_digest": self.output_digest,
             "spans": [s.to_json() for s in self.spans],
         }
+
+    @functools.cached_property
+    def stages(self) -> dict[tuple[str, str], list[Span]]:
+        """Each stage's passes by (stage, TP rank), in pipeline order, then the other stages by start time (computed
+        once: an analysis asks it of each trace many times)."""
+        by_key: dict[tuple[str, str], list[Span]] = {}
+        for span in self.spans:
+            if span.stage:
+                by_key.setdefault((span.stage, span.rank), []).append(span)
+        passes = {key: conventions.stage_passes(spans) for key, spans in by_key.items()}
+        order = {name: i for i, name in enumerate(conventions.PIPELINE_STAGES)}
+        return dict(sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns,
+                                                              conventions.rank_order(kv[0][1]))))  # fmt: skip
 
     @property
     def root(self) -> Span:

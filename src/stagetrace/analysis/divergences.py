@@ -39,6 +39,9 @@ SAMPLED = 100  # deviations across the window whose differing settings are check
 # for 100,000 requests (5,000 deviating), several times the analysis at a million. Beyond this many deviating
 # requests the tally covers those analysed in full, and says so (``--limit 0`` analyses, and so tallies, all).
 TALLY_ALL_MAX = 10_000
+# The requests whose stages weigh causes, at most (more are sampled by input): five times what ``explain`` weighs
+# around one request (``explain.CONTRAST_REQUESTS``).
+CONTRAST_SAMPLE = 100_000
 
 
 def _traces(store: Store, deviations: list[population.Deviation], window: tuple[int, int],
@@ -134,8 +137,12 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     starts = [d.start_ns for d in analysed]
     around = contrast_window(store, min(starts, default=t0), max(starts, default=until_ns))
     around = (max(around[0], t0), min(around[1], until_ns))
+    # analysed requests spread over a busy minute put every request of it around them: weigh a sample of inputs
+    # as large as CONTRAST_SAMPLE, not all of them
+    sample = population.requests_in(store, *around) // CONTRAST_SAMPLE if keys else 1
     contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, *around, found_rollouts,
-                                     around if inputs_from_ns else (t0, until_ns), inventory=gpus)  # fmt: skip
+                                     around if inputs_from_ns else (t0, until_ns), inventory=gpus,
+                                     sample=sample)  # fmt: skip
     hosts = sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans})
     samples = Samples(store, hosts, t0, until_ns)
     read = [t for t in traces.values() if t.spans]

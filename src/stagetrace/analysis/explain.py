@@ -23,7 +23,6 @@ from stagetrace import conventions, lookup
 from stagetrace.analysis import detectors, inventory, population, rollouts, tenants
 from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples
-from stagetrace.conventions import PIPELINE_STAGES
 from stagetrace.store import Store
 
 HOUR_NS = 3600 * 1_000_000_000
@@ -62,14 +61,7 @@ rank_order = conventions.rank_order
 
 def stages(trace: lookup.Trace) -> dict[tuple[str, str], list[lookup.Span]]:
     """Each stage's passes by (stage, TP rank), in pipeline order, then the other stages by start time."""
-    by_key: dict[tuple[str, str], list[lookup.Span]] = {}
-    for span in trace.spans:
-        if span.stage:
-            by_key.setdefault((span.stage, span.rank), []).append(span)
-    passes = {key: conventions.stage_passes(spans) for key, spans in by_key.items()}
-    order = {name: i for i, name in enumerate(PIPELINE_STAGES)}
-    return dict(sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns,
-                                                          rank_order(kv[0][1]))))  # fmt: skip
+    return trace.stages
 
 
 def stage_spans(trace: lookup.Trace) -> dict[tuple[str, str], lookup.Span]:
@@ -172,11 +164,7 @@ def nondeterminism(trace: lookup.Trace) -> str:
 def contrast_window(store: Store, lo_ns: int, hi_ns: int, half_ns: int = CONTRAST_WINDOW_NS) -> tuple[int, int]:
     """The requests whose divergences weigh attribute differences: ``half_ns`` either side of [lo, hi], narrowed
     when more than ``CONTRAST_REQUESTS`` started in it (busy hours: the nearest weigh as well, and it stays fast)."""
-    count = int(store.client.command(
-        "SELECT count() FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) "
-        "AND Start < fromUnixTimestamp64Nano({t1:Int64})",
-        parameters={"db": store.database, "t0": lo_ns - half_ns, "t1": hi_ns + half_ns},
-    ))  # fmt: skip
+    count = population.requests_in(store, lo_ns - half_ns, hi_ns + half_ns)
     if count > CONTRAST_REQUESTS:
         half_ns = half_ns * CONTRAST_REQUESTS // count
     return lo_ns - half_ns, hi_ns + half_ns

@@ -121,6 +121,16 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inp
             for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in rows]  # fmt: skip
 
 
+REQUESTS_IN_SQL = """
+SELECT count() FROM {db:Identifier}.stagetrace_requests
+WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64})"""
+
+
+def requests_in(store: Store, t0_ns: int, t1_ns: int) -> int:
+    """How many requests started in [t0, t1)."""
+    return int(store.client.command(REQUESTS_IN_SQL, parameters={"db": store.database, "t0": t0_ns, "t1": t1_ns}))
+
+
 def nondeterministic_by_service(store: Store, t0_ns: int, t1_ns: int) -> dict[str, int]:
     """How many requests in [t0, t1) sample nondeterministically by design, by service, most first."""
     rows = store.client.query(NONDETERMINISTIC_BY_SERVICE_SQL, parameters=_window(store, t0_ns, t1_ns)).result_rows
@@ -150,7 +160,7 @@ def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, 
 
 def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, found_rollouts=(),
               majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
-              inventory: Inventory | None = None) -> dict:  # fmt: skip
+              inventory: Inventory | None = None, sample: int = 1) -> dict:  # fmt: skip
     """Per stage, counts for :class:`~stagetrace.analysis.causes.Contrast` over its spans in [t0, t1).
 
     A span *diverged first at the stage* when its output differs from the majority output of the stage's
@@ -160,7 +170,8 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
     own sampling attributes decide, so that the scan stays narrow). Settings are counted by value and
     measurements by bucket; a key with a distinct value on nearly every span is an identifier and comes
     back as one summary row, not a row per span. A span whose process recorded no GPU model or driver is counted
-    with its value in the ``inventory`` (``analysis.inventory``), as the spans compared were.
+    with its value in the ``inventory`` (``analysis.inventory``), as the spans compared were. ``sample``: count
+    the spans of one input in ``sample`` (chosen by the input's digest, so that each counted group is whole).
     """
     from stagetrace.analysis.causes import RESOURCE, Contrast, is_measurement
 
@@ -174,7 +185,7 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
               "t0": t0_ns - margin_ns, "t1": t1_ns + margin_ns, "w0": w0 - margin_ns, "w1": w1 + margin_ns,
               "epochs": sorted(r.fleet_ns for r in found_rollouts), "rs": [r.stage for r in waves],
               "rk": [r.key for r in waves], "rold": [r.old for r in waves], "rnew": [r.new for r in waves],
-              "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves]}  # fmt: skip
+              "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves], "sample": max(1, sample)}  # fmt: skip
     rows: dict[str, dict] = {}
     result = []
     for stage in sorted(keys):  # one query per stage: each reads only its stage's part of the table (by stage, time)
@@ -224,6 +235,7 @@ def _contrast_sql(waves: bool, inventory: bool = False) -> str:
                     if whole_requests else "Nondeterministic = ''")  # fmt: skip
         # without rollouts the wave test is left out: it would read every span's attribute maps
         return (f"{window} AND Stage IN {{stages:Array(String)}} AND InputDigest != '' AND {unseeded}"
+                " AND cityHash64(InputDigest) % {sample:UInt64} = 0"
                 + (f" AND NOT {wave}" if waves else ""))  # fmt: skip
 
     epoch = f"arrayMap(t -> {ts} >= t, {{epochs:Array(Int64)}})"
