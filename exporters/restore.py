@@ -6,7 +6,8 @@ Two faults leave acknowledged rows that the engine's deduplication token cannot 
   cut during a merge): its rows are no longer read. If other active parts cover its block range (a merge whose
   sources the engine put back), nothing is lost. Otherwise its rows are restored from the records the spool keeps
   after storing them (``exporters.spool``, ``kept/``): those whose time lies in the part's range and whose key
-  the table no longer holds. The part's own files are not read: ClickHouse checks every file of a part against
+  the table no longer holds, attached as a part so that the views do not derive again what their own tables kept
+  (the request index, stages and trace extents lost no part). The part's own files are not read: ClickHouse checks every file of a part against
   its checksums, and a truncated part cannot be attached (tried: ``ATTACH PART`` of a compact part whose
   ``data.bin`` lost its second half, copied into a scratch table of the same structure, fails with code 228,
   "data.bin has unexpected size: 1969 instead of 3939"), so its readable granules would have to be decoded by
@@ -22,7 +23,6 @@ table without a key is left to the token alone, and its broken parts are reporte
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -49,6 +49,21 @@ WHERE database = {db:String} AND table = {table:String} AND active"""
 _DETACHED_BLOCKS_SQL = """
 SELECT name, partition_id, min_block_number, max_block_number FROM system.detached_parts
 WHERE database = {db:String} AND table = {table:String}"""
+
+# the scratch table a restore fills: the table's columns, indices and keys, as a plain MergeTree (a replicated
+# table's copy would share its replication path), so that its partitions can be attached to the table
+SCRATCH_PREFIX = "_stagetrace_restore_"
+_LAYOUT_SQL = """
+SELECT primary_key, sorting_key, partition_key FROM system.tables WHERE database = {db:String} AND name = {table:String}"""
+# names written in where the parser takes no parameter (after AS and FROM): the store's and this module's own
+_SCRATCH_SQL = """
+CREATE TABLE `{db}`.`{scratch}` AS `{db}`.`{table}`
+ENGINE = MergeTree PARTITION BY {partition} PRIMARY KEY ({primary}) ORDER BY ({sorting})"""
+_DROP_SCRATCH_SQL = "DROP TABLE IF EXISTS {db:Identifier}.{scratch:Identifier}"
+_SCRATCH_PARTITIONS_SQL = """
+SELECT DISTINCT partition_id FROM system.parts WHERE database = {db:String} AND table = {scratch:String} AND active"""
+_ATTACH_SQL = """
+ALTER TABLE `{db}`.`{table}` ATTACH PARTITION ID {{partition:String}} FROM `{db}`.`{scratch}`"""
 
 
 def _ns(value) -> int:
@@ -182,9 +197,27 @@ class Restorer:
                 covered.add(part.name)
         return covered
 
+    def _put_back(self, table: str, rows: list, columns) -> None:
+        """Insert ``rows`` into ``table`` without firing its materialized views: their own tables (requests, stages,
+        trace extents) kept their parts, so the rows they derived are there already. The rows go into a scratch
+        table of the same layout, whose partitions are then attached to ``table`` (a part copy, which fires no view)."""
+        from stagetrace.exporters.durable import insert_rows
+
+        names = {"db": self.store.database, "table": table, "scratch": f"{SCRATCH_PREFIX}{table}"}
+        primary, sorting, partition = self.store.client.query(_LAYOUT_SQL, parameters=names).result_rows[0]
+        self.store.client.command(_DROP_SCRATCH_SQL, parameters=names)  # left by a restore a crash cut short
+        self.store.client.command(_SCRATCH_SQL.format(**names, partition=partition, primary=primary, sorting=sorting))
+        try:
+            for start in range(0, len(rows), CHECK_ROWS):
+                insert_rows(self.store, names["scratch"], rows[start : start + CHECK_ROWS], columns)
+            for (partition_id,) in self.store.client.query(_SCRATCH_PARTITIONS_SQL, parameters=names).result_rows:
+                self.store.client.command(_ATTACH_SQL.format(**names), parameters={"partition": partition_id})
+        finally:
+            self.store.client.command(_DROP_SCRATCH_SQL, parameters=names)
+
     def _restore(self, table: str, broken) -> Outcome | None:
         from stagetrace.exporters import spool
-        from stagetrace.exporters.durable import insert_rows, record_tables
+        from stagetrace.exporters.durable import record_tables
 
         covered = self._covered(table, broken)
         lost = [p for p in broken if p.name not in covered]
@@ -222,10 +255,7 @@ class Restorer:
         restored = 0
         if candidates:
             fresh = missing(self.store, table, columns, candidates)
-            token = hashlib.blake2b(f"{table}/{'/'.join(sorted(names))}".encode(), digest_size=16).hexdigest()
-            for i, start in enumerate(range(0, len(fresh), CHECK_ROWS)):
-                insert_rows(self.store, table, fresh[start : start + CHECK_ROWS], columns,
-                            settings={"insert_deduplication_token": f"{token}.{i}"})  # fmt: skip
+            self._put_back(table, fresh, columns)
             restored = len(fresh)
         kept_since = datetime.fromtimestamp(since / 1e9, timezone.utc) if since is not None else None
         return Outcome(table, names, rows_held, restored, _names(p for p in broken if p.name in covered), kept_since)
