@@ -7,11 +7,11 @@ Two faults leave acknowledged rows that the engine's deduplication token cannot 
   sources the engine put back), nothing is lost. Otherwise its rows are restored from the records the spool keeps
   after storing them (``exporters.spool``, ``kept/``): those whose time lies in the part's range and whose key
   the table no longer holds, attached as a part so that the views do not derive again what their own tables kept
-  (the request index, stages and trace extents lost no part). The part's own files are not read: ClickHouse checks every file of a part against
-  its checksums, and a truncated part cannot be attached (tried: ``ATTACH PART`` of a compact part whose
-  ``data.bin`` lost its second half, copied into a scratch table of the same structure, fails with code 228,
-  "data.bin has unexpected size: 1969 instead of 3939"), so its readable granules would have to be decoded by
-  hand, for rows the kept records restore whole.
+  (the request index, stages and trace extents lost no part). The part's own files are not read: ClickHouse
+  checks every file of a part against its checksums, and a truncated part cannot be attached (tried: ``ATTACH
+  PART`` of a compact part whose ``data.bin`` lost its second half, copied into a scratch table of the same
+  structure, fails with code 228, "data.bin has unexpected size: 1969 instead of 3939"), so its readable granules
+  would have to be decoded by hand, for rows the kept records restore whole.
 * **A group of records sealed by an earlier process**: it may be stored already, and the engine's memory of its
   token lost (its deduplication log is not fsynced with the part: a filesystem whose journal aborted, as when the
   kernel remounts it read-only on an error, stored such a group twice, measured). Only the rows the table lacks
