@@ -249,7 +249,7 @@ def reserve(quick: bool) -> list[Figure]:
             open_store(f"chdb://{directory}/store?database=before") as before:  # fmt: skip
         for table in schema.DURABLE_TABLES:  # the tables as they were: the engine's defaults
             before.client.command(f"ALTER TABLE before.`{table}` MODIFY SETTING fsync_after_insert = 0, "
-                                  "fsync_part_directory = 0")  # fmt: skip
+                                  "fsync_part_directory = 0, min_compressed_bytes_to_fsync_after_merge = 0")  # fmt: skip
         headroom = Headroom({"store": store.location.path, "spool": directory}, DEFAULT)
         receivers = {"shipped": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom, spool_dir=f"{directory}/a"),
                      "no reserve": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b")}  # fmt: skip

@@ -93,12 +93,14 @@ def test_upgrade_to_version_8_builds_the_trace_projection_from_stored_requests(s
 
 
 def test_an_embedded_stores_inserts_are_fsynced_before_they_return(store):
-    """The spool drops a segment once its rows are inserted: on an embedded store an insert is durable by then."""
+    """The spool drops a segment once its rows are inserted: on an embedded store an insert is durable by then, and
+    so is a part a merge writes before the parts it merged go."""
     from stagetrace import schema
 
     for table in schema.DURABLE_TABLES:
         ddl = store.client.command(f"SHOW CREATE TABLE stagetrace.{table}")
         assert "fsync_after_insert = 1" in ddl and "fsync_part_directory = 1" in ddl, table
+        assert "min_compressed_bytes_to_fsync_after_merge = 1" in ddl, table  # a merge's part too
     assert schema.make_durable(store.client, store.database) == []  # once is enough
 
 

@@ -524,13 +524,16 @@ def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
 
 # An embedded store's acknowledged rows rest on its own disk alone: its inserts are fsynced before they return, so
 # that a spool segment removed after the insert leaves nothing on an unsynced file (+8% a 4,096-span insert,
-# benchmarks/RESULTS.md). A server store keeps the engine's settings: its operator decides (replicas, its own fsync).
+# benchmarks/RESULTS.md), and so are the parts its merges write, before the parts merged are removed (a power cut
+# must not leave a merged part whose sources are gone half written). A server store keeps the engine's settings:
+# its operator decides (replicas, its own fsync).
 DURABLE_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "otel_logs",
                   "stagetrace_requests", "stagetrace_stages", "stagetrace_divergences", "stagetrace_analyser")
-DURABLE_SETTINGS = "fsync_after_insert = 1, fsync_part_directory = 1"
+DURABLE_SETTINGS = "fsync_after_insert = 1, fsync_part_directory = 1, min_compressed_bytes_to_fsync_after_merge = 1"
 _NOT_DURABLE_SQL = """
 SELECT name FROM system.tables
-WHERE database = {db:String} AND name IN {tables:Array(String)} AND NOT match(create_table_query, 'fsync_after_insert = 1')"""
+WHERE database = {db:String} AND name IN {tables:Array(String)}
+  AND NOT match(create_table_query, 'min_compressed_bytes_to_fsync_after_merge = 1')"""
 
 
 def make_durable(client, database: str = "stagetrace") -> list[str]:
