@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from stagetrace.schema import DURABLE_SETTINGS
 from stagetrace.store import Store
 
 logger = logging.getLogger("stagetrace.agent")
@@ -58,7 +59,8 @@ SELECT primary_key, sorting_key, partition_key FROM system.tables WHERE database
 # names written in where the parser takes no parameter (after AS and FROM): the store's and this module's own
 _SCRATCH_SQL = """
 CREATE TABLE `{db}`.`{scratch}` AS `{db}`.`{table}`
-ENGINE = MergeTree PARTITION BY {partition} PRIMARY KEY ({primary}) ORDER BY ({sorting})"""
+ENGINE = MergeTree PARTITION BY {partition} PRIMARY KEY ({primary}) ORDER BY ({sorting})
+SETTINGS {durable}"""
 _DROP_SCRATCH_SQL = "DROP TABLE IF EXISTS {db:Identifier}.{scratch:Identifier}"
 _SCRATCH_PARTITIONS_SQL = """
 SELECT DISTINCT partition_id FROM system.parts WHERE database = {db:String} AND table = {scratch:String} AND active"""
@@ -206,7 +208,8 @@ class Restorer:
         names = {"db": self.store.database, "table": table, "scratch": f"{SCRATCH_PREFIX}{table}"}
         primary, sorting, partition = self.store.client.query(_LAYOUT_SQL, parameters=names).result_rows[0]
         self.store.client.command(_DROP_SCRATCH_SQL, parameters=names)  # left by a restore a crash cut short
-        self.store.client.command(_SCRATCH_SQL.format(**names, partition=partition, primary=primary, sorting=sorting))
+        self.store.client.command(_SCRATCH_SQL.format(**names, partition=partition, primary=primary, sorting=sorting,
+                                                      durable=DURABLE_SETTINGS))  # its parts become the table's
         try:
             for start in range(0, len(rows), CHECK_ROWS):
                 insert_rows(self.store, names["scratch"], rows[start : start + CHECK_ROWS], columns)
