@@ -44,6 +44,12 @@ class Agent:
         return log
 
 
+def spooled(store: Path) -> list[Path]:
+    """What waits in the spool beside an embedded store: batches (``.seg``) and write-ahead records (``.wal``),
+    not the stored records it keeps (``.kept``)."""
+    return sorted(p for p in Path(f"{store}.spool").rglob("*") if p.suffix in (".wal", ".seg"))
+
+
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on now."""
     import socket

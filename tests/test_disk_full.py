@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from tests.agents import ENV, SYSFS, free_port
+from tests.agents import ENV, SYSFS, free_port, spooled
 from tests.test_agent import wait_for
 
 from stagetrace.store import open_store
@@ -169,11 +169,6 @@ class Sender(threading.Thread):
                 time.sleep(0.05)  # an impatient sender: it retries well before Retry-After says
             k += 1
             time.sleep(0.02)
-
-
-def spooled(store: Path) -> list[Path]:
-    return [p for p in Path(f"{store}.spool").rglob("*") if p.suffix in (".wal", ".seg")]
-
 
 
 def assert_stored_once(store: Path, senders, at_least: int, log: str) -> None:

@@ -22,6 +22,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SpanExportResult
+from tests.agents import spooled
 from tests.test_agent import ENV, SYSFS, free_port, wait_for
 
 from stagetrace.store import open_store
@@ -61,10 +62,6 @@ class Agent:
         self.process.send_signal(signal.SIGTERM)
         assert self.process.wait(timeout=60) == 0
         return (self.tmp_path / f"agent-{self.starts}.log").read_text()
-
-
-def spooled(store: Path) -> list[Path]:
-    return sorted(Path(f"{store}.spool").rglob("*.seg"))
 
 
 def span_counts(dsn: str) -> dict[str, int]:

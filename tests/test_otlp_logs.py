@@ -206,7 +206,7 @@ def test_every_log_record_acknowledged_through_kills_of_the_agent_is_stored_exac
         stop.set()
         for sender in senders:
             sender.join(timeout=60)
-    wait_for("the spool to drain", lambda: not test_kill.spooled(agent.store), timeout=60)
+    wait_for("the spool to drain", lambda: not agents.spooled(agent.store), timeout=60)
     agent.stop()
     with open_store(f"chdb://{agent.store}") as store:
         counts = dict(store.client.query("SELECT Body, count() FROM stagetrace.otel_logs GROUP BY Body").result_rows)
