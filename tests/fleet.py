@@ -114,6 +114,7 @@ class Fleet:
         measures: dict | None = None,
         tp: list[Rank] | None = None,
         rank_differs: dict[int, str] | None = None,
+        skip: tuple[str, ...] = (),
     ) -> dict:
         """Record one five-stage request starting at ``at_ns`` on ``host``; returns what it recorded.
 
@@ -121,7 +122,8 @@ class Fleet:
         ``temperature`` / ``seed`` (None: not recorded) go on the request span or, with ``sampling_on="decode"``,
         on the decode span; ``root`` and ``extra`` add attributes to the request span and to stage spans;
         ``measures`` overrides the jittered measurements; ``tp`` records ``allreduce`` as one span per rank, each on
-        its rank's host, and ``rank_differs`` changes the allreduce output of some ranks only.
+        its rank's host, and ``rank_differs`` changes the allreduce output of some ranks only; the stages in ``skip``
+        are not run (their input passes on unchanged).
         """
         i = self._count
         self._count += 1
@@ -151,6 +153,8 @@ class Fleet:
         data = text
         stages = []
         for name in cv.PIPELINE_STAGES:
+            if name in skip:
+                continue
             attrs = {key: value for key, value in settings.items() if SETTINGS.get(key, (None,))[0] == name}
             attrs |= {key: value for key, value in measured.items() if key.split(".")[0] == name.split("_")[0]}
             if name == "retrieval":

@@ -669,3 +669,31 @@ def test_differences_no_contrast_weighed_say_nothing_of_where_or_together():
                                         ("host.name", "c"))])  # fmt: skip
     assert [c.name for c in found] == ["engine.kv_cache_dtype", "engine.max_num_seqs", "host.name"]
     assert not any("together" in c.evidence or "where" in c.evidence for c in found)
+
+
+# -- (9) a request that skipped a stage its peers ran
+def test_a_request_that_skipped_a_stage_is_compared_by_its_root_in_explain_and_divergences(store):
+    """Class: a request-level flag on the root span makes some requests bypass a stage (the cache) and their outputs
+    differ. The divergence is at the stage the baseline ran and the request did not; the cause is what the root span
+    says differently, found alike by ``explain`` and by ``divergences`` (which compares stage spans only, and reads
+    such a request's trace whole). One host, so that nothing but the flag differs from the baseline."""
+    fl = fleet.Fleet(store)
+    bypassed = []
+    for minute in range(6):
+        for k in range(4):
+            skip = minute == 5 and k < 2
+            r = fl.request(f"r-{minute}-{k}", fl.at(minute, seconds=10 * k), "node-1", skip=("cache",) if skip else (),
+                           root={"request.cache_mode": "bypass" if skip else "use"})  # fmt: skip
+            if skip:
+                bypassed.append(r["request_id"])
+    fl.flush()
+
+    report = explain(store, bypassed[-1])
+    assert report["first_divergent_stage"] == "cache", report["summary"]
+    assert verdict(top(report))[2:] == ("request.cache_mode", "bypass", "use"), report["causes"][:3]
+    items = deviating(find(store, fl))
+    assert sorted(items) == sorted(bypassed)
+    for request_id in bypassed:
+        assert items[request_id]["first_divergent_stage"] == "cache"
+        assert items[request_id]["top_cause"]["name"] == "request.cache_mode", items[request_id]["summary"]
+        assert items[request_id]["service"] == fleet.SERVICE

@@ -443,6 +443,8 @@ def nondeterministic_traces_sql(where: str, requests: str = "stagetrace_requests
 # the stage's passes, in start order. The stage's input is its first pass's; its output all passes' outputs.
 def stage_passes(spans):
     """The top-level spans of one stage of one trace (objects with ``span_id``, ``parent_span_id``, ``start_ns``)."""
+    if len(spans) == 1:  # most stages of most traces: nothing to order
+        return list(spans)
     ids = {s.span_id for s in spans}
     return sorted((s for s in spans if s.parent_span_id not in ids), key=lambda s: (s.start_ns, s.span_id))
 

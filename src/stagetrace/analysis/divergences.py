@@ -21,7 +21,7 @@ from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, rollouts
 from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measurement, ranked
 from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
-                                         first_divergence, setting_keys, stage_differences, summary)
+                                         first_divergence, ranks_of, setting_keys, stage_differences, summary)
 from stagetrace.analysis.hardware import Samples, devices
 from stagetrace.analysis.tenants import Tenancy, gpus_of
 from stagetrace.store import Store
@@ -45,12 +45,13 @@ CONTRAST_SAMPLE = 100_000
 
 
 def _traces(store: Store, deviations: list[population.Deviation], window: tuple[int, int],
-            gpus: inventory.Inventory) -> dict[str, lookup.Trace]:  # fmt: skip
+            gpus: inventory.Inventory, whole: bool = False) -> dict[str, lookup.Trace]:  # fmt: skip
     """The traces of these deviations and of their baselines, with what their processes did not record of their GPUs
-    filled in from the inventory."""
+    filled in from the inventory: their stage spans, which is what comparing them and ranking causes at a stage
+    reads (a third of the time of whole traces at 10,000 requests/s), or ``whole``."""
     out = {}
     trace_ids = {t for d in deviations for t in (d.trace_id, d.baseline_trace_id)}
-    for trace_id, members in lookup.spans_of_many(store, trace_ids, window).items():
+    for trace_id, members in lookup.spans_of_many(store, trace_ids, window, stages_only=not whole).items():
         start = min(s.start_ns for s in members)
         end = max(s.start_ns + s.duration_ns for s in members)
         out[trace_id] = inventory.filled(lookup.Trace(None, trace_id, members[0].service, start, end - start, members),
@@ -127,6 +128,10 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         first = _divergences(analysed, traces)
     nowhere = Divergence(None, [], False)  # the request's or its baseline's spans are gone
     where = {d.trace_id: first.get(d.trace_id, nowhere) for d in analysed}
+    # a request that skipped the stage where its baseline differs is compared with it by their root spans: read whole
+    skipped = [d for d, at in _located(analysed, where) if not ranks_of(traces[d.trace_id], at.stage)]
+    if skipped:
+        traces.update(_traces(store, skipped, window, gpus, whole=True))
 
     keys: dict[str, set[str]] = {}
     for d, at in _located(analysed, where):
@@ -174,7 +179,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
                                                    "majority_output": d.majority_output, "support": d.support,
                                                    "deviating": []})  # fmt: skip
         line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks)
-        service = traces[d.trace_id].service if d.trace_id in traces else ""
+        service = d.service
         device = ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks))
         group["deviating"].append({
             "request_id": d.request_id, "trace_id": d.trace_id, "service": service,

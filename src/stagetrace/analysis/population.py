@@ -29,8 +29,8 @@ def _requests(only: str = "") -> str:
     return f"""
     SELECT RequestId, argMax(TraceId, S) AS TraceId, argMax(InputDigest, S) AS InputDigest,
            argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName,
-           arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
-    FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName
+           argMax(ServiceName, S) AS ServiceName, arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
+    FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName, ServiceName
           FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests")})
           WHERE {only}TraceId NOT IN ({conventions.nondeterministic_traces_sql(
               _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}))
@@ -52,7 +52,7 @@ def _pairs(requests: str) -> str:
     gathered into an array, and its majority and the baselines found with array functions."""
     return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
-       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2)
+       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(d, 6)
 FROM (
     SELECT InputDigest, members, Majority, Support,
            arrayFilter(m -> tupleElement(m, 3) = Majority, members) AS agreeing,
@@ -61,7 +61,8 @@ FROM (
         SELECT InputDigest, members, arrayMap(m -> tupleElement(m, 3), members) AS outs, arrayDistinct(outs) AS outputs,
                arrayMap(o -> countEqual(outs, o), outputs) AS counts,
                arrayMax(counts) AS Support, outputs[indexOf(counts, Support)] AS Majority
-        FROM (SELECT InputDigest, groupArray((RequestId, TraceId, OutputDigest, toUnixTimestamp64Nano(Start), HostName)) AS members
+        FROM (SELECT InputDigest, groupArray((RequestId, TraceId, OutputDigest, toUnixTimestamp64Nano(Start), HostName,
+                                             ServiceName)) AS members
               FROM ({requests}) GROUP BY InputDigest, Epoch)
         WHERE Support >= 2 AND countEqual(counts, Support) = 1)
     WHERE notEmpty(deviating))
@@ -100,6 +101,7 @@ class Deviation:
     host: str
     baseline_request_id: str
     baseline_trace_id: str
+    service: str = ""  # the service of the request's root span
 
 
 def _window(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> dict:
@@ -117,8 +119,8 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inp
         parameters["inputs_from"] = inputs_from_ns
     sql = PAIRS_OF_NEW_INPUTS_SQL if inputs_from_ns else PAIRS_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid)
-            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid in rows]  # fmt: skip
+    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, service)
+            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service in rows]  # fmt: skip
 
 
 REQUESTS_IN_SQL = """
@@ -288,7 +290,7 @@ def _first_differences(pairs: str) -> str:
     differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
                      arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
     return f"""
-WITH pairs AS (SELECT c2 AS Dev, c11 AS Base FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11)),
+WITH pairs AS (SELECT c2 AS Dev, c11 AS Base FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12)),
 passes AS (
     SELECT TraceId, Stage, min(Start) AS First, arraySort(groupUniqArray(OutputDigest)) AS Outputs,
            argMin(Attributes, {first_pass}) AS Attrs, argMin(ResourceAttributes, {first_pass}) AS Resource
