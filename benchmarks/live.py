@@ -30,6 +30,23 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _timed_pass(store, rate: int, history_s: int, now: int):
+    """Fill ``store`` with ``history_s`` of history at ``rate`` that an earlier pass has seen, then a new minute;
+    one pass over it: (the pass, its seconds, its CPU seconds)."""
+    synthetic.fill(store, rate * history_s, now - (history_s + 60) * S, seconds=history_s)
+    schedule = live.Schedule(settle_s=0, lookback_s=history_s)
+    clock = [now - 60 * S]
+    analyser = live.Analyser(store, schedule, clock=lambda: clock[0])
+    analyser.lease.claim(now - 120 * S)  # where the passes before reached...
+    analyser.step()  # ...and the last of them: the analyser has seen the history, as in steady state
+    synthetic.fill(store, rate * 60, now - 60 * S, seconds=60, offset=rate * history_s)
+    _merged(store)
+    clock[0] = now
+    cpu, started = _cpu_s(), time.perf_counter()
+    done = analyser.run_pass(now - 60 * S)
+    return done, time.perf_counter() - started, _cpu_s() - cpu
+
+
 @benchmark("live")
 def live_analysis(quick: bool) -> list[Figure]:
     figures = []
@@ -38,18 +55,7 @@ def live_analysis(quick: bool) -> list[Figure]:
         with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
                 open_store(f"chdb://{directory}") as store:  # fmt: skip
             now = time.time_ns()
-            synthetic.fill(store, rate * history_s, now - (history_s + 60) * S, seconds=history_s)
-            schedule = live.Schedule(settle_s=0, lookback_s=history_s)
-            clock = [now - 60 * S]
-            analyser = live.Analyser(store, schedule, clock=lambda: clock[0])
-            analyser.lease.claim(now - 120 * S)  # where the passes before reached...
-            analyser.step()  # ...and the last of them: the analyser has seen the history, as in steady state
-            synthetic.fill(store, rate * 60, now - 60 * S, seconds=60, offset=rate * history_s)
-            _merged(store)
-            clock[0] = now
-            cpu, started = _cpu_s(), time.perf_counter()
-            done = analyser.run_pass(now - 60 * S)
-            pass_s, pass_cpu = time.perf_counter() - started, _cpu_s() - cpu
+            done, pass_s, pass_cpu = _timed_pass(store, rate, history_s, now)
             cpu, started = _cpu_s(), time.perf_counter()
             found = divergences.find(store, (history_s + 60) * S, until_ns=now, limit=100)
             scan_s, scan_cpu = time.perf_counter() - started, _cpu_s() - cpu
@@ -60,6 +66,24 @@ def live_analysis(quick: bool) -> list[Figure]:
             Figure(f"its CPU, one pass a minute, at {rate:,}/s", 100 * pass_cpu / 60, "% of a core",
                    "`divergences` once a minute", 100 * scan_cpu / 60),
         ]  # fmt: skip
+    return figures
+
+
+@benchmark("live_window")
+def live_window(quick: bool) -> list[Figure]:
+    """How a pass's cost grows with the history it groups in (issue 32): one pass over a minute at 1,000 requests/s
+    in stores whose lookback holds 1 million and 10 million requests (quick: 6,000 and 60,000 at 100/s). A pass
+    forms only the groups of the inputs that arrived, so it should cost what the new minute costs."""
+    rate, windows = (100, (6_000, 60_000)) if quick else (1000, (1_000_000, 10_000_000))
+    figures: list[Figure] = []
+    for requests in windows:
+        with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+                open_store(f"chdb://{directory}") as store:  # fmt: skip
+            done, pass_s, pass_cpu = _timed_pass(store, rate, requests // rate, time.time_ns())
+        smallest = figures[0].value if figures else None
+        figures.append(Figure(f"one pass over a minute at {rate:,}/s with {requests:,} requests in the lookback "
+                              f"({done.analysed:,} deviating analysed)", pass_s, "s",
+                              f"the same with {windows[0]:,}" if smallest else "", smallest))  # fmt: skip
     return figures
 
 

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_run_prints_and_writes_every_figure(tmp_path):
     output = tmp_path / "RESULTS.md"
     result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--output", str(output)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+                            cwd=ROOT, capture_output=True, text=True, timeout=420)  # fmt: skip
     assert result.returncode == 0, result.stderr
     written = output.read_text()
     for line in ("# Benchmark results", "- date: ", "- commit: ", "- machine: ", "| benchmark | figure | value |"):
@@ -38,6 +38,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("otlp_ingest", 1, ["OTLP/HTTP, same spans"]),
         ("durability", 14, [""] * 14),  # nine figures and one per drop reason
         ("live", 2, ["`divergences` over the window", "`divergences` once a minute"]),
+        ("live_window", 2, ["", "the same with 6,000"]),
         ("tensors", 5, [".float().cpu().numpy()"] * 3 + ["", "NumPy lanes"]),
         ("decode", 2, ["the same loop unrecorded"] * 2),
         ("generations", 4, ["the Collector's previous layout"] * 4),

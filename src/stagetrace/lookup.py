@@ -239,12 +239,14 @@ LIMIT 1 BY TraceId, SpanId
 """
 
 
-def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int, stages_only: bool = False) -> dict[str, list[Span]]:
+def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int,
+             stages_only: bool = False) -> dict[str, list[Span]]:  # fmt: skip
     """The spans of these traces within the window, by trace ID, in start order; ``stages_only``: their stage spans
     (``STAGE_SPANS_SQL``)."""
     out: dict[str, list[Span]] = {}
     params = {"db": store.database, "traces": trace_ids, "t0": start_ns, "t1": end_ns}
-    for trace_id, *row in store.client.query(STAGE_SPANS_SQL if stages_only else SPANS_SQL, parameters=params).result_rows:
+    rows = store.client.query(STAGE_SPANS_SQL if stages_only else SPANS_SQL, parameters=params).result_rows
+    for trace_id, *row in rows:
         out.setdefault(trace_id, []).append(Span(*row))
     return out
 
@@ -256,7 +258,7 @@ def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows:
                   stages_only: bool = False) -> dict[str, list[Span]]:  # fmt: skip
     """The spans of many traces within ``within``, read only in the seconds they ran (by the trace-ID table): traces
     close in time share one window, at most ``max_windows`` of them (the nearest merged), so that a few thousand
-    traces cost what their seconds of spans cost, not the whole window's."""
+    traces cost what their seconds of spans cost, not the whole window's; ``stages_only``: their stage spans."""
     extents = sorted((max(start, within[0]), min(end, within[1]), trace_id)
                      for trace_id, (start, end) in _extents(store, trace_ids).items())  # fmt: skip
     if not extents:

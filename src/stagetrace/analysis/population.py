@@ -29,7 +29,8 @@ def _requests(only: str = "") -> str:
     return f"""
     SELECT RequestId, argMax(TraceId, S) AS TraceId, argMax(InputDigest, S) AS InputDigest,
            argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName,
-           argMax(ServiceName, S) AS ServiceName, arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
+           argMax(ServiceName, S) AS ServiceName,
+           arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
     FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName, ServiceName
           FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests")})
           WHERE {only}TraceId NOT IN ({conventions.nondeterministic_traces_sql(
