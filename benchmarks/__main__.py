@@ -8,6 +8,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from benchmarks import Figure, load
@@ -59,7 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in known]
     if unknown:
         parser.error(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(known)}")
-    results = {name: known[name](args.quick) for name in (args.names or known)}
+    # every temporary store under one folder, removed at the end with what lies beside a store there (an embedded
+    # store's default spool is ``<store>.spool``, which would outlive the store's own temporary directory)
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as scratch:
+        tempfile.tempdir = scratch
+        try:
+            results = {name: known[name](args.quick) for name in (args.names or known)}
+        finally:
+            tempfile.tempdir = None
     lines = table(results)
     print("\n".join(lines))
     output = args.output or (None if args.quick else ROOT / "benchmarks" / "RESULTS.md")

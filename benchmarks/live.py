@@ -79,7 +79,7 @@ def live_window(quick: bool) -> list[Figure]:
     for requests in windows:
         with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
                 open_store(f"chdb://{directory}") as store:  # fmt: skip
-            done, pass_s, pass_cpu = _timed_pass(store, rate, requests // rate, time.time_ns())
+            done, pass_s, _ = _timed_pass(store, rate, requests // rate, time.time_ns())
         smallest = figures[0].value if figures else None
         figures.append(Figure(f"one pass over a minute at {rate:,}/s with {requests:,} requests in the lookback "
                               f"({done.analysed:,} deviating analysed)", pass_s, "s",
