@@ -62,12 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark {', '.join(unknown)}: choose from {', '.join(known)}")
     # every temporary store under one folder, removed at the end with what lies beside a store there (an embedded
     # store's default spool is ``<store>.spool``, which would outlive the store's own temporary directory)
+    previous = tempfile.tempdir
     with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as scratch:
         tempfile.tempdir = scratch
         try:
             results = {name: known[name](args.quick) for name in (args.names or known)}
         finally:
-            tempfile.tempdir = None
+            tempfile.tempdir = previous
     lines = table(results)
     print("\n".join(lines))
     output = args.output or (None if args.quick else ROOT / "benchmarks" / "RESULTS.md")
