@@ -175,6 +175,10 @@ def test_every_lookup_query_reads_a_bounded_part_of_each_table(store, monkeypatc
     assert lookup.by_trace_id(store, trace.trace_id).request_id == "req-54321"
     monkeypatch.setattr(store.client, "query", query)
     assert len(ran) >= 5
+    # the span reads cover the seconds the trace's spans started in, no margin: a window a minute wider would read
+    # a minute of every stage's rows at a busy fleet's rate (granules here are too many for the bound below to see it)
+    windows = [p["t1"] - p["t0"] for _, p in ran if "t0" in p]
+    assert len(windows) == 2 and max(windows) <= 2 * 10**9, windows
     for sql, parameters in ran:
         plan = "\n".join(row[0] for row in store.client.query(f"EXPLAIN indexes = 1 {sql}", parameters=parameters).result_rows)
         reads = _granules(plan)

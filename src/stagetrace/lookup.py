@@ -172,10 +172,12 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     trace_rows = [r for r in rows if r[0] == latest_trace]
     start = min(r[1] for r in trace_rows)
     end = max(r[2] for r in trace_rows)
-    # the whole trace's extent: spans from a host whose clock runs minutes off, or that started after the root ended
+    # The whole trace's extent, from the trace-ID table: spans from a host whose clock runs minutes off, or that started
+    # after the root ended. Its bounds are whole seconds around every span's start, so no margin is needed: a margin
+    # would read a minute of every stage's rows either side. Without an entry there, the root rows' span and a margin.
     first, last = _extent(store, latest_trace)
-    first, last = (min(start, first), max(end, last)) if last else (start, end)
-    spans = _spans(store, latest_trace, first - WINDOW_MARGIN_NS, last + WINDOW_MARGIN_NS)
+    first, last = (min(start, first), max(end, last)) if last else (start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
+    spans = _spans(store, latest_trace, first, last)
     # An engine's request span (found by gen_ai.request.id) may sit inside a pipeline's trace: span it all.
     start = min([start, *(s.start_ns for s in spans)])
     end = max([end, *(s.start_ns + s.duration_ns for s in spans)])
