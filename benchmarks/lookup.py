@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks import Figure, benchmark, compile_sources, synthetic
+from benchmarks.storage import bytes_per_span
 from stagetrace import lookup
 from stagetrace.store import open_store
 
@@ -189,6 +190,10 @@ def lookup_curve(quick: bool) -> list[Figure]:
                                    offset=filled)  # fmt: skip
                     filled += n
                 _settle(store, limit_s=900.0)
+                spans_only, with_views = bytes_per_span(store)
+                figures.append(Figure(f"bytes on disk per span at {spans:,} spans, otel_traces alone", spans_only, "B"))
+                figures.append(Figure(f"bytes on disk per span at {spans:,} spans, with the tables its views fill",
+                                      with_views, "B"))
                 fresh = [i for i in rng.sample(range(filled), 2 * lookups + 1) if i not in asked]
                 asked.update(fresh)
                 lookup.by_request_id(store, f"req-{fresh[0]}")  # warm-up: the first query opens the parts
