@@ -1,5 +1,5 @@
-"""The store's views since issue 32 (cheaper digest rules, one view per table) write the rows the views of schema 10
-wrote, row for row: on the spans of stagetrace's span API, of OpenInference apps with content, of
+"""The store's views since issue 32 (spans with content apart, digest rules planned only for them) write the rows the
+views of schema 10 wrote, row for row: on the spans of stagetrace's span API, of OpenInference apps with content, of
 the synthetic generator in both styles, and on every span the convention tests store (their modules are marked
 ``views_row_for_row``, tests/views_reference.py)."""
 
@@ -10,7 +10,7 @@ import time
 from benchmarks import synthetic
 from benchmarks.export import make_spans
 from benchmarks.views import openinference_spans
-from stagetrace import schema
+from stagetrace import conventions, schema
 from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
 from tests.views_reference import assert_same_rows
 
@@ -36,26 +36,23 @@ def test_the_views_write_schema_10_s_rows_for_the_synthetic_stores(store):
     assert assert_same_rows(store) > 2000
 
 
-def test_an_upgrade_from_schema_11_retires_the_route_of_spans_with_content_and_keeps_the_rows(store):
-    """Schema 11 sent spans with content through a Null table to views of their own; an upgrade drops that route and
-    the views it fed, makes one view per table, and what is stored and written afterwards is schema 10's rows."""
-    _insert(store, openinference_spans(20))
-    db = "stagetrace"
-    spans = f"{db}.otel_traces"
-    store.client.command(f"CREATE TABLE {db}.stagetrace_content_spans (TraceId String) ENGINE = Null")
-    store.client.command(f"CREATE MATERIALIZED VIEW {db}.stagetrace_content_spans_mv TO {db}.stagetrace_content_spans "
-                         f"AS SELECT TraceId FROM {spans}")  # fmt: skip
-    for view in schema.VIEWS[1:]:  # stand-ins that write what the route's views wrote: left behind, rows come twice
-        name = view.name.replace("_mv", "_content_mv")
-        store.client.command(f"CREATE MATERIALIZED VIEW {db}.{name} TO {db}.{view.target} AS "
-                             f"{view.select.format(source=spans)}")  # fmt: skip
-    store.client.command(f"TRUNCATE TABLE {db}.stagetrace_schema_version")
-    store.client.command(f"INSERT INTO {db}.stagetrace_schema_version (Version) VALUES (11)")
+def test_a_span_without_content_attributes_needs_no_digest_rule():
+    """What the views without the rules rely on: of every digest's sources, the given digest comes first and all the
+    others read attributes HAS_CONTENT_SQL looks for, so a span without those has the given digest or none."""
+    for sources in (conventions.REQUEST_INPUT_DIGEST_SOURCES, conventions.REQUEST_OUTPUT_DIGEST_SOURCES,
+                    conventions.STAGE_INPUT_DIGEST_SOURCES, conventions.STAGE_OUTPUT_DIGEST_SOURCES):  # fmt: skip
+        first, *rest = sources
+        assert isinstance(first, conventions.Digest)
+        for source in rest:
+            assert (source.key in conventions.CONTENT_SOURCE_KEYS if isinstance(source, conventions.Content)
+                    else source.prefix in conventions.CONTENT_SOURCE_PREFIXES), source  # fmt: skip
 
-    assert schema.ensure_schema(store.client, db) is True
-    names = set(store.client.query(f"SELECT name FROM system.tables WHERE database = '{db}'").result_columns[0])
-    retired = {"stagetrace_content_spans", "stagetrace_content_spans_mv", "stagetrace_requests_content_mv",
-               "stagetrace_stages_content_mv"}  # fmt: skip
-    assert not names & retired and {v.name for v in schema.VIEWS} <= names
-    _insert(store, openinference_spans(20) + make_spans(20))
-    assert assert_same_rows(store) > 200
+
+def test_spans_with_content_pass_through_and_nothing_is_kept_on_the_way(store):
+    _insert(store, openinference_spans(3))
+    assert int(store.client.command("SELECT count() FROM stagetrace.stagetrace_content_spans")) == 0
+    engine = store.client.command("SELECT engine FROM system.tables WHERE database = 'stagetrace' AND name = "
+                                  "'stagetrace_content_spans'")  # fmt: skip
+    assert engine == "Null"
+    assert {v.name for v in schema.VIEWS} <= set(
+        store.client.query("SELECT name FROM system.tables WHERE database = 'stagetrace'").result_columns[0])

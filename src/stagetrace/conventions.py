@@ -418,11 +418,7 @@ def _seeded_sql() -> str:
 
 
 _PARAMS = f"SpanAttributes[{_quote(INVOCATION_PARAMETERS)}]"
-_NONDETERMINISM_KEYS = (NONDETERMINISTIC, *TEMPERATURE_KEYS, INVOCATION_PARAMETERS)
-# Every rule reads one of _NONDETERMINISM_KEYS: most spans carry none, and one pass over their keys decides that in
-# half the time of the rules' lookups (issue 32)
 NONDETERMINISM_SQL = (
-    f"if(NOT arrayExists(k -> k IN ({', '.join(_quote(k) for k in _NONDETERMINISM_KEYS)}), mapKeys(SpanAttributes)), '', "
     f"multiIf(SpanAttributes[{_quote(NONDETERMINISTIC)}] IN ({', '.join(_quote(v) for v in _TRUE)}), "
     f"{_quote(NONDETERMINISTIC + ' is set')}, "
     + "".join(
@@ -432,7 +428,7 @@ NONDETERMINISM_SQL = (
     )
     + f"JSONExtractFloat({_PARAMS}, 'temperature') > 0 AND (NOT JSONHas({_PARAMS}, 'seed') OR JSONType({_PARAMS}, 'seed') = 'Null'), "
     f"concat({_quote(INVOCATION_PARAMETERS + ' temperature ')}, JSONExtractRaw({_PARAMS}, 'temperature'), ' without a seed'), "
-    "''))"
+    "'')"
 )
 
 
@@ -511,6 +507,20 @@ REQUEST_INPUT_DIGEST_SQL = _first_sql(REQUEST_INPUT_DIGEST_SOURCES)
 REQUEST_OUTPUT_DIGEST_SQL = _first_sql(REQUEST_OUTPUT_DIGEST_SOURCES)
 STAGE_INPUT_DIGEST_SQL = _first_sql(STAGE_INPUT_DIGEST_SOURCES)
 STAGE_OUTPUT_DIGEST_SQL = _first_sql(STAGE_OUTPUT_DIGEST_SOURCES)
+# The content sources are the only ones that cost: a span carrying none of their attributes gets its digests from the
+# digest attributes alone (a Content source of an absent key and a Family without members are ''), so the views
+# compute the digest rules only for spans that carry content (HAS_CONTENT_SQL) and read the others' digests as the
+# attributes they are (the *_GIVEN_SQL twins, equal to the full rules on such spans).
+_SOURCES = (REQUEST_INPUT_DIGEST_SOURCES, REQUEST_OUTPUT_DIGEST_SOURCES, STAGE_INPUT_DIGEST_SOURCES,
+            STAGE_OUTPUT_DIGEST_SOURCES)  # fmt: skip
+CONTENT_SOURCE_KEYS = tuple(sorted({s.key for sources in _SOURCES for s in sources if isinstance(s, Content)}))
+CONTENT_SOURCE_PREFIXES = tuple(sorted({s.prefix for sources in _SOURCES for s in sources if isinstance(s, Family)}))
+HAS_CONTENT_SQL = "arrayExists(k -> k IN ({keys}) OR {prefixes}, mapKeys(SpanAttributes))".format(
+    keys=", ".join(_quote(k) for k in CONTENT_SOURCE_KEYS),
+    prefixes=" OR ".join(f"startsWith(k, {_quote(p)})" for p in CONTENT_SOURCE_PREFIXES),
+)
+REQUEST_INPUT_DIGEST_GIVEN_SQL, REQUEST_OUTPUT_DIGEST_GIVEN_SQL, STAGE_INPUT_DIGEST_GIVEN_SQL, \
+    STAGE_OUTPUT_DIGEST_GIVEN_SQL = (sources[0].sql() for sources in _SOURCES)  # fmt: skip
 RANK_SQL = f"SpanAttributes[{_quote(TP_RANK)}]"
 # Stage attributes as stagetrace keeps them: without content, which stays only where its producer sent it.
 STAGE_ATTRIBUTES_SQL = (

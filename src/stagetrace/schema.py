@@ -20,9 +20,8 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
 # in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs;
-# 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32);
-# 12: one view per table again, the route through a Null table retired (RETIRED): it cost more than it saved
-SCHEMA_VERSION = 12
+# 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32)
+SCHEMA_VERSION = 11
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -106,10 +105,25 @@ class Table:
 class View:
     name: str
     target: str
-    select: str  # with {source} for otel_traces, whose inserts it sees
+    select: str  # with {source} for the table it reads
+    source: str = "otel_traces"  # the table whose inserts it sees
 
 
-_REQUESTS_SELECT = f"""SELECT
+# The spans that carry content, on their way to the views that digest it: a Null table keeps nothing.
+_CONTENT_SPANS = "stagetrace_content_spans"
+_CONTENT_TYPES = {"TraceId": "String", "SpanId": "String", "ParentSpanId": "String", "Timestamp": "DateTime64(9)",
+                  "Duration": "UInt64", "SpanName": "LowCardinality(String)", "ServiceName": "LowCardinality(String)",
+                  "StatusCode": "LowCardinality(String)", "ResourceAttributes": _MAP, "SpanAttributes": _MAP}  # fmt: skip
+_CONTENT_COLUMNS = tuple(_CONTENT_TYPES)
+
+
+def _content_filter(content: bool) -> str:
+    # the content views read the Null table, but also otel_traces itself when a table is refilled (ensure_schema)
+    return f"{cv.HAS_CONTENT_SQL} AND " if content else f"NOT {cv.HAS_CONTENT_SQL} AND "
+
+
+def _requests_select(input_digest: str, output_digest: str, *, content: bool) -> str:
+    return f"""SELECT
     {cv.REQUEST_ID_SQL} AS RequestId,
     TraceId,
     SpanId,
@@ -119,15 +133,17 @@ _REQUESTS_SELECT = f"""SELECT
     ServiceName,
     ResourceAttributes['{cv.HOST}'] AS HostName,
     SpanName,
-    {cv.REQUEST_INPUT_DIGEST_SQL} AS InputDigest,
-    {cv.REQUEST_OUTPUT_DIGEST_SQL} AS OutputDigest,
+    {input_digest} AS InputDigest,
+    {output_digest} AS OutputDigest,
     StatusCode,
     {cv.REQUEST_ID_SOURCE_SQL} AS Source,
     {cv.NONDETERMINISM_SQL} AS Nondeterministic
 FROM {{source}}
-WHERE {cv.IS_REQUEST_ROOT_SQL}"""
+WHERE {_content_filter(content)}{cv.IS_REQUEST_ROOT_SQL}"""
 
-_STAGES_SELECT = f"""SELECT
+
+def _stages_select(input_digest: str, output_digest: str, *, content: bool) -> str:
+    return f"""SELECT
     TraceId,
     SpanId,
     ParentSpanId,
@@ -138,13 +154,13 @@ _STAGES_SELECT = f"""SELECT
     ResourceAttributes['{cv.HOST}'] AS HostName,
     {cv.STAGE_SQL} AS Stage,
     {cv.RANK_SQL} AS Rank,
-    {cv.STAGE_INPUT_DIGEST_SQL} AS InputDigest,
-    {cv.STAGE_OUTPUT_DIGEST_SQL} AS OutputDigest,
+    {input_digest} AS InputDigest,
+    {output_digest} AS OutputDigest,
     {cv.STAGE_ATTRIBUTES_SQL} AS Attributes,
     ResourceAttributes,
     {cv.NONDETERMINISM_SQL} AS Nondeterministic
 FROM {{source}}
-WHERE Stage != ''"""
+WHERE {_content_filter(content)}Stage != ''"""
 
 
 TABLES = (
@@ -347,6 +363,14 @@ ORDER BY (RequestId)""",
 TTL toDateTime(Renewed) + INTERVAL 7 DAY""",
         "cityHash64(Holder)",
     ),
+    # the spans that carry content, passed from otel_traces to the views that digest it (VIEWS); keeps nothing
+    Table(
+        _CONTENT_SPANS,
+        "\n" + ",\n".join(f"    {c} {_CONTENT_TYPES[c]}" for c in _CONTENT_COLUMNS),
+        "Null",
+        "",
+        "",
+    ),
     Table(
         "stagetrace_schema_version",
         """
@@ -371,8 +395,20 @@ WHERE TraceId != ''
 GROUP BY TraceId""",
     ),
     # The rules of the views below live in stagetrace.conventions, so spans written by the Collector are read alike.
-    View("stagetrace_requests_mv", "stagetrace_requests", _REQUESTS_SELECT),
-    View("stagetrace_stages_mv", "stagetrace_stages", _STAGES_SELECT),
+    # Each table is filled by two views (issue 32): spans without content, most of them (stagetrace's own spans carry
+    # digests), take their digests as the attributes they are; spans with content are passed on to a Null table whose
+    # views apply the digest rules. ClickHouse plans a view's query anew for every insert, and the rules' query takes
+    # tens of milliseconds to plan, which an insert without content spans now skips (an empty block goes no further).
+    View("stagetrace_requests_mv", "stagetrace_requests",
+         _requests_select(cv.REQUEST_INPUT_DIGEST_GIVEN_SQL, cv.REQUEST_OUTPUT_DIGEST_GIVEN_SQL, content=False)),
+    View("stagetrace_stages_mv", "stagetrace_stages",
+         _stages_select(cv.STAGE_INPUT_DIGEST_GIVEN_SQL, cv.STAGE_OUTPUT_DIGEST_GIVEN_SQL, content=False)),
+    View(_CONTENT_SPANS + "_mv", _CONTENT_SPANS,
+         f"SELECT {', '.join(_CONTENT_COLUMNS)}\nFROM {{source}}\nWHERE {cv.HAS_CONTENT_SQL}"),
+    View("stagetrace_requests_content_mv", "stagetrace_requests",
+         _requests_select(cv.REQUEST_INPUT_DIGEST_SQL, cv.REQUEST_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
+    View("stagetrace_stages_content_mv", "stagetrace_stages",
+         _stages_select(cv.STAGE_INPUT_DIGEST_SQL, cv.STAGE_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
 )
 
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
@@ -381,12 +417,7 @@ BACKFILLS = {2: ("stagetrace_stages_mv",)}
 REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
             6: ("stagetrace_requests_mv",)}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
-REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 12: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
-# What a version no longer has, dropped on upgrade: {version: (views, tables)}. Schema 11 sent spans with content
-# through a Null table to views of their own; ClickHouse plans every view of the chain for every insert, empty blocks
-# or not, so the route cost more per insert than the rules it spared (benchmarks/RESULTS.md, issue 32).
-RETIRED = {12: (("stagetrace_content_spans_mv", "stagetrace_requests_content_mv", "stagetrace_stages_content_mv"),
-                ("stagetrace_content_spans",))}
+REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
 NEW_COLUMNS = {
     4: (("stagetrace_requests", "Source LowCardinality(String) CODEC(ZSTD(1))"),
@@ -431,19 +462,20 @@ def statements(database: str = "stagetrace", cluster: str | None = None, *, view
     local = "_local" if cluster else ""
     out = [f"CREATE DATABASE IF NOT EXISTS {db}{on_cluster}"] if tables else []
     for table in TABLES if tables else ():
-        engine = _replicated(table.engine) if cluster else table.engine
+        passing = table.engine == "Null"  # keeps nothing: nothing to replicate or to read through a Distributed table
+        engine = _replicated(table.engine) if cluster and not passing else table.engine
         out.append(
             f"CREATE TABLE IF NOT EXISTS {db}.`{table.name}{local}`{on_cluster} ({table.body}\n)"
             f" ENGINE = {engine}\n{table.layout}".rstrip()
         )
-        if cluster:
+        if cluster and not passing:
             out.append(
                 f"CREATE TABLE IF NOT EXISTS {db}.`{table.name}`{on_cluster}"
                 f" AS {db}.`{table.name}_local`"
                 f" ENGINE = Distributed({identifier(cluster)}, {db}, `{table.name}_local`, {table.shard_by})"
             )
     for view in VIEWS if views else ():
-        source = f"{db}.`otel_traces{local}`"
+        source = f"{db}.`{view.source}{local}`"
         out.append(
             f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.`{view.name}`{on_cluster}"
             f" TO {db}.`{view.target}{local}`\nAS {view.select.format(source=source)}"
@@ -552,11 +584,6 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
         client.command(f"ALTER TABLE {table} MATERIALIZE PROJECTION {projection}")  # the rows stored before it
     for name in (name for version in upgrades for name in REBUILDS.get(version, ()) + REPLACED.get(version, ())):
         client.command(f"DROP VIEW IF EXISTS {db}.`{name}`{on_cluster}")
-    for views, tables in (RETIRED[version] for version in upgrades if version in RETIRED):
-        for name in views:
-            client.command(f"DROP VIEW IF EXISTS {db}.`{name}`{on_cluster}")
-        for name in tables:
-            client.command(f"DROP TABLE IF EXISTS {db}.`{name}{local}`{on_cluster}")
     for sql in statements(database, cluster, tables=False):
         client.command(sql)
     views = {v.name: v for v in VIEWS}
@@ -565,7 +592,8 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
         for name in tables:
             client.command(f"ALTER TABLE {db}.`{name}{local}`{on_cluster} MODIFY SETTING {setting}")
     rebuilt = {views[name].target for version in upgrades for name in REBUILDS.get(version, ())}
-    # each table is filled once, however many versions it skipped, from the stored spans
+    # each table is filled once, however many versions it skipped, from every view that writes it (since schema 11,
+    # two: spans with content and without), each reading the stored spans
     for target in dict.fromkeys(views[n].target for v in upgrades for n in BACKFILLS.get(v, ()) + REBUILDS.get(v, ())):
         if target in rebuilt:
             client.command(f"TRUNCATE TABLE {db}.`{target}{local}`{on_cluster}")
