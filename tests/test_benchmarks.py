@@ -43,6 +43,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("decode", 2, ["the same loop unrecorded"] * 2),
         ("generations", 4, ["the Collector's previous layout"] * 4),
         ("views", 16, ["bare otel_traces"] * 16),  # two corpora: every view now and before, each table's alone
+        ("views_by_insert", 12, ["bare otel_traces"] * 12),  # three insert sizes, two corpora, now and before
         ("ingest", 41, [""] * 41),  # the fleet into an embedded store (20 figures) and a server store (21)
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
