@@ -9,6 +9,7 @@ inserts as a ``Native`` body) with the engine in this process, so a real agent c
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import sys
@@ -28,6 +29,21 @@ _INSERT = re.compile(r"^\s*INSERT\s+INTO\s+(.+?)\s+FORMAT\s+Native\s*$", re.I | 
 # what clickhouse-connect may put in the URL that is no engine setting
 _NOT_SETTINGS = {"query", "database", "session_id", "session_timeout", "compress", "decompress", "client_protocol_version",
                  "default_format", "query_id", "wait_end_of_query", "send_progress_in_http_headers", "quota_key"}  # fmt: skip
+
+
+def decompressed(body: bytes, encoding: str) -> bytes:
+    """An HTTP body as the client sent it, every frame: an insert larger than one block of the client's arrives as one
+    compressed frame a block (before, the frames after the first were dropped, and those rows with them)."""
+    if encoding == "zstd":
+        return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True).read()
+    if encoding != "lz4":
+        return body
+    out = bytearray()
+    while body:
+        frame = lz4.frame.LZ4FrameDecompressor()
+        out += frame.decompress(body)
+        body = frame.unused_data
+    return bytes(out)
 
 
 def serve(path: str, port: int) -> ThreadingHTTPServer:
@@ -52,12 +68,7 @@ def serve(path: str, port: int) -> ThreadingHTTPServer:
                 self.rfile.readline()
             else:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            encoding = self.headers.get("Content-Encoding", "")
-            if encoding == "lz4":
-                body = lz4.frame.decompress(bytes(body))
-            elif encoding == "zstd":
-                body = zstandard.ZstdDecompressor().decompressobj().decompress(bytes(body))
-            self._answer(bytes(body))
+            self._answer(decompressed(bytes(body), self.headers.get("Content-Encoding", "")))
 
         def _answer(self, body: bytes) -> None:
             url = urlsplit(self.path)
