@@ -32,8 +32,8 @@ _NOT_SETTINGS = {"query", "database", "session_id", "session_timeout", "compress
 
 
 def decompressed(body: bytes, encoding: str) -> bytes:
-    """An HTTP body as the client sent it, every frame: an insert larger than one block of the client's arrives as one
-    compressed frame a block (before, the frames after the first were dropped, and those rows with them)."""
+    """An HTTP body as the client sent it: clickhouse-connect compresses an insert larger than one of its blocks as
+    one frame a block, so every frame is read, not the first alone."""
     if encoding == "zstd":
         return zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body), read_across_frames=True).read()
     if encoding != "lz4":
