@@ -193,6 +193,6 @@ def views_by_insert(quick: bool) -> list[Figure]:
         inserts = 40 if size < BATCH_ROWS else None
         for corpus, seconds in measure(corpora, rounds, per_view=False, rows_per_insert=size, inserts=inserts).items():
             for when, key in (("now", "views"), ("before (schema 10)", "before")):
-                figures.append(Figure(f"{CORPORA[corpus]}, {size:,}-span insert, median: every view, {when}",
-                                      seconds[key] * 1000, "ms", "bare otel_traces", seconds["bare"] * 1000))  # fmt: skip
+                label = f"{CORPORA[corpus]}, {size:,}-span insert, median: every view, {when}"
+                figures.append(Figure(label, seconds[key] * 1000, "ms", "bare otel_traces", seconds["bare"] * 1000))
     return figures

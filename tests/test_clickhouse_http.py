@@ -48,4 +48,5 @@ def test_an_insert_of_many_blocks_is_stored_whole(port, compress):
     client.command(f"CREATE TABLE {table} (n UInt64, text String) ENGINE = MergeTree ORDER BY n")
     rows = [(n, f"row {n} " + "x" * 200) for n in range(100_000)]  # several of the client's blocks
     client.insert(table, rows, column_names=["n", "text"])
-    assert client.query(f"SELECT count(), uniqExact(n), max(n) FROM {table}").result_rows == [(100_000, 100_000, 99_999)]
+    stored = client.query(f"SELECT count(), uniqExact(n), max(n) FROM {table}").result_rows
+    assert stored == [(100_000, 100_000, 99_999)]
