@@ -7,8 +7,11 @@ import subprocess
 import sys
 import time
 import urllib.parse
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 SYSFS = Path(__file__).parent / "fixtures" / "node" / "sys"
 BASE_ENV = {k: v for k, v in os.environ.items() if not k.startswith("STAGETRACE_AGENT_TOKEN")}
 ENV = {**BASE_ENV, "STAGETRACE_HOST": "node-a", "COLUMNS": "200"}
@@ -57,6 +60,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_server_store(path: Path, port: int) -> subprocess.Popen:
+    """A server store: ClickHouse's HTTP interface answered by the embedded engine at ``path`` in a process of its
+    own (``benchmarks.clickhouse_http``; no ClickHouse server runs here) on ``port``, once it answers; what it
+    writes to stderr goes to ``<path>.log``."""
+    log = path.with_name(path.name + ".log")
+    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(path), str(port)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=log.open("a"))  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
+            return server
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+
+
+@contextmanager
+def server_store(path: Path):
+    """:func:`start_server_store` on a free port, for the ``with`` block; yields the port."""
+    server = start_server_store(path, free_port())
+    try:
+        yield int(server.args[-1])
+    finally:
+        server.kill()
+        server.wait(timeout=30)
 
 
 def stagetrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -275,15 +275,10 @@ def test_an_agent_writing_to_a_server_store_loads_no_engine_and_no_dataframe_lib
     pyarrow that clickhouse-connect would import to check its inserts. The server is ClickHouse's HTTP interface
     answered by the embedded engine in a process of its own (``benchmarks.clickhouse_http``; no ClickHouse server
     runs here), which the agent's real HTTP client writes to."""
-    port = free_port()
-    root = Path(__file__).resolve().parents[1]
-    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(tmp_path / "server"), str(port)],
-                              cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    from tests.agents import server_store
+
     log = tmp_path / "agent.log"
-    agent = None
-    try:
-        wait_for("the HTTP interface", lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5),
-                 process=server)  # fmt: skip
+    with server_store(tmp_path / "server") as port:
         dsn = f"http://default:@127.0.0.1:{port}/stagetrace"
         agent = subprocess.Popen(
             [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--store", dsn,
@@ -291,18 +286,19 @@ def test_an_agent_writing_to_a_server_store_loads_no_engine_and_no_dataframe_lib
              "--query-listen", "none"],
             stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**ENV, "STAGETRACE_SPOOL_DIR": str(tmp_path / "spool")},
         )  # fmt: skip
-        wait_for("the agent's 'serving' line", lambda: "serving" in log.read_text(), process=agent)  # schema made
-        with open_store(dsn, create_schema=False) as store:
-            query = "SELECT count() FROM stagetrace.otel_metrics_sum WHERE MetricName = 'rdma_port_transmit_bytes_total'"
-            wait_for("the agent's samples in the server store", lambda: store.client.command(query) >= 8, process=agent)
-        libraries = Path(f"/proc/{agent.pid}/maps").read_text()
-        for library in ("libchdb", "/pandas/", "/numpy/", "/pyarrow/"):
-            assert library not in libraries, f"the agent loaded {library}"
-    finally:
-        for process in (agent, server):
-            if process is not None:
-                process.terminate()
-                process.wait(timeout=30)
+        try:
+            wait_for("the agent's 'serving' line", lambda: "serving" in log.read_text(), process=agent)  # schema made
+            with open_store(dsn, create_schema=False) as store:
+                query = ("SELECT count() FROM stagetrace.otel_metrics_sum "
+                         "WHERE MetricName = 'rdma_port_transmit_bytes_total'")
+                wait_for("the agent's samples in the server store", lambda: store.client.command(query) >= 8,
+                         process=agent)  # fmt: skip
+            libraries = Path(f"/proc/{agent.pid}/maps").read_text()
+            for library in ("libchdb", "/pandas/", "/numpy/", "/pyarrow/"):
+                assert library not in libraries, f"the agent loaded {library}"
+        finally:
+            agent.terminate()
+            agent.wait(timeout=30)
 
 
 def test_demo_on_a_store_an_agent_holds_says_so_first(tmp_path):

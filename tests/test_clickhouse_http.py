@@ -5,39 +5,16 @@ the ingest benchmark's read-back found as acknowledged spans missing (issue 32).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
-
 import clickhouse_connect
 import pytest
 
-from tests.agents import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.agents import server_store
 
 
 @pytest.fixture(scope="module")
 def port(tmp_path_factory):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http",
-                               str(tmp_path_factory.mktemp("server") / "store"), str(port)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "the HTTP interface did not answer"
-                time.sleep(0.2)
+    with server_store(tmp_path_factory.mktemp("server") / "store") as port:
         yield port
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 @pytest.mark.parametrize("compress", ["lz4", "zstd", False])

@@ -187,29 +187,13 @@ def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_a
     failure is one log line, and they land once the server takes inserts again. The server is ClickHouse's HTTP
     interface over the engine in a process of its own (``benchmarks.clickhouse_http``), its guard the table's
     ``min_free_disk_bytes_to_perform_insert`` set beyond any disk."""
-    import subprocess
-    import sys
     import time
-    import urllib.request
-    from pathlib import Path
 
-    from tests.agents import free_port
+    from tests.agents import server_store
 
     from stagetrace.store import open_store
 
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(tmp_path / "server"), str(port)],
-                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=2)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline
-                time.sleep(0.2)
+    with server_store(tmp_path / "server") as port:
         with open_store(f"http://default@127.0.0.1:{port}/stagetrace") as store:
             guard = "ALTER TABLE stagetrace.otel_traces MODIFY SETTING min_free_disk_bytes_to_perform_insert = {}"
             store.client.command(guard.format(10**18))
@@ -231,6 +215,3 @@ def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_a
         failures = [m for m in caplog.messages if "NOT_ENOUGH_SPACE" in m]
         assert len(failures) == 1 and "will retry" in failures[0], caplog.messages  # one line, not one per retry
         assert any("work again" in m for m in caplog.messages)
-    finally:
-        server.kill()
-        server.wait(timeout=30)

@@ -13,7 +13,6 @@ import hashlib
 import importlib.util
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,7 +34,6 @@ agents = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = agents
 _spec.loader.exec_module(agents)
 
-ROOT = Path(__file__).resolve().parent.parent
 HOSTS = ("gpu-a", "gpu-b", "gpu-c")
 INPUTS = 4  # distinct prompts, each asked again and again on every host
 PERIOD_S = 2
@@ -115,31 +113,16 @@ def test_a_hosts_new_kv_cache_dtype_reaches_the_table_and_metrics_within_two_per
 # -- a server store shared by analysers in processes of their own ---------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """ClickHouse's HTTP interface over an embedded store, in a process of its own (kill it: the store is down)."""
 
     def __init__(self, path: Path):
-        self.path, self.port = path, free_port()
+        self.path, self.port = path, agents.free_port()
         self.dsn = f"http://default@127.0.0.1:{self.port}/stagetrace"
         self.start()
 
     def start(self):
-        self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(self.path),
-                                         str(self.port)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/ping", timeout=2)
-                return
-            except OSError:
-                assert self.process.poll() is None and time.monotonic() < deadline, self.process.stderr.read()
-                time.sleep(0.2)
+        self.process = agents.start_server_store(self.path, self.port)
 
     def stop(self):
         self.process.kill()
@@ -213,7 +196,7 @@ def test_one_analyser_per_store_and_a_kill_hands_over_without_gaps_or_duplicates
 
 def test_the_store_down_for_a_while_is_one_log_line_a_growing_lag_and_a_recovery(server_store, tmp_path):
     server, expected = server_store
-    port = free_port()
+    port = agents.free_port()
     log = tmp_path / "analyse.log"
     process = analyse(server.dsn, log, f"127.0.0.1:{port}")
     def metric(name: str) -> float:
