@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "startup", "footprint",
-           "storage", "soak", "durability", "live", "tensors", "generations", "views", "ingest")
+           "storage", "soak", "durability", "live", "tensors", "generations", "views", "replay", "ingest")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,11 @@ def _machine() -> str:
 
 
 def _number(value: float | None, unit: str = "") -> str:
-    return "—" if value is None else f"{value:.3g} {unit}".strip()
+    if value is None:
+        return "—"
+    if value == float("inf"):
+        return "never"
+    return f"{value:,.0f} {unit}".strip() if abs(value) >= 10_000 else f"{value:.3g} {unit}".strip()
 
 
 def table(results: dict[str, list[Figure]]) -> list[str]:

@@ -196,3 +196,78 @@ def views_by_insert(quick: bool) -> list[Figure]:
                 label = f"{CORPORA[corpus]}, {size:,}-span insert, median: every view, {when}"
                 figures.append(Figure(label, seconds[key] * 1000, "ms", "bare otel_traces", seconds["bare"] * 1000))
     return figures
+
+
+def _planning_ms(store, database: str, views: list[schema.View], rounds: int) -> dict[str, float]:
+    """Median milliseconds to plan each view's query over ``database``'s tables (run on no rows: ``WHERE 0``), and a
+    one-column query's, which is what a query costs before its expressions."""
+    queries = {v.name: v.select.format(source=f"{database}.`{v.source}`") for v in views}
+    queries[""] = f"SELECT TraceId FROM {database}.otel_traces"
+    seconds: dict[str, list[float]] = {name: [] for name in queries}
+    for _ in range(rounds):
+        for name, sql in queries.items():
+            started = time.perf_counter()
+            store.client.query(f"SELECT * FROM ({sql}) WHERE 0")
+            seconds[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) * 1000 for name, values in seconds.items()}
+
+
+def profile(spans: list, large: int, rounds: int) -> dict:
+    """What every view adds to an insert, split into a fixed cost (an insert of one request, six spans) and a cost a
+    span (from an insert of ``large`` spans), with the background merges stopped so that an insert's figure is its
+    own; then what each view's query takes to plan. Seconds are medians of ``rounds`` inserts taking turns."""
+    resources = _Resources()
+    rows = [span_row(s, resources) for s in spans]
+    small, big = _columnar(rows[:6], 6)[0], _columnar(rows[:large], large)[0]
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+            open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
+        for name, views in (("bare", []), ("views", list(schema.VIEWS))):
+            _database(store, name, views)
+        store.client.command("SYSTEM STOP MERGES")
+        seconds: dict[tuple[str, int], list[float]] = {}
+        for r in range(rounds + 1):  # the first round opens the tables: not counted
+            for name in ("bare", "views") if r % 2 else ("views", "bare"):
+                for columns in (small, big):
+                    elapsed = _insert(store, name, columns)
+                    if r:
+                        seconds.setdefault((name, len(columns[0])), []).append(elapsed * 1000)
+        ms = {key: statistics.median(values) for key, values in seconds.items()}
+        planning = _planning_ms(store, "views", list(schema.VIEWS), 3 * rounds)
+    fixed = {name: ms[name, 6] for name in ("bare", "views")}
+    per_span = {name: (ms[name, large] - ms[name, 6]) / (large - 6) * 1000 for name in ("bare", "views")}
+    return {"fixed": fixed, "per_span": per_span, "planning": planning}
+
+
+def ratio_reached_at(fixed: dict, per_span: dict, ratio: float) -> float:
+    """The insert size (spans) from which an insert through every view takes at most ``ratio`` times the bare
+    insert, by the fixed and per-span costs; infinite where the per-span costs alone exceed it."""
+    extra_fixed = fixed["views"] - ratio * fixed["bare"]
+    margin = (ratio * per_span["bare"] - per_span["views"]) / 1000  # ms a span
+    if margin <= 0:
+        return float("inf")
+    return max(6.0, extra_fixed / margin)
+
+
+@benchmark("views_profile")
+def views_profile(quick: bool) -> list[Figure]:
+    """The views' cost as a fixed part an insert and a part a span, each view's planning, and the insert size from
+    which the aims hold (1.5× the bare insert for stagetrace spans, 2× for OpenInference spans with content)."""
+    large, rounds = (4_096, 3) if quick else (32_768, 15)
+    requests = large // 6 + 1
+    corpora = {"stagetrace": (make_spans(requests), 1.5), "openinference": (openinference_spans(requests), 2.0)}
+    figures = []
+    for corpus, (spans, aim) in corpora.items():
+        found = profile(spans, large, rounds)
+        fixed, per_span = found["fixed"], found["per_span"]
+        label = f"{CORPORA[corpus]}, merges stopped"
+        figures.append(Figure(f"{label}: an insert of one request (6 spans), every view", fixed["views"], "ms",
+                              "bare otel_traces", fixed["bare"]))  # fmt: skip
+        figures.append(Figure(f"{label}: a span more, every view (from {large:,}-span inserts)", per_span["views"],
+                              "µs", "bare otel_traces", per_span["bare"]))  # fmt: skip
+        figures.append(Figure(f"{label}: the insert size from which every view costs at most {aim}× the bare insert",
+                              ratio_reached_at(fixed, per_span, aim), "spans"))  # fmt: skip
+        if corpus == "stagetrace":  # the planning is the same SQL whatever the spans
+            trivial = found["planning"].pop("")
+            for view, ms in found["planning"].items():
+                figures.append(Figure(f"planning {view}'s query (on no rows)", ms, "ms", "a one-column query", trivial))
+    return figures

@@ -50,7 +50,10 @@ from stagetrace.store import Store
 logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
-MAX_GROUP_ROWS = 8192  # rows of write-ahead records inserted together: past this, larger inserts gain little
+# Rows of write-ahead records inserted together, at most (a backlog's; a light load's groups are smaller): an insert
+# pays the views' planning whatever its size, so larger groups store more spans a CPU second, up to here (1.33× at
+# 32,768 against 8,192 rows; 65,536: no more, for 1.4× the memory; benchmarks/RESULTS.md, issue 32)
+MAX_GROUP_ROWS = 32_768
 # record kind -> "module:function" taking a record's bytes to {table: (columns, rows)}; imported when met
 RECORD_KINDS = {
     "otlp_traces": "stagetrace.exporters.otlp:trace_tables",
@@ -204,8 +207,9 @@ class DurableWriter:
     """
 
     def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None,
-                 headroom: Headroom | None = None):  # fmt: skip
+                 headroom: Headroom | None = None, group_rows: int = MAX_GROUP_ROWS):  # fmt: skip
         self.store = store
+        self.group_rows = group_rows  # rows of write-ahead records replayed in one insert, at most
         # the agent's free-space reserve: requests refused below it, batches kept out of the spool, and the
         # engine's insert guard for an embedded store
         self.headroom = headroom
@@ -356,7 +360,7 @@ class DurableWriter:
             return self.spool.replay(lambda b: self.insert(b.table, b.columns, b.rows, b.token), limit=1)
 
     def _replay_records(self) -> bool:
-        group, members = self.spool.head_group(MAX_GROUP_ROWS)
+        group, members = self.spool.head_group(self.group_rows)
         if not members:
             return False
         tables: dict[str, tuple] = {}

@@ -114,6 +114,24 @@ def test_requests_written_ahead_in_an_outage_are_stored_each_once_in_few_inserts
     assert sum(n for n in inserts) == 120 and len(inserts) < 40  # many requests, one insert (at most a few)
 
 
+def test_a_backlog_is_stored_in_inserts_of_whole_requests_of_up_to_the_group_s_rows(store):
+    """A backlog of written-ahead requests is inserted in groups of whole requests, each of at most ``group_rows``
+    rows (``MAX_GROUP_ROWS`` in the agent): with merges stopped, each insert is one part of ``otel_traces``."""
+    store.client.command("SYSTEM STOP MERGES stagetrace.otel_traces")
+    backlog = spool.open_spool(store.location, "spans")
+    for n in range(10):
+        assert backlog.put_record("otlp_traces", trace_request(n, spans=5), 5, spool.new_token())
+    backlog.close()
+    writer = DurableWriter(store, "spans", group_rows=20)
+    try:
+        assert writer.flush()
+    finally:
+        writer.close()
+    parts = store.client.query("SELECT rows FROM system.parts WHERE database = 'stagetrace' AND table = 'otel_traces' "
+                               "AND active ORDER BY min_block_number").result_columns[0]  # fmt: skip
+    assert parts == [20, 20, 10] and stored_spans(store) == 50
+
+
 def test_a_group_stored_just_before_a_crash_adds_nothing_when_the_next_writer_replays_it(store):
     """A crash between a group's insert and the removal of its records (part of them removed): the next
     writer finds the rest still sealed into the group and inserts them under the group's token again."""
