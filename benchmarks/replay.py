@@ -33,8 +33,10 @@ REQUEST_SPANS = 512  # the OpenTelemetry SDK's batch (BatchSpanProcessor's max_e
 GROUP_ROWS = (8_192, 32_768, 65_536)  # the first: the agent's until issue 32, the baseline
 
 
-def _rss_mib() -> float:
-    return int(re.search(r"VmRSS:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
+def _memory_mib(field: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (the most since the process started: ``ru_maxrss`` would also count the
+    parent's, which a spawned process inherits) of this process, in MiB."""
+    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
 
 
 def _cpu_s() -> float:
@@ -56,11 +58,11 @@ def replay(payloads: list[tuple[bytes, int]], group_rows: int, views: bool = Tru
             if not views:
                 for view in schema.VIEWS:
                     store.client.command(f"DROP VIEW {schema.identifier(store.database)}.`{view.name}`")
-            before, cpu = _rss_mib(), _cpu_s()
+            before, cpu = _memory_mib("VmRSS"), _cpu_s()
             writer = DurableWriter(store, "spans", spool_dir=base, group_rows=group_rows)
             drained = writer.flush(timeout_s=600)
             cpu = _cpu_s() - cpu
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            peak = _memory_mib("VmHWM")
             writer.close()
             stored = int(store.client.command("SELECT count() FROM {db:Identifier}.otel_traces",
                                               parameters={"db": store.database}))  # fmt: skip
