@@ -51,8 +51,9 @@ logger = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
 # Rows of write-ahead records inserted together, at most (a backlog's; a light load's groups are smaller): an insert
-# pays the views' planning whatever its size, so larger groups store more spans a CPU second, up to here (1.33× at
-# 32,768 against 8,192 rows; 65,536: no more, for 1.4× the memory; benchmarks/RESULTS.md, issue 32)
+# pays the views' planning and a part in each table whatever its size, so larger groups cost less CPU a span, up to
+# here (0.68-0.75x at 32,768 against 8,192 rows, for 18% more memory; 65,536: little more, for 65% more;
+# benchmarks/RESULTS.md, issue 32)
 MAX_GROUP_ROWS = 32_768
 # record kind -> "module:function" taking a record's bytes to {table: (columns, rows)}; imported when met
 RECORD_KINDS = {
