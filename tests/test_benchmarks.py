@@ -49,8 +49,8 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("views_profile", 14, ["bare otel_traces"] * 3 + [""] + ["a one-column query"] * 6 + ["bare otel_traces"] * 3
          + [""]),
         # three group sizes: against the bare table, against 8,192-row groups (but the first), the memory
-        ("replay", 8, ["bare otel_traces", "groups of up to 8,192"] + (["bare otel_traces"]
-                                                                       + ["groups of up to 8,192"] * 2) * 2),
+        ("replay", 8, ["bare otel_traces", "groups of up to 8,192"]
+         + ["bare otel_traces", "groups of up to 8,192", "groups of up to 8,192"] * 2),
         ("ingest", 41, [""] * 41),  # the fleet into an embedded store (20 figures) and a server store (21)
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
