@@ -8,15 +8,19 @@ whole on one line, and nothing that looks like one of them appears cut.
 
 from __future__ import annotations
 
+import io
 import json
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rich.console import Console
 
+from stagetrace.render import Output
 from tests.terminal import run_on_terminal
 
 STAGETRACE = [sys.executable, "-m", "stagetrace"]
@@ -160,6 +164,26 @@ def test_the_demo_summary_keeps_its_example_ids_whole(tmp_path, columns):
     examples = set(re.findall(r"explain (req-[0-9a-f]+)", shown))
     assert examples and "deviating outputs:" in shown
     assert_ids_whole(shown, examples)
+
+
+@pytest.mark.parametrize("width", [40, 60, 80])
+def test_a_command_wider_than_the_terminal_pastes_as_the_same_command(width):
+    """The next commands the demo prints, wider than the terminal (a long interpreter path, a store under a deep
+    temporary directory, with a space): broken only between their parts, each line but the last ending in a line
+    continuation, the verb beside its request ID; a shell reads back the same command. Piped, it is one line."""
+    parts = [shlex.quote("/opt/venvs/stage trace/bin/python") + " -m stagetrace", "explain req-3f9a1c0b",
+             "--store " + shlex.quote("chdb:///tmp/pytest-of-root/pytest-30/with space/store")]  # fmt: skip
+    shown = io.StringIO()
+    Output(Console(file=shown, width=width, force_terminal=True)).command(parts)
+    lines = shown.getvalue().splitlines()
+    assert len(lines) > 1 and all(line.endswith(" \\") for line in lines[:-1]) and not lines[-1].endswith("\\")
+    # a part wider than the terminal stands alone on its line
+    assert all(len(line) <= width or line.strip().removesuffix(" \\") in parts for line in lines)
+    assert any("explain req-3f9a1c0b" in line for line in lines)
+    assert shlex.split(shown.getvalue().replace("\\\n", " ")) == shlex.split(" ".join(parts))
+    piped = io.StringIO()
+    Output(Console(file=piped)).command(parts)
+    assert piped.getvalue() == "  " + " ".join(parts) + "\n"
 
 
 # --- paper cuts: each a one-line answer ---------------------------------------------------------------------

@@ -324,8 +324,7 @@ def _demo(args) -> int:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        store_flag = f" --store {location.redacted()}" if args.store else ""
-        demo_summary(Output(), result, _invocation(), store_flag)
+        demo_summary(Output(), result, _invocation(), location.redacted() if args.store else "")
     return 0
 
 

@@ -15,6 +15,7 @@ Two layouts of the same content, one for people and one for pipes:
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -82,6 +83,24 @@ class Output:
             return
         for part in wrapped(text if isinstance(text, Text) else Text(text), self.width):
             self.console.print(part, style=style, soft_wrap=True)
+
+    def command(self, parts: Sequence[str], indent: str = "  ") -> None:
+        """A command to paste, from its parts (words, each quoted for a shell, that stay together: a verb with its
+        argument, an option with its value). It is one line in a pipe and where it fits; wider than the terminal, it
+        is broken between parts, each line but the last ending in a shell's line continuation, so that it pastes as
+        the same command and no part (no ID) is split."""
+        if not self.terminal or cell_len(indent + " ".join(parts)) <= self.width:
+            self.line(indent + " ".join(parts))
+            return
+        lines = [indent + parts[0]]
+        for part in parts[1:]:
+            if cell_len(f"{lines[-1]} {part} \\") > self.width:
+                lines[-1] += " \\"
+                lines.append(f"{indent}    {part}")
+            else:
+                lines[-1] += f" {part}"
+        for line in lines:
+            self.console.print(Text(line), soft_wrap=True)
 
     def table(self, title: str, columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> None:
         if not rows:
@@ -420,8 +439,9 @@ def progress_bar(description: str, enabled: bool = True):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
-def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: str = "") -> None:
-    """What the demo did, what deviated and why, and the next commands to type."""
+def demo_summary(out: Output, result, command: str = "stagetrace", store: str = "") -> None:
+    """What the demo did, what deviated and why, and the next commands to type (``command``: how to start stagetrace,
+    for a shell; ``store``: the store to name in them, if any)."""
     out.line(f"served {result.requests} requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
              f"{result.spans} spans, {result.metric_samples} hardware samples")  # fmt: skip
     out.line(f"deviating outputs: {len(result.deviating)} (same input, an output other than the majority's)")
@@ -439,10 +459,11 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store_flag: s
     examples = [ids[0] for ids in causes.values()][:3]
     if examples:
         out.line("next, look one up and ask why it deviates:")
+        store_option = [f"--store {shlex.quote(store)}"] if store else []
         for request_id in examples:
             for verb in ("trace", "explain"):
-                out.line(f"  {command} {verb} {request_id}{store_flag}")
-        out.line(f"  {command} divergences{store_flag}")
+                out.command([command, f"{verb} {shlex.quote(request_id)}", *store_option])
+        out.command([command, "divergences", *store_option])
 
 
 __all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "evidence", "explanation",
