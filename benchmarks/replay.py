@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import re
+import os
 import resource
 import statistics
 import tempfile
@@ -24,6 +24,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from benchmarks import Figure, benchmark
 from benchmarks.export import make_spans
+from benchmarks.ingest import _status_mib
 from stagetrace import schema
 from stagetrace.exporters import spool
 from stagetrace.exporters.durable import MAX_GROUP_ROWS, DurableWriter
@@ -31,12 +32,6 @@ from stagetrace.store import open_store
 
 REQUEST_SPANS = 512  # the OpenTelemetry SDK's batch (BatchSpanProcessor's max_export_batch_size)
 GROUP_ROWS = (8_192, 32_768, 65_536)  # the first: the agent's until issue 32, the baseline
-
-
-def _memory_mib(field: str) -> float:
-    """``VmRSS`` (resident now) or ``VmHWM`` (the most since the process started: ``ru_maxrss`` would also count the
-    parent's, which a spawned process inherits) of this process, in MiB."""
-    return int(re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) / 1024
 
 
 def _cpu_s() -> float:
@@ -58,11 +53,11 @@ def replay(payloads: list[tuple[bytes, int]], group_rows: int, views: bool = Tru
             if not views:
                 for view in schema.VIEWS:
                     store.client.command(f"DROP VIEW {schema.identifier(store.database)}.`{view.name}`")
-            before, cpu = _memory_mib("VmRSS"), _cpu_s()
+            before, cpu = _status_mib(os.getpid(), "VmRSS"), _cpu_s()
             writer = DurableWriter(store, "spans", spool_dir=base, group_rows=group_rows)
             drained = writer.flush(timeout_s=600)
             cpu = _cpu_s() - cpu
-            peak = _memory_mib("VmHWM")
+            peak = _status_mib(os.getpid(), "VmHWM")  # since the process began (ru_maxrss has the parent's too)
             writer.close()
             stored = int(store.client.command("SELECT count() FROM {db:Identifier}.otel_traces",
                                               parameters={"db": store.database}))  # fmt: skip
