@@ -82,9 +82,10 @@ def start_server_store(path: Path, port: int) -> subprocess.Popen:
 @contextmanager
 def server_store(path: Path):
     """:func:`start_server_store` on a free port, for the ``with`` block; yields the port."""
-    server = start_server_store(path, free_port())
+    port = free_port()
+    server = start_server_store(path, port)
     try:
-        yield int(server.args[-1])
+        yield port
     finally:
         server.kill()
         server.wait(timeout=30)
