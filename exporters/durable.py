@@ -204,16 +204,19 @@ class DurableWriter:
     ``STAGETRACE_SPOOL_DIR`` or beside the store; a store shared read-only by an agent still spools, for
     the agent to adopt. ``headroom`` (the agent's): below its reserve ``write_ahead`` raises NoRoom, batches are
     not spooled (``write`` returns False: the caller keeps them), and inserts into an embedded store carry the
-    engine's guard.
+    engine's guard. ``part_guard`` (the agent's ``part_guard.PartGuard``, an embedded store): a group of records is
+    retired only once the parts its insert made were checked, and put back from the records if the engine
+    committed one short.
     """
 
     def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None,
-                 headroom: Headroom | None = None, group_rows: int = MAX_GROUP_ROWS):  # fmt: skip
+                 headroom: Headroom | None = None, group_rows: int = MAX_GROUP_ROWS, part_guard=None):  # fmt: skip
         self.store = store
         self.group_rows = group_rows  # rows of write-ahead records replayed in one insert, at most
         # the agent's free-space reserve: requests refused below it, batches kept out of the spool, and the
         # engine's insert guard for an embedded store
         self.headroom = headroom
+        self.part_guard = part_guard
         # a store the agent shares read-only takes no inserts: batches go to the spool's inbox, which it adopts
         self.handoff = store.read_only
         self.spool = None if spool_dir is False else spool.open_spool(
@@ -361,6 +364,12 @@ class DurableWriter:
             return self.spool.replay(lambda b: self.insert(b.table, b.columns, b.rows, b.token), limit=1)
 
     def _replay_records(self) -> bool:
+        if self.part_guard is None:
+            return self._store_group()
+        with self.part_guard.lock:  # no round of the guard between the insert and the retiring of its records
+            return self._store_group()
+
+    def _store_group(self) -> bool:
         group, members = self.spool.head_group(self.group_rows)
         if not members:
             return False
@@ -395,6 +404,8 @@ class DurableWriter:
                 self._check_failing = False
             if rows and not self.insert(table, columns, rows, group):
                 return False
+        if self.part_guard is not None and not self.part_guard.verify():
+            return False  # a part committed short is put back from these records first; they wait until it is
         self.spool.landed(stored)
         return True
 

@@ -390,13 +390,14 @@ class OtlpReceiver:
 
     def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
                  max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None,
-                 max_in_flight: int = MAX_IN_FLIGHT, web=None, headroom=None, logs: bool = True):  # fmt: skip
+                 max_in_flight: int = MAX_IN_FLIGHT, web=None, headroom=None, logs: bool = True,
+                 part_guard=None):  # fmt: skip
         self.token = token
         self.logs_enabled = logs  # --otlp-logs none: log requests are refused
         self.max_body_bytes = max_body_bytes
         self.max_spans = max_spans
         self.max_in_flight = max_in_flight
-        self.writer = DurableWriter(store, "spans", spool_dir=spool_dir, headroom=headroom)
+        self.writer = DurableWriter(store, "spans", spool_dir=spool_dir, headroom=headroom, part_guard=part_guard)
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:

@@ -37,8 +37,22 @@ logger = logging.getLogger("stagetrace.agent")
 KEYS = {"otel_traces": ("Timestamp", ("TraceId", "SpanId"))}
 # table -> the kind of kept record whose rows go into it (``durable.RECORD_KINDS``)
 SOURCES = {"otel_traces": "otlp_traces"}
+# tables the views fill from otel_traces -> (their time column, the columns that identify a row); None: a table
+# whose rows a second insert leaves as they are (the trace index keeps each trace's min and max)
+DERIVED = {"stagetrace_requests": ("Start", ("TraceId", "SpanId")),
+           "stagetrace_stages": ("Start", ("TraceId", "SpanId")),
+           "otel_traces_trace_id_ts": None}  # fmt: skip
+_SPANS_IN_RANGE = """(SELECT * FROM `{db}`.`otel_traces`
+ WHERE Timestamp BETWEEN fromUnixTimestamp64Nano({{first:Int64}}) AND fromUnixTimestamp64Nano({{last:Int64}}))"""
+_ALL_SPANS = "`{db}`.`otel_traces`"
+_REBUILD_SQL = """INSERT INTO `{db}`.`{table}` SELECT * FROM ({select}) AS derived
+WHERE ({key_a}, {key_b}) NOT IN (SELECT {key_a}, {key_b} FROM `{db}`.`{table}` {within})"""
+_WITHIN = """WHERE {time} BETWEEN fromUnixTimestamp64Nano({{first:Int64}}) AND fromUnixTimestamp64Nano({{last:Int64}})"""
+_COUNT_SQL = "SELECT count() FROM {db:Identifier}.{table:Identifier}"
 CHECK_ROWS = 8192  # keys asked about in one query
-RESTORED = "restored"  # under kept/: the parts restored already, one "<table>/<part>" a line
+# under kept/: the parts restored already, one "<table>/<part>" a line, followed where rows were lost by how many and
+# their time range in ns ("<table>/<part> <lost> <first> <last>"): the loss stays on /metrics across restarts
+RESTORED = "restored"
 
 _PRESENT_SQL = """
 SELECT {key_a:Identifier}, {key_b:Identifier} FROM {db:Identifier}.{table:Identifier}
@@ -104,6 +118,24 @@ class Outcome:
     restored: int
     covered: list[str]  # parts whose blocks active parts cover: nothing to restore
     kept_since: datetime | None  # the oldest kept record
+    first: datetime | None = None  # the lost parts' time range, where their min-max index reads
+    last: datetime | None = None
+
+    rebuilt: bool = False  # a table the views fill: its rows made again from otel_traces
+
+    @property
+    def lost(self) -> int:
+        """Rows not put back, at least: a part whose row count is unreadable counts one (something is lost)."""
+        if not self.parts or self.rebuilt:
+            return 0
+        if self.rows is None:
+            return len(self.parts)
+        return max(0, self.rows - self.restored)
+
+    def when(self) -> str:
+        if self.first is None or self.last is None:
+            return "time range unknown"
+        return f"{self.first:%Y-%m-%d %H:%M:%S} to {self.last:%Y-%m-%d %H:%M:%S} UTC"
 
     def line(self) -> str:
         where = f"store: table {self.table}"
@@ -112,12 +144,19 @@ class Outcome:
             return (f"{where}: {which} covered by active parts (a merge the engine undid): their rows are read from "
                     "them, nothing to restore")  # fmt: skip
         names = ", ".join(self.parts)
+        if self.rebuilt:
+            return (f"{where}: rebuilt {self.restored:,} rows of part {names} ({self.when()}) from otel_traces, as its "
+                    "views derive them")  # fmt: skip
+        if self.table not in KEYS:
+            count = f"{self.rows:,} rows" if self.rows is not None else "an unknown number of rows"
+            return (f"{where}: lost {count} ({self.when()}) of part {names}: its rows are not restored, only those of "
+                    f"{', '.join(KEYS)} are (by their keys)")  # fmt: skip
         if self.rows is not None and self.restored >= self.rows:
             return f"{where}: restored all {self.restored:,} rows of part {names} from the spool's kept records"
         since = (f"the kept records begin at {self.kept_since:%Y-%m-%d %H:%M:%S} UTC" if self.kept_since else
                  "the spool keeps no records")  # fmt: skip
-        lost = (f"{self.rows - self.restored:,} of its {self.rows:,} rows could not be restored" if self.rows is not None
-                else "the part's row count is unreadable, so others may be missing")  # fmt: skip
+        lost = (f"lost {self.rows - self.restored:,} of its {self.rows:,} rows ({self.when()})" if self.rows is not None
+                else f"lost an unknown number of rows ({self.when()}): the part's row count is unreadable")  # fmt: skip
         return (f"{where}: restored {self.restored:,} rows of part {names} from the spool's kept records; {lost}: "
                 f"{since} (STAGETRACE_SPOOL_KEEP_BYTES), and rows not received over OTLP are not kept")
 
@@ -134,48 +173,68 @@ class Restorer:
     def __init__(self, store: Store, kept_base: Path | None):
         self.store = store
         self.kept_base = Path(kept_base) if kept_base is not None else None
-        self._done = self._load_done()
+        self._done: set[str] = set()
+        self.waiting: dict[str, list] = {}  # table -> broken parts whose restore failed (a disk still full), retried
+        self.lost: dict[str, tuple[int, int | None, int | None]] = {}  # "<table>/<part>" -> rows, first, last (ns)
+        self._load_done()
 
-    def _load_done(self) -> set[str]:
-        if self.kept_base is None:
-            return set()
+    def _load_done(self) -> None:
         try:
-            return set((self.kept_base / "kept" / RESTORED).read_text().split())
+            lines = (self.kept_base / "kept" / RESTORED).read_text().splitlines() if self.kept_base else []
         except OSError:
-            return set()
+            lines = []
+        for line in lines:
+            self._read(line)
+
+    def _read(self, line: str) -> None:
+        """One line of the ``restored`` list: a part done, and the rows lost with it where any were."""
+        name, *tally = line.split()
+        self._done.add(name)
+        if len(tally) == 3:
+            rows, first, last = tally
+            self.lost[name] = (int(rows), None if first == "-" else int(first), None if last == "-" else int(last))
 
     def __call__(self, parts) -> list[Outcome]:
         """Restore the rows of these newly found broken parts (``store_health.BrokenPart``), a line per table said."""
         outcomes = []
         by_table: dict[str, list] = {}
-        for part in parts:
-            if f"{part.table}/{part.name}" not in self._done:
+        for part in [*parts, *(p for waiting in self.waiting.values() for p in waiting)]:
+            if f"{part.table}/{part.name}" not in self._done and part not in by_table.get(part.table, []):
                 by_table.setdefault(part.table, []).append(part)
         for table, broken in sorted(by_table.items()):
             try:
                 outcome = self._restore(table, broken)
-            except Exception as exc:  # the store refused: the part stays reported, and the next start tries again
-                logger.error("store: table %s: cannot restore the rows of part %s now: %s", table,
-                             ", ".join(p.name for p in broken), str(exc).strip().splitlines()[0])  # fmt: skip
+            except Exception as exc:  # the store refused (the disk still full): tried again at the next check
+                if table not in self.waiting:
+                    logger.error("store: table %s: cannot restore the rows of part %s now, will retry: %s", table,
+                                 ", ".join(p.name for p in broken), str(exc).strip().splitlines()[0])  # fmt: skip
+                self.waiting[table] = broken
                 continue
+            self.waiting.pop(table, None)
             # remembered whatever came of it: block numbers above the active parts' are reused by later inserts,
             # so whether a part is covered is only known when it is first found (at start, before any insert)
-            self._remember([f"{table}/{p.name}" for p in broken])
+            names = [f"{table}/{p.name}" for p in broken]
+            tally = None
+            if outcome is not None and outcome.lost:  # kept for /metrics (StoreHealth), with the table's first part
+                first, last = (str(_ns(t)) if t is not None else "-" for t in (outcome.first, outcome.last))
+                tally = f"{outcome.lost} {first} {last}"
+            self._remember(names, tally)
             if outcome is None:
                 continue
-            logger.log(logging.WARNING if outcome.parts and outcome.restored != outcome.rows else logging.INFO,
-                       "%s", outcome.line())  # fmt: skip
+            logger.log(logging.ERROR if outcome.lost else logging.INFO, "%s", outcome.line())
             outcomes.append(outcome)
         return outcomes
 
-    def _remember(self, names: list[str]) -> None:
-        self._done.update(names)
+    def _remember(self, names: list[str], tally: str | None = None) -> None:
+        lines = [f"{name} {tally}" if tally and n == 0 else name for n, name in enumerate(names)]
+        for line in lines:
+            self._read(line)
         if self.kept_base is None:
             return
         try:
             (self.kept_base / "kept").mkdir(parents=True, exist_ok=True, mode=0o700)
             with (self.kept_base / "kept" / RESTORED).open("a") as out:
-                out.write("".join(f"{name}\n" for name in names))
+                out.write("".join(f"{line}\n" for line in lines))
         except OSError:
             pass  # restored again at the next start: the key check stores nothing twice
 
@@ -224,18 +283,23 @@ class Restorer:
 
         covered = self._covered(table, broken)
         lost = [p for p in broken if p.name not in covered]
-        names = _names(lost)
+        names, put_back = _names(lost), _names(p for p in broken if p.name in covered)
         if not lost:
             return Outcome(table, [], 0, 0, _names(broken), None)
-        if table not in KEYS:
-            logger.warning("store: table %s: the rows of part %s are not restored: only %s are (by their keys)", table,
-                           ", ".join(names), ", ".join(KEYS))  # fmt: skip
-            return None
         rows_held = None if any(p.rows is None for p in lost) else sum(p.rows for p in lost)
         ranges = [(p.first, p.last) for p in lost]
         bounded = all(first is not None and last is not None for first, last in ranges)
+        first = min(f for f, _ in ranges) if bounded else None
+        last = max(t for _, t in ranges) if bounded else None
+        if table in DERIVED:
+            rebuilt = self._rebuild(table, first, last)
+            return Outcome(table, names, rows_held, rebuilt, put_back, None, first, last, rebuilt=True)
+        if table not in KEYS:
+            return Outcome(table, names, rows_held, 0, put_back, None, first, last)
         ranges_ns = [(_ns(first), _ns(last)) for first, last in ranges] if bounded else []
-        kept = spool.kept_records(self.kept_base) if self.kept_base is not None else []
+        # the records kept after they were stored, and those written ahead and not yet retired: a part the engine
+        # committed short is found before its insert's records are retired (part_guard)
+        kept = spool.kept_records(self.kept_base) + spool.pending_records(self.kept_base) if self.kept_base else []
         kept = [segment for segment in kept if segment.table == SOURCES[table]]
         since = None
         candidates, columns = [], None
@@ -261,7 +325,31 @@ class Restorer:
             self._put_back(table, fresh, columns)
             restored = len(fresh)
         kept_since = datetime.fromtimestamp(since / 1e9, timezone.utc) if since is not None else None
-        return Outcome(table, names, rows_held, restored, _names(p for p in broken if p.name in covered), kept_since)
+        return Outcome(table, names, rows_held, restored, put_back, kept_since, first, last)
 
 
-__all__ = ["KEYS", "Outcome", "Restorer", "missing"]
+    def _rebuild(self, table: str, first: datetime | None, last: datetime | None) -> int:
+        """Make again from otel_traces the rows of ``table`` (a table the views fill) in the time range (all of it
+        when unknown) that it no longer holds, by the views' own queries; the rows it gained."""
+        from stagetrace.schema import VIEWS
+
+        db = self.store.database
+        bounded = first is not None and last is not None
+        # a second's slack: a part's min-max index may be in whole seconds; the key check stores nothing twice
+        params = {"first": _ns(first), "last": _ns(last) + 1_000_000_000} if bounded else {}
+        source = (_SPANS_IN_RANGE if bounded else _ALL_SPANS).format(db=db)
+        count = {"db": db, "table": table}
+        before = int(self.store.client.command(_COUNT_SQL, parameters=count))
+        for view in (v for v in VIEWS if v.target == table):
+            select = view.select.format(source=source)
+            if DERIVED[table] is None:  # a second insert changes nothing
+                self.store.client.command(f"INSERT INTO `{db}`.`{table}` {select}", parameters=params)
+                continue
+            time_column, (key_a, key_b) = DERIVED[table]
+            within = _WITHIN.format(time=time_column) if bounded else ""
+            self.store.client.command(_REBUILD_SQL.format(db=db, table=table, select=select, key_a=key_a, key_b=key_b,
+                                                          within=within), parameters=params)  # fmt: skip
+        return int(self.store.client.command(_COUNT_SQL, parameters=count)) - before
+
+
+__all__ = ["DERIVED", "KEYS", "Outcome", "Restorer", "missing"]

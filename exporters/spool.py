@@ -198,6 +198,21 @@ def kept_records(base: Path) -> list[Segment]:
     return sorted(kept, key=lambda s: s.path.name)
 
 
+def pending_records(base: Path) -> list[Segment]:
+    """The write-ahead records under ``base`` (a spool's ``<directory>/<kind>``) not stored yet, or stored and not
+    yet retired, in every slot, oldest first."""
+    pending = []
+    for slot in sorted(Path(base).glob("*/")):
+        if slot.name == KEPT:
+            continue
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(slot):
+                segment = Segment.named(Path(entry.path), 0) if entry.name.endswith(".wal") else None
+                if segment is not None:
+                    pending.append(segment)
+    return sorted(pending, key=lambda s: s.path.name)
+
+
 def directory_setting(location, directory: str | os.PathLike | None = None) -> Path | None:
     """The spool's base directory for a store ``location``; None when there is to be no spool."""
     chosen = directory if directory is not None else os.environ.get(ENV_SPOOL_DIR)
@@ -694,4 +709,5 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 
 __all__ = ["Batch", "DROPPED", "REASONS", "ENV_SPOOL_DIR", "ENV_SPOOL_KEEP_BYTES", "ENV_SPOOL_MAX_BYTES", "KEPT",
-           "Segment", "Spool", "SpoolError", "directory_setting", "dropped_kind", "keep_bytes_setting", "kept_records", "new_token", "open_spool"]  # fmt: skip
+           "Segment", "Spool", "SpoolError", "directory_setting", "dropped_kind", "keep_bytes_setting", "kept_records", "new_token", "open_spool",
+           "pending_records"]  # fmt: skip

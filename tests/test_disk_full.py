@@ -86,8 +86,9 @@ class Agent:
     """``stagetrace agent`` with its store (and the spool beside it) on ``disk``, its log outside it, on fixed
     ports so that the senders keep their endpoint across a kill and a restart."""
 
-    def __init__(self, disk: Path, logs: Path):
+    def __init__(self, disk: Path, logs: Path, reserve: str | None = f"{RESERVE_MIB}MiB"):
         self.store, self.logs = disk / "store", logs
+        self.reserve = reserve  # None: the agent's default
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1/traces"
         self.process: subprocess.Popen | None = None
@@ -103,7 +104,7 @@ class Agent:
             [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
              "--store", f"chdb://{self.store}", "--listen", "127.0.0.1:0", "--interval", "1s",
              "--otlp", f"127.0.0.1:{self.port}", "--otlp-grpc", "none", "--query-listen", "none",
-             "--min-free-space", f"{RESERVE_MIB}MiB"],
+             *(["--min-free-space", self.reserve] if self.reserve else [])],
             stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=ENV,
         )  # fmt: skip
         wait_for("the agent's OTLP line", lambda: "receiving OTLP/HTTP" in self.log.read_text(), timeout=60,

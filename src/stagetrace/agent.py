@@ -29,6 +29,7 @@ from stagetrace.exporters.durable import DurableWriter
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.exporters.prometheus import parse_listen, serve
 from stagetrace.exporters.restore import Restorer
+from stagetrace.part_guard import CHECK_EVERY_S as GUARD_EVERY_S, PartGuard
 from stagetrace.store import AGENT_ENGINE, open_store, parse_dsn, without_dataframe_checks
 from stagetrace.store_health import StoreHealth
 
@@ -217,11 +218,21 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             cleanup.callback(logging.getLogger("stagetrace").removeHandler, own)
         checked = opened.another()  # a server store's client runs one query at a time
         # the receivers' spool keeps what they stored, to restore the rows of a part the engine loses
-        health = StoreHealth(checked, restore=Restorer(checked, spool_base / "spans" if spool_base else None))
+        restorer = Restorer(checked, spool_base / "spans" if spool_base else None)
+        health = StoreHealth(checked, restore=restorer)
         if health.store is not opened:
             cleanup.callback(health.store.close)
         health.check()  # at start: what the engine moved aside while loading the tables
         shared.health = health
+        guard = None
+        if location.embedded and location.path:  # a server's disks and merges are its operator's
+            guard = PartGuard(checked, headroom, after_reload=lambda short: health.check(known=short),
+                              settled=lambda: not restorer.waiting)  # fmt: skip
+            guard.check()  # what the engine loaded: the parts made from now on are checked
+            cleanup.callback(guard.close)
+            guarding = threading.Event()
+            cleanup.callback(_guard_thread(guard, guarding).join, 30)
+            cleanup.callback(guarding.set)
         writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False, headroom=headroom,
                                         insert_every_s=max(insert_every_s, interval_s))  # fmt: skip
         cleanup.callback(writer.close)
@@ -231,7 +242,8 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         if otlp or otlp_grpc:
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom, logs=otlp_logs),
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom, logs=otlp_logs,
+                                                  part_guard=guard),
                              otlp or "",
                              "--otlp", " for OTLP")  # fmt: skip
             cleanup.callback(receiver.close)  # before the store closes: its replay stops
@@ -246,7 +258,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
                 cleanup.callback(grpc_server.close)  # first: calls in flight finish before the receiver closes
                 endpoints["otlp_grpc"] = grpc_server.url
         else:  # no receiver, whose writer would: store what processes that found the store held handed over
-            cleanup.callback(DurableWriter(opened, "spans", headroom=headroom).close)
+            cleanup.callback(DurableWriter(opened, "spans", headroom=headroom, part_guard=guard).close)
         if query_listen and location.embedded and location.path:
             # who reaches it must show something: a token, a basic-auth user, or a certificate the CA signed
             verified = web is not None and bool(web.users or (web.tls and web.tls.client_auth == "RequireAndVerifyClientCert"))
@@ -315,6 +327,18 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
                 break
         logger.info("stopping")
     return 0
+
+
+def _guard_thread(guard: PartGuard, stop: threading.Event) -> threading.Thread:
+    """The part guard's rounds, every second until ``stop`` (``part_guard``)."""
+
+    def rounds() -> None:
+        while not stop.wait(GUARD_EVERY_S):
+            guard.check()
+
+    thread = threading.Thread(target=rounds, name="stagetrace-part-guard", daemon=True)
+    thread.start()
+    return thread
 
 
 def _say_diagnosis(collected, host: str, said: str | None) -> str | None:

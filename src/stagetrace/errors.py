@@ -15,8 +15,14 @@ class StoreLockedError(StoreError):
         self.pid = pid
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line for a log or an error: its first line, else its type's name."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
 class SchemaError(ValueError):
     """A database or cluster name that cannot be used as a ClickHouse identifier."""
 
 
-__all__ = ["SchemaError", "StoreError", "StoreLockedError"]
+__all__ = ["SchemaError", "StoreError", "StoreLockedError", "first_line"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from stagetrace import conventions as cv
 from stagetrace.errors import SchemaError  # re-exported: callers catch it from here
+from stagetrace.part_guard import SOURCES_KEPT_S
 
 # 2: stagetrace_stages; 3: deduplication window for idempotent (spool) inserts;
 # 4: requests and stages of other producers' conventions (stagetrace.conventions), content digested in the store;
@@ -21,7 +22,7 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
 # in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs;
 # 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32)
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -525,20 +526,24 @@ def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
 # An embedded store's acknowledged rows rest on its own disk alone: its inserts are fsynced before they return, so
 # that a spool segment removed after the insert leaves nothing on an unsynced file (+8% a 4,096-span insert,
 # benchmarks/RESULTS.md), and so are the parts its merges write, before the parts merged are removed (a power cut
-# must not leave a merged part whose sources are gone half written). A server store keeps the engine's settings:
-# its operator decides (replicas, its own fsync).
+# must not leave a merged part whose sources are gone half written). The parts a merge replaced stay on disk for
+# part_guard.SOURCES_KEPT_S (chdb's default is 0): a merged part the engine committed short when the disk filled is
+# undone from them (schema 12). A server store keeps the engine's settings: its operator decides (replicas, its
+# own fsync).
 DURABLE_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "otel_logs",
                   "stagetrace_requests", "stagetrace_stages", "stagetrace_divergences", "stagetrace_analyser")
-DURABLE_SETTINGS = "fsync_after_insert = 1, fsync_part_directory = 1, min_compressed_bytes_to_fsync_after_merge = 1"
+DURABLE_SETTINGS = ("fsync_after_insert = 1, fsync_part_directory = 1, min_compressed_bytes_to_fsync_after_merge = 1, "
+                    f"old_parts_lifetime = {SOURCES_KEPT_S}")
 _NOT_DURABLE_SQL = """
 SELECT name FROM system.tables
 WHERE database = {db:String} AND name IN {tables:Array(String)}
-  AND NOT match(create_table_query, 'min_compressed_bytes_to_fsync_after_merge = 1')"""
+  AND NOT match(create_table_query, {durable:String})"""
 
 
 def make_durable(client, database: str = "stagetrace") -> list[str]:
     """Fsync the inserts into the tables the spool writes (those not yet so); the tables changed."""
-    changed = [r[0] for r in client.query(_NOT_DURABLE_SQL, parameters={"db": database, "tables": list(DURABLE_TABLES)}
+    changed = [r[0] for r in client.query(_NOT_DURABLE_SQL, parameters={
+        "db": database, "tables": list(DURABLE_TABLES), "durable": f"old_parts_lifetime = {SOURCES_KEPT_S}\\b"}
                                           ).result_rows]  # fmt: skip
     for table in changed:
         client.command(f"ALTER TABLE {identifier(database, 'database name')}.`{table}` MODIFY SETTING {DURABLE_SETTINGS}")

@@ -21,7 +21,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from stagetrace import config, schema, through_agent
-from stagetrace.errors import StoreError, StoreLockedError  # re-exported: callers catch them from here
+# StoreError and StoreLockedError re-exported: callers catch them from here
+from stagetrace.errors import StoreError, StoreLockedError, first_line
 
 # The driver logs a failure before raising it; the store says it once, in its error. Where an application
 # configures logging, the driver's records still reach its handlers.
@@ -136,7 +137,7 @@ class Store:
                 schema.make_durable(self.client, self.database)
             return applied
         except Exception as exc:  # the server's own message names the statement and the reason
-            raise StoreError(f"cannot create the schema in {self.location.redacted()}: {_first_line(exc)}") from exc
+            raise StoreError(f"cannot create the schema in {self.location.redacted()}: {first_line(exc)}") from exc
 
     def close(self) -> None:
         self.client.close()
@@ -206,11 +207,6 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
     return store
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]
-
-
 def _open_embedded(location: Location, engine: dict[str, str] | None = None):
     if location.path:
         _check_writable(Path(location.path))
@@ -220,7 +216,7 @@ def _open_embedded(location: Location, engine: dict[str, str] | None = None):
     try:
         return clickhouse_connect.get_client(interface="chdb", path=location.path or None, chdb_options=engine or None)
     except Exception as exc:
-        message = _first_line(exc)
+        message = first_line(exc)
         if "already initialized with path" in message:
             raise StoreError(
                 f"this process already has another embedded store open; chdb allows one per process: "
@@ -257,7 +253,7 @@ def _open_read_only(location: Location):
             ddl = f"{ddl.rstrip()}, {disk}" if "\nSETTINGS " in ddl else f"{ddl.rstrip()} SETTINGS {disk}"
             client.command(ddl)
     except Exception as exc:
-        raise StoreError(f"cannot read the read-only store {location.redacted()}: {_first_line(exc)}") from None
+        raise StoreError(f"cannot read the read-only store {location.redacted()}: {first_line(exc)}") from None
     return client
 
 
@@ -366,7 +362,7 @@ def _open_server(location: Location):
 def _unreachable(exc: BaseException, location: Location) -> str:
     """Why a server could not be reached, in a few words: the OS's reason when the driver's message quotes
     one (under a retry dump of urllib3), else its first line; never the password."""
-    text = _first_line(exc)
+    text = first_line(exc)
     reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text) or re.search(r"(timed out|Name or service not known)", text)
     if reason:
         text = reason[1].strip().rstrip(".")

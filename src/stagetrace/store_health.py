@@ -30,6 +30,14 @@ CHECK_EVERY_S = 60.0
 BROKEN_PARTS = MetricSpec("stagetrace_store_broken_parts", GAUGE,
                           "Parts of the store's tables that the engine detached as broken: their rows are not read.",
                           ("table",))  # fmt: skip
+LOST_ROWS = MetricSpec("stagetrace_store_lost_rows", GAUGE,
+                       "Rows of broken parts that neither the parts they were merged from nor the spool's kept records "
+                       "put back, while the part is under detached/ (a part whose row count is unreadable counts one).",
+                       ("table",))  # fmt: skip
+LOST_FIRST = MetricSpec("stagetrace_store_lost_rows_first_timestamp_seconds", GAUGE,
+                        "The earliest time of the rows stagetrace_store_lost_rows counts (0: unknown).", ("table",))
+LOST_LAST = MetricSpec("stagetrace_store_lost_rows_last_timestamp_seconds", GAUGE,
+                       "The latest time of the rows stagetrace_store_lost_rows counts (0: unknown).", ("table",))
 
 # detached parts' reasons that mean damage (the others: detached by a person, or the engine's temporary states)
 _DAMAGED = "(startsWith(reason, 'broken') OR reason IN ('unexpected', 'covered-by-broken', 'noquorum'))"
@@ -98,18 +106,28 @@ class StoreHealth:
         self.restore = restore  # called with the parts found for the first time
         self.every_s = every_s
         self._lock = threading.Lock()
+        self._checking = threading.Lock()  # the agent's loop and the part guard (after a reload) both check
         self._due = 0.0
         self._reported: set[tuple[str, str]] = set()
         self._counts: dict[str, int] = {}
+        self._lost: dict[str, tuple[int, list[int], list[int]]] = {}  # table -> rows, first and last times (ns)
         self._tables: list[str] = []
         self._time_columns: dict[str, tuple[str, str]] = {}
+        self._known: dict[tuple[str, str], object] = {}  # (table, part) -> part_guard.ShortPart
         self.failed = False  # the last check could not ask the store
 
     def due(self) -> bool:
         return time.monotonic() >= self._due
 
-    def check(self) -> list[BrokenPart]:
-        """Ask the store now: the broken parts detached, each logged once (the first time it is seen)."""
+    def check(self, known=()) -> list[BrokenPart]:
+        """Ask the store now: the broken parts detached, each logged once (the first time it is seen). ``known``:
+        what the part guard knew of parts it had the engine detach (``part_guard.ShortPart``), for those whose own
+        files no longer say their rows and time range."""
+        with self._checking:
+            self._known.update({(p.table, p.name): p for p in known})
+            return self._check()
+
+    def _check(self) -> list[BrokenPart]:
         self._due = time.monotonic() + self.every_s
         db = {"db": self.store.database}
         try:
@@ -134,10 +152,18 @@ class StoreHealth:
                 self._reported.add((part.table, part.name))
                 logger.error("%s", part.line())
                 found.append(part)
+        if self.restore is not None and (found or getattr(self.restore, "waiting", None)):
+            self.restore(found)  # with the parts whose restore failed before
+        tally = getattr(self.restore, "lost", {})  # the restorer's, kept on disk across restarts
+        lost: dict[str, tuple[int, list[int], list[int]]] = {}  # table -> rows, first and last times (ns)
+        for part in parts:  # the rows lost with parts still there to look at
+            rows, first, last = tally.get(f"{part.table}/{part.name}", (0, None, None))
+            if rows:
+                had, firsts, lasts = lost.get(part.table, (0, [], []))
+                firsts, lasts = firsts + [first] * (first is not None), lasts + [last] * (last is not None)
+                lost[part.table] = (had + rows, firsts, lasts)
         with self._lock:
-            self._counts = counts
-        if found and self.restore is not None:
-            self.restore(found)
+            self._counts, self._lost = counts, lost
         return parts
 
     def _describe(self, table: str, name: str, reason: str, size: int, path: str) -> BrokenPart:
@@ -155,6 +181,10 @@ class StoreHealth:
         if table in self._time_columns:
             span = _min_max(directory, *self._time_columns[table])
         first, last = span if span else (None, None)
+        known = self._known.get((table, name.removeprefix((reason or "") + "_")))
+        if known is not None:  # the engine's own count and range, from before the part was detached
+            rows = known.rows if rows is None else rows
+            first, last = (known.first, known.last) if span is None else (first, last)
         return BrokenPart(table, name, reason or "", int(size), str(directory), rows, first, last)
 
     def families(self, host: str):
@@ -162,7 +192,11 @@ class StoreHealth:
         with self._lock:
             for table, n in sorted(self._counts.items()):
                 out.add_series(BROKEN_PARTS, (table,), n)
+                rows, firsts, lasts = self._lost.get(table, (0, [], []))
+                out.add_series(LOST_ROWS, (table,), rows)
+                out.add_series(LOST_FIRST, (table,), min(firsts, default=0) / 1e9)
+                out.add_series(LOST_LAST, (table,), max(lasts, default=0) / 1e9)
         return out.families(host)
 
 
-__all__ = ["BROKEN_PARTS", "BrokenPart", "CHECK_EVERY_S", "StoreHealth"]
+__all__ = ["BROKEN_PARTS", "BrokenPart", "CHECK_EVERY_S", "LOST_ROWS", "StoreHealth"]
