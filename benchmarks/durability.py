@@ -27,7 +27,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks import Figure, benchmark
+from benchmarks import Figure, benchmark, median_seconds
 from benchmarks.soak import SPANS_PER_BATCH, _batch, _rss_mib
 from stagetrace.exporters import spool
 from stagetrace.store import open_store
@@ -299,4 +299,62 @@ def reserve(quick: bool) -> list[Figure]:
                before_36, rate["before"]),
         Figure("reserve check per request (statvfs cached for 0.25 s)", check_ns, "ns", "one statvfs", statvfs_ns),
         Figure("reserve check per span (512-span requests)", check_ns / 512, "ns"),
+    ]  # fmt: skip
+
+
+@benchmark("part_guard")
+def part_guard(quick: bool) -> list[Figure]:
+    """What issue 50's guard costs the write path, in one run: the same OTLP/HTTP requests of 512 spans into two
+    receivers on one embedded store, alternating, the clock stopping when every span is in ``otel_traces``: one
+    whose writer has every insert's parts checked before it retires the records (``part_guard``, as the agent
+    runs it), one without. Beside it, one round of the guard's check (a ``system.parts`` query) on that store."""
+    import statistics
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    from benchmarks.export import make_spans
+    from stagetrace.exporters.otlp import OtlpReceiver
+    from stagetrace.part_guard import PartGuard
+
+    requests, rounds = (40, 1) if quick else (400, 4)
+    spans = make_spans(requests * 512 // 6 + 1)
+    bodies = [encode_spans(spans[i:i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
+    names = ("guarded", "unguarded")
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+            open_store(f"chdb://{directory}/store") as store:  # fmt: skip
+        guard = PartGuard(store)
+        guard.check()  # what is there now: the parts made from here on are checked
+        receivers = {"guarded": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/a", part_guard=guard),
+                     "unguarded": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b")}  # fmt: skip
+        try:
+            for round_ in range(rounds * 2):
+                for name in names[round_ % 2:] + names[:round_ % 2]:  # each goes first in turn
+                    receiver = receivers[name]
+                    conn = http.client.HTTPConnection("127.0.0.1", int(receiver.url.rsplit(":", 1)[1]), timeout=60)
+                    started = time.perf_counter()
+                    for body in bodies:
+                        conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+                        response = conn.getresponse()
+                        response.read()
+                        if response.status != 200:
+                            raise RuntimeError(f"the receiver answered {response.status}")
+                    if not receiver.writer.flush(120):
+                        raise RuntimeError("the spool did not drain")
+                    seconds[name].append(time.perf_counter() - started)
+                    conn.close()
+                    bodies = [body + b"\x0a\x00" for body in bodies]  # an empty ResourceSpans more: new requests
+        finally:
+            for receiver in receivers.values():
+                receiver.close()
+        parts = int(store.client.command("SELECT count() FROM system.parts WHERE database = 'stagetrace' AND active"))
+        check_s = median_seconds(guard.check, 5 if quick else 50)
+    if guard.undone:
+        raise RuntimeError(f"the guard found parts short on a disk with room: {guard.undone}")
+    total = len(bodies) * 512
+    rate = {name: total / statistics.median(values) for name, values in seconds.items()}
+    return [
+        Figure(f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, each insert's parts checked before its "
+               "records are retired", rate["guarded"], "spans/s", "the same without the part guard", rate["unguarded"]),
+        Figure(f"one round of the part guard's check ({parts} active parts)", check_s * 1e3, "ms"),
     ]  # fmt: skip
