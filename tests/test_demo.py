@@ -407,6 +407,12 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
         assert "retrieval" in pasted.stdout and "decode" in pasted.stdout if " trace " in command else True
 
 
+def _started(dsn: str) -> str:
+    with open_store(dsn) as store:
+        return store.client.command("SELECT formatDateTime(min(Started), '%Y-%m-%d %H:%i', 'UTC') "
+                                    "FROM stagetrace.stagetrace_demo_runs")
+
+
 def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tmp_path):
     """Runs must not mix: the same seed gives the same request IDs, and counts would no longer agree."""
     dsn = f"chdb://{tmp_path / 'store'}"
@@ -422,8 +428,9 @@ def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tm
     again = _demo(*small)
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.strip().splitlines() == [
-        f"stagetrace demo: the store {dsn} already holds a demo run: add --fresh to empty it first, "
-        "or --append to add this run beside it"]  # fmt: skip
+        f"stagetrace demo: the store {dsn} already holds a demo run of {_started(dsn)} UTC: add --fresh to remove "
+        "it first (the demo's own spans, samples and ground truth; other services' data stays), or --append to add "
+        "this run beside it"]  # fmt: skip
     assert requests() == (40, 40)  # the refused run wrote nothing
     fresh = _demo(*small, "--fresh")
     assert fresh.returncode == 0, fresh.stderr
