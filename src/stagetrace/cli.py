@@ -556,6 +556,35 @@ def _query_limits(args):
     return QueryLimits(**chosen)
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _did_you_mean(word: str, known) -> str:
+    """`` (did you mean --json?)`` for the known word closest to a mistyped one, or nothing when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> argparse.Namespace:
+    """The arguments; a mistyped command or option is named with the closest right one, and an option unknown to a
+    command gets that command's usage, not the top level's (argparse hands unknown options up to the top level)."""
+    commands = _subcommands(parser)
+    if command is not None and command not in commands:
+        parser.error(f"unknown command {command!r}{_did_you_mean(command, commands)}; the commands: "
+                     + ", ".join(commands))
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = commands[args.command]
+        options = [o for action in sub._actions for o in action.option_strings]
+        unknown = next((word for word in extra if word.startswith("-")), extra[0])
+        hint = _did_you_mean(unknown.split("=", 1)[0], options) if unknown.startswith("-") else ""
+        sub.error(f"unrecognized argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}{hint}")
+    return args
+
+
 def _interrupt_once(signum, frame):
     """SIGINT's handler while the demo runs: a KeyboardInterrupt once; later ones are ignored, so that stopping the
     child processes and marking the run interrupted is not itself interrupted (a held-down Ctrl-C sends several)."""
@@ -573,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGINT, _interrupt_once)
     try:
-        args = build_parser(collector_flags=command in ("collect", "agent")).parse_args(argv)
+        args = _parse(build_parser(collector_flags=command in ("collect", "agent")), argv, command)
     except KeyboardInterrupt:
         if command == "demo":
             print("stagetrace demo: interrupted before the run began: nothing was written", file=sys.stderr)
