@@ -52,12 +52,14 @@ def _plain(cell: Cell) -> str:
 
 
 def wrapped(text: Text, width: int) -> list[Text]:
-    """``text`` in lines of at most ``width`` cells, broken only between words: an ID a person copies is never split
-    (a word wider than the line stands alone on its own line), its styles kept."""
+    """``text`` in lines of at most ``width`` cells, broken only between words or after the comma or semicolon of a
+    list (``gpu.uuids``: UUIDs joined by commas): an ID a person copies is never split (a word wider than the line
+    stands alone on its own line), its styles kept. A list without spaces was one word, wider than the line, which
+    the terminal then folded in the middle of a UUID."""
     out: list[Text] = []
     for paragraph in text.split("\n", allow_blank=True):
         offsets, start = [], 0
-        for word in re.finditer(r"\S+", paragraph.plain):
+        for word in re.finditer(r"[^\s,;]+[,;]*|[,;]+", paragraph.plain):
             if word.end() - start > width and paragraph.plain[start:word.start()].strip():
                 offsets.append(word.start())
                 start = word.start()
