@@ -31,7 +31,8 @@ def _trace_json(capsys, *argv):
 
 
 def _write_with_plain_sdk(dsn, request_id):
-    """Spans made with the bare SDK that follow DESIGN.md's conventions; exact timestamps so durations are known."""
+    """Spans made with the bare SDK that follow the span conventions (docs/design.md#span-conventions); exact
+    timestamps so durations are known."""
     exporter = ClickHouseSpanExporter(store=dsn)
     provider = TracerProvider(resource=Resource.create({"service.name": "plain-sdk", "host.name": "gpu-node-3"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
