@@ -311,7 +311,7 @@ def _has_column(store: Store, table: str, column: str) -> bool:
         parameters={"db": store.database, "t": table, "c": column}))  # fmt: skip
 
 
-def others(store: Store, where_spans: str = "1", where_samples: str = "1") -> list[str]:
+def _others(store: Store, where_spans: str = "1", where_samples: str = "1") -> list[str]:
     """What else the store holds than the demo's rows: ``service (N traces)`` and ``host (N samples)``."""
     found = [f"{service or '(no service)'} ({n} trace{'s' if n != 1 else ''})" for service, n in store.client.query(
         f"SELECT ServiceName, uniqExact(TraceId) FROM {{db:Identifier}}.otel_traces WHERE {where_spans} "
@@ -331,7 +331,7 @@ def _remove_untagged(store: Store) -> None:
     names would tell its rows from others', and another service may use those names too. Safe only when the store
     holds nothing else: then it is emptied, as the older demo did; otherwise refused, naming what else it holds."""
     services = ", ".join(repr(s) for s in SERVICES)
-    foreign = others(store, f"ServiceName NOT IN ({services})",
+    foreign = _others(store, f"ServiceName NOT IN ({services})",
                      f"NOT match(ResourceAttributes['host.name'], {_DEMO_HOST!r})")  # fmt: skip
     if foreign:
         shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
