@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from stagetrace import conventions
 from stagetrace.conventions import PIPELINE_STAGES
 
-# -- span columns and conditions (DESIGN.md "Span conventions"). Stage panels read stagetrace_stages, where the
+# -- span columns and conditions (docs/design.md#span-conventions). Stage panels read stagetrace_stages, where the
 # store has already named each span's stage by the conventions, whichever producer wrote it.
 HOST = f"ResourceAttributes['{conventions.HOST}']"  # on otel_traces and stagetrace_stages alike
 STAGES = "stagetrace_stages"
@@ -52,8 +52,8 @@ def any_selected(column: str, variable: str) -> str:
 def majority_outputs(where: str) -> str:
     """Per input digest seen at least twice, the output most requests with that input produced.
 
-    DESIGN.md's baseline for "this output deviates": the majority output among requests with the
-    same ``stagetrace.input.digest``. A tie picks one of the tied outputs.
+    The baseline (docs/design.md#divergence-and-cause) for "this output deviates": the majority output among
+    requests with the same ``stagetrace.input.digest``. A tie picks one of the tied outputs.
     """
     return (
         "SELECT InputDigest, argMax(OutputDigest, requests) AS majority FROM ("

@@ -38,7 +38,7 @@ def stage_ratio(stage: str, ratio: str, name: str, over_time: bool) -> str:
 
 
 def stage_variable() -> dict:
-    # pipeline order first, then any other stage by when it was first seen (DESIGN.md)
+    # pipeline order first, then any other stage by when it was first seen (docs/design.md#span-conventions)
     sql = (
         f"SELECT stage FROM (SELECT {STAGE} AS stage, min(Start) AS first_seen FROM {STAGES} "
         f"WHERE $__timeFilter(Start) GROUP BY stage) "

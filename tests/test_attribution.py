@@ -4,7 +4,7 @@ remote TP ranks, nondeterminism by design, and divergences nothing recorded expl
 Each test records a small simulated fleet (``tests/fleet.py``: several hosts, explicit timestamps over simulated
 minutes, per-stage settings and measurements, TP ranks on their own hosts) into a real embedded store, then checks
 what ``Explainer.explain`` and ``divergences.find`` conclude. The fleets stand for classes of cases operators meet
-(DESIGN.md "What the baseline must respect"), not for any demo: every verdict is derived from how the fleet was
+(docs/design.md#what-the-baseline-must-respect), not for any demo: every verdict is derived from how the fleet was
 built, never from numbers tuned to an implementation.
 
 Every explain report also goes through :func:`checked`, the contract every report keeps (causes best first, all

@@ -114,3 +114,28 @@ def test_otlp_attributes_of_every_type_including_non_utf8_bytes_are_stored(store
     assert stored["kvlist"] == '{"k":2.5}' and stored["nested"] == "[1,\"('in',)\"]"
     assert stored["unset"] == "" and stored["double"] == "nan" and stored["int"] == str(-(2**63))
     assert stored["bool"] == "true"
+
+
+@pytest.mark.parametrize("argv, usage, hint", [
+    (["trace", "req-1", "--jsn"], "usage: stagetrace trace ", "unrecognized argument: --jsn (did you mean --json?)"),
+    (["explain", "req-1", "--agaisnt=req-2"], "usage: stagetrace explain ", "(did you mean --against?)"),
+    (["divergences", "--sine", "1h"], "usage: stagetrace divergences ", "(did you mean --since?)"),
+    (["tarce", "req-1"], "usage: stagetrace [-h]", "unknown command 'tarce' (did you mean trace?)"),
+    (["demmo"], "usage: stagetrace [-h]", "unknown command 'demmo' (did you mean demo?)"),
+])  # fmt: skip
+def test_a_mistyped_option_or_command_gets_its_usage_and_the_closest_word(argv, usage, hint):
+    """The usage shown is the command's own (what options it takes), and the right word is named."""
+    done = subprocess.run([sys.executable, "-m", "stagetrace", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(usage), done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert hint in last and "Traceback" not in done.stderr
+    if "unknown command" in last:
+        assert last.endswith("the commands: schema, trace, explain, divergences, demo, collect, agent, analyse, provision")
+
+
+def test_a_word_close_to_nothing_gets_no_guess():
+    done = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "req-1", "--zzzzzz"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
+        "stagetrace trace: error: unrecognized argument: --zzzzzz")

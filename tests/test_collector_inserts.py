@@ -8,10 +8,10 @@ through a plain ``INSERT`` as the Collector sends them.
 What is real and what is recorded:
 - recorded: the Collector's DDL of each generation (``tests/fixtures/collector/{current,previous}.sql``, its
   rendered templates, loaded with ``test_collector_generations.adopted`` as the other generation tests do), and the
-  shape of its insert, taken from the exporter (``internal/sqltemplates/traces_insert.sql`` and ``pushTraceData``;
-  ``/work/shared/reference/clickhouse_grafana.md`` §1.3): the 22 columns in that order, TraceId and SpanId as
-  lowercase hex, ``SpanKind`` and ``StatusCode`` as pdata's ``String()`` (``Server``, ``Internal``, ``Unset``),
-  ``ServiceName`` from the resource's ``service.name``, the resource's attributes as they are, the scope in
+  shape of its insert, taken from the exporter (``internal/sqltemplates/traces_insert.sql`` and ``pushTraceData`` in
+  opentelemetry-collector-contrib's ``exporter/clickhouseexporter``): the 22 columns in that order, TraceId and
+  SpanId as lowercase hex, ``SpanKind`` and ``StatusCode`` as pdata's ``String()`` (``Server``, ``Internal``,
+  ``Unset``), ``ServiceName`` from the resource's ``service.name``, the resource's attributes as they are, the scope in
   ``ScopeName``/``ScopeVersion``, ``Duration`` as end minus start in nanoseconds, ``Timestamp`` the span's start,
   empty ``Events.*``/``Links.*`` arrays; one ``INSERT`` per exported batch (clickhouse-go sends a prepared
   statement's rows as one block at commit), with ``async_insert = 1`` as the exporter has defaulted since PR #33614

@@ -2,8 +2,8 @@
 derived from content, content kept out of stagetrace's tables.
 
 Span shapes are those each producer emits, with names and attributes from their sources
-(reference/instrumentation_conventions.md); they are made with the plain OpenTelemetry SDK and written to a real
-embedded store, whose materialized views do the reading.
+(docs/design.md#instrumentation-already-in-the-field); they are made with the plain OpenTelemetry SDK and
+written to a real embedded store, whose materialized views do the reading.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ hosts); the fabric and weights half hour the demo also plays has tests of its ow
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -330,14 +331,14 @@ def test_same_seed_same_run(tmp_path):
 
 def _timeline(dsn: str) -> tuple[list, list]:
     """What a machine's speed could change in a run's store: when each request started (from the run's first) and
-    the truth table's rows."""
+    the truth table's rows (without the ID of the run that wrote them, which is each run's own)."""
     with open_store(dsn) as store:
         starts = store.client.query(
             "SELECT RequestId, toUnixTimestamp64Nano(Start) - toUnixTimestamp64Nano(min(Start) OVER ()) "
             "FROM {db:Identifier}.stagetrace_requests WHERE ServiceName = {service:String} ORDER BY RequestId",
             parameters={"db": store.database, **PIPELINE},
         ).result_rows
-        truth = store.client.query(f"SELECT * FROM {{db:Identifier}}.{demo.TRUTH_TABLE} ORDER BY RequestId",
+        truth = store.client.query(f"SELECT * EXCEPT Run FROM {{db:Identifier}}.{demo.TRUTH_TABLE} ORDER BY RequestId",
                                    parameters={"db": store.database}).result_rows  # fmt: skip
     return starts, truth
 
@@ -407,6 +408,12 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
         assert "retrieval" in pasted.stdout and "decode" in pasted.stdout if " trace " in command else True
 
 
+def _started(dsn: str) -> str:
+    with open_store(dsn) as store:
+        return store.client.command("SELECT formatDateTime(min(Started), '%Y-%m-%d %H:%i', 'UTC') "
+                                    "FROM stagetrace.stagetrace_demo_runs")
+
+
 def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tmp_path):
     """Runs must not mix: the same seed gives the same request IDs, and counts would no longer agree."""
     dsn = f"chdb://{tmp_path / 'store'}"
@@ -422,8 +429,9 @@ def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tm
     again = _demo(*small)
     assert again.returncode == 2 and again.stdout == ""
     assert again.stderr.strip().splitlines() == [
-        f"stagetrace demo: the store {dsn} already holds a demo run: add --fresh to empty it first, "
-        "or --append to add this run beside it"]  # fmt: skip
+        f"stagetrace demo: the store {dsn} already holds a demo run of {_started(dsn)} UTC: add --fresh to remove "
+        "it first (the demo's own spans, samples and ground truth; other services' data stays), or --append to add "
+        "this run beside it"]  # fmt: skip
     assert requests() == (40, 40)  # the refused run wrote nothing
     fresh = _demo(*small, "--fresh")
     assert fresh.returncode == 0, fresh.stderr
@@ -432,3 +440,32 @@ def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tm
     appended = _demo(*small, "--append")
     assert appended.returncode == 0, appended.stderr
     assert requests() == (80, 80)  # request IDs of its own
+
+
+def test_the_summary_counts_add_up_and_name_what_is_no_deviation(tmp_path):
+    """The table's rows are the deviating outputs by the fault behind each, and sum to the headline; the expected
+    changes of the rollout and the requests sampled without a seed are counted apart, as what they are, and the
+    first example to look up is a fault's."""
+    dsn = f"chdb://{tmp_path / 'store'}"
+    done = _demo("--store", dsn)  # the defaults: a rollout wave and the unseeded tenant both happen
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    headline = int(re.search(r"^deviating outputs: (\d+) ", done.stdout, re.M)[1])
+    title = lines.index(f"# the {headline} deviating outputs by cause (ground truth: the injected fault)")
+    assert lines[title + 1] == "cause\tstage\trequests\te.g."
+    rows = [line.split("\t") for line in itertools.takewhile(lambda line: "\t" in line, lines[title + 2:])]
+    assert rows and sum(int(requests) for _, _, requests, _ in rows) == headline
+    with open_store(dsn) as store:
+        truth = {rid: (cause, bool(expected), bool(nondet)) for rid, cause, expected, nondet in store.client.query(
+            "SELECT RequestId, Cause, Expected, Nondeterministic FROM stagetrace.stagetrace_demo_truth").result_rows}
+    for cause, _, _, example in rows:  # each row's example is a fault of that cause
+        assert truth[example] == (cause, False, False)
+    expected = Counter(cause for cause, e, _ in truth.values() if e)
+    nondeterministic = sum(n for _, _, n in truth.values())
+    assert expected and nondeterministic
+    left_out = next(line for line in lines if line.startswith("not counted as deviating: "))
+    for cause, n in expected.items():
+        assert f"{n} expected changes while {cause} rolled out" in left_out
+    assert f"{nondeterministic} nondeterministic requests (sampled without a seed" in left_out
+    first = re.search(r"explain (req-[0-9a-f]+)", done.stdout)[1]
+    assert first == rows[0][3] and truth[first][1:] == (False, False)

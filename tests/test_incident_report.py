@@ -100,3 +100,64 @@ def test_the_reports_charts_share_one_span_show_the_rise_and_shade_the_stage_vis
     ys = [float(point.split(",")[1]) for point in re.search(r'class="series" points="([^"]+)"', chart)[1].split()]
     assert ys[0] > ys[-1]  # it rises within the chart (SVG y grows downwards)
     assert re.search(rf">\+{re.escape(hardware['value'].lstrip('+'))}<", chart), hardware["value"]  # the axis: +1
+
+
+# Measures the page as the browser laid it out, at the width asked for: whether anything reaches past the window's
+# right edge (the page scrolls sideways), which cells of the causes table do, and whether any <code> (an ID, a
+# UUID) was broken over two lines. The report itself runs no script (its CSP forbids it): the probe is added to a
+# copy of the page for the test.
+_PROBE = """<script>
+const width = document.documentElement.clientWidth, found = [];
+const scrolled = document.documentElement.scrollWidth;
+if (scrolled > width) found.push("the page scrolls to " + scrolled);
+for (const cell of document.querySelectorAll("#causes th, #causes td")) {
+  const right = cell.getBoundingClientRect().right;
+  if (right > width + 0.5) found.push("past the edge at " + right + ": " + cell.textContent.slice(0, 80));
+}
+for (const code of document.querySelectorAll("#causes code")) {
+  if (code.getClientRects().length > 1) found.push("broken over lines: " + code.textContent);
+}
+document.body.insertAdjacentHTML("beforeend", "<pre id=probe>" + JSON.stringify({width, found}) + "</pre>");
+</script>"""
+UUIDS = ",".join(f"GPU-5b2a1f0e-{i:04d}-4c1d-9e2f-0a1b2c3d4e5f" for i in range(8))  # a TP=8 stage's gpu.uuids
+
+
+def _laid_out(component, page: Path, width: int) -> dict:
+    probe = page.with_suffix(".probe.html")
+    html = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", page.read_text())
+    probe.write_text(html.replace("</body>", _PROBE + "</body>"))
+    loaded = browser(component, f"--window-size={width},900", "--virtual-time-budget=2000", "--dump-dom",
+                     probe.as_uri())  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+    return json.loads(re.search(r'<pre id="probe">(.*?)</pre>', loaded.stdout, flags=re.S)[1])
+
+
+def test_no_report_of_the_demos_causes_overflows_at_1280_px(component, cli_demo, tmp_path):
+    """For one request of each cause the demo injects, and with a row whose values are a TP=8 stage's GPU UUIDs and
+    a single 120-character word added to its causes table: nothing runs past the right edge of a 1280 px window,
+    and no ID is broken (a list wraps between its UUIDs, the long word is shortened, whole on hover)."""
+    from stagetrace.report import _value
+
+    dsn, demo = cli_demo
+    examples = {}
+    for truth in demo["truth"]:
+        examples.setdefault(truth["cause"], truth["request_id"])
+    long_word = "w" * 120
+    # the widest of each column at once: a long counter's name, lists of UUIDs, a word without separators, and an
+    # evidence that names a GPU by its UUID
+    row = (f"<tr><td class=num>9</td><td><code>rdma_local_ack_timeout_err_total</code></td><td>attribute</td>"
+           f"<td>{_value(UUIDS)}<div class=vs>baseline: {_value(long_word)}</div></td><td class=num>0.50</td>"
+           f"<td>rank 3: on <code>{UUIDS.split(',')[0]}</code> (gpu-node-02), shared with a tenant</td></tr>")
+    assert f'title="{long_word}"' in row and "…" in row
+    for cause, request in sorted(examples.items()):
+        page = tmp_path / f"{cause}.html"
+        run = subprocess.run([*STAGETRACE, "explain", request, "--store", dsn, "--html", str(page)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        html = page.read_text()
+        if 'id="causes"' in html:
+            causes = html.index('id="causes"')
+            end = html.index("</table>", causes)
+            page.write_text(html[:end] + row + html[end:])
+        laid = _laid_out(component, page, 1280)
+        assert laid["width"] <= 1280 and laid["found"] == [], (cause, laid)

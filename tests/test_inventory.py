@@ -1,4 +1,4 @@
-"""The GPU inventory joined to spans whose process recorded no configuration (DESIGN.md "Configuration is evidence").
+"""The GPU inventory joined to spans whose process recorded no configuration (docs/design.md#configuration-is-evidence).
 
 A fleet whose serving processes ran without stagetrace's resource detector records no GPU model or driver on its
 spans, only ``host.name`` and, on decode, ``gpu.uuid``. The agent on each host exports its GPUs as ``gpu_info``

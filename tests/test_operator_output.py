@@ -100,6 +100,22 @@ def test_on_a_terminal_every_id_is_whole_on_one_line(demo_store, command, column
     assert_ids_whole(shown, expected)
 
 
+def test_a_list_of_gpu_uuids_wraps_between_uuids_at_80_columns(demo_store):
+    """A cause whose value is a stage's GPU UUIDs joined by commas (the all-reduce's ``gpu.uuids``, as wide as four
+    UUIDs): at 80 columns it wraps after a comma, never inside a UUID (it was one word, wider than the line, which
+    the terminal folded wherever the line ended)."""
+    dsn, demo = demo_store
+    request = next(t["request_id"] for t in demo["truth"] if t["cause"] == "allreduce.algorithm")
+    report = json_of("explain", request, "--store", dsn)
+    lists = [c for c in report["causes"][:8] if c["name"] == "gpu.uuids" and "," in c["value"]]
+    assert lists, [c["name"] for c in report["causes"]]
+    status, shown = run_on_terminal([*STAGETRACE, "explain", request, "--store", dsn], 80)
+    assert status == 0, shown
+    uuids = {u for c in lists for u in (c["value"] + "," + c["baseline_value"]).split(",") if u}
+    assert max(map(len, shown.splitlines())) <= 80
+    assert_ids_whole(shown, uuids | {request, report["trace_id"]})
+
+
 def test_trace_at_80_columns_shows_host_rank_gpu_and_settings(demo_store):
     dsn, demo = demo_store
     argv = commands(dsn, demo)["trace"]
@@ -250,15 +266,19 @@ def test_a_store_on_a_read_only_filesystem_is_read_in_place(demo_store, tmp_path
                       min_size=1, max_size=30),
        width=st.integers(min_value=10, max_value=120))  # fmt: skip
 def test_free_text_breaks_only_between_words(words, width):
-    """A free-text line on a terminal (explain's verdict, trace's attribute names): every line fits, or holds one
-    word wider than the line alone; every word (an ID to copy) comes out whole, in order."""
+    """A free-text line on a terminal (explain's verdict, trace's attribute names): broken only between words or
+    after the comma or semicolon of a list (UUIDs joined by commas); every line fits, or holds one piece wider than
+    the line alone; every piece (an ID to copy) comes out whole, in order."""
     from rich.text import Text
 
     from stagetrace.render import wrapped
 
+    def pieces(text: str) -> list[str]:
+        return re.findall(r"[^\s,;]+[,;]*|[,;]+", text)
+
     lines = [line.plain for line in wrapped(Text(" ".join(words)), width)]
-    assert [w for line in lines for w in line.split()] == words
-    assert all(len(line) <= width or len(line.split()) == 1 for line in lines)
+    assert [p for line in lines for p in pieces(line)] == [p for word in words for p in pieces(word)]
+    assert all(len(line) <= width or len(pieces(line)) == 1 for line in lines)
 
 
 def test_the_divergences_header_counts_unseeded_requests_by_service():

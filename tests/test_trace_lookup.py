@@ -1,5 +1,6 @@
 """Trace lookup by request ID, for spans from the stage-span API and from the plain OpenTelemetry SDK."""
 
+import io
 import json
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def _trace_json(capsys, *argv):
 
 
 def _write_with_plain_sdk(dsn, request_id):
-    """Spans made with the bare SDK that follow DESIGN.md's conventions; exact timestamps so durations are known."""
+    """Spans made with the bare SDK that follow the span conventions (docs/design.md#span-conventions); exact
+    timestamps so durations are known."""
     exporter = ClickHouseSpanExporter(store=dsn)
     provider = TracerProvider(resource=Resource.create({"service.name": "plain-sdk", "host.name": "gpu-node-3"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -312,3 +314,48 @@ def test_many_traces_are_read_whole_in_the_seconds_they_ran(store_dsn):
                    {t: [s.span_id for s in spans] for t, spans in whole.items()} and len(found) == 6
             assert len(found[asked[-1]]) == 2
         assert lookup.spans_of_many(store, [], window) == {}
+
+
+def _write_ties(dsn, request_id):
+    """A request whose root and first stage start in the same nanosecond, and four TP ranks that start together,
+    written in an order that is neither (ranks 3, 0, 2, 1; the stage before its root)."""
+    exporter = ClickHouseSpanExporter(store=dsn)
+    provider = TracerProvider(resource=Resource.create({"service.name": "ties", "host.name": "gpu-node-1"}))
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("ties")
+    root = tracer.start_span("inference.request", kind=SpanKind.SERVER, start_time=T0, attributes={
+        "stagetrace.request.id": request_id, "stagetrace.input.digest": "in"})
+    ctx = set_span_in_context(root)
+    retrieval = tracer.start_span("retrieval", context=ctx, start_time=T0, attributes={"stagetrace.stage": "retrieval"})
+    retrieval.end(end_time=T0 + 1_000_000)
+    ranks = [tracer.start_span("allreduce", context=ctx, start_time=T0 + 2_000_000, attributes={
+        "stagetrace.stage": "allreduce", "parallel.tp_rank": rank}) for rank in (3, 0, 2, 1)]
+    for span in ranks:
+        span.end(end_time=T0 + 3_000_000)
+    root.set_attribute("stagetrace.output.digest", "out")
+    root.end(end_time=T0 + 4_000_000)
+    provider.shutdown()
+
+
+def test_spans_whose_starts_tie_are_listed_parent_first_then_by_rank(store_dsn, capsys):
+    """Ties broken the same way in every view: the JSON, the terminal's waterfall, the report's SVG (span IDs are
+    random, so the order the SQL alone gave varied from request to request)."""
+    from rich.console import Console
+
+    from stagetrace.render import Output, waterfall
+    from stagetrace.report import waterfall_svg
+
+    expected = ["inference.request", "retrieval", "allreduce[0]", "allreduce[1]", "allreduce[2]", "allreduce[3]"]
+    for n in range(4):
+        _write_ties(store_dsn, f"ties-{n}")
+        doc = _trace_json(capsys, f"ties-{n}", "--store", store_dsn)
+        assert [(s["stage"] or s["name"]) + (f"[{s['rank']}]" if s.get("rank") else "") for s in doc["spans"]] == expected
+        with open_store(store_dsn) as store:
+            trace = lookup.by_request_id(store, f"ties-{n}")
+        console = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None, record=True)
+        waterfall(Output(console), trace)
+        rows = [line.split()[0] for line in console.export_text().splitlines() if "█" in line]  # the table's rows
+        assert rows == expected
+        svg = waterfall_svg(trace, None)
+        labels = [label for label in expected if f">{label}</text>" in svg]
+        assert sorted(labels, key=svg.index) == expected

@@ -100,7 +100,9 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=7, metavar="S", help="the same seed gives the same requests, faults and outputs")
     p.add_argument("--json", action="store_true", help="print {requests, deviating, truth} as JSON")
     earlier = p.add_mutually_exclusive_group()
-    earlier.add_argument("--fresh", action="store_true", help="empty a store that holds an earlier run first")
+    earlier.add_argument("--fresh", action="store_true",
+                         help="remove earlier demo runs first: the demo's own spans, samples and ground truth; other "
+                              "services' data stays")
     earlier.add_argument("--append", action="store_true",
                          help="add this run beside an earlier one (its own request IDs; counts then cover both)")
     p.set_defaults(run=_demo)
@@ -305,6 +307,24 @@ def _divergences(args) -> int:
 
 
 def _demo(args) -> int:
+    """The demo, safe to interrupt: a Ctrl-C ends it in one line and exit status 130 (its child processes ignore
+    it, ``demo._quiet``, and are stopped by this one; ``main`` installed ``_interrupt_once``)."""
+    began, finished = [], []
+    try:
+        return _run_demo(args, began.append, finished.append)
+    except KeyboardInterrupt:
+        if finished:
+            what = " after the run completed: the store holds it whole"
+        elif began:
+            what = ("; the store marks this run as interrupted (stagetrace_demo_runs), and the next `stagetrace demo` "
+                    "removes what it wrote")  # fmt: skip
+        else:
+            what = " before the run began: nothing was written"
+        print(f"stagetrace demo: interrupted{what}", file=sys.stderr)
+        return 130
+
+
+def _run_demo(args, began, finished) -> int:
     from stagetrace import demo
     from stagetrace.render import Output, demo_summary, progress_bar
     from stagetrace.store import StoreError, open_store
@@ -315,10 +335,12 @@ def _demo(args) -> int:
         try:
             earlier = "fresh" if args.fresh else "append" if args.append else "refuse"
             result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress,
-                              earlier=earlier)  # fmt: skip
+                              earlier=earlier, notice=lambda line: print(f"stagetrace demo: {line}", file=sys.stderr),
+                              began=lambda: began(True))  # fmt: skip
         except demo.DemoError as exc:
             print(f"stagetrace demo: {exc}", file=sys.stderr)
             return 2
+        finished(True)
         location = store.location
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=2)
@@ -534,10 +556,57 @@ def _query_limits(args):
     return QueryLimits(**chosen)
 
 
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def _did_you_mean(word: str, known) -> str:
+    """`` (did you mean --json?)`` for the known word closest to a mistyped one, or nothing when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None) -> argparse.Namespace:
+    """The arguments; a mistyped command or option is named with the closest right one, and an option unknown to a
+    command gets that command's usage, not the top level's (argparse hands unknown options up to the top level)."""
+    commands = _subcommands(parser)
+    if command is not None and command not in commands:
+        parser.error(f"unknown command {command!r}{_did_you_mean(command, commands)}; the commands: "
+                     + ", ".join(commands))
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        sub = commands[args.command]
+        options = [o for action in sub._actions for o in action.option_strings]
+        unknown = next((word for word in extra if word.startswith("-")), extra[0])
+        hint = _did_you_mean(unknown.split("=", 1)[0], options) if unknown.startswith("-") else ""
+        sub.error(f"unrecognized argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}{hint}")
+    return args
+
+
+def _interrupt_once(signum, frame):
+    """SIGINT's handler while the demo runs: a KeyboardInterrupt once; later ones are ignored, so that stopping the
+    child processes and marking the run interrupted is not itself interrupted (a held-down Ctrl-C sends several)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = _joined_durations(sys.argv[1:] if argv is None else list(argv))
     command = next((a for a in argv if not a.startswith("-")), None)
-    args = build_parser(collector_flags=command in ("collect", "agent")).parse_args(argv)
+    if command == "demo" and threading_is_main():
+        import signal
+
+        signal.signal(signal.SIGINT, _interrupt_once)
+    try:
+        args = _parse(build_parser(collector_flags=command in ("collect", "agent")), argv, command)
+    except KeyboardInterrupt:
+        if command == "demo":
+            print("stagetrace demo: interrupted before the run began: nothing was written", file=sys.stderr)
+        return 130
     try:
         return args.run(args)
     except (StoreError, SchemaError, _UsageError) as exc:
@@ -548,6 +617,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. piped into head: not an error worth a traceback
         sys.stdout = open(os.devnull, "w")
         return 0
+
+
+def threading_is_main() -> bool:
+    """Signal handlers can be installed from the main thread only (a test may call ``main`` from another)."""
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 if __name__ == "__main__":

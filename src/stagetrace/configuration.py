@@ -1,5 +1,5 @@
 """Configuration is evidence: an OpenTelemetry resource detector that records, once per process, what makes its
-outputs reproducible or not (DESIGN.md "Configuration is evidence"; reference/engines_gpm.md §1).
+outputs reproducible or not (docs/design.md#configuration-is-evidence, docs/design.md#settings-that-change-numerics).
 
 Registered under the SDK's ``opentelemetry_resource_detector`` entry point as ``stagetrace``, so any Python
 process that builds its resource with ``Resource.create()`` (vLLM, SGLang, a LangChain or LlamaIndex app, the span

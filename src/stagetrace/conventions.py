@@ -1,8 +1,8 @@
 """The span conventions stagetrace reads: every name and rule the core, the store's views, the dashboards and
-the analysis share, each rule with its SQL twin beside it (DESIGN.md "Span conventions").
+the analysis share, each rule with its SQL twin beside it (docs/design.md#span-conventions).
 
 Spans come from stagetrace's own API and from instrumentation already in the field (OpenInference,
-OpenLLMetry, the OpenTelemetry GenAI conventions, vLLM, SGLang; reference/instrumentation_conventions.md).
+OpenLLMetry, the OpenTelemetry GenAI conventions, vLLM, SGLang; docs/design.md#instrumentation-already-in-the-field).
 They reach the store through the agent or straight from an OpenTelemetry Collector, so whatever is derived
 from a span (its stage, its digests, the request it belongs to) is derived *in the store*, by the SQL below,
 which the materialized views run on every span written to ``otel_traces``. Python reads the results from
@@ -64,7 +64,7 @@ CONFIGURATION_DRIVER = "gpu.driver.version"
 CONFIGURATION_CUDA = "cuda.driver.version"  # the CUDA version the driver supports, e.g. "12.8"
 CONFIGURATION_NCCL = "nccl.version"
 CONFIGURATION_ENV_PREFIX = "env."  # env.NCCL_ALGO = Ring
-# environment variables that change numerics (reference/engines_gpm.md §1)
+# environment variables that change numerics (docs/design.md#settings-that-change-numerics)
 CONFIGURATION_ENVIRONMENT = (
     "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE",
     "CUBLAS_WORKSPACE_CONFIG", "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "VLLM_USE_V1",
@@ -87,8 +87,9 @@ CONFIGURATION_FLAGS = {
     "--enable-deterministic-inference": "deterministic_inference", "--seed": "seed",
 }  # fmt: skip
 
-# What the serving engines and libraries document about settings that change numerics (reference/engines_gpm.md
-# §1, with the sources there): a verdict whose top cause is one of them says it, so the operator reads why it can.
+# What the serving engines and libraries document about settings that change numerics
+# (docs/design.md#settings-that-change-numerics, with the sources there): a verdict whose top cause is one of them
+# says it, so the operator reads why it can.
 KNOWN_CAUSES = {
     "decode.batch_size": "kernels reduce in an order that depends on the batch size unless batch invariance is on "
                          "(vLLM VLLM_BATCH_INVARIANT=1, SGLang --enable-deterministic-inference)",
@@ -357,7 +358,8 @@ def is_content(key: str) -> bool:
 
 
 # What names *where* a request ran, not *why* its output changed: when a setting separates deviating from agreeing
-# requests as well as the identity carrying it, the setting is the cause and the identity is where (DESIGN.md).
+# requests as well as the identity carrying it, the setting is the cause and the identity is where
+# (docs/design.md#an-identity-is-where-a-setting-is-why).
 IDENTITY_KEYS = frozenset({
     HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
     "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,

@@ -250,7 +250,24 @@ def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int,
     rows = store.client.query(STAGE_SPANS_SQL if stages_only else SPANS_SQL, parameters=params).result_rows
     for trace_id, *row in rows:
         out.setdefault(trace_id, []).append(Span(*row))
-    return out
+    return {trace_id: in_trace_order(spans) for trace_id, spans in out.items()}
+
+
+def in_trace_order(spans: list[Span]) -> list[Span]:
+    """Spans by start time; where starts tie (a stage and its parent opened in the same nanosecond, TP ranks started
+    together), a parent before its children, then by TP rank, then by name and span ID. The SQL orders ties by span
+    ID, which is random: a child showed above its root, and ranks as [3], [0], [2], [1], differently each lookup."""
+    parents = {s.span_id: s.parent_span_id for s in spans}
+
+    def depth(span: Span) -> int:
+        steps, cursor, seen = 0, span.parent_span_id, set()
+        while cursor in parents and cursor not in seen:
+            seen.add(cursor)
+            steps += 1
+            cursor = parents[cursor]
+        return steps
+
+    return sorted(spans, key=lambda s: (s.start_ns, depth(s), conventions.rank_order(s.rank), s.name, s.span_id))
 
 
 MAX_WINDOWS = 32  # queries one spans_of_many runs at most

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,12 +52,14 @@ def _plain(cell: Cell) -> str:
 
 
 def wrapped(text: Text, width: int) -> list[Text]:
-    """``text`` in lines of at most ``width`` cells, broken only between words: an ID a person copies is never split
-    (a word wider than the line stands alone on its own line), its styles kept."""
+    """``text`` in lines of at most ``width`` cells, broken only between words or after the comma or semicolon of a
+    list (``gpu.uuids``: UUIDs joined by commas): an ID a person copies is never split (a word wider than the line
+    stands alone on its own line), its styles kept. A list without spaces was one word, wider than the line, which
+    the terminal then folded in the middle of a UUID."""
     out: list[Text] = []
     for paragraph in text.split("\n", allow_blank=True):
         offsets, start = [], 0
-        for word in re.finditer(r"\S+", paragraph.plain):
+        for word in re.finditer(r"[^\s,;]+[,;]*|[,;]+", paragraph.plain):
             if word.end() - start > width and paragraph.plain[start:word.start()].strip():
                 offsets.append(word.start())
                 start = word.start()
@@ -439,24 +442,61 @@ def progress_bar(description: str, enabled: bool = True):
         yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
+NO_FAULT = "(no injected fault)"  # a deviating output no fault explains: never expected, shown if it happens
+
+
+def deviations_by_cause(result) -> dict[tuple[str, str], list[str]]:
+    """The deviating outputs by the fault that changed them, (stage, cause) → request IDs, most requests first (ties
+    by cause): every deviating output counted once, so that the rows add up to the headline. Expected changes and
+    nondeterministic requests are never deviating (``demo._conclude``) and so are never rows here."""
+    faults = {t.request_id: (t.stage, t.cause) for t in result.truth if t.deviation}
+    causes: dict[tuple[str, str], list[str]] = {}
+    for request_id in result.deviating:
+        causes.setdefault(faults.get(request_id, ("", NO_FAULT)), []).append(request_id)
+    return dict(sorted(causes.items(), key=lambda kv: (kv[0][1] == NO_FAULT, -len(kv[1]), kv[0][1], kv[0][0])))
+
+
+def demo_counts(result) -> list[str]:
+    """The headline and what it leaves out, each counted and said for what it is: outputs a fault changed that
+    deviate from nothing (no output of their input is more common), the expected changes of the rollout waves,
+    and the requests sampled without a seed."""
+    deviating = set(result.deviating)
+    unseen = sum(1 for t in result.truth if t.deviation and t.request_id not in deviating)
+    expected = Counter(t.cause for t in result.truth if t.expected)
+    nondeterministic = sum(1 for t in result.truth if t.nondeterministic)
+    explained = deviating <= {t.request_id for t in result.truth if t.deviation}
+    lines = [f"deviating outputs: {len(deviating)} (same input and fleet settings, an output other than the most "
+             "common one)" + (", each caused by an injected fault" if explained else "")]  # fmt: skip
+    left_out = []
+    if unseen:
+        left_out.append(f"{unseen} outputs a fault changed where no output of their input is the most common, so "
+                        "none deviates")  # fmt: skip
+    for cause, n in sorted(expected.items()):
+        left_out.append(f"{n} expected changes while {cause} rolled out (hosts ahead of or behind the fleet)")
+    if nondeterministic:
+        left_out.append(f"{nondeterministic} nondeterministic requests (sampled without a seed: outputs differ by "
+                        "design)")  # fmt: skip
+    if left_out:
+        lines.append("not counted as deviating: " + "; ".join(left_out))
+    return lines
+
+
 def demo_summary(out: Output, result, command: str = "stagetrace", store: str = "") -> None:
     """What the demo did, what deviated and why, and the next commands to type (``command``: how to start stagetrace,
     for a shell; ``store``: the store to name in them, if any)."""
     out.line(f"served {result.requests} requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
              f"{result.spans} spans, {result.metric_samples} hardware samples")  # fmt: skip
-    out.line(f"deviating outputs: {len(result.deviating)} (same input, an output other than the majority's)")
+    for line in demo_counts(result):
+        out.line(line)
     if result.fabric_spans:
         out.line(f"and the half hour before: a TP=16 pair on two rails, RL weight syncs, {result.fabric_spans} spans and "
                  f"{result.fabric_samples} samples (Fabric and Weights dashboards; truth in stagetrace_demo_fabric)")
-    causes: dict[tuple[str, str], list[str]] = {}
-    for t in result.truth:
-        causes.setdefault((t.stage, t.cause), []).append(t.request_id)
-    ranked = sorted(causes.items(), key=lambda kv: -len(kv[1]))
-    out.table("injected faults that changed a stage's output (ground truth)",
+    causes = deviations_by_cause(result)
+    out.table(f"the {len(result.deviating)} deviating outputs by cause (ground truth: the injected fault)",
               [Column("cause", keep=True), Column("stage", keep=True), Column("requests", right=True),
                Column("e.g.", keep=True)],
-              [[cause, stage, str(len(ids)), ids[0]] for (stage, cause), ids in ranked])  # fmt: skip
-    examples = [ids[0] for ids in causes.values()][:3]
+              [[cause, stage, str(len(ids)), ids[0]] for (stage, cause), ids in causes.items()])  # fmt: skip
+    examples = [ids[0] for (_, cause), ids in causes.items() if cause != NO_FAULT][:3]
     if examples:
         out.line("next, look one up and ask why it deviates:")
         store_option = [f"--store {shlex.quote(store)}"] if store else []
@@ -466,5 +506,5 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store: str = 
         out.command([command, "divergences", *store_option])
 
 
-__all__ = ["Column", "Output", "WIDE", "demo_summary", "divergence_groups", "engine_timings", "evidence", "explanation",
-           "gpu_activity", "gpu_holders", "hardware_rises", "progress_bar", "waterfall"]
+__all__ = ["Column", "Output", "WIDE", "demo_counts", "demo_summary", "deviations_by_cause", "divergence_groups",
+           "engine_timings", "evidence", "explanation", "gpu_activity", "gpu_holders", "hardware_rises", "progress_bar", "waterfall"]

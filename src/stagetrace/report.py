@@ -10,6 +10,7 @@ IDs are in ``<code>`` elements that never wrap and select whole with one click.
 
 from __future__ import annotations
 
+import re
 from html import escape
 
 from stagetrace import lookup
@@ -32,8 +33,10 @@ padding:0 3px;border-radius:3px}
 .verdict{font-weight:600;padding:2px 8px;border-radius:4px;color:#fff}.diverged{background:#c92a2a}
 .agrees{background:#2b8a3e}.summary{font-weight:600;margin:10px 0}
 .pair{display:grid;grid-template-columns:1fr 1fr;gap:16px}.pair>div{min-width:0}
-table{border-collapse:collapse;margin:4px 0}th,td{border:1px solid #d5dae0;padding:3px 8px;text-align:left;
-vertical-align:top}th{background:#f1f3f5}td.num{text-align:right}tr.marked td{background:#fff0f0}
+table{border-collapse:collapse;margin:4px 0;max-width:100%}th,td{border:1px solid #d5dae0;padding:3px 8px;
+text-align:left;vertical-align:top}th{background:#f1f3f5}td.num{text-align:right}tr.marked td{background:#fff0f0}
+#causes{width:100%}#causes td{overflow-wrap:break-word}#causes td.num{white-space:nowrap}
+.list code{display:inline-block}.shortened{cursor:help}.vs{color:#5c6670;margin-top:2px}
 .differs{color:#c92a2a;font-weight:600}svg{display:block;max-width:100%;height:auto}
 svg text{font:11px ui-monospace,Menlo,Consolas,monospace;fill:#1d232b}
 @media print{body{margin:0}.pair{grid-template-columns:1fr}h2{break-after:avoid}section{break-inside:avoid}}
@@ -133,11 +136,26 @@ def _framed(times: list[int], values: list[float], frame: tuple[int, int], count
     return [t for t, _ in inside], [v for _, v in inside]
 
 
+LONG_VALUE = 40  # characters of a value without separators shown whole; a longer one is shortened, whole on hover
+_SEPARATED = re.compile(r"[^,;\s]+[,;]?")
+
+
 def _value(text: str) -> str:
-    """A cause's value: an ID-like one (no spaces: a GPU UUID, a version) whole in ``<code>``."""
+    """A cause's value: an ID-like one (no spaces: a GPU UUID, a version) whole in ``<code>``. A list (``gpu.uuids``:
+    UUIDs joined by commas) is one ``<code>`` per item, so the cell wraps between items and never inside one: a
+    list in one unbreakable element pushed the baseline, score and evidence columns off the page. A single word
+    longer than ``LONG_VALUE`` (no separator to wrap at) shows its start and end, and whole on hover."""
     if not text:
         return "(unset)"
-    return _code(text) if " " not in text else escape(text)
+    if " " in text:
+        return f'<span class="prose">{escape(text)}</span>'
+    items = _SEPARATED.findall(text)
+    if "".join(items) == text and len(items) > 1:
+        return '<span class="list">' + "<wbr>".join(_code(item) for item in items) + "</span>"
+    if len(text) > LONG_VALUE:
+        half = (LONG_VALUE - 1) // 2
+        return f'<code class="shortened" title="{escape(text)}">{escape(text[:half])}…{escape(text[-half:])}</code>'
+    return _code(text)
 
 
 def _figure(times: list[int], values: list[float], window: tuple[int, int], frame: tuple[int, int], name: str,
@@ -250,12 +268,14 @@ def incident_html(store: Store, report: dict) -> str:
                        + "".join(f'<td class="{c}">{c}</td>' for c in cells) + "</tr>")  # fmt: skip
         out.append("</table></section>")
     if causes:
+        # the value above the baseline's, in one column: two columns as wide as a GPU UUID each, beside a cause's
+        # name and an evidence that names a device, were wider than a 1280 px window
         out.append('<section><h2>Causes, best first</h2><table id="causes"><tr><th>#</th><th>cause</th><th>kind</th>'
-                   "<th>value</th><th>baseline</th><th>score</th><th>evidence</th></tr>")  # fmt: skip
+                   "<th>value<div class=vs>the baseline's</div></th><th>score</th><th>evidence</th></tr>")  # fmt: skip
         for i, cause in enumerate(causes, 1):
             kind = cause["kind"] + (" (weak)" if cause.get("weak") else "")
             out.append(f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(kind)}</td>"
-                       f"<td>{_value(cause['value'])}</td><td>{_value(cause['baseline_value'])}"
+                       f"<td>{_value(cause['value'])}<div class=vs>baseline: {_value(cause['baseline_value'])}</div>"
                        f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>")  # fmt: skip
         out.append("</table></section>")
     frame = _frame(trace, stage, causes)

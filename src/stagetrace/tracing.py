@@ -10,8 +10,8 @@
         ...
         req.set_output(text)
 
-Spans follow the conventions in DESIGN.md, so any OpenTelemetry producer that uses the same names is
-read the same way. Context crosses threads and processes as a W3C ``traceparent`` carrier:
+Spans follow the conventions in docs/design.md#span-conventions, so any OpenTelemetry producer that uses the
+same names is read the same way. Context crosses threads and processes as a W3C ``traceparent`` carrier:
 ``carrier = req.carrier()`` here, ``stagetrace.stage("allreduce", parent=carrier)`` there.
 Prompts and outputs are stored only as digests unless ``record_content=True``
 (or ``STAGETRACE_RECORD_CONTENT=1``).

@@ -357,14 +357,17 @@ def play(end_ns: int, seed: int) -> tuple[list[tuple], dict[str, list[tuple]], l
     return scenario.spans.rows, metrics, scenario.truth, scenario.t0
 
 
-def write_truth(store, events: list[Event], t0_ns: int) -> None:
+def write_truth(store, events: list[Event], t0_ns: int, run: str = "") -> None:
+    """The scenario's ground truth, each row with the demo run that wrote it (``demo.RUNS_TABLE``)."""
     store.client.command(
         f"CREATE TABLE IF NOT EXISTS {{db:Identifier}}.{TRUTH_TABLE} (Kind LowCardinality(String), Host String, "
-        "Device String, Start DateTime64(9), End DateTime64(9), Step Int64, Detail String) "
+        "Device String, Start DateTime64(9), End DateTime64(9), Step Int64, Detail String, Run String) "
         "ENGINE = MergeTree ORDER BY (Kind, Start)",
         parameters={"db": store.database},
     )
-    rows = [(e.kind, e.host, e.device, t0_ns + int(e.start_s * S), t0_ns + int(e.end_s * S), e.step, e.detail)
+    store.client.command(f"ALTER TABLE {{db:Identifier}}.{TRUTH_TABLE} ADD COLUMN IF NOT EXISTS Run String",
+                         parameters={"db": store.database})  # an older demo's table lacks it
+    rows = [(e.kind, e.host, e.device, t0_ns + int(e.start_s * S), t0_ns + int(e.end_s * S), e.step, e.detail, run)
             for e in events]  # fmt: skip
-    store.client.insert(TRUTH_TABLE, rows, column_names=("Kind", "Host", "Device", "Start", "End", "Step", "Detail"),
+    store.client.insert(TRUTH_TABLE, rows, column_names=("Kind", "Host", "Device", "Start", "End", "Step", "Detail", "Run"),
                         database=store.database)  # fmt: skip

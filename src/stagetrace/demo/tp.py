@@ -15,13 +15,21 @@ import numpy as np
 from stagetrace.demo.world import TP_SIZE, Model
 
 
-def _rank_main(rank: int, model: Model, conn) -> None:
-    while True:
-        x = conn.recv()
-        if x is None:
-            return
-        conn.send(model.partial(rank, x))
-        conn.recv()  # the reduced result
+def _rank_main(rank: int, model: Model, conn, inherited) -> None:
+    # The node's ends of this rank's pipe and of the ranks forked before it came along with the fork: closed, so that
+    # when the node process ends (an interrupted demo stops it) every rank reads end-of-file and ends, instead of
+    # each holding the others' pipes open and all of them waiting for ever.
+    for other in inherited:
+        other.close()
+    try:
+        while True:
+            x = conn.recv()
+            if x is None:
+                return
+            conn.send(model.partial(rank, x))
+            conn.recv()  # the reduced result
+    except (EOFError, OSError):  # the node process was stopped (an interrupted demo): end quietly, as it did
+        return
 
 
 class TPGroup:
@@ -34,7 +42,8 @@ class TPGroup:
         self._procs = []
         for rank in range(1, TP_SIZE):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, model, child), daemon=True, name=f"tp-rank-{rank}")
+            proc = ctx.Process(target=_rank_main, args=(rank, model, child, [parent, *self._conns]), daemon=True,
+                               name=f"tp-rank-{rank}")  # fmt: skip
             proc.start()
             child.close()
             self._conns.append(parent)

@@ -11,7 +11,7 @@
 
 Only what runs inside a ``serving`` block is recorded, for the requests it names; elsewhere the hooks cost one
 context-variable read. Each request gets **one span per stage and rank** for the whole block (never a span per
-collective or per decode step), as DESIGN.md's span conventions ask:
+collective or per decode step), as the span conventions ask (docs/design.md#span-conventions):
 
 - ``allreduce``: ``allreduce.count``, ``allreduce.bytes`` (the collectives' whole tensors), ``allreduce.time_ms`` and
   ``allreduce.max_ms`` (CUDA events on a GPU, the host's clock on the CPU), ``parallel.tp_rank`` and
@@ -51,7 +51,7 @@ from stagetrace.conventions import STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST, STAG
 
 logger = logging.getLogger(__name__)
 
-# DESIGN.md's recommended stage attributes (conventions lists them among the measurements)
+# the recommended stage attributes (docs/design.md#span-conventions) (conventions lists them among the measurements)
 ALLREDUCE_COUNT, ALLREDUCE_BYTES = "allreduce.count", "allreduce.bytes"
 ALLREDUCE_TIME_MS, ALLREDUCE_MAX_MS = "allreduce.time_ms", "allreduce.max_ms"
 DECODE_BATCH_SIZE = "decode.batch_size"
