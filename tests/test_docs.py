@@ -1,10 +1,10 @@
 """The docs: the README is a short front page whose first two commands set everything up, every page of docs/ is
-one click from it, and the pages build as a site with MkDocs in strict mode (no broken page, link or anchor)."""
+one click from it, and the pages build as a site with Zensical in strict mode (no broken page, link or anchor)."""
 
 from __future__ import annotations
 
-import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,12 +47,35 @@ def test_every_page_is_one_click_from_the_readme_and_in_the_sites_navigation():
     assert (DOCS / "index.md").read_text() == home_page(README), "docs/index.md: write it from the README again"
 
 
+def _build(where: Path, appended: str = "") -> subprocess.CompletedProcess:
+    """Zensical's strict build of a copy of docs/ and mkdocs.yml under ``where`` (it builds into the project's folder:
+    the checkout's ``site/`` is left alone), ``appended`` added to the home page."""
+    shutil.copytree(DOCS, where / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", where / "mkdocs.yml")
+    if appended:
+        (where / "docs" / "index.md").write_text((where / "docs" / "index.md").read_text() + f"\n{appended}\n")
+    return subprocess.run([Path(sys.executable).with_name("zensical"), "build", "--strict"], cwd=where,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def build_site(where: Path) -> Path:
+    """The site built in strict mode (see ``_build``): its folder."""
+    built = _build(where)
+    assert built.returncode == 0, built.stdout + built.stderr
+    return where / "site"
+
+
 def test_the_site_builds_with_every_link_and_anchor_resolved(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                           cwd=ROOT, capture_output=True, text=True, timeout=300,
-                           env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
-    assert built.returncode == 0, built.stderr
-    assert (tmp_path / "site" / "explain" / "index.html").exists()
+    site = build_site(tmp_path)
+    assert (site / "explain" / "index.html").exists()
+    assert 'href="../stylesheets/extra.css"' in (site / "explain" / "index.html").read_text()
+
+
+def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
+    """Strict mode is what catches a link to a page or a heading that is not there (the test above relies on it)."""
+    for n, broken in enumerate(("[gone](no-such-page.md)", "[gone](agent.md#no-such-heading)")):
+        built = _build(tmp_path / str(n), broken)
+        assert built.returncode != 0 and "does not exist" in built.stdout + built.stderr, (broken, built.stdout)
 
 
 # A pointer from the code to the docs: a page of docs/, and maybe a heading on it.
@@ -121,10 +144,7 @@ def test_code_blocks_fit_or_wrap_in_the_site(component, tmp_path, width):
 
     from tests.test_incident_report import browser
 
-    site = tmp_path / "site"
-    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
-    assert built.returncode == 0, built.stderr
+    site = build_site(tmp_path)
     for page in ("index.html", "getting-started/index.html", "grafana/index.html", "otlp/index.html"):
         probe = site / page.replace("index.html", "probe.html")
         probe.write_text((site / page).read_text().replace("</body>", _CODE_PROBE + "</body>"))
