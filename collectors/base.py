@@ -17,42 +17,18 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+# the metric model and settings live in the core; collectors (and the tests that write collectors) import them here
+from stagetrace.metrics import COUNTER, GAUGE, INFO, MetricSpec, Samples  # noqa: F401
+from stagetrace.settings import Setting  # noqa: F401
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 logger = logging.getLogger("stagetrace.collectors")
-
-COUNTER, GAUGE, INFO = "counter", "gauge", "info"
-
-
-@dataclass(frozen=True)
-class MetricSpec:
-    """One metric, described as data. Counter names end in ``_total``; base units are in the name."""
-
-    name: str
-    type: str
-    help: str
-    labels: tuple[str, ...] = ()
-    unit: str = ""  # e.g. "bytes", "watts", "seconds", "celsius": kept as the sample's MetricUnit
-
-    def __post_init__(self):
-        if self.type not in (COUNTER, GAUGE, INFO):
-            raise ValueError(f"{self.name}: type must be counter, gauge or info")
-        if (self.type == COUNTER) != self.name.endswith("_total"):
-            raise ValueError(f"{self.name}: counters, and only counters, end in _total")
-        # client_python appends the unit to a name that does not end in it; the name must carry it already
-        if self.unit and not self.name.removesuffix("_total").endswith(f"_{self.unit}"):
-            raise ValueError(f"{self.name}: the name must end in its unit, _{self.unit}")
-        # Samples keys every series by its spec: hash the five fields once, not at each of a scrape's adds
-        object.__setattr__(self, "_hash", hash((self.name, self.type, self.help, self.labels, self.unit)))
-
-    def __hash__(self) -> int:
-        return self._hash
 
 
 class SourceUnavailable(Exception):
@@ -67,55 +43,6 @@ def path_or_none(text: str) -> Path | None:
 def comma_list(text: str) -> tuple[str, ...]:
     """``a,b,,c`` -> ``("a", "b", "c")``."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One setting a collector reads, as data: an :class:`Options` attribute, its flag and its environment fallback.
-
-    ``parse`` turns the flag's or the variable's text into the value and raises ValueError, with a message a
-    person can act on, for text it refuses. ``default`` is text (parsed the same way), a value, or a
-    zero-argument callable called when the options are built. The first non-empty variable of ``env`` wins.
-    """
-
-    name: str
-    parse: Callable[[str], Any]
-    default: Any = None
-    env: str | tuple[str, ...] = ()
-    flag: str | None = None
-    help: str = ""
-    metavar: str = "VALUE"
-    shown_default: str = ""  # the default in words, for help, where it is not text (a callable, "" meaning something)
-
-    def __post_init__(self):
-        if not self.name.isidentifier() or self.name.startswith("_") or self.name == "from_args":
-            raise ValueError(f"setting name {self.name!r} is not an attribute name Options can take")
-        if self.flag is not None and not self.flag.startswith("--"):
-            raise ValueError(f"setting {self.name}: flag {self.flag!r} must start with --")
-        if isinstance(self.env, str):
-            object.__setattr__(self, "env", (self.env,))
-
-    def value(self, text: str | None = None, environ: Mapping[str, str] = os.environ):
-        """The flag's text if given, else the first set variable, else the default; ValueError names the source."""
-        source = self.flag
-        if text is None:
-            source, text = next(((name, environ[name]) for name in self.env if environ.get(name)), (None, None))
-        if text is None:
-            if callable(self.default):
-                return self.default()
-            return self.parse(self.default) if isinstance(self.default, str) else self.default
-        try:
-            return self.parse(text)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from None
-
-    def help_text(self) -> str:
-        """The flag's help: what it sets, its default when that is text, and its variables."""
-        shown = self.shown_default or (self.default if isinstance(self.default, str) else "")
-        notes = [f"default {shown}"] if shown else []
-        notes += [f"env {' or '.join(self.env)}"] if self.env else []
-        text = f"{self.help} ({'; '.join(notes)})" if notes else self.help
-        return text.replace("%", "%%")  # argparse formats help with %
 
 
 class Options:
@@ -181,57 +108,6 @@ def add_arguments(group) -> None:
         if setting.flag:
             group.add_argument(setting.flag, dest=setting.name, metavar=setting.metavar, default=None,
                                help=setting.help_text())  # fmt: skip
-
-
-class Samples:
-    """The samples of one collector in one scrape, grouped into metric families by spec."""
-
-    def __init__(self):
-        self._values: dict[MetricSpec, list[tuple[tuple[str, ...], float | Mapping[str, str]]]] = {}
-
-    def add(self, spec: MetricSpec, value, **labels) -> None:
-        """Add one series; ``labels`` must be exactly ``spec.labels``. Info metrics take a dict as value."""
-        try:
-            values = tuple([str(labels[k]) for k in spec.labels])  # a list first: faster than a generator
-        except KeyError:
-            values = None
-        if values is None or len(labels) != len(spec.labels):
-            raise ValueError(f"{spec.name}: labels {sorted(labels)} do not match {list(spec.labels)}")
-        self.add_series(spec, values, value)
-
-    def add_series(self, spec: MetricSpec, label_values: tuple[str, ...], value) -> None:
-        """:meth:`add` with the label values as text in ``spec.labels`` order: for a collector adding many series
-        under the same labels (a port's counters), without a keyword dict and a conversion per series."""
-        if len(label_values) != len(spec.labels):
-            raise ValueError(f"{spec.name}: {len(label_values)} label values for labels {list(spec.labels)}")
-        series = self._values.get(spec)
-        if series is None:
-            series = self._values[spec] = []
-        series.append((label_values, value))
-
-    def series(self) -> Iterator[tuple[MetricSpec, tuple[str, ...], Any]]:
-        """Every series added as (spec, label values in ``spec.labels`` order, value); an info metric's value is its
-        dict of labels."""
-        for spec, series in self._values.items():
-            for values, value in series:
-                yield spec, values, value
-
-    def families(self, host: str) -> Iterator[Metric]:
-        # here, not at the top: the metric specs are read by commands that build no families (`stagetrace trace`),
-        # and client_python with its exposition server takes 20 ms to import
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
-
-        for spec, series in self._values.items():
-            names = ["host", *spec.labels]
-            if spec.type == INFO:
-                family = InfoMetricFamily(spec.name.removesuffix("_info"), spec.help, labels=names)
-            elif spec.type == COUNTER:
-                family = CounterMetricFamily(spec.name, spec.help, labels=names, unit=spec.unit)
-            else:
-                family = GaugeMetricFamily(spec.name, spec.help, labels=names, unit=spec.unit)
-            for values, value in series:
-                family.add_metric([host, *values], value)
-            yield family
 
 
 class Collector:

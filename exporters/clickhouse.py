@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from stagetrace import __version__
-from stagetrace.collectors.base import COUNTER, INFO, Samples
+from stagetrace.metrics import COUNTER, INFO, Samples
 from stagetrace.exporters import spool
 from stagetrace.exporters.durable import DurableWriter
 from stagetrace.store import Location, Store, open_store

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagetrace.settings import parse_size
+
 logger = logging.getLogger("stagetrace.agent")
 
 ENV_MIN_FREE_SPACE = "STAGETRACE_MIN_FREE_SPACE"
@@ -40,11 +42,7 @@ DEFAULT_FRACTION_CAP = 0.05
 CHECK_EVERY_S = 0.25  # how stale a measurement may be: at 100 MB/s of writes, 25 MB of a reserve
 ENGINE_SHARE = 0.5  # the engine refuses inserts below this share of the reserve: the rest is left to merges
 
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(|b|kib|mib|gib|tib|kb|mb|gb|tb|k|m|g|t)\s*", re.IGNORECASE)
 _PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?)\s*%\s*")
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20,
-          "g": 1 << 30, "t": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
-
 
 @dataclass(frozen=True)
 class Reserve:
@@ -84,10 +82,10 @@ def parse_reserve(text: str) -> Reserve:
         if value >= 100:
             raise ValueError(f"{text!r} would keep the whole filesystem free: write a percentage below 100, e.g. 5%")
         return Reserve(fraction=value / 100)
-    size = _SIZE.fullmatch(text)
-    if size is None:
-        raise ValueError(f"{text!r} is not a size or a percentage: write e.g. 512MiB, 2GiB, 5% or 0 for none")
-    return Reserve(size=int(float(size[1]) * _UNITS[size[2].lower()]))
+    try:
+        return Reserve(size=parse_size(text, zero=True))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size or a percentage: write e.g. 512MiB, 2GiB, 5% or 0 for none") from None
 
 
 def reserve_setting(text: str | None = None) -> Reserve:

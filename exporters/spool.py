@@ -65,6 +65,7 @@ from pathlib import Path
 from prometheus_client.core import CounterMetricFamily
 
 from stagetrace.exporters.diskspace import Spell
+from stagetrace.settings import parse_size
 from stagetrace.store import StoreError
 
 logger = logging.getLogger(__name__)
@@ -159,9 +160,9 @@ def max_bytes_setting(max_bytes: int | None = None) -> int:
     raw = os.environ.get(ENV_SPOOL_MAX_BYTES)
     if raw:
         try:
-            return int(float(raw))
-        except ValueError:
-            logger.warning("ignoring %s=%r: not a number of bytes; using %d", ENV_SPOOL_MAX_BYTES, raw, DEFAULT_MAX_BYTES)
+            return parse_size(raw)
+        except ValueError as exc:
+            logger.warning("ignoring %s: %s; using %d bytes", ENV_SPOOL_MAX_BYTES, exc, DEFAULT_MAX_BYTES)
     return DEFAULT_MAX_BYTES
 
 
@@ -172,9 +173,9 @@ def keep_bytes_setting(base: Path, keep_bytes: int | None = None) -> int:
         keep_bytes = DEFAULT_KEEP_BYTES
         if raw:
             try:
-                return max(0, int(float(raw)))
-            except ValueError:
-                logger.warning("ignoring %s=%r: not a number of bytes; using %d", ENV_SPOOL_KEEP_BYTES, raw, keep_bytes)
+                return parse_size(raw, zero=True)
+            except ValueError as exc:
+                logger.warning("ignoring %s: %s; using %d bytes", ENV_SPOOL_KEEP_BYTES, exc, keep_bytes)
         try:
             stats = os.statvfs(base)
             keep_bytes = min(keep_bytes, int(stats.f_blocks * stats.f_frsize * KEEP_FRACTION_CAP))

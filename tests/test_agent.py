@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from prometheus_client.parser import text_string_to_metric_families
 
-from stagetrace.agent import parse_interval
+from stagetrace.settings import parse_duration as parse_interval
 from stagetrace.cli import build_parser
 from stagetrace.collectors.base import Node, Options
 from stagetrace.collectors.rdma import RdmaCollector

@@ -136,8 +136,19 @@ def test_spool_directory_settings(monkeypatch, tmp_path):
     assert spool.directory_setting(parse_dsn("chdb://memory")) == tmp_path / "x"
     monkeypatch.setenv(spool.ENV_SPOOL_DIR, "off")
     assert spool.directory_setting(parse_dsn("chdb:///data/st/store")) is None
-    monkeypatch.setenv(spool.ENV_SPOOL_MAX_BYTES, "1e6")
-    assert spool.max_bytes_setting() == 1_000_000
+    # the one size grammar (stagetrace.settings), as --min-free-space and the query limits read it
+    for text, size in (("1000000", 1_000_000), ("256MiB", 256 << 20), ("1.5G", 3 << 29), ("2GB", 2 * 10**9)):
+        monkeypatch.setenv(spool.ENV_SPOOL_MAX_BYTES, text)
+        assert spool.max_bytes_setting() == size
+    monkeypatch.setenv(spool.ENV_SPOOL_KEEP_BYTES, "8MiB")
+    assert spool.keep_bytes_setting(tmp_path) == 8 << 20
+
+
+def test_a_spool_size_that_is_no_size_is_said_once_and_the_default_kept(monkeypatch, caplog):
+    monkeypatch.setenv(spool.ENV_SPOOL_MAX_BYTES, "lots")
+    assert spool.max_bytes_setting() == spool.DEFAULT_MAX_BYTES
+    assert caplog.messages == [f"ignoring {spool.ENV_SPOOL_MAX_BYTES}: 'lots' is not a positive size: write e.g. 1GiB, "
+                               f"512MiB or 1000000; using {spool.DEFAULT_MAX_BYTES} bytes"]  # fmt: skip
 
 
 def test_an_unusable_spool_directory_is_one_clear_error(tmp_path):

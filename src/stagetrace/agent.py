@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 import platform
-import re
 import signal
 import socket
 import threading
@@ -35,14 +34,6 @@ from stagetrace.store_health import StoreHealth
 
 logger = logging.getLogger("stagetrace.agent")
 
-_INTERVAL = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d|w)\s*")
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
-
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(|b|kib|mib|gib|tib|kb|mb|gb|tb)\s*", re.IGNORECASE)
-_BYTES = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9, "tb": 10**12}  # fmt: skip
-
 LOW_PRIORITY_NICE = 10  # added to the agent's niceness: the GPUs' own host processes go first
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set system call's number
 _IOPRIO_BEST_EFFORT_LOWEST = (2 << 13) | 7  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE, 7), as `ionice -c2 -n7`
@@ -50,24 +41,6 @@ _IOPRIO_BEST_EFFORT_LOWEST = (2 << 13) | 7  # IOPRIO_PRIO_VALUE(IOPRIO_CLASS_BE,
 
 class AgentError(Exception):
     """An expected failure to start the agent; its message is one line a person can act on."""
-
-
-def parse_interval(text: str) -> float:
-    """``500ms``, ``5s``, ``1.5m``, ``1h``, ``10d``, ``2w`` -> seconds; ValueError says how to write it."""
-    match = _INTERVAL.fullmatch(text)
-    seconds = float(match[1]) * _SECONDS[match[2]] if match else 0.0
-    if seconds <= 0:
-        raise ValueError(f"{text!r} is not a positive duration: write e.g. 500ms, 5s, 1m, 1h, 10d or 2w")
-    return seconds
-
-
-def parse_size(text: str) -> int:
-    """``1GiB``, ``512MiB``, ``1000000`` -> bytes; ValueError says how to write it."""
-    match = _SIZE.fullmatch(text)
-    size = int(float(match[1]) * _BYTES[match[2].lower()]) if match else 0
-    if size <= 0:
-        raise ValueError(f"{text!r} is not a positive size: write e.g. 1GiB, 512MiB or 1000000")
-    return size
 
 
 def lower_priority() -> list[str]:
@@ -343,7 +316,7 @@ def _guard_thread(guard: PartGuard, stop: threading.Event) -> threading.Thread:
 
 def _say_diagnosis(collected, host: str, said: str | None) -> str | None:
     """Log the kubernetes collector's one-line diagnosis (a GPU the scheduler counts twice) when it changes."""
-    from stagetrace.collectors.base import Samples
+    from stagetrace.metrics import Samples
     from stagetrace.collectors.kubernetes import DIAGNOSIS_INPUTS, diagnose
 
     read = Samples()  # only what the diagnosis reads: families of a whole scrape cost more than the scrape's rows
@@ -361,5 +334,5 @@ def _say_diagnosis(collected, host: str, said: str | None) -> str | None:
     return line
 
 
-__all__ = ["AgentError", "SerializedNode", "failed_collectors", "lower_priority", "parse_interval", "parse_size", "run",
+__all__ = ["AgentError", "SerializedNode", "failed_collectors", "lower_priority", "run",
            "samples_json"]

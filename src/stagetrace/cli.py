@@ -245,10 +245,10 @@ FIRST_LOG_LINES = 5  # `trace` shows this many of a request's log lines; --logs 
 
 
 def _duration_ns(text: str, option: str) -> int:
-    from stagetrace.agent import parse_interval
+    from stagetrace.settings import parse_duration
 
     try:
-        return int(parse_interval(text) * 1e9)
+        return int(parse_duration(text) * 1e9)
     except ValueError as exc:
         raise _UsageError(f"{option}: {exc}") from None
 
@@ -392,17 +392,18 @@ def _agent(args) -> int:
     from stagetrace import agent, httpd, web_config
     from stagetrace.exporters import diskspace
     from stagetrace.httpd import parse_listen
+    from stagetrace.settings import parse_duration
 
     _log_to_stderr("stagetrace agent")
     otlp, otlp_grpc, query_listen = (None if a.lower() in ("none", "off") else a
                                      for a in (args.otlp, args.otlp_grpc, args.query_listen))  # fmt: skip
     try:
         try:
-            interval = agent.parse_interval(args.interval)
+            interval = parse_duration(args.interval)
         except ValueError as exc:
             raise ValueError(f"--interval: {exc}") from None
         try:
-            insert_every = agent.parse_interval(args.insert_every)
+            insert_every = parse_duration(args.insert_every)
         except ValueError as exc:
             raise ValueError(f"--insert-every: {exc}") from None
         asked = bool((args.analyse_every or "").strip())
@@ -443,7 +444,7 @@ def _is_zero(text: str) -> bool:
 
 def _schedule(every: str, flag: str, settle: str | None = None, lookback: str | None = None):
     """The live analyser's schedule: each duration from its option, else its environment variable, else default."""
-    from stagetrace.agent import parse_interval
+    from stagetrace.settings import parse_duration
     from stagetrace.analysis import live
 
     texts = {flag: every, "--settle": settle or os.environ.get("STAGETRACE_ANALYSE_SETTLE"),
@@ -453,7 +454,7 @@ def _schedule(every: str, flag: str, settle: str | None = None, lookback: str | 
         if not (text or "").strip():  # unset, or set empty: the default
             continue
         try:
-            seconds[option] = 0.0 if _is_zero(text) else parse_interval(text)
+            seconds[option] = 0.0 if _is_zero(text) else parse_duration(text)
         except ValueError as exc:
             raise ValueError(f"{option}: {exc}") from None
     if seconds[flag] <= 0:
@@ -539,10 +540,10 @@ def _joined_durations(argv: list[str]) -> list[str]:
 
 def _query_limits(args):
     """The query endpoint's limits: each from its option, else its environment variable, else the default."""
-    from stagetrace.agent import parse_interval, parse_size
+    from stagetrace.settings import parse_duration, parse_size
     from stagetrace.hub import QueryLimits
 
-    parsers = {"timeout_s": parse_interval, "max_memory_bytes": parse_size, "max_result_bytes": parse_size}
+    parsers = {"timeout_s": parse_duration, "max_memory_bytes": parse_size, "max_result_bytes": parse_size}
     chosen = {}
     for field, (option, variable) in QueryLimits.OPTIONS.items():
         text = getattr(args, option[2:].replace("-", "_")) or os.environ.get(variable)

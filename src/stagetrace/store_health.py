@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from stagetrace.collectors.base import GAUGE, MetricSpec, Samples
+from stagetrace.metrics import GAUGE, MetricSpec, Samples
 
 logger = logging.getLogger("stagetrace.agent")
 

@@ -26,7 +26,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from stagetrace.collectors.base import COUNTER, GAUGE, MetricSpec, Samples
+from stagetrace.metrics import COUNTER, GAUGE, MetricSpec, Samples
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)

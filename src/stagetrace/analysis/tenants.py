@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from stagetrace import conventions
 from stagetrace.analysis.hardware import DEVICE_LABELS, GPU, LOOKAROUND_NS, MIN_TYPICAL
-from stagetrace.collectors.base import MetricSpec
+from stagetrace.metrics import MetricSpec
 from stagetrace.collectors.gpu_tenants import (
     MPS_SERVER, PROCESS, TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UID_POD,
 )  # fmt: skip
