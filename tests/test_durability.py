@@ -215,7 +215,9 @@ def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_a
         with open_store(f"http://default@127.0.0.1:{port}/stagetrace") as store:
             guard = "ALTER TABLE stagetrace.otel_traces MODIFY SETTING min_free_disk_bytes_to_perform_insert = {}"
             store.client.command(guard.format(10**18))
-            writer = DurableWriter(store, "spans", spool_dir=tmp_path / "spool")
+            # a client of its own, as the agent gives each thread: one HTTP session runs one query at a time, and
+            # this test asks the store while the writer's thread inserts
+            writer = DurableWriter(store.another(), "spans", spool_dir=tmp_path / "spool")
             try:
                 for n in range(10):
                     assert writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token())
@@ -230,6 +232,7 @@ def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_a
                 assert store.client.command("SELECT uniqExact(SpanId) FROM stagetrace.otel_traces") == 30
             finally:
                 writer.close()
+                writer.store.close()
         failures = [m for m in caplog.messages if "NOT_ENOUGH_SPACE" in m]
         assert len(failures) == 1 and "will retry" in failures[0], caplog.messages  # one line, not one per retry
         assert any("work again" in m for m in caplog.messages)
