@@ -189,6 +189,19 @@ PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decod
 REQUEST_ID_ALIASES = (REQUEST_ID, "gen_ai.request.id")
 SGLANG_RID = "rid"
 SGLANG_MODULE = ("module", "sglang::request")
+# Roots that are no request (engine_traces.md): an engine's start-up and model loading (vLLM's spans with code.*
+# attributes), and SGLang's other modules' roots, e.g. the KV sender's ``Sender Req 0x...`` (module
+# sglang::mooncake), a transfer worker's view of a request whose own root is ``... Req <rid8>``. They stay in
+# otel_traces as spans, but a request listed, analysed or counted is a request a client sent.
+NOT_REQUEST_ROOT_NAMES = ("API server setup", "Overall Loading", "Executor init", "Worker init", "Init device",
+                          "Load model", "Prepare model")  # fmt: skip
+SGLANG_MODULE_PREFIX = "sglang::"
+
+
+def is_not_request(name: str, attributes: dict[str, str]) -> bool:
+    """A span that is never a request, even as a trace's root (same rule as ``IS_NOT_REQUEST_SQL``)."""
+    module = attributes.get(SGLANG_MODULE[0], "")
+    return name in NOT_REQUEST_ROOT_NAMES or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
 
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
@@ -496,12 +509,19 @@ ATTRIBUTE_REQUEST_ID_SQL = (
     + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]" for k in REQUEST_ID_ALIASES)
     + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}], '')"
 )
-# A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync), or
+# A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync, nor a
+# root that is no request: is_not_request), or
 # a trace's root span (its trace ID then stands for the request ID). Stages named by other conventions may be roots too:
 # vLLM's llm_request is both the request and its decode stage.
 IS_WEIGHT_SYNC_SQL = f"mapContains(SpanAttributes, {_quote(SYNC_BYTES)})"
+IS_NOT_REQUEST_SQL = (
+    f"(SpanName IN ({', '.join(_quote(n) for n in NOT_REQUEST_ROOT_NAMES)}) OR "
+    f"(startsWith(SpanAttributes[{_quote(SGLANG_MODULE[0])}], {_quote(SGLANG_MODULE_PREFIX)}) "
+    f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}))"
+)
 IS_REQUEST_ROOT_SQL = (
-    f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
+    f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND NOT {IS_NOT_REQUEST_SQL} "
+    f"AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
 )
 REQUEST_ID_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} AS _rid != '', _rid, TraceId)"
 REQUEST_ID_SOURCE_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} != '', 'attribute', 'trace')"
