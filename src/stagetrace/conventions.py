@@ -50,6 +50,11 @@ TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-p
 # inputs differ too: the first step at which a rank's input differs tells the rank where it began
 STAGE_STEP_INPUT_DIGESTS = "stagetrace.stage.step_input_digests"
 STEPS_KEPT, STEP_DIGEST_CHARS = 256, 16
+# Ranks an engine records on an enclosing span instead of its stage spans: SGLang sets tp_rank (and dp_rank, pp_rank)
+# on its per-thread span (``Scheduler [TP 0] ...``) only. The agent copies them onto the spans below that span in
+# the same export (inherit_ranks) before the views read them: a view sees one span at a time and SGLang ends the
+# thread span after its stage spans, so neither the view nor a later lookup of ``Rank`` could join them cheaply.
+ENCLOSING_RANKS = {"tp_rank": TP_RANK}
 HOST = "host.name"  # resource attribute
 GPU_UUID = "gpu.uuid"
 WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with
@@ -353,6 +358,7 @@ DIGEST_KEYS = frozenset({INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_
 IDENTIFIER_KEYS = frozenset({
     *REQUEST_ID_ALIASES, SGLANG_RID, "gen_ai.response.id", "gen_ai.task.id", "gen_ai.task.parent.id",
     "gen_ai.agent.id", "gen_ai.conversation.id", "session.id", "user.id", "bid", "vllm.process_id", "process.pid",
+    "pid", "bootstrap_room",  # SGLang's thread span and request root
 })  # fmt: skip
 MEASUREMENT_KEYS = frozenset({
     "cache.hit", "cache.hits", "cache.misses", "cache.entry.age_s", "context.tokens", "context.truncated",
@@ -363,7 +369,7 @@ MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", 
 MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
 # Never compared: they describe the telemetry, not the request.
 UNCOMPARED_PREFIXES = ("stagetrace.", "telemetry.sdk.", "process.", "service.instance.")
-UNCOMPARED_KEYS = frozenset({TP_RANK, "input.mime_type", "output.mime_type"})
+UNCOMPARED_KEYS = frozenset({TP_RANK, *ENCLOSING_RANKS, "input.mime_type", "output.mime_type"})
 
 
 def is_content(key: str) -> bool:
@@ -376,7 +382,7 @@ def is_content(key: str) -> bool:
 IDENTITY_KEYS = frozenset({
     HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
     "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
-    CONFIGURATION_GPU_UUIDS, "cloud.resource_id",
+    CONFIGURATION_GPU_UUIDS, "cloud.resource_id", "host_id",  # SGLang's machine ID, on its thread spans
 })  # fmt: skip
 
 
@@ -462,6 +468,36 @@ def stage_passes(spans):
         return list(spans)
     ids = {s.span_id for s in spans}
     return sorted((s for s in spans if s.parent_span_id not in ids), key=lambda s: (s.start_ns, s.span_id))
+
+
+def inherit_ranks(spans) -> int:
+    """Give each span without a rank of its own the rank of its nearest enclosing span among ``spans`` (objects
+    with ``context.trace_id``, ``context.span_id``, ``parent`` (None or with ``span_id``) and a mutable
+    ``attributes`` dict) that records one, as ``parallel.tp_rank`` (``ENCLOSING_RANKS``); returns how many got one.
+
+    Only spans exported together are seen: SGLang's exporter sends a thread's spans when the request ends on that
+    thread, thread span last, so they share an export unless a batch boundary (512 spans by default) falls between.
+    """
+    by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
+    found: dict[tuple[int, int], str] = {}
+
+    def rank(span, depth: int = 0) -> str:
+        key = (span.context.trace_id, span.context.span_id)
+        if key not in found:
+            own = span.attributes.get(TP_RANK, "")
+            own = own if own != "" else next((span.attributes[k] for k in ENCLOSING_RANKS if k in span.attributes), "")
+            parent = by_id.get((span.context.trace_id, span.parent.span_id)) if span.parent else None
+            found[key] = str(own) if own != "" else rank(parent, depth + 1) if parent and depth < 64 else ""
+        return found[key]
+
+    given = 0
+    for span in spans:
+        if span.attributes.get(TP_RANK, "") == "" and not any(k in span.attributes for k in ENCLOSING_RANKS):
+            inherited = rank(span)
+            if inherited:
+                span.attributes[TP_RANK] = inherited
+                given += 1
+    return given
 
 
 def rank_order(rank: str) -> tuple:
