@@ -193,6 +193,9 @@ NONDETERMINISM_CASES = [
     ({"stagetrace.nondeterministic": True}, True),
     ({"stagetrace.nondeterministic": False, "gen_ai.request.temperature": 0}, False),
     ({}, False),
+    # engines that never export the seed (issue 53): unknown, so temperature alone is no verdict
+    ({"gen_ai.request.temperature": 0.7, "rid": "r", "module": "sglang::request"}, False),
+    ({"gen_ai.request.temperature": 0.7, "gen_ai.latency.e2e": 0.4}, False),
 ]
 
 

@@ -60,3 +60,11 @@ def test_sglang_tp2_stages_are_per_rank(store, receiver):
                                      "position(SpanName, '[TP 1]') > 0 OR SpanName = 'tokenize'").result_rows)
     assert stored["tokenize"] == {}
     assert [a["tp_rank"] for n, a in stored.items() if n != "tokenize"] == ["1"]
+
+
+def test_sglang_sampled_request_without_an_exported_seed_is_not_called_nondeterministic(store, receiver):
+    """SGLang exports temperature 0.7 but never the seed: the seed is unknown, so the request is not excused as
+    sampling nondeterminism on temperature alone (the fixture's request may have been sent with seed=42)."""
+    send(receiver, "unified-tp2")
+    rows = store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows
+    assert rows == [(RID, "")]

@@ -401,18 +401,29 @@ def is_comparable(key: str) -> bool:
 
 
 # -- nondeterminism: outputs that differ by design are no deviation. A request samples nondeterministically when it
-# says so, or samples above temperature zero without a seed (on its own span or its decode span).
+# says so, or samples above temperature zero without a seed (on its own span or its decode span) where its producer
+# would have recorded one (not on SEED_UNRECORDED's engine spans, whose seed is unknown).
 TEMPERATURE_KEYS = ("gen_ai.request.temperature", "llm.request.temperature")
 SEED_KEYS = ("gen_ai.request.seed", "llm.request.seed")
 INVOCATION_PARAMETERS = "llm.invocation_parameters"  # OpenInference: the request's sampling parameters as JSON
 _TRUE = ("true", "True", "1")
+# Spans of engines that never export the request's seed (engine_traces.md): SGLang's request root and vLLM's
+# llm_request (both, alone among producers, set gen_ai.latency.e2e). On them a seed not recorded is unknown, not
+# absent: temperature > 0 alone does not make the request nondeterministic, or a seeded request's real deviation
+# would be excused as sampling (issue 53). OpenInference's invocation parameters list what was sent, seed included.
+SEED_UNRECORDED = ((SGLANG_MODULE[0], SGLANG_MODULE[1]), ("gen_ai.latency.e2e", None))
+
+
+def seed_unknown(attributes: dict[str, str]) -> bool:
+    """The span's producer never records the seed (same rule as ``SEED_UNKNOWN_SQL``)."""
+    return any(attributes.get(k, "") != "" if v is None else attributes.get(k) == v for k, v in SEED_UNRECORDED)
 
 
 def nondeterminism(attributes: dict[str, str]) -> str:
     """Why a span's output may differ by design, or ``''``. Same rule as ``NONDETERMINISM_SQL``."""
     if attributes.get(NONDETERMINISTIC, "") in _TRUE:
         return f"{NONDETERMINISTIC} is set"
-    seeded = any(attributes.get(k, "") != "" for k in SEED_KEYS)
+    seeded = any(attributes.get(k, "") != "" for k in SEED_KEYS) or seed_unknown(attributes)
     for key in TEMPERATURE_KEYS:
         if _positive(attributes.get(key, "")) and not seeded:
             return f"{key} {attributes[key]} without a seed"
@@ -434,8 +445,14 @@ def _positive(text: str) -> bool:
         return False
 
 
+SEED_UNKNOWN_SQL = "(" + " OR ".join(
+    f"SpanAttributes[{_quote(k)}] != ''" if v is None else f"SpanAttributes[{_quote(k)}] = {_quote(v)}"
+    for k, v in SEED_UNRECORDED) + ")"  # fmt: skip
+
+
 def _seeded_sql() -> str:
-    return " OR ".join(f"SpanAttributes[{_quote(k)}] != ''" for k in SEED_KEYS)
+    # a seed recorded, or one the producer never records (unknown): either way temperature alone is no verdict
+    return " OR ".join(f"SpanAttributes[{_quote(k)}] != ''" for k in SEED_KEYS) + f" OR {SEED_UNKNOWN_SQL}"
 
 
 _PARAMS = f"SpanAttributes[{_quote(INVOCATION_PARAMETERS)}]"
