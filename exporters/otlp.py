@@ -49,7 +49,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 from opentelemetry.trace import SpanKind, StatusCode
 
-from stagetrace import httpd
+from stagetrace import conventions, httpd
 from stagetrace.exporters.clickhouse import (
     COLUMNS,
     GAUGE_TABLE,
@@ -235,6 +235,9 @@ def span_views(request: ExportTraceServiceRequest) -> tuple[list[SimpleNamespace
                                            attributes=_attributes(link.attributes))
                            for link in span.links if _valid_ids(link.trace_id, link.span_id)],
                 ))  # fmt: skip
+    # ranks an engine records on an enclosing span (SGLang's thread span) reach the stage spans below it here, in the
+    # one place every OTLP span passes with its neighbours of the same export (conventions.ENCLOSING_RANKS)
+    conventions.inherit_ranks(views)
     return views, rejected
 
 

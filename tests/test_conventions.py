@@ -193,6 +193,9 @@ NONDETERMINISM_CASES = [
     ({"stagetrace.nondeterministic": True}, True),
     ({"stagetrace.nondeterministic": False, "gen_ai.request.temperature": 0}, False),
     ({}, False),
+    # engines that never export the seed (issue 53): unknown, so temperature alone is no verdict
+    ({"gen_ai.request.temperature": 0.7, "rid": "r", "module": "sglang::request"}, False),
+    ({"gen_ai.request.temperature": 0.7, "gen_ai.latency.e2e": 0.4}, False),
 ]
 
 
@@ -209,3 +212,27 @@ def test_nondeterminism_is_read_alike_by_the_store_and_by_python(store, tracer):
                                              for k, v in attributes.items()})  # fmt: skip
         assert bool(rows[f"nd-{i}"]) is expected, (attributes, rows[f"nd-{i}"])
         assert bool(python) is expected, (attributes, python)
+
+
+def test_engine_roots_that_are_no_request_are_kept_as_spans_but_not_listed(store, tracer):
+    """vLLM's start-up spans and SGLang's KV sender root are trace roots, and SGLang's sender even carries the
+    request's ``rid``: none is a request a client sent (issue 53). The request beside them is listed as before."""
+    rid = "9c0ffee1d2e3f4a5b6c7d8e9f0a1b2c3"
+    loading = span(tracer, "Overall Loading", {"code.function": "load_model", "code.namespace": "vllm.v1.worker"})
+    load = span(tracer, "Load model", {"code.function": "load_model"}, loading)
+    sender = span(tracer, "Sender Req 0x1f", {"rid": rid, "module": "sglang::mooncake", "bootstrap_room": "0x1f"})
+    request = span(tracer, f"prefill Req {rid[:8]}", {"rid": rid, "module": "sglang::request"}, kind=SpanKind.SERVER)
+    end(load, loading)
+    end(sender)
+    end(request)
+    listed = store.client.query("SELECT SpanName, RequestId FROM stagetrace.stagetrace_requests").result_rows
+    assert listed == [(f"prefill Req {rid[:8]}", rid)]
+    kept = {name for (name,) in store.client.query("SELECT SpanName FROM stagetrace.otel_traces").result_rows}
+    assert {"Overall Loading", "Load model", "Sender Req 0x1f"} <= kept
+    assert lookup.by_request_id(store, rid).trace_id == trace_id(request)
+    with pytest.raises(lookup.NotFound):
+        lookup.by_request_id(store, trace_id(loading))
+    # the Python twin agrees with the view
+    assert conventions.is_not_request("Sender Req 0x1f", {"rid": rid, "module": "sglang::mooncake"})
+    assert conventions.is_not_request("Overall Loading", {})
+    assert not conventions.is_not_request(f" Req {rid[:8]}", {"rid": rid, "module": "sglang::request"})

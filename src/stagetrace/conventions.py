@@ -50,6 +50,11 @@ TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-p
 # inputs differ too: the first step at which a rank's input differs tells the rank where it began
 STAGE_STEP_INPUT_DIGESTS = "stagetrace.stage.step_input_digests"
 STEPS_KEPT, STEP_DIGEST_CHARS = 256, 16
+# Ranks an engine records on an enclosing span instead of its stage spans: SGLang sets tp_rank (and dp_rank, pp_rank)
+# on its per-thread span (``Scheduler [TP 0] ...``) only. The agent copies them onto the spans below that span in
+# the same export (inherit_ranks) before the views read them: a view sees one span at a time and SGLang ends the
+# thread span after its stage spans, so neither the view nor a later lookup of ``Rank`` could join them cheaply.
+ENCLOSING_RANKS = {"tp_rank": TP_RANK}
 HOST = "host.name"  # resource attribute
 GPU_UUID = "gpu.uuid"
 WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with
@@ -189,6 +194,19 @@ PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decod
 REQUEST_ID_ALIASES = (REQUEST_ID, "gen_ai.request.id")
 SGLANG_RID = "rid"
 SGLANG_MODULE = ("module", "sglang::request")
+# Roots that are no request (engine_traces.md): an engine's start-up and model loading (vLLM's spans with code.*
+# attributes), and SGLang's other modules' roots, e.g. the KV sender's ``Sender Req 0x...`` (module
+# sglang::mooncake), a transfer worker's view of a request whose own root is ``... Req <rid8>``. They stay in
+# otel_traces as spans, but a request listed, analysed or counted is a request a client sent.
+NOT_REQUEST_ROOT_NAMES = ("API server setup", "Overall Loading", "Executor init", "Worker init", "Init device",
+                          "Load model", "Prepare model")  # fmt: skip
+SGLANG_MODULE_PREFIX = "sglang::"
+
+
+def is_not_request(name: str, attributes: dict[str, str]) -> bool:
+    """A span that is never a request, even as a trace's root (same rule as ``IS_NOT_REQUEST_SQL``)."""
+    module = attributes.get(SGLANG_MODULE[0], "")
+    return name in NOT_REQUEST_ROOT_NAMES or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
 
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
@@ -340,6 +358,7 @@ DIGEST_KEYS = frozenset({INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_
 IDENTIFIER_KEYS = frozenset({
     *REQUEST_ID_ALIASES, SGLANG_RID, "gen_ai.response.id", "gen_ai.task.id", "gen_ai.task.parent.id",
     "gen_ai.agent.id", "gen_ai.conversation.id", "session.id", "user.id", "bid", "vllm.process_id", "process.pid",
+    "pid", "bootstrap_room",  # SGLang's thread span and request root
 })  # fmt: skip
 MEASUREMENT_KEYS = frozenset({
     "cache.hit", "cache.hits", "cache.misses", "cache.entry.age_s", "context.tokens", "context.truncated",
@@ -350,7 +369,7 @@ MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", 
 MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
 # Never compared: they describe the telemetry, not the request.
 UNCOMPARED_PREFIXES = ("stagetrace.", "telemetry.sdk.", "process.", "service.instance.")
-UNCOMPARED_KEYS = frozenset({TP_RANK, "input.mime_type", "output.mime_type"})
+UNCOMPARED_KEYS = frozenset({TP_RANK, *ENCLOSING_RANKS, "input.mime_type", "output.mime_type"})
 
 
 def is_content(key: str) -> bool:
@@ -363,7 +382,7 @@ def is_content(key: str) -> bool:
 IDENTITY_KEYS = frozenset({
     HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
     "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
-    CONFIGURATION_GPU_UUIDS, "cloud.resource_id",
+    CONFIGURATION_GPU_UUIDS, "cloud.resource_id", "host_id",  # SGLang's machine ID, on its thread spans
 })  # fmt: skip
 
 
@@ -382,18 +401,29 @@ def is_comparable(key: str) -> bool:
 
 
 # -- nondeterminism: outputs that differ by design are no deviation. A request samples nondeterministically when it
-# says so, or samples above temperature zero without a seed (on its own span or its decode span).
+# says so, or samples above temperature zero without a seed (on its own span or its decode span) where its producer
+# would have recorded one (not on SEED_UNRECORDED's engine spans, whose seed is unknown).
 TEMPERATURE_KEYS = ("gen_ai.request.temperature", "llm.request.temperature")
 SEED_KEYS = ("gen_ai.request.seed", "llm.request.seed")
 INVOCATION_PARAMETERS = "llm.invocation_parameters"  # OpenInference: the request's sampling parameters as JSON
 _TRUE = ("true", "True", "1")
+# Spans of engines that never export the request's seed (engine_traces.md): SGLang's request root and vLLM's
+# llm_request (both, alone among producers, set gen_ai.latency.e2e). On them a seed not recorded is unknown, not
+# absent: temperature > 0 alone does not make the request nondeterministic, or a seeded request's real deviation
+# would be excused as sampling (issue 53). OpenInference's invocation parameters list what was sent, seed included.
+SEED_UNRECORDED = ((SGLANG_MODULE[0], SGLANG_MODULE[1]), ("gen_ai.latency.e2e", None))
+
+
+def seed_unknown(attributes: dict[str, str]) -> bool:
+    """The span's producer never records the seed (same rule as ``SEED_UNKNOWN_SQL``)."""
+    return any(attributes.get(k, "") != "" if v is None else attributes.get(k) == v for k, v in SEED_UNRECORDED)
 
 
 def nondeterminism(attributes: dict[str, str]) -> str:
     """Why a span's output may differ by design, or ``''``. Same rule as ``NONDETERMINISM_SQL``."""
     if attributes.get(NONDETERMINISTIC, "") in _TRUE:
         return f"{NONDETERMINISTIC} is set"
-    seeded = any(attributes.get(k, "") != "" for k in SEED_KEYS)
+    seeded = any(attributes.get(k, "") != "" for k in SEED_KEYS) or seed_unknown(attributes)
     for key in TEMPERATURE_KEYS:
         if _positive(attributes.get(key, "")) and not seeded:
             return f"{key} {attributes[key]} without a seed"
@@ -415,8 +445,14 @@ def _positive(text: str) -> bool:
         return False
 
 
+SEED_UNKNOWN_SQL = "(" + " OR ".join(
+    f"SpanAttributes[{_quote(k)}] != ''" if v is None else f"SpanAttributes[{_quote(k)}] = {_quote(v)}"
+    for k, v in SEED_UNRECORDED) + ")"  # fmt: skip
+
+
 def _seeded_sql() -> str:
-    return " OR ".join(f"SpanAttributes[{_quote(k)}] != ''" for k in SEED_KEYS)
+    # a seed recorded, or one the producer never records (unknown): either way temperature alone is no verdict
+    return " OR ".join(f"SpanAttributes[{_quote(k)}] != ''" for k in SEED_KEYS) + f" OR {SEED_UNKNOWN_SQL}"
 
 
 _PARAMS = f"SpanAttributes[{_quote(INVOCATION_PARAMETERS)}]"
@@ -449,6 +485,36 @@ def stage_passes(spans):
         return list(spans)
     ids = {s.span_id for s in spans}
     return sorted((s for s in spans if s.parent_span_id not in ids), key=lambda s: (s.start_ns, s.span_id))
+
+
+def inherit_ranks(spans) -> int:
+    """Give each span without a rank of its own the rank of its nearest enclosing span among ``spans`` (objects
+    with ``context.trace_id``, ``context.span_id``, ``parent`` (None or with ``span_id``) and a mutable
+    ``attributes`` dict) that records one, as ``parallel.tp_rank`` (``ENCLOSING_RANKS``); returns how many got one.
+
+    Only spans exported together are seen: SGLang's exporter sends a thread's spans when the request ends on that
+    thread, thread span last, so they share an export unless a batch boundary (512 spans by default) falls between.
+    """
+    by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
+    found: dict[tuple[int, int], str] = {}
+
+    def rank(span, depth: int = 0) -> str:
+        key = (span.context.trace_id, span.context.span_id)
+        if key not in found:
+            own = span.attributes.get(TP_RANK, "")
+            own = own if own != "" else next((span.attributes[k] for k in ENCLOSING_RANKS if k in span.attributes), "")
+            parent = by_id.get((span.context.trace_id, span.parent.span_id)) if span.parent else None
+            found[key] = str(own) if own != "" else rank(parent, depth + 1) if parent and depth < 64 else ""
+        return found[key]
+
+    given = 0
+    for span in spans:
+        if span.attributes.get(TP_RANK, "") == "" and not any(k in span.attributes for k in ENCLOSING_RANKS):
+            inherited = rank(span)
+            if inherited:
+                span.attributes[TP_RANK] = inherited
+                given += 1
+    return given
 
 
 def rank_order(rank: str) -> tuple:
@@ -496,12 +562,19 @@ ATTRIBUTE_REQUEST_ID_SQL = (
     + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]" for k in REQUEST_ID_ALIASES)
     + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}], '')"
 )
-# A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync), or
+# A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync, nor a
+# root that is no request: is_not_request), or
 # a trace's root span (its trace ID then stands for the request ID). Stages named by other conventions may be roots too:
 # vLLM's llm_request is both the request and its decode stage.
 IS_WEIGHT_SYNC_SQL = f"mapContains(SpanAttributes, {_quote(SYNC_BYTES)})"
+IS_NOT_REQUEST_SQL = (
+    f"(SpanName IN ({', '.join(_quote(n) for n in NOT_REQUEST_ROOT_NAMES)}) OR "
+    f"(startsWith(SpanAttributes[{_quote(SGLANG_MODULE[0])}], {_quote(SGLANG_MODULE_PREFIX)}) "
+    f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}))"
+)
 IS_REQUEST_ROOT_SQL = (
-    f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
+    f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND NOT {IS_NOT_REQUEST_SQL} "
+    f"AND ({ATTRIBUTE_REQUEST_ID_SQL} != '' OR ParentSpanId = '')"
 )
 REQUEST_ID_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} AS _rid != '', _rid, TraceId)"
 REQUEST_ID_SOURCE_SQL = f"if({ATTRIBUTE_REQUEST_ID_SQL} != '', 'attribute', 'trace')"

@@ -22,7 +22,9 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
 # in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs;
 # 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32)
-SCHEMA_VERSION = 12
+# 13: engines' roots that are no request (start-up, loading, SGLang's KV sender) not listed as requests, and an
+# engine's unrecorded seed unknown, not absent (issue 53)
+SCHEMA_VERSION = 13
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -416,7 +418,9 @@ GROUP BY TraceId""",
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
 REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
-            6: ("stagetrace_requests_mv",)}  # fmt: skip
+            6: ("stagetrace_requests_mv",),
+            13: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
+                 "stagetrace_stages_content_mv")}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
