@@ -68,3 +68,52 @@ def test_sglang_sampled_request_without_an_exported_seed_is_not_called_nondeterm
     send(receiver, "unified-tp2")
     rows = store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows
     assert rows == [(RID, "")]
+
+
+def test_a_disaggregated_request_is_found_by_its_id_with_its_prefill_and_its_decode(store, receiver):
+    """SGLang's prefill and decode servers each open a root with the request's rid, in two traces (no traced
+    router): looked up by that rid, the request is both halves, the prefill's forward pass and KV transfer beside the
+    decode's, while the mooncake sender's root (no request) is no third half. Beside it another service's request
+    whose ID is the same rid, retried: its earlier try is not shown (the latest of a retried request stands)."""
+    from stagetrace import lookup
+
+    send(receiver, "prefill")
+    send(receiver, "decode")
+    trace = lookup.by_request_id(store, RID)
+    names = {span.name for span in trace.spans}
+    assert {"prefill_forward", "prefill_transfer_kv_cache", "decode_forward", "decode_transferred"} <= names, names
+    roots = {span.name.split(" Req ")[0] for span in trace.spans if not span.parent_span_id and " Req " in span.name}
+    assert {"prefill", "decode"} <= roots, roots
+    assert len(trace.spans) == len({(s.span_id, s.start_ns) for s in trace.spans})  # each span once
+    # each half's spans keep their own tree: a parent is never shown below its child
+    position = {span.span_id: n for n, span in enumerate(trace.spans)}
+    assert all(position[s.parent_span_id] < position[s.span_id] for s in trace.spans if s.parent_span_id in position)
+    # the neighbour: an ordinary request retried under one ID shows its latest try only
+    retried = "neighbour-retried"
+    for attempt in range(2):
+        message = ExportTraceServiceRequest()
+        scope = message.resource_spans.add().scope_spans.add()
+        span = scope.spans.add(name=f"attempt-{attempt}", trace_id=(attempt + 7).to_bytes(16, "big"),
+                               span_id=(attempt + 7).to_bytes(8, "big"), start_time_unix_nano=10**18 + attempt * 10**9,
+                               end_time_unix_nano=10**18 + attempt * 10**9 + 1000)  # fmt: skip
+        span.attributes.add(key="stagetrace.request.id", value={"string_value": retried})
+        request = urllib.request.Request(f"{receiver.url}/v1/traces", data=message.SerializeToString(), method="POST",
+                                         headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+    receiver.writer.flush()
+    assert [s.name for s in lookup.by_request_id(store, retried).spans] == ["attempt-1"]
+
+
+def test_the_kv_transfer_of_a_disaggregated_request_is_its_cache_stage(store, receiver):
+    """The KV cache moved from the prefill server to the decode server (SGLang's bootstrap and transfer spans, and
+    mooncake's) is the cache stage of each half; the forward passes stay decode, the threads and roots no stage."""
+    send(receiver, "prefill")
+    send(receiver, "decode")
+    by_name = {name: stage for name, stage, _, _ in stages(store)}
+    assert {n: by_name.get(n) for n in ("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap",
+                                        "decode_transferred", "mooncake_transfer_kv")} == dict.fromkeys(
+        ("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap", "decode_transferred",
+         "mooncake_transfer_kv"), "cache")  # fmt: skip
+    assert by_name["prefill_forward"] == by_name["decode_forward"] == "decode"
+    assert not any(" Req " in name or "Scheduler" in name for name in by_name), by_name

@@ -201,6 +201,17 @@ SGLANG_MODULE = ("module", "sglang::request")
 NOT_REQUEST_ROOT_NAMES = ("API server setup", "Overall Loading", "Executor init", "Worker init", "Init device",
                           "Load model", "Prepare model")  # fmt: skip
 SGLANG_MODULE_PREFIX = "sglang::"
+# SGLang's prefill/decode disaggregation serves one request on two servers, each opening a root of its own
+# (``prefill Req <rid8>``, ``decode Req <rid8>``) with the same rid, in two traces unless a traced router joins them:
+# the request is both halves, each the latest of its role (a retried request ID's older traces are earlier tries).
+DISAGGREGATED_ROLES = ("prefill", "decode")
+
+
+def disaggregated_role(root_name: str) -> str | None:
+    """The half of a disaggregated request a root span stands for (``prefill``/``decode``), or None."""
+    role, _, rest = root_name.partition(" Req ")
+    return role if rest and role in DISAGGREGATED_ROLES else None
+
 
 
 def is_not_request(name: str, attributes: dict[str, str]) -> bool:
@@ -276,6 +287,11 @@ STAGE_RULES = (
     Rule("decode", (Name(exact=("llm_request",)), Attr("gen_ai.request.id")), "vLLM"),
     Rule("context_assembly", (Name(exact=("tokenize",)),), "SGLang"),
     Rule("decode", (Name(exact=("prefill_forward", "decode_forward", "chunked_prefill", "decode_loop")),), "SGLang"),
+    # prefill/decode disaggregation moves the prompt's KV cache from the prefill server's GPUs to the decode
+    # server's, over RDMA (mooncake): the decode's cache is filled by it, so it is the cache stage, where a cache
+    # the decode did not compute itself belongs (docs/instrumented.md)
+    Rule("cache", (Name(exact=("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap",
+                               "decode_transferred"), parts=("mooncake_",)),), "SGLang (disaggregation)"),
 )
 
 

@@ -143,7 +143,7 @@ SELECT RequestId, InputDigest, OutputDigest, SpanId FROM ({conventions.requests_
     "TraceId = {tid:String}", "{db:Identifier}.stagetrace_requests")})"""
 # The traces recorded for a request ID (a retry has several), by the table's key.
 TRACES_OF_REQUEST_SQL = """
-SELECT TraceId, toUnixTimestamp64Nano(Start), toUnixTimestamp64Nano(End), ServiceName
+SELECT TraceId, toUnixTimestamp64Nano(Start), toUnixTimestamp64Nano(End), ServiceName, SpanName
 FROM {db:Identifier}.stagetrace_requests
 WHERE RequestId = {rid:String}
 ORDER BY Start
@@ -168,16 +168,23 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     if not rows:
         raise NotFound(f"no request with id {request_id!r}")
     # A retried request ID has several traces: show the latest. Within a trace the earliest row is the outermost span.
+    # A request disaggregated over a prefill and a decode server is both halves, the latest of each (conventions).
     latest_trace = rows[-1][0]
+    halves = {conventions.disaggregated_role(r[4]): r[0] for r in rows if conventions.disaggregated_role(r[4])}
+    traces = [latest_trace, *(t for t in halves.values() if t != latest_trace)] if len(halves) > 1 else [latest_trace]
     trace_rows = [r for r in rows if r[0] == latest_trace]
-    start = min(r[1] for r in trace_rows)
-    end = max(r[2] for r in trace_rows)
-    # The whole trace's extent, from the trace-ID table: spans from a host whose clock runs minutes off, or that started
-    # after the root ended. Its bounds are whole seconds around every span's start, so no margin is needed: a margin
-    # would read a minute of every stage's rows either side. Without an entry there, the root rows' span and a margin.
-    first, last = _extent(store, latest_trace)
-    first, last = (min(start, first), max(end, last)) if last else (start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
-    spans = _spans(store, latest_trace, first, last)
+    start = min(r[1] for r in rows if r[0] in traces)
+    end = max(r[2] for r in rows if r[0] in traces)
+    spans = []
+    for trace_id in traces:
+        # The whole trace's extent, from the trace-ID table: spans from a host whose clock runs minutes off, or that
+        # started after the root ended. Its bounds are whole seconds around every span's start, so no margin is
+        # needed: a margin would read a minute of every stage's rows either side. Without an entry there, the root
+        # rows' span and a margin.
+        first, last = _extent(store, trace_id)
+        first, last = (min(start, first), max(end, last)) if last else (start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
+        spans += _spans(store, trace_id, first, last)
+    spans = in_trace_order(spans) if len(traces) > 1 else spans
     # An engine's request span (found by gen_ai.request.id) may sit inside a pipeline's trace: span it all.
     start = min([start, *(s.start_ns for s in spans)])
     end = max([end, *(s.start_ns + s.duration_ns for s in spans)])

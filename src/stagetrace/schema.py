@@ -21,9 +21,10 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
 # in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs;
-# 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32)
-# 13: engines' roots that are no request (start-up, loading, SGLang's KV sender) not listed as requests, and an
-# engine's unrecorded seed unknown, not absent (issue 53)
+# 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32);
+# 12: the parts a merge replaced kept 120 s on an embedded store (its durable settings: issue 50);
+# 13: engines' roots that are no request (start-up, loading, SGLang's KV sender) not listed as requests, an
+# engine's unrecorded seed unknown, not absent, and SGLang's KV transfer the cache stage (issue 53)
 SCHEMA_VERSION = 13
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
