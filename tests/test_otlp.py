@@ -103,9 +103,10 @@ def test_a_200_means_the_spans_are_durable_and_a_retried_body_is_stored_once(sto
     exporter = OTLPSpanExporter(f"{receiver.url}/v1/traces")
     for expected in (5, 10):
         assert exporter.export(recorded_spans()) is SpanExportResult.SUCCESS
-        # answered: in the store, or fsynced in the spool waiting for the replay thread's insert
+        # answered: in the store, or fsynced in the spool waiting for the replay thread's insert (a group inserted and
+        # not yet retired is in both for a moment: counted twice, never missing)
         stored = store.client.command("SELECT count() FROM stagetrace.otel_traces")
-        assert stored + receiver.writer.spooled_rows() == expected
+        assert stored <= expected <= stored + receiver.writer.spooled_rows()
     assert receiver.writer.flush() and store.client.command("SELECT count() FROM stagetrace.otel_traces") == 10
     body = _vllm_protobuf()
     # a sender retrying a request whose answer it lost: while it waits in the spool, and after it is stored
