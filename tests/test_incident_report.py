@@ -110,11 +110,11 @@ _PROBE = """<script>
 const width = document.documentElement.clientWidth, found = [];
 const scrolled = document.documentElement.scrollWidth;
 if (scrolled > width) found.push("the page scrolls to " + scrolled);
-for (const cell of document.querySelectorAll("#causes th, #causes td")) {
+for (const cell of document.querySelectorAll(".causes th, .causes td")) {
   const right = cell.getBoundingClientRect().right;
   if (right > width + 0.5) found.push("past the edge at " + right + ": " + cell.textContent.slice(0, 80));
 }
-for (const code of document.querySelectorAll("#causes code")) {
+for (const code of document.querySelectorAll(".causes code")) {
   if (code.getClientRects().length > 1) found.push("broken over lines: " + code.textContent);
 }
 document.body.insertAdjacentHTML("beforeend", "<pre id=probe>" + JSON.stringify({width, found}) + "</pre>");

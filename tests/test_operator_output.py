@@ -295,3 +295,19 @@ def test_the_divergences_header_counts_unseeded_requests_by_service():
     assert piped.getvalue().splitlines()[0] == (
         "145 deviating requests in the last 1h; the latest 76 analysed in full (--limit 0 analyses all); "
         "841 sampled without a seed, not compared (fabric 720, rag-demo 121)")
+
+
+def test_a_baseline_is_a_majority_only_when_it_is_more_than_half_and_causes_are_grouped_as_labelled():
+    """"The majority output, 8 of 21" was a plurality: under half it is the most common output. A weak cause
+    scoring 0.88 listed after strong ones scoring 0.18 under "best first" read as a misordering: the strong and the
+    weak are shown apart, each best first."""
+    from stagetrace.render import baseline_words, cause_groups
+
+    assert baseline_words({"how": "majority", "support": 8, "group_size": 21}).startswith("the most common output, 8 of")
+    assert baseline_words({"how": "majority", "support": 11, "group_size": 21}).startswith("the majority output, 11 of")
+    assert baseline_words({"how": "majority", "support": 2, "group_size": 4}).startswith("the most common output")
+    causes = [{"name": "a", "score": 0.18}, {"name": "b", "score": 0.40}, {"name": "w", "score": 0.88, "weak": True},
+              {"name": "v", "score": 0.30, "weak": True}]  # fmt: skip
+    assert [(title, [c["name"] for c in group]) for title, group in cause_groups(causes)] == [
+        ("causes, best first", ["b", "a"]), ("weak causes (less evidence), best first", ["w", "v"])]
+    assert [title for title, _ in cause_groups(causes[:2])] == ["causes, best first"]

@@ -346,6 +346,24 @@ def evidence(cause: dict, text=str, device=str) -> str:
     return text(cause.get("device") or "")
 
 
+def baseline_words(baseline: dict) -> str:
+    """How the baseline was chosen, in words: a majority is more than half of the group, else it is only the most
+    common output (a plurality)."""
+    if baseline["how"] == "majority":
+        support, size = baseline["support"], baseline["group_size"]
+        which = "the majority output" if 2 * support > size else "the most common output"
+        return f"{which}, {support} of {size} requests with this input"
+    return "given with --against" if baseline["how"] == "explicit" else "the nearest earlier request with this input"
+
+
+def cause_groups(causes: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The causes as they are labelled: the strong ones best first, then the weak ones (less evidence) best first,
+    each group by score; a group without causes left out."""
+    groups = [("causes, best first", [c for c in causes if not c.get("weak")]),
+              ("weak causes (less evidence), best first", [c for c in causes if c.get("weak")])]  # fmt: skip
+    return [(title, sorted(group, key=lambda c: -c["score"])) for title, group in groups if group]
+
+
 def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
     """``stagetrace explain``: the verdict, the baseline it was compared with, the stages, the ranked causes."""
     verdict = Text("diverged", style="bold red") if report["diverged"] else Text("agrees", style="bold green")
@@ -354,9 +372,7 @@ def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
     out.line(Text.assemble("verdict: ", verdict))
     baseline = report.get("baseline")
     if baseline:
-        how = {"majority": f"the majority output, {baseline['support']} of {baseline['group_size']} requests with this input",
-               "explicit": "given with --against"}.get(baseline["how"], "the nearest earlier request with this input")  # fmt: skip
-        out.line(f"baseline request {baseline['request_id']} ({how})")
+        out.line(f"baseline request {baseline['request_id']} ({baseline_words(baseline)})")
     out.line(Text(report["summary"], style="bold"))
     stages = []
     for stage in report.get("stages") or ():
@@ -367,12 +383,12 @@ def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
         stages.append([name, *(Text("same") if same else Text("differs", style="red")
                                for same in (stage["input_matches"], stage["output_matches"]))])  # fmt: skip
     out.table("stages against the baseline", [Column("stage", keep=True), Column("input"), Column("output")], stages)
-    causes = [[cause["name"], cause["kind"] + (" (weak)" if cause.get("weak") else ""), cause["value"] or "(unset)",
-               cause["baseline_value"] or "(unset)", f"{cause['score']:.2f}", evidence(cause)]
-              for cause in (report.get("causes") or ())[:causes_shown]]  # fmt: skip
     columns = [Column("cause", keep=True), Column("kind"), Column("value"), Column("baseline"),
                Column("score", right=True), Column("evidence")]  # fmt: skip
-    out.table("causes, best first", columns, causes)
+    for title, group in cause_groups(list(report.get("causes") or ())[:causes_shown]):
+        rows = [[cause["name"], cause["kind"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
+                 f"{cause['score']:.2f}", evidence(cause)] for cause in group]  # fmt: skip
+        out.table(title, columns, rows)
 
 
 # --- divergences --------------------------------------------------------------------------------------------

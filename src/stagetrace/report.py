@@ -18,7 +18,7 @@ from stagetrace.analysis.activity import NAMES as ACTIVITY_NAMES
 from stagetrace.analysis.activity import Activity
 from stagetrace.analysis.hardware import Samples, devices
 from stagetrace.analysis.tenants import Tenancy
-from stagetrace.render import evidence
+from stagetrace.render import cause_groups, evidence
 from stagetrace.store import Store
 
 CAUSES_SHOWN = 8
@@ -35,7 +35,7 @@ padding:0 3px;border-radius:3px}
 .pair{display:grid;grid-template-columns:1fr 1fr;gap:16px}.pair>div{min-width:0}
 table{border-collapse:collapse;margin:4px 0;max-width:100%}th,td{border:1px solid #d5dae0;padding:3px 8px;
 text-align:left;vertical-align:top}th{background:#f1f3f5}td.num{text-align:right}tr.marked td{background:#fff0f0}
-#causes{width:100%}#causes td{overflow-wrap:break-word}#causes td.num{white-space:nowrap}
+.causes{width:100%}.causes td{overflow-wrap:break-word}.causes td.num{white-space:nowrap}
 .list code{display:inline-block}.shortened{cursor:help}.vs{color:#5c6670;margin-top:2px}
 .differs{color:#c92a2a;font-weight:600}svg{display:block;max-width:100%;height:auto}
 svg text{font:11px ui-monospace,Menlo,Consolas,monospace;fill:#1d232b}
@@ -267,14 +267,14 @@ def incident_html(store: Store, report: dict) -> str:
             out.append(f"<tr{marked}><td>{escape(name)}</td>"
                        + "".join(f'<td class="{c}">{c}</td>' for c in cells) + "</tr>")  # fmt: skip
         out.append("</table></section>")
-    if causes:
+    for n, (title, group) in enumerate(cause_groups(causes)):
         # the value above the baseline's, in one column: two columns as wide as a GPU UUID each, beside a cause's
         # name and an evidence that names a device, were wider than a 1280 px window
-        out.append('<section><h2>Causes, best first</h2><table id="causes"><tr><th>#</th><th>cause</th><th>kind</th>'
+        out.append(f'<section><h2>{escape(title[0].upper() + title[1:])}</h2><table id="{"causes" if n == 0 else "weak"}"'
+                   ' class="causes"><tr><th>#</th><th>cause</th><th>kind</th>'
                    "<th>value<div class=vs>the baseline's</div></th><th>score</th><th>evidence</th></tr>")  # fmt: skip
-        for i, cause in enumerate(causes, 1):
-            kind = cause["kind"] + (" (weak)" if cause.get("weak") else "")
-            out.append(f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(kind)}</td>"
+        for i, cause in enumerate(group, 1):
+            out.append(f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(cause['kind'])}</td>"
                        f"<td>{_value(cause['value'])}<div class=vs>baseline: {_value(cause['baseline_value'])}</div>"
                        f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>")  # fmt: skip
         out.append("</table></section>")
