@@ -6,10 +6,13 @@ The allreduce stage runs on two TP ranks in worker threads that join the request
 ``traceparent`` carrier, as ranks in other processes would.
 """
 
+import os
 import random
+import shutil
 import sys
 import threading
 import time
+from pathlib import Path
 
 import stagetrace
 
@@ -64,7 +67,16 @@ def main(argv):
         serve(request_id, PROMPTS[i % len(PROMPTS)], rng)
     stagetrace.shutdown()
     print(f"recorded {n} requests: {', '.join(ids)}")
-    print(f"look one up:  stagetrace trace {ids[0]}")
+    print(f"look one up:  {command()} trace {ids[0]}")
+
+
+def command() -> str:
+    """The stagetrace command beside this Python, as it can be pasted: ``stagetrace`` when the venv is active."""
+    beside = Path(sys.executable).with_name("stagetrace")
+    on_path = shutil.which("stagetrace")
+    if on_path and Path(on_path).resolve() == beside.resolve():
+        return "stagetrace"
+    return os.path.relpath(beside) if beside.is_relative_to(Path.cwd()) else str(beside)
 
 
 if __name__ == "__main__":

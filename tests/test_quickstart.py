@@ -9,12 +9,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quickstart_records_requests_that_trace_finds(tmp_path):
-    env = {"XDG_DATA_HOME": str(tmp_path), "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
-           "HOME": str(tmp_path)}  # fmt: skip
+    # run with the venv's Python, the venv not activated: stagetrace is not on PATH
+    env = {"XDG_DATA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     run = subprocess.run([sys.executable, ROOT / "examples" / "quickstart.py"], capture_output=True, text=True,
                          env=env, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "stagetrace trace quickstart-0001" in run.stdout
+    # the command it prints works pasted as it is, in that shell
+    (printed,) = [line.split("look one up:", 1)[1].strip() for line in run.stdout.splitlines() if "look one up" in line]
+    pasted = subprocess.run(["sh", "-c", printed + " --json"], capture_output=True, text=True, env=env, timeout=60)
+    assert pasted.returncode == 0 and json.loads(pasted.stdout)["request_id"] == "quickstart-0001", (printed, pasted)
     assert (tmp_path / "stagetrace" / "store").is_dir()  # the default embedded store
     looked_up = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "quickstart-0001", "--json"],
                                capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
