@@ -220,6 +220,24 @@ def durability(quick: bool) -> list[Figure]:
     return figures
 
 
+def _ingest(receiver, bodies: list[bytes]) -> float:
+    """Seconds to post ``bodies`` to ``receiver`` over one connection, each answered 200, until its spool drained."""
+    conn = http.client.HTTPConnection("127.0.0.1", int(receiver.url.rsplit(":", 1)[1]), timeout=60)
+    started = time.perf_counter()
+    try:
+        for body in bodies:
+            conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+            response = conn.getresponse()
+            response.read()
+            if response.status != 200:
+                raise RuntimeError(f"the receiver answered {response.status}")
+        if not receiver.writer.flush(120):
+            raise RuntimeError("the spool did not drain")
+        return time.perf_counter() - started
+    finally:
+        conn.close()
+
+
 @benchmark("reserve")
 def reserve(quick: bool) -> list[Figure]:
     """What issue 36's protections cost the write path, in one run: the same OTLP/HTTP requests of 512 spans into
@@ -259,19 +277,7 @@ def reserve(quick: bool) -> list[Figure]:
         try:
             for round_ in range(rounds):
                 for name in names[round_ % 3:] + names[:round_ % 3]:  # each goes first in turn
-                    receiver = receivers[name]
-                    conn = http.client.HTTPConnection("127.0.0.1", int(receiver.url.rsplit(":", 1)[1]), timeout=60)
-                    started = time.perf_counter()
-                    for body in bodies:
-                        conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
-                        response = conn.getresponse()
-                        response.read()
-                        if response.status != 200:
-                            raise RuntimeError(f"the receiver answered {response.status}")
-                    if not receiver.writer.flush(120):
-                        raise RuntimeError("the spool did not drain")
-                    seconds[name].append(time.perf_counter() - started)
-                    conn.close()
+                    seconds[name].append(_ingest(receivers[name], bodies))
                 for db in ("stagetrace", "before"):
                     store.client.command(f"TRUNCATE TABLE {db}.otel_traces")  # the next round's tokens are new
                 bodies = [body + b"\x0a\x00" for body in bodies]  # an empty ResourceSpans more: another request
@@ -330,19 +336,7 @@ def part_guard(quick: bool) -> list[Figure]:
         try:
             for round_ in range(rounds * 2):
                 for name in names[round_ % 2:] + names[:round_ % 2]:  # each goes first in turn
-                    receiver = receivers[name]
-                    conn = http.client.HTTPConnection("127.0.0.1", int(receiver.url.rsplit(":", 1)[1]), timeout=60)
-                    started = time.perf_counter()
-                    for body in bodies:
-                        conn.request("POST", "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
-                        response = conn.getresponse()
-                        response.read()
-                        if response.status != 200:
-                            raise RuntimeError(f"the receiver answered {response.status}")
-                    if not receiver.writer.flush(120):
-                        raise RuntimeError("the spool did not drain")
-                    seconds[name].append(time.perf_counter() - started)
-                    conn.close()
+                    seconds[name].append(_ingest(receivers[name], bodies))
                     bodies = [body + b"\x0a\x00" for body in bodies]  # an empty ResourceSpans more: new requests
         finally:
             for receiver in receivers.values():

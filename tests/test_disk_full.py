@@ -11,7 +11,6 @@ is in the store exactly once after a restart, and its log holds a few lines per 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from tests.agents import ENV, SYSFS, free_port, spooled
+from tests.agents import ENV, SYSFS, free_port, mounted_tmpfs, spooled
 from tests.test_agent import wait_for
 
 from stagetrace.store import open_store
@@ -61,25 +60,11 @@ print("freed", flush=True)
 """
 
 
-def _unavailable(message: str):
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 @pytest.fixture
 def small_fs(tmp_path):
     """A tmpfs of SIZE_MIB mounted for the test."""
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        _unavailable("mounting a small filesystem for the store needs root and mount(8)")
-    mounted = tmp_path / "small"
-    mounted.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE_MIB}m,mode=0700", "tmpfs", str(mounted)],
-                          capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        _unavailable(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    yield mounted
-    subprocess.run(["umount", "-l", str(mounted)], check=False)
+    with mounted_tmpfs(tmp_path / "small", SIZE_MIB) as mounted:
+        yield mounted
 
 
 class Agent:

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from tests.agents import spooled
+from tests.agents import mounted_tmpfs, spooled, unavailable
 from tests.test_agent import wait_for
 from tests.test_disk_full import Agent
 
@@ -58,33 +58,26 @@ print("freed", flush=True)
 """
 
 
-def _unavailable(message: str):
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 @contextmanager
 def filesystem(kind: str, where, component):
     """A fresh filesystem of ``kind`` mounted at ``where/mnt`` for the length of the block."""
+    if kind == "tmpfs":
+        with mounted_tmpfs(where / "mnt", SIZES_MIB[kind]) as mounted:
+            yield mounted
+        return
     if os.geteuid() != 0 or not shutil.which("mount"):
-        _unavailable("mounting a small filesystem for the store needs root and mount(8)")
+        unavailable("mounting a small filesystem for the store needs root and mount(8)")
     mounted = where / "mnt"
     mounted.mkdir(parents=True)
-    size = SIZES_MIB[kind]
-    if kind == "tmpfs":
-        command = ["mount", "-t", "tmpfs", "-o", f"size={size}m,mode=0700", "tmpfs", str(mounted)]
-    else:
-        mkfs, package, *flags = MKFS[kind]
-        image = where / f"{kind}.img"
-        with open(image, "wb") as out:
-            out.truncate(size << 20)
-        made = subprocess.run([component(mkfs, package), *flags, str(image)], capture_output=True, text=True)
-        assert made.returncode == 0, made.stderr
-        command = ["mount", "-o", "loop", str(image), str(mounted)]
-    done = subprocess.run(command, capture_output=True, text=True)
+    mkfs, package, *flags = MKFS[kind]
+    image = where / f"{kind}.img"
+    with open(image, "wb") as out:
+        out.truncate(SIZES_MIB[kind] << 20)
+    made = subprocess.run([component(mkfs, package), *flags, str(image)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    done = subprocess.run(["mount", "-o", "loop", str(image), str(mounted)], capture_output=True, text=True)
     if done.returncode != 0:
-        _unavailable(f"cannot mount {kind}: {done.stderr.strip()}")
+        unavailable(f"cannot mount {kind}: {done.stderr.strip()}")
     try:
         os.chmod(mounted, 0o700)
         yield mounted

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import threading
 import time
 
 import pytest
+from tests.agents import mounted_tmpfs
 
 from stagetrace.part_guard import PartGuard, written_short
 from stagetrace.store import open_store
@@ -26,24 +26,10 @@ PARTS = 6
 TRIES = 5  # the fill races the merge: a try whose merge finished first (or never started) is made again
 
 
-def _unavailable(message: str):
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
 @pytest.fixture
 def tmpfs(tmp_path):
-    if os.geteuid() != 0 or not shutil.which("mount"):
-        _unavailable("mounting a small filesystem for the store needs root and mount(8)")
-    mounted = tmp_path / "small"
-    mounted.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160m,mode=0700", "tmpfs", str(mounted)],
-                          capture_output=True, text=True)  # fmt: skip
-    if done.returncode != 0:
-        _unavailable(f"cannot mount a tmpfs: {done.stderr.strip()}")
-    yield mounted
-    subprocess.run(["umount", "-l", str(mounted)], check=False)
+    with mounted_tmpfs(tmp_path / "small", 160) as mounted:
+        yield mounted
 
 
 def _fill(path) -> None:

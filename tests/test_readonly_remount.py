@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 from tests.test_agent import wait_for
-from tests.test_disk_full import STARTS_AND_STOPS, Agent, Sender, _unavailable, assert_stored_once, spooled
+from tests.agents import unavailable
+from tests.test_disk_full import STARTS_AND_STOPS, Agent, Sender, assert_stored_once, spooled
 
 
 SIZE_MIB = 256
@@ -39,25 +40,25 @@ def ext4_disk(tmp_path):
     """An ext4 filesystem on a loop device, mounted ``errors=remount-ro``; yields (mount point, device)."""
     tools = ("mount", "umount", "losetup", "mkfs.ext4", "e2fsck")
     if os.geteuid() != 0 or not all(shutil.which(t) for t in tools):
-        _unavailable(f"an ext4 image on a loop device needs root and {', '.join(tools)}")
+        unavailable(f"an ext4 image on a loop device needs root and {', '.join(tools)}")
     image, mounted = tmp_path / "disk.img", tmp_path / "disk"
     mounted.mkdir()
     with image.open("wb") as out:
         out.truncate(SIZE_MIB << 20)
     made = _run("mkfs.ext4", "-q", "-F", str(image))
     if made.returncode != 0:
-        _unavailable(f"cannot make an ext4 image: {made.stderr.strip()}")
+        unavailable(f"cannot make an ext4 image: {made.stderr.strip()}")
     attached = _run("losetup", "--find", "--show", str(image))
     if attached.returncode != 0:
-        _unavailable(f"cannot attach a loop device: {attached.stderr.strip()}")
+        unavailable(f"cannot attach a loop device: {attached.stderr.strip()}")
     device = attached.stdout.strip()
     try:
         done = _run("mount", "-o", "errors=remount-ro", device, str(mounted))
         if done.returncode != 0:
-            _unavailable(f"cannot mount ext4 from {device}: {done.stderr.strip()}")
+            unavailable(f"cannot mount ext4 from {device}: {done.stderr.strip()}")
         trigger = Path("/sys/fs/ext4") / Path(device).name / "trigger_fs_error"
         if not trigger.exists():
-            _unavailable(f"this kernel has no {trigger} to make the filesystem fail")
+            unavailable(f"this kernel has no {trigger} to make the filesystem fail")
         yield mounted, device
     finally:
         _run("umount", "-l", str(mounted))

@@ -41,6 +41,15 @@ def request(n: int, spans: int = 100) -> ExportTraceServiceRequest:
     return message
 
 
+def send(agent: Agent, n: int) -> None:
+    """``request(0)`` to ``request(n - 1)`` over OTLP/HTTP to ``agent``, each answered 200."""
+    for k in range(n):
+        post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(k).SerializeToString(),
+                                      headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        with urllib.request.urlopen(post, timeout=30) as answer:
+            assert answer.status == 200
+
+
 def table_directory(store_path: Path, table: str) -> Path:
     """Where the embedded engine keeps ``table``'s parts: ``store/<uuid[:3]>/<uuid>`` from its metadata."""
     uuid = re.search(r"UUID '([0-9a-f-]+)'", (store_path / "metadata" / "stagetrace" / f"{table}.sql").read_text())[1]
@@ -82,11 +91,7 @@ def truncate_a_part(store_path: Path, table: str = "otel_traces") -> tuple[Path,
 def test_a_part_truncated_while_the_agent_was_down_is_named_at_start_and_counted_on_metrics(tmp_path):
     agent = Agent(tmp_path)
     try:
-        for n in range(3):  # three requests: three parts, unless merged meanwhile
-            post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(n).SerializeToString(),
-                                          headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
-            with urllib.request.urlopen(post, timeout=30) as answer:
-                assert answer.status == 200
+        send(agent, 3)  # three requests: three parts, unless merged meanwhile
         healthy = urllib.request.urlopen(agent.endpoints["metrics"], timeout=10).read().decode()
     finally:
         log = agent.stop()
@@ -126,11 +131,7 @@ def test_rows_older_than_the_kept_records_are_counted_as_not_restored(tmp_path):
     says exactly how many are lost and why, in one line."""
     agent = Agent(tmp_path, env={"STAGETRACE_SPOOL_KEEP_BYTES": "0"})
     try:
-        for n in range(2):
-            post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(n).SerializeToString(),
-                                          headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
-            with urllib.request.urlopen(post, timeout=30) as answer:
-                assert answer.status == 200
+        send(agent, 2)
     finally:
         agent.stop()
     assert len(spans_by_id(agent.store)) == 200
@@ -162,11 +163,7 @@ def test_a_broken_part_of_a_table_the_views_fill_is_rebuilt_from_the_spans_each_
     otel_traces by the views' own queries, and every stage span is in the table once; nothing is counted lost."""
     agent = Agent(tmp_path)
     try:
-        for n in range(3):
-            post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(n).SerializeToString(),
-                                          headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
-            with urllib.request.urlopen(post, timeout=30) as answer:
-                assert answer.status == 200
+        send(agent, 3)
     finally:
         agent.stop()
     acknowledged = [span_id for n in range(3) for span_id in sent_ids(n)]
