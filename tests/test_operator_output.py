@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -205,8 +206,8 @@ def test_a_command_wider_than_the_terminal_pastes_as_the_same_command(width):
 # --- paper cuts: each a one-line answer ---------------------------------------------------------------------
 
 
-def one_line_failure(*argv: str) -> str:
-    run = subprocess.run([*STAGETRACE, *argv], capture_output=True, text=True, timeout=120)
+def one_line_failure(*argv: str, env: dict | None = None) -> str:
+    run = subprocess.run([*STAGETRACE, *argv], capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert run.stderr.count("\n") == 1 and run.stderr.startswith("stagetrace: ") and "Traceback" not in run.stderr
     return run.stderr
@@ -230,8 +231,12 @@ def test_a_read_command_never_creates_a_store(tmp_path):
     typo = tmp_path / "stroe"
     for argv in (["trace", "r-1"], ["explain", "r-1"], ["divergences"]):
         message = one_line_failure(*argv, "--store", f"chdb://{typo}")
-        assert f"no store at {typo}" in message
+        assert f"no store at {typo} (a typo? the default is " in message
     assert not typo.exists()
+    # the default store, not made yet: no "a typo?" for the path the user never typed
+    fresh = {k: v for k, v in os.environ.items() if k != "STAGETRACE_STORE"} | {"XDG_DATA_HOME": str(tmp_path / "fresh")}
+    message = one_line_failure("trace", "r-1", env=fresh)
+    assert f"no store at {tmp_path / 'fresh' / 'stagetrace' / 'store'} (the default store; `stagetrace demo`" in message
 
 
 def test_a_store_on_a_read_only_filesystem_is_read_in_place(demo_store, tmp_path):
@@ -311,3 +316,16 @@ def test_a_baseline_is_a_majority_only_when_it_is_more_than_half_and_causes_are_
     assert [(title, [c["name"] for c in group]) for title, group in cause_groups(causes)] == [
         ("causes, best first", ["b", "a"]), ("weak causes (less evidence), best first", ["w", "v"])]
     assert [title for title, _ in cause_groups(causes[:2])] == ["causes, best first"]
+
+
+def test_a_request_with_nothing_to_compare_is_not_said_to_agree():
+    """explain of a request whose input no other request had: the verdict says there is nothing to compare, not
+    "agrees" (a newcomer read the quickstart's lone request as vouched for)."""
+    from stagetrace.render import explanation
+
+    report = {"request_id": "quickstart-0002", "trace_id": "ab" * 16, "diverged": False, "baseline": None,
+              "summary": "no other request with the same input in the window: nothing to compare against",
+              "stages": [], "causes": []}  # fmt: skip
+    buffer = io.StringIO()
+    explanation(Output(Console(file=buffer, width=80)), report)
+    assert "verdict: nothing to compare" in buffer.getvalue() and "agrees" not in buffer.getvalue()

@@ -359,3 +359,17 @@ def test_spans_whose_starts_tie_are_listed_parent_first_then_by_rank(store_dsn, 
         svg = waterfall_svg(trace, None)
         labels = [label for label in expected if f">{label}</text>" in svg]
         assert sorted(labels, key=svg.index) == expected
+
+
+def test_a_trace_id_given_as_a_request_id_is_named_with_the_option_that_finds_it(store_dsn):
+    """A newcomer copies the ``trace`` line's ID into ``stagetrace trace``: not a request ID here (the request has
+    one of its own), so the error names ``--trace-id`` with that ID, which then finds it."""
+    _write_with_plain_sdk(store_dsn, "named")
+    with open_store(store_dsn) as store:
+        trace_id = lookup.by_request_id(store, "named").trace_id
+    cli = subprocess.run([sys.executable, "-m", "stagetrace", "trace", trace_id.upper(), "--store", store_dsn],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert cli.returncode == 1 and f"(it is a trace ID: stagetrace trace --trace-id {trace_id})" in cli.stderr, cli.stderr
+    unknown = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "0" * 32, "--store", store_dsn],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert unknown.returncode == 1 and "trace ID" not in unknown.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -166,7 +167,10 @@ def _request(store: Store, trace_id: str) -> tuple[str | None, str, str, str]:
 def by_request_id(store: Store, request_id: str) -> Trace:
     rows = store.client.query(TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": request_id}).result_rows
     if not rows:
-        raise NotFound(f"no request with id {request_id!r}")
+        hint = ""
+        if re.fullmatch(r"[0-9a-fA-F]{32}", request_id.strip()) and _extent(store, request_id.strip().lower())[1]:
+            hint = f" (it is a trace ID: stagetrace trace --trace-id {request_id.strip().lower()})"
+        raise NotFound(f"no request with id {request_id!r}{hint}")
     # A retried request ID has several traces: show the latest. Within a trace the earliest row is the outermost span.
     # A request disaggregated over a prefill and a decode server is both halves, the latest of each (conventions).
     latest_trace = rows[-1][0]

@@ -366,7 +366,9 @@ def cause_groups(causes: list[dict]) -> list[tuple[str, list[dict]]]:
 
 def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
     """``stagetrace explain``: the verdict, the baseline it was compared with, the stages, the ranked causes."""
-    verdict = Text("diverged", style="bold red") if report["diverged"] else Text("agrees", style="bold green")
+    # with no baseline there is nothing the request could agree with: saying "agrees" would vouch for it
+    verdict = (Text("diverged", style="bold red") if report["diverged"] else
+               Text("agrees", style="bold green") if report.get("baseline") else Text("nothing to compare", style="bold"))
     out.line(f"request {report['request_id']}")
     out.line(f"trace {report['trace_id']}")
     out.line(Text.assemble("verdict: ", verdict))

@@ -180,8 +180,10 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
     """
     location = dsn if isinstance(dsn, Location) else parse_dsn(dsn)
     if must_exist and location.embedded and location.path and not (Path(location.path) / "metadata").is_dir():
-        raise StoreError(f"no store at {location.path} (a typo? the default is {config.default_store_path()}; "
-                         "`stagetrace demo` or `stagetrace agent` creates one)")  # fmt: skip
+        default = Path(location.path) == Path(config.default_store_path())
+        where = "the default store" if default else f"a typo? the default is {config.default_store_path()}"
+        raise StoreError(f"no store at {location.path} ({where}; `stagetrace demo` or `stagetrace agent` creates "
+                         "one)")  # fmt: skip
     try:
         if must_exist and location.embedded and location.path and not os.access(location.path, os.W_OK | os.X_OK):
             store = Store(_open_read_only(location), location, read_only=True)
