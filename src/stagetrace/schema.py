@@ -20,8 +20,9 @@ from stagetrace.errors import SchemaError  # re-exported: callers catch it from 
 # 6: the requests view rebuilt (REBUILDS); 7: stagetrace_analyser, the live analyser's lease and progress, and the
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
 # in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs;
-# 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32)
-SCHEMA_VERSION = 11
+# 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32);
+# 12: the request's model (stagetrace_requests.Model, conventions.MODEL_SQL), part of its peer key (issue 51)
+SCHEMA_VERSION = 12
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -137,7 +138,8 @@ def _requests_select(input_digest: str, output_digest: str, *, content: bool) ->
     {output_digest} AS OutputDigest,
     StatusCode,
     {cv.REQUEST_ID_SOURCE_SQL} AS Source,
-    {cv.NONDETERMINISM_SQL} AS Nondeterministic
+    {cv.NONDETERMINISM_SQL} AS Nondeterministic,
+    {cv.MODEL_SQL} AS Model
 FROM {{source}}
 WHERE {_content_filter(content)}{cv.IS_REQUEST_ROOT_SQL}"""
 
@@ -289,6 +291,7 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     StatusCode LowCardinality(String) CODEC(ZSTD(1)),
     Source LowCardinality(String) CODEC(ZSTD(1)),
     Nondeterministic LowCardinality(String) CODEC(ZSTD(1)),
+    Model LowCardinality(String) CODEC(ZSTD(1)),
     PROJECTION {_BY_TRACE} ({_BY_TRACE_SELECT}),
     PROJECTION {_BY_INPUT} ({_BY_INPUT_SELECT})""",
         "MergeTree()",
@@ -415,7 +418,7 @@ GROUP BY TraceId""",
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
 REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
-            6: ("stagetrace_requests_mv",)}  # fmt: skip
+            6: ("stagetrace_requests_mv",), 12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv")}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
@@ -426,6 +429,7 @@ NEW_COLUMNS = {
     5: (("stagetrace_requests", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
         ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))")),
     7: (("stagetrace_divergences", "Devices String CODEC(ZSTD(1))"),),
+    12: (("stagetrace_requests", "Model LowCardinality(String) CODEC(ZSTD(1)) AFTER Nondeterministic"),),
 }  # fmt: skip
 
 # Projections a version added to tables created before it, built from the rows they hold: {version: ((table,
