@@ -197,7 +197,8 @@ def ranked(causes: list[Cause]) -> list[Cause]:
     An identity (host, pod, GPU UUID...) ranks after a setting that separates the requests as well (within ``TIE``):
     the setting is why, and the identities are recorded on it as where (``evidence["where"]``). Settings that split
     the same requests equally well changed together: the first names the others (``evidence["together"]``)."""
-    kept = [c for c in merged(causes) if c.score > 0]
+    # a score that rounds to nothing in the report (the smoothing's prior alone, neither value ever diverged) is none
+    kept = [c for c in merged(causes) if round(c.score, 4) > 0]
     # only what a contrast weighed separates requests: unweighed differences say nothing of where or together
     best_setting = max((c.score for c in kept if _is_setting(c) and _weighed(c)), default=None)
 
