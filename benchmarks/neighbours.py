@@ -52,11 +52,12 @@ def _top(causes: list[dict]) -> tuple | None:
 
 
 # -- answers unchanged by neighbours
-def _first_service(fleet, fl, rng: random.Random) -> list[str]:
+def _first_service(fleet, fl, rng: random.Random, minutes: int) -> list[str]:
     hosts = [f"h{i}" for i in range(1, rng.randint(4, 6) + 1)]
     stale, other = rng.sample(hosts, 2)
-    rollout_at, algorithm_at, every = rng.randint(15, 30), rng.randint(10, 35), rng.choice((10, 12, 15))
-    for i, t, host in fleet.timeline(fl.at(0), fl.at(45), every * fleet.SECOND, hosts):
+    rollout_at, algorithm_at = rng.randint(minutes // 3, 2 * minutes // 3), rng.randint(minutes // 4, 3 * minutes // 4)
+    every = rng.choice((10, 12, 15))
+    for i, t, host in fleet.timeline(fl.at(0), fl.at(minutes), every * fleet.SECOND, hosts):
         settings, differs = {}, {}
         if host == stale:
             settings["retrieval.index.version"], differs["retrieval"] = "v40", "v40"
@@ -69,21 +70,21 @@ def _first_service(fleet, fl, rng: random.Random) -> list[str]:
     return hosts
 
 
-def _neighbours(fleet, store, t0: int, hosts: list[str], rng: random.Random) -> None:
+def _neighbours(fleet, store, t0: int, hosts: list[str], rng: random.Random, minutes: int) -> None:
     shadow = fleet.Fleet(store, t0, service="rag-shadow", model="acme-8b")
-    for i, t, host in fleet.timeline(shadow.at(0), shadow.at(45), rng.choice((5, 6, 8)) * fleet.SECOND, ["s1", "s2"]):
+    for i, t, host in fleet.timeline(shadow.at(0), shadow.at(minutes), rng.choice((5, 6, 8)) * fleet.SECOND, ["s1", "s2"]):
         shadow.request(f"shadow-{i:04d}", t, host, prompt=rng.randrange(4), differs={"decode": "8b"})
     batch = fleet.Fleet(store, t0, service="batch")
-    moved = rng.randint(10, 30)
+    moved = rng.randint(minutes // 4, 2 * minutes // 3)
     others = ["b1", "b2", "b3"]
-    for i, t, host in fleet.timeline(batch.at(0), batch.at(45), 20 * fleet.SECOND, others):
+    for i, t, host in fleet.timeline(batch.at(0), batch.at(minutes), 20 * fleet.SECOND, others):
         index = "v8" if t >= batch.at(moved + others.index(host)) else "v7"
         batch.request(f"batch-{i:04d}", t, host, prompt=rng.randrange(4),
                       settings={"retrieval.index.version": index, "allreduce.algorithm": "tree"},
                       differs={"retrieval": index, "allreduce": "tree"})  # fmt: skip
     canary = fleet.Fleet(store, t0, service="rag-canary")
-    faulty, template_at = rng.sample(hosts, 2), rng.randint(5, 20)
-    for i, t, host in fleet.timeline(canary.at(0), canary.at(45), 20 * fleet.SECOND, hosts):
+    faulty, template_at = rng.sample(hosts, 2), rng.randint(minutes // 8, minutes // 2)
+    for i, t, host in fleet.timeline(canary.at(0), canary.at(minutes), 20 * fleet.SECOND, hosts):
         settings, differs = {}, {}
         if t >= canary.at(template_at + hosts.index(host)):
             settings["context.template.version"], differs["context_assembly"] = "t5", "t5"
@@ -115,17 +116,17 @@ def _unchanged(alone: dict, together: dict) -> tuple[int, int]:
 @benchmark("neighbours")
 def neighbours(quick: bool) -> list[Figure]:
     fleet = _fleet_module()
-    seeds = (1,) if quick else (1, 2, 3)
+    seeds, minutes = ((1,), 20) if quick else ((1, 2, 3), 45)
     same = {"explain": [0, 0], "divergences": [0, 0]}
     for seed in seeds:
         rng = random.Random(seed)
         with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
                 open_store(f"chdb://{directory}/store") as store:  # fmt: skip
             fl = fleet.Fleet(store)
-            hosts = _first_service(fleet, fl, rng)
-            sample = sorted(fl.requests)[:: 6 if quick else 3]
+            hosts = _first_service(fleet, fl, rng, minutes)
+            sample = sorted(fl.requests)[:: 10 if quick else 3]
             alone = _answers(store, sample)
-            _neighbours(fleet, store, fl.t0, hosts, rng)
+            _neighbours(fleet, store, fl.t0, hosts, rng, minutes)
             together = _answers(store, sample)
         for view, a, b in (("explain", alone[0], together[0]), ("divergences", alone[1], together[1])):
             n, of = _unchanged(a, b)
@@ -146,7 +147,7 @@ CONFIGURATIONS = [
 ]  # fmt: skip
 
 
-def _concurrent(fleet, store, rng: random.Random) -> tuple[object, dict]:
+def _concurrent(fleet, store, rng: random.Random, minutes: int) -> tuple[object, dict]:
     faults = rng.sample(CONFIGURATIONS, rng.choice((5, 6)))
     healthy = [f"c{i}" for i in range(1, 7)]
     resources, decode = {}, {}
@@ -167,7 +168,7 @@ def _concurrent(fleet, store, rng: random.Random) -> tuple[object, dict]:
     fl = fleet.Fleet(store, resources=resources)
     defaults = {name: value for on_resource, name, value, _ in CONFIGURATIONS if not on_resource and value}
     hosts = [*healthy, *own, "x1"]
-    for i, t, host in fleet.timeline(fl.at(0), fl.at(40), 4 * fleet.SECOND, hosts):
+    for i, t, host in fleet.timeline(fl.at(0), fl.at(minutes), 4 * fleet.SECOND, hosts):
         differs = {}
         if host in own and (i * 7919 % 100) < 100 * own[host][2]:
             differs["decode"] = host
@@ -180,13 +181,13 @@ def _concurrent(fleet, store, rng: random.Random) -> tuple[object, dict]:
 @benchmark("concurrent_faults")
 def concurrent_faults(quick: bool) -> list[Figure]:
     fleet = _fleet_module()
-    seeds = (1,) if quick else (1, 2)
+    seeds, minutes = ((1,), 15) if quick else ((1, 2), 40)
     right = {"explain": [0, 0], "divergences": [0, 0]}
     for seed in seeds:
         rng = random.Random(seed)
         with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
                 open_store(f"chdb://{directory}/store") as store:  # fmt: skip
-            fl, own = _concurrent(fleet, store, rng)
+            fl, own = _concurrent(fleet, store, rng, minutes)
             deviating = [rid for rid, r in sorted(fl.requests.items()) if r["differs"]]
 
             def named(rid: str, stage, top) -> bool:
@@ -194,7 +195,7 @@ def concurrent_faults(quick: bool) -> list[Figure]:
                 return top is not None and (stage, top[2], top[3]) == ("decode", name, value)
 
             explainer = Explainer(store)
-            for rid in deviating[:: 4 if quick else 2]:
+            for rid in deviating[:: 8 if quick else 2]:
                 r = explainer.explain(rid)
                 right["explain"][0] += named(rid, r["first_divergent_stage"], _top(r["causes"]))
                 right["explain"][1] += 1
