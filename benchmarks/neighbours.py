@@ -72,7 +72,8 @@ def _first_service(fleet, fl, rng: random.Random, minutes: int) -> list[str]:
 
 def _neighbours(fleet, store, t0: int, hosts: list[str], rng: random.Random, minutes: int) -> None:
     shadow = fleet.Fleet(store, t0, service="rag-shadow", model="acme-8b")
-    for i, t, host in fleet.timeline(shadow.at(0), shadow.at(minutes), rng.choice((5, 6, 8)) * fleet.SECOND, ["s1", "s2"]):
+    every = rng.choice((5, 6, 8)) * fleet.SECOND
+    for i, t, host in fleet.timeline(shadow.at(0), shadow.at(minutes), every, ["s1", "s2"]):
         shadow.request(f"shadow-{i:04d}", t, host, prompt=rng.randrange(4), differs={"decode": "8b"})
     batch = fleet.Fleet(store, t0, service="batch")
     moved = rng.randint(minutes // 4, 2 * minutes // 3)
@@ -172,8 +173,8 @@ def _concurrent(fleet, store, rng: random.Random, minutes: int) -> tuple[object,
         differs = {}
         if host in own and (i * 7919 % 100) < 100 * own[host][2]:
             differs["decode"] = host
-        fl.request(f"r-{i:04d}", t, host, prompt=rng.randrange(4), extra={"decode": {**defaults, **decode.get(host, {})}},
-                   differs=differs)  # fmt: skip
+        fl.request(f"r-{i:04d}", t, host, prompt=rng.randrange(4),
+                   extra={"decode": {**defaults, **decode.get(host, {})}}, differs=differs)  # fmt: skip
     fl.flush()
     return fl, own
 

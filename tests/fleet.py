@@ -149,7 +149,8 @@ class Fleet:
 
         tracer = self._tracer(host)
         root_attrs = {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(request_input),
-                      "gen_ai.request.model": self.model, **(sampling if sampling_on == "request" else {}), **(root or {})}  # fmt: skip
+                      "gen_ai.request.model": self.model, **(sampling if sampling_on == "request" else {}),
+                      **(root or {})}  # fmt: skip
         root_span = tracer.start_span("inference.request", kind=SpanKind.SERVER, attributes=root_attrs, start_time=at_ns)
         parent = trace.set_span_in_context(root_span)
         t = at_ns + 1 * MS

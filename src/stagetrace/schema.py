@@ -418,7 +418,8 @@ GROUP BY TraceId""",
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
 REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
-            6: ("stagetrace_requests_mv",), 12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv")}  # fmt: skip
+            6: ("stagetrace_requests_mv",),
+            12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv")}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.

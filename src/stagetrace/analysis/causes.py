@@ -97,7 +97,8 @@ class Contrast:
     """
 
     def __init__(self, counts: dict[tuple[str, str], tuple[int, int]], spans: int, diverged: int,
-                 identifiers: frozenset[str] = frozenset(), explained: dict[tuple[str, str], int] | None = None):  # fmt: skip
+                 identifiers: frozenset[str] = frozenset(),
+                 explained: dict[tuple[str, str], int] | None = None):  # fmt: skip
         self.counts = counts
         self.explained = explained or {}
         self.prior = diverged / spans if spans else 0.0

@@ -165,7 +165,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         stage = where[d.trace_id].stage
         found = []
         if stage:
-            found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id], contrasts.get((stage, d.peer)),
+            found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
+                             contrasts.get((stage, d.peer)),
                              samples, found_rollouts, tenancy=tenancy)  # fmt: skip
         top = next((c for c in found if not c.weak), None)
         # a wave's requests are all analysed, whatever the limit: the rollout explains those (not counted as deviating)

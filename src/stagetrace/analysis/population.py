@@ -145,7 +145,8 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs=(), inputs_from_ns: 
     rows = store.client.query(sql, parameters=parameters).result_rows
     return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, service,
                       model)
-            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service, model in rows]  # fmt: skip
+            for (rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service,
+                 model) in rows]  # fmt: skip
 
 
 REQUESTS_IN_SQL = """
@@ -272,8 +273,8 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
     ts = "toUnixTimestamp64Nano(Start)"
     # a rollout's wave (of the span's own service): the new value before the fleet moved, or the old one while the
     # wave still rolled
-    wave = (f"arrayExists((s, sv, k, o, n, t, u) -> s = Stage AND sv = ServiceName AND (({value('k')} = n AND {ts} < t) "
-            f"OR ({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rsv:Array(String)}}, "
+    wave = (f"arrayExists((s, sv, k, o, n, t, u) -> s = Stage AND sv = ServiceName "
+            f"AND (({value('k')} = n AND {ts} < t) OR ({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rsv:Array(String)}}, "
             "{rk:Array(String)}, {rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})")
 
     def comparable(t0: str, t1: str, whole_requests: bool) -> str:
@@ -291,7 +292,8 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
         """``spans`` (a subquery with TraceId) with the model of each span's request ('' without ``models``)."""
         if not models:
             return f"SELECT *, '' AS Model FROM ({spans})"
-        window = f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})"
+        window = (f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) "
+                  f"AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})")
         return f"""SELECT s.*, m.RequestModel AS Model FROM ({spans}) AS s
             LEFT JOIN (SELECT TraceId, any(Model) AS RequestModel FROM {{db:Identifier}}.stagetrace_requests
                        WHERE {window} AND Model != '' AND TraceId IN (SELECT TraceId FROM ({spans}))
@@ -343,7 +345,8 @@ suspects AS (
 SELECT Stage, tupleElement(Peer, 1), tupleElement(Peer, 2), key, value, n, d, x, Spans, Diverged, {identifier}
 FROM (SELECT Stage, Peer, key, value, n, d, x, count() OVER w AS Values, sum(n) OVER w AS Spans,
              sum(d) OVER w AS Diverged
-      FROM (SELECT Stage, Peer, key, if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
+      FROM (SELECT Stage, Peer, key,
+                   if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
                    count() AS n, countIf(Diverged) AS d,
                    -- diverged where another key's suspect value explains it
                    countIf(Diverged AND arrayExists(p -> tupleElement(p, 1) != key, Explained)) AS x
@@ -378,7 +381,8 @@ def _first_differences(pairs: str) -> str:
     differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
                      arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
     return f"""
-WITH pairs AS (SELECT c2 AS Dev, c11 AS Base FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13)),
+WITH pairs AS (SELECT c2 AS Dev, c11 AS Base
+               FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13)),
 passes AS (
     SELECT TraceId, Stage, min(Start) AS First, arraySort(groupUniqArray(OutputDigest)) AS Outputs,
            argMin(Attributes, {first_pass}) AS Attrs, argMin(ResourceAttributes, {first_pass}) AS Resource

@@ -83,7 +83,8 @@ class Rollout:
         return text
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "service": self.service, "name": self.name, "old": self.old, "new": self.new, "from_ns": self.from_ns,
+        return {"stage": self.stage, "service": self.service, "name": self.name,
+                "old": self.old, "new": self.new, "from_ns": self.from_ns,
                 "to_ns": self.to_ns, "fleet_ns": self.fleet_ns, "hosts": len(self.switched), "of_hosts": self.of_hosts,
                 "lagging": dict(sorted(self.lagging.items())), "summary": self.describe()}  # fmt: skip
 
@@ -112,8 +113,8 @@ AMONG_MARGIN_NS = 5_000_000_000  # a request's stage spans start this close to i
 
 def _values(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
             among: list[tuple[str, int]] = (), margin_ns: int = AMONG_MARGIN_NS) -> dict:  # fmt: skip
-    """(stage, key, service) → host → [(first, last, requests, value)] of the candidates' values in the window, or only
-    in the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
+    """(stage, key, service) → host → [(first, last, requests, value)] of the candidates' values in the window, or
+    only in the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
     ranges, params = [], {}
     for a, b in _merged(sorted((start - margin_ns, start + margin_ns) for _, start in among)):
         i = len(ranges)
