@@ -87,6 +87,13 @@ def differences(request: Span, baseline: Span | None) -> list[tuple[str, str, st
     return out
 
 
+def suspect(n: int, d: int, spans: int, diverged: int) -> bool:
+    """Whether a recorded value explains its spans' divergences (several faults at once): at least ``MIN_SUPPORT`` of
+    its ``n`` spans diverged (``d``), at least ``LIFT`` times as often as the rest of the stage's ``spans`` among the
+    same peers (``diverged`` of them in all)."""
+    return d >= MIN_SUPPORT and spans > n and d * (spans - n) >= LIFT * (diverged - d) * n
+
+
 class Contrast:
     """Per (key, value) of a stage's spans around a request: how many, and how many diverged first there.
 

@@ -229,7 +229,14 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
               "rk": [r.key for r in waves], "rold": [r.old for r in waves], "rnew": [r.new for r in waves],
               "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves], "sample": max(1, sample),
               **conventions.peer_parameters(peer_key)}  # fmt: skip
-    rows: dict[tuple, dict] = {}
+    # Each service's requests name one model in almost every window: then the service alone tells peers apart as the
+    # (service, model) key does, and the spans' models need not be read (a join that costs as much as the contrast)
+    models = conventions.PEER_MODEL in peer_key
+    if models and conventions.PEER_SERVICE in peer_key:
+        by_service = dict(store.client.query(MODELS_BY_SERVICE_SQL, parameters={
+            "db": store.database, "t0": min(t0_ns, w0) - margin_ns, "t1": max(t1_ns, w1) + margin_ns}).result_rows)
+        if all(len(m) <= 1 for m in by_service.values()):
+            models, params["peer_model"] = False, 0
     result = []
     for stage in sorted(keys):  # one query per stage: each reads only its stage's part of the table (by stage, time)
         stage_keys = [k for s, k in pairs if s == stage]
@@ -240,27 +247,64 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
         stage_params = {**params, "stages": [stage] * len(stage_keys), "keys": stage_keys}
         if entries:
             stage_params.update({"ik": list(entries), "iv": list(entries.values())})
-        sql = CONTRAST_SQLS[(bool(waves), bool(entries), conventions.PEER_MODEL in peer_key)]
-        result += store.client.query(sql, parameters=stage_params).result_rows
-    for stage, service, model, key, value, n, d, x, spans, diverged, is_identifier in result:
-        found = rows.setdefault((stage, (service, model)), {"counts": {}, "explained": {}, "identifiers": set(),
-                                                            "spans": 0, "diverged": 0})  # fmt: skip
-        found["spans"], found["diverged"] = int(spans), int(diverged)
-        if is_identifier:
-            found["identifiers"].add(key)
-        else:
-            found["counts"][(key, value)] = (int(n), int(d))
-            if x:
-                found["explained"][(key, value)] = int(x)
-    return {at: Contrast(r["counts"], r["spans"], r["diverged"], frozenset(r["identifiers"]), r["explained"])
-            for at, r in rows.items()}  # fmt: skip
+        rows = store.client.query(CONTRAST_SQLS[(bool(waves), bool(entries), models)], parameters=stage_params)
+        for service, model, kind, key, value, profile, n, d in rows.result_rows:
+            if conventions.PEER_MODEL in peer_key and not models:  # the service's one model, as the key has it
+                model = next(iter(by_service.get(service) or [""]))
+            result.append((stage, (service, model), kind, key, value, profile, int(n), int(d)))
+    return _weighed(result)
+
+
+def _weighed(rows) -> dict:
+    """The :class:`Contrast` of each (stage, peer key) from the contrast query's rows: (stage, peer, kind, key, value,
+    profile, spans, diverged), where kind 0 counts a weighed key's value, 1 a recorded setting's or identity's, and 2
+    the diverged spans of one profile (their weighed keys' values and recorded pairs): ``causes.suspect`` values, and
+    per weighed (key, value) the diverged spans another key's suspect value explains."""
+    from stagetrace.analysis.causes import IDENTIFIER_SHARE, IDENTIFIER_SPANS, Contrast, suspect
+
+    out = {}
+    by: dict[tuple, list] = {}
+    for stage, peer, *row in rows:
+        by.setdefault((stage, peer), []).append(row)
+    for at, items in by.items():
+        counts = {(key, value): (n, d) for kind, key, value, _, n, d in items if kind == 0}
+        per_key: dict[str, list[tuple[int, int]]] = {}
+        for (key, _), nd in counts.items():
+            per_key.setdefault(key, []).append(nd)
+        # every span counts once for each weighed key: the stage's spans and diverged ones, from any of them
+        spans, diverged = (sum(x) for x in zip(*next(iter(per_key.values()), [(0, 0)])))
+        identifiers = {key for key, nds in per_key.items()
+                       if sum(n for n, _ in nds) >= IDENTIFIER_SPANS
+                       and len(nds) >= IDENTIFIER_SHARE * sum(n for n, _ in nds)}  # fmt: skip
+        counts = {kv: nd for kv, nd in counts.items() if kv[0] not in identifiers}
+        suspects = {(key, value) for kind, key, value, _, n, d in items
+                    if kind == 1 and suspect(n, d, spans, diverged)}  # fmt: skip
+        explained: dict[tuple[str, str], int] = {}
+        for kind, _, _, profile, _, d in items:
+            if kind != 2:
+                continue
+            weighed = [(k, v) for k, v in profile if k.startswith("\0")]
+            recorded = [(k, v) for k, v in profile if not k.startswith("\0")]
+            for k, v in weighed:
+                key = k[1:]
+                if any(rk != key and (rk, rv) in suspects for rk, rv in recorded):
+                    explained[(key, v)] = explained.get((key, v), 0) + d
+        out[at] = Contrast(counts, spans, diverged, frozenset(identifiers), explained)
+    return out
+
+
+# the models each service's requests named in a window (``contrasts``)
+MODELS_BY_SERVICE_SQL = """
+SELECT ServiceName, groupUniqArray(2)(Model) FROM {db:Identifier}.stagetrace_requests
+WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
+GROUP BY ServiceName"""
 
 
 def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> str:
     """The contrast query; with ``inventory``, a resource attribute a span lacks is read from the GPU inventory's
     entries (parameters ``ik`` and ``iv``: ``inventory.value_sql``); with ``models``, the spans' requests' models are
     read for their peer keys (a key without the model does not read them)."""
-    from stagetrace.analysis.causes import BUCKET_SQL, IDENTIFIER_SHARE, IDENTIFIER_SPANS, LIFT, MIN_SUPPORT, RESOURCE
+    from stagetrace.analysis.causes import BUCKET_SQL, RESOURCE
 
     def value(k: str) -> str:
         """A span's value of the contrast key ``k`` (an SQL expression)."""
@@ -301,7 +345,6 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
 
     epoch = EPOCH_SQL.format(service="ServiceName", ts=ts)
     peer = conventions.peer_sql("ServiceName", "Model")
-    identifier = f"Spans >= {IDENTIFIER_SPANS} AND Values >= {IDENTIFIER_SHARE} * Spans"
     # every setting and identity a span records, as (contrast key, value): what may explain its divergence
     recorded = ("arrayConcat(arrayFilter(p -> {a}, arrayZip(mapKeys(Attributes), mapValues(Attributes))), "
                 "arrayMap(p -> (concat('{r}', tupleElement(p, 1)), tupleElement(p, 2)), arrayFilter(p -> {a}, "
@@ -327,39 +370,22 @@ majority AS (
           GROUP BY Stage, InputDigest, Epoch, Peer)
     WHERE top >= 2 AND countEqual(counts, top) = 1),
 judged AS (
-    SELECT c.Stage AS Stage, c.Peer AS Peer, c.OutputDigest != m.Majority AS Diverged, c.Attributes AS Attributes,
-           c.ResourceAttributes AS ResourceAttributes{', c.HostName AS HostName' if inventory else ''},
+    SELECT c.Peer AS Peer, c.OutputDigest != m.Majority AS Diverged,
+           -- the weighed keys' values, measurements by magnitude, each key marked with a leading NUL
+           arrayMap(k -> (concat('\\0', k), if(k IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', value('k'))},
+                                                {value('k')})), {{keys:Array(String)}}) AS Weighed,
            {recorded} AS Recorded
     FROM counted AS c
     INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
-                                AND c.Peer = m.Peer),
--- values that diverged at least LIFT times as often as the rest of their stage's spans among the same peers
-suspects AS (
-    SELECT groupArray((Stage, Peer, p)) AS found
-    FROM (SELECT Stage, Peer, p, count() AS n, countIf(Diverged) AS d, any(T) AS T, any(TD) AS TD
-          FROM (SELECT Stage, Peer, Diverged, Recorded, count() OVER w AS T, countIf(Diverged) OVER w AS TD
-                FROM judged WINDOW w AS (PARTITION BY Stage, Peer))
-          ARRAY JOIN Recorded AS p
-          GROUP BY Stage, Peer, p)
-    WHERE d >= {MIN_SUPPORT} AND T > n AND d * (T - n) >= {LIFT} * (TD - d) * n)
-SELECT Stage, tupleElement(Peer, 1), tupleElement(Peer, 2), key, value, n, d, x, Spans, Diverged, {identifier}
-FROM (SELECT Stage, Peer, key, value, n, d, x, count() OVER w AS Values, sum(n) OVER w AS Spans,
-             sum(d) OVER w AS Diverged
-      FROM (SELECT Stage, Peer, key,
-                   if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
-                   count() AS n, countIf(Diverged) AS d,
-                   -- diverged where another key's suspect value explains it
-                   countIf(Diverged AND arrayExists(p -> tupleElement(p, 1) != key, Explained)) AS x
-            FROM (SELECT j.Stage AS Stage, j.Peer AS Peer, j.Diverged AS Diverged, tupleElement(sk, 2) AS key,
-                         {value('tupleElement(sk, 2)')} AS raw,
-                         if(Diverged, arrayFilter(p -> has((SELECT found FROM suspects), (Stage, Peer, p)), j.Recorded),
-                            []) AS Explained
-                  FROM judged AS j
-                  ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = j.Stage,
-                                         arrayZip({{stages:Array(String)}}, {{keys:Array(String)}})) AS sk)
-            GROUP BY Stage, Peer, key, value)
-      WINDOW w AS (PARTITION BY Stage, Peer, key))
-LIMIT 1 BY Stage, Peer, key, if({identifier}, '', value)"""
+                                AND c.Peer = m.Peer)
+-- one pass: each weighed value (kind 0), each recorded setting or identity (1), and each diverged span's profile (2)
+SELECT tupleElement(Peer, 1), tupleElement(Peer, 2), tupleElement(item, 1) AS kind, tupleElement(item, 2),
+       tupleElement(item, 3), tupleElement(item, 4), count(), countIf(Diverged)
+FROM judged
+ARRAY JOIN arrayConcat(arrayMap(p -> (0, substring(tupleElement(p, 1), 2), tupleElement(p, 2), []), Weighed),
+                       arrayMap(p -> (1, tupleElement(p, 1), tupleElement(p, 2), []), Recorded),
+                       if(Diverged, [(2, '', '', arrayConcat(Weighed, Recorded))], [])) AS item
+GROUP BY Peer, item"""
 
 
 # by (rollouts' waves left out, the GPU inventory read, the requests' models read)
