@@ -310,6 +310,9 @@ class Explainer:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
         peers, peer = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
+        if peer is None:  # no input digest to find its row by: its own root span's service and model
+            model = conventions.model_of(trace.root.attributes) if trace.spans else ""
+            peer = conventions.peer_of(trace.service, model, config.peer_key())
         found_rollouts = self._rollouts(trace, peers)
         epochs = population.epochs_of(found_rollouts)
         if against is None:
@@ -355,18 +358,18 @@ class Explainer:
         }
 
     def _peers(self, request_id: str, start_ns: int, input_digest: str,
-               nondeterministic: bool) -> tuple[list[tuple], tuple[str, str]]:  # fmt: skip
+               nondeterministic: bool) -> tuple[list[tuple], tuple[str, str] | None]:  # fmt: skip
         """(request ID, trace ID, start, host, output, service) of the request's peers: the requests with its input and
         its peer key (``conventions.peer_of``: its service and model), sampling alike; and that key."""
         if not input_digest:
-            return [], ("", "")
+            return [], None
         rows = self.store.client.query(
             _PEERS_SQL,
             parameters={"db": self.store.database, "input": input_digest, "t0": start_ns - self.window_ns,
                         "t1": start_ns + self.window_ns},  # fmt: skip
         ).result_rows
         key = config.peer_key()
-        peer = next((conventions.peer_of(row[6], row[7], key) for row in rows if row[0] == request_id), ("", ""))
+        peer = next((conventions.peer_of(row[6], row[7], key) for row in rows if row[0] == request_id), None)
         return [(*row[:5], row[6]) for row in rows if conventions.peer_of(row[6], row[7], key) == peer
                 and (bool(row[5]) == nondeterministic or row[0] == request_id)], peer  # fmt: skip
 
