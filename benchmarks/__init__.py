@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "startup", "footprint",
-           "storage", "soak", "durability", "live", "tensors", "generations", "views", "replay", "ingest")
+           "storage", "soak", "durability", "live", "tensors", "generations", "views", "replay", "ingest",
+           "neighbours")
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,11 @@ class Rank:
 
 class Fleet:
     def __init__(self, store, start_ns: int | None = None, service: str = SERVICE,
-                 resources: dict[str, dict] | None = None):  # fmt: skip
+                 resources: dict[str, dict] | None = None, model: str = MODEL):  # fmt: skip
         self.store = store
+        # the model the root span names; the input digest covers MODEL whatever it is, as a producer's that leaves
+        # the model out of it (a shadow deployment of another model then shares the first one's input digests)
+        self.model = model
         self.resources = resources or {}  # host -> resource attributes besides service.name and host.name
         # two hours ago, on a minute: inside every default analysis window, and never in the future
         self.t0 = start_ns if start_ns is not None else (time.time_ns() // MINUTE) * MINUTE - 120 * MINUTE
@@ -146,7 +149,8 @@ class Fleet:
 
         tracer = self._tracer(host)
         root_attrs = {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(request_input),
-                      "gen_ai.request.model": MODEL, **(sampling if sampling_on == "request" else {}), **(root or {})}  # fmt: skip
+                      "gen_ai.request.model": self.model, **(sampling if sampling_on == "request" else {}),
+                      **(root or {})}  # fmt: skip
         root_span = tracer.start_span("inference.request", kind=SpanKind.SERVER, attributes=root_attrs, start_time=at_ns)
         parent = trace.set_span_in_context(root_span)
         t = at_ns + 1 * MS

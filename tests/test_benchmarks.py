@@ -52,6 +52,8 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("replay", 8, ["bare otel_traces", "groups of up to 8,192"]
          + ["bare otel_traces", "groups of up to 8,192", "groups of up to 8,192"] * 2),
         ("ingest", 41, [""] * 41),  # the fleet into an embedded store (20 figures) and a server store (21)
+        ("neighbours", 2, ["aim"] * 2),  # explain and divergences, each against its aim
+        ("concurrent_faults", 2, ["aim"] * 2),
     ):
         cells = [r.split(" | ") for r in written.splitlines() if r.startswith(f"| {name} |")]
         assert len(cells) == count or name == "storage" and len(cells) > count, (name, cells)

@@ -23,7 +23,7 @@ if _spec.name not in sys.modules:
     _spec.loader.exec_module(fleet)
 
 INDEX, STEP = "retrieval.index.version", "model.weights.step"
-TALLY_KEYS = {"cause", "stage", "requests", "analysed", "hosts", "first_seen", "last_seen"}
+TALLY_KEYS = {"cause", "stage", "service", "requests", "analysed", "hosts", "first_seen", "last_seen"}
 
 
 def _two_faults(store):

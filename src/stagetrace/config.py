@@ -13,6 +13,10 @@ ENV_SERVICE_NAME = "STAGETRACE_SERVICE_NAME"
 ENV_RECORD_CONTENT = "STAGETRACE_RECORD_CONTENT"
 ENV_TOKEN = "STAGETRACE_AGENT_TOKEN"  # the agent's token, required by its listeners when set
 ENV_TOKEN_FILE = "STAGETRACE_AGENT_TOKEN_FILE"
+# Which requests are peers (compared with each other) besides the input digest: a comma-separated subset of
+# ``conventions.PEER_KEY_PARTS`` ("service.name,gen_ai.request.model" by default; "gen_ai.request.model" for services
+# that share a model pool; "none" for the input digest alone). docs/explain.md "Peers".
+ENV_PEER_KEY = "STAGETRACE_PEER_KEY"
 
 DEFAULT_DATABASE = "stagetrace"
 DEFAULT_QUERY_LISTEN = "127.0.0.1:8123"  # the agent's --query-listen: ClickHouse's own HTTP port, for Grafana
@@ -38,6 +42,22 @@ def store_password() -> str:
 
 def service_name() -> str:
     return os.environ.get(ENV_SERVICE_NAME) or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
+
+
+def peer_key(text: str | None = None) -> tuple[str, ...]:
+    """The peer key from ``text``, else ``$STAGETRACE_PEER_KEY``, else ``conventions.DEFAULT_PEER_KEY``; ValueError
+    names a part that is not one of ``conventions.PEER_KEY_PARTS``."""
+    from stagetrace import conventions
+
+    text = os.environ.get(ENV_PEER_KEY, "") if text is None else text
+    if not text.strip():
+        return conventions.DEFAULT_PEER_KEY
+    parts = tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != "none")
+    unknown = [p for p in parts if p not in conventions.PEER_KEY_PARTS]
+    if unknown:
+        raise ValueError(f"{ENV_PEER_KEY}: {', '.join(unknown)} is not a peer key part; use a comma-separated subset "
+                         f"of {', '.join(conventions.PEER_KEY_PARTS)}, or none")
+    return tuple(p for p in conventions.PEER_KEY_PARTS if p in parts)
 
 
 def record_content() -> bool:

@@ -416,6 +416,55 @@ def is_comparable(key: str) -> bool:
                 or key.startswith(UNCOMPARED_PREFIXES))  # fmt: skip
 
 
+# -- peers: the requests a request is compared with are those with its input digest *and* its peer key. A store is
+# shared by a fleet's services, and a shadow deployment of another model answers the same prompts differently by
+# design: neither is a baseline. The key's parts are the root span's service and model; STAGETRACE_PEER_KEY
+# (``config.peer_key``) keeps a subset (``gen_ai.request.model`` alone for services that share a model pool; empty:
+# the input digest alone, as before issue 51).
+PEER_SERVICE = "service.name"
+PEER_MODEL = "gen_ai.request.model"
+PEER_KEY_PARTS = (PEER_SERVICE, PEER_MODEL)
+DEFAULT_PEER_KEY = PEER_KEY_PARTS
+# Where a request root names its model, first non-empty wins: the GenAI conventions (what was asked for, then what
+# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names.
+MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
+              "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
+MODEL_SQL = "multiIf(" + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
+                                   for k in MODEL_KEYS) + ", '')"  # fmt: skip
+
+
+def model_of(attributes: dict[str, str]) -> str:
+    """A root span's model by ``MODEL_KEYS``; the Python twin of ``MODEL_SQL``."""
+    return next((str(attributes[k]) for k in MODEL_KEYS if attributes.get(k, "") != ""), "")
+
+
+def peer_sql(service: str = "ServiceName", model: str = "Model") -> str:
+    """The peer key of a row as one SQL tuple; the parts left out of the key (bound parameters ``peer_service`` and
+    ``peer_model``, from :func:`peer_parameters`) are ''."""
+    return f"tuple(if({{peer_service:UInt8}}, {service}, ''), if({{peer_model:UInt8}}, {model}, ''))"
+
+
+def peer_parameters(key=DEFAULT_PEER_KEY) -> dict[str, int]:
+    """The bound parameters of :func:`peer_sql` for a peer key (a subset of ``PEER_KEY_PARTS``)."""
+    return {"peer_service": int(PEER_SERVICE in key), "peer_model": int(PEER_MODEL in key)}
+
+
+def peer_of(service: str, model: str, key=DEFAULT_PEER_KEY) -> tuple[str, str]:
+    """The Python twin of :func:`peer_sql`."""
+    return (service if PEER_SERVICE in key else "", model if PEER_MODEL in key else "")
+
+
+# Contrast keys that may explain away another cause's deviations (``analysis.population.contrasts``): any attribute a
+# stage span or its resource records that is a setting or an identity, whatever its name. The SQL twin of
+# ``is_comparable`` and ``not is_measurement`` over a key ``k`` (the attribute's name).
+def candidate_sql(k: str) -> str:
+    keys = sorted(CONTENT_KEYS | DIGEST_KEYS | IDENTIFIER_KEYS | UNCOMPARED_KEYS | MEASUREMENT_KEYS)
+    prefixes = CONTENT_PREFIXES + UNCOMPARED_PREFIXES + MEASUREMENT_PREFIXES
+    return (f"NOT ({k} IN ({', '.join(_quote(x) for x in keys)})"
+            + "".join(f" OR startsWith({k}, {_quote(p)})" for p in prefixes)
+            + "".join(f" OR endsWith({k}, {_quote(x)})" for x in MEASUREMENT_SUFFIXES) + ")")  # fmt: skip
+
+
 # -- nondeterminism: outputs that differ by design are no deviation. A request samples nondeterministically when it
 # says so, or samples above temperature zero without a seed (on its own span or its decode span) where its producer
 # would have recorded one (not on SEED_UNRECORDED's engine spans, whose seed is unknown).
@@ -623,12 +672,13 @@ STAGE_ATTRIBUTES_SQL = (
 
 
 # -- SQL over stagetrace_requests: one row per request
-def requests_sql(where: str = "1", table: str = "stagetrace_requests") -> str:
+def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bool = False) -> str:
     """One row per trace among the root rows matching ``where``: the request's ID from its first span carrying one
     (else the trace ID), digests from the first root row that has them, the trace's start and end.
 
     A trace may hold several root rows: an app's root span without a request ID above an engine's span with one
-    (vLLM's llm_request, reached through ``traceparent``), or stagetrace's root above it.
+    (vLLM's llm_request, reached through ``traceparent``), or stagetrace's root above it. ``model``: also the
+    request's model, from the first root row that names one (the engine's span, below an app's root, often does).
     """
     # rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the earliest:
     # (Source = 'trace', RowStart) packed into one UInt64, which argMin compares three times faster than a tuple
@@ -637,9 +687,10 @@ def requests_sql(where: str = "1", table: str = "stagetrace_requests") -> str:
        min(RowStart) AS Start, max(RowEnd) AS End,
        argMin(ServiceName, {order}) AS ServiceName, argMin(HostName, {order}) AS HostName,
        argMin(SpanName, {order}) AS SpanName, argMinIf(InputDigest, {order}, InputDigest != '') AS InputDigest,
-       argMinIf(OutputDigest, {order}, OutputDigest != '') AS OutputDigest, argMin(StatusCode, {order}) AS StatusCode
+       argMinIf(OutputDigest, {order}, OutputDigest != '') AS OutputDigest, argMin(StatusCode, {order}) AS StatusCode{
+           f", argMinIf(Model, {order}, Model != '') AS Model" if model else ""}
 FROM (SELECT RequestId, TraceId, SpanId, Start AS RowStart, End AS RowEnd, ServiceName, HostName, SpanName,
-             InputDigest AS InputDigest, OutputDigest AS OutputDigest, StatusCode, Source
+             InputDigest AS InputDigest, OutputDigest AS OutputDigest, StatusCode, Source{", Model" if model else ""}
       FROM {table}
       WHERE {where})
 GROUP BY TraceId"""

@@ -22,7 +22,8 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # divergent stage's GPUs (else NICs) in stagetrace_divergences.Devices, for the alerts' summaries; 8: the requests
 # in trace order (projection by_trace); 9: the requests' digests in input order (by_input); 10: otel_logs;
 # 11: the requests' and stages' views in two, spans with content apart (the same rows, cheaper: issue 32);
-# 12: the parts a merge replaced kept 120 s on an embedded store (its durable settings: issue 50);
+# 12: the request's model (stagetrace_requests.Model, conventions.MODEL_SQL), part of its peer key (issue 51), and
+# the parts a merge replaced kept 120 s on an embedded store (its durable settings: issue 50);
 # 13: engines' roots that are no request (start-up, loading, SGLang's KV sender) not listed as requests, an
 # engine's unrecorded seed unknown, not absent, and SGLang's KV transfer the cache stage (issue 53)
 SCHEMA_VERSION = 13
@@ -141,7 +142,8 @@ def _requests_select(input_digest: str, output_digest: str, *, content: bool) ->
     {output_digest} AS OutputDigest,
     StatusCode,
     {cv.REQUEST_ID_SOURCE_SQL} AS Source,
-    {cv.NONDETERMINISM_SQL} AS Nondeterministic
+    {cv.NONDETERMINISM_SQL} AS Nondeterministic,
+    {cv.MODEL_SQL} AS Model
 FROM {{source}}
 WHERE {_content_filter(content)}{cv.IS_REQUEST_ROOT_SQL}"""
 
@@ -293,6 +295,7 @@ SETTINGS index_granularity = 8192, ttl_only_drop_parts = 1, {_DEDUP}""",
     StatusCode LowCardinality(String) CODEC(ZSTD(1)),
     Source LowCardinality(String) CODEC(ZSTD(1)),
     Nondeterministic LowCardinality(String) CODEC(ZSTD(1)),
+    Model LowCardinality(String) CODEC(ZSTD(1)),
     PROJECTION {_BY_TRACE} ({_BY_TRACE_SELECT}),
     PROJECTION {_BY_INPUT} ({_BY_INPUT_SELECT})""",
         "MergeTree()",
@@ -420,6 +423,7 @@ BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
 REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
             6: ("stagetrace_requests_mv",),
+            12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv"),
             13: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
                  "stagetrace_stages_content_mv")}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
@@ -432,6 +436,7 @@ NEW_COLUMNS = {
     5: (("stagetrace_requests", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
         ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))")),
     7: (("stagetrace_divergences", "Devices String CODEC(ZSTD(1))"),),
+    12: (("stagetrace_requests", "Model LowCardinality(String) CODEC(ZSTD(1)) AFTER Nondeterministic"),),
 }  # fmt: skip
 
 # Projections a version added to tables created before it, built from the rows they hold: {version: ((table,

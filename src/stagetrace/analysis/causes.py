@@ -87,16 +87,27 @@ def differences(request: Span, baseline: Span | None) -> list[tuple[str, str, st
     return out
 
 
+def suspect(n: int, d: int, spans: int, diverged: int) -> bool:
+    """Whether a recorded value explains its spans' divergences (several faults at once): at least ``MIN_SUPPORT`` of
+    its ``n`` spans diverged (``d``), at least ``LIFT`` times as often as the rest of the stage's ``spans`` among the
+    same peers (``diverged`` of them in all)."""
+    return d >= MIN_SUPPORT and spans > n and d * (spans - n) >= LIFT * (diverged - d) * n
+
+
 class Contrast:
     """Per (key, value) of a stage's spans around a request: how many, and how many diverged first there.
 
     Settings are counted by value, measurements by bucket (``population.contrast`` groups them so).
     ``identifiers`` are the keys whose values were unique to nearly every span: not counted at all.
+    ``explained``: per (key, value), how many of its diverged spans another key's suspect value explains (several
+    faults at once); the baseline's value is weighed without them.
     """
 
     def __init__(self, counts: dict[tuple[str, str], tuple[int, int]], spans: int, diverged: int,
-                 identifiers: frozenset[str] = frozenset()):  # fmt: skip
+                 identifiers: frozenset[str] = frozenset(),
+                 explained: dict[tuple[str, str], int] | None = None):  # fmt: skip
         self.counts = counts
+        self.explained = explained or {}
         self.prior = diverged / spans if spans else 0.0
         self.identifiers = identifiers
         self._buckets: dict[tuple[str, str], tuple[int, int]] = {}
@@ -104,12 +115,18 @@ class Contrast:
             b = self._buckets.get((key, bucket(value)), (0, 0))
             self._buckets[(key, bucket(value))] = (b[0] + n, b[1] + d)
 
-    def rate(self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False) -> tuple[float, int, int]:
-        """(smoothed divergence rate, requests, diverged) among the others whose span had this value (or bucket)."""
+    def rate(self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False,
+             explaining_away: bool = False) -> tuple[float, int, int]:  # fmt: skip
+        """(smoothed divergence rate, requests, diverged) among the others whose span had this value (or bucket);
+        ``explaining_away``: without the diverged spans another cause explains (for the baseline's value: a cause
+        is weighed against the requests it could explain, not against another fault's)."""
         if by_bucket or is_measurement(key):
             n, d = self._buckets.get((key, bucket(value)), (0, 0))
         else:
             n, d = self.counts.get((key, value), (0, 0))
+            if explaining_away:
+                x = self.explained.get((key, value), 0)
+                n, d = n - x, d - x
         n, d = max(n - 1, 0), max(d - (1 if counted_as_diverged else 0), 0)  # leave the request itself out
         return (d + SMOOTHING * self.prior) / (n + SMOOTHING), n, d
 
@@ -127,7 +144,7 @@ def attribute_causes(stage: str, request: Span, baseline: Span | None, contrast:
             score, weak = UNSCORED, measurement
         else:
             rate, n, d = contrast.rate(key, value, counted_as_diverged=True)
-            baseline_rate, bn, bd = contrast.rate(key, baseline_value, counted_as_diverged=False)
+            baseline_rate, bn, bd = contrast.rate(key, baseline_value, counted_as_diverged=False, explaining_away=True)
             if (not measurement and n < MIN_SUPPORT and _NUMBER.fullmatch(value) and _NUMBER.fullmatch(baseline_value)
                     and bucket(value) != bucket(baseline_value)):  # fmt: skip
                 rate, n, d = contrast.rate(key, value, counted_as_diverged=True, by_bucket=True)
@@ -188,7 +205,8 @@ def ranked(causes: list[Cause]) -> list[Cause]:
     An identity (host, pod, GPU UUID...) ranks after a setting that separates the requests as well (within ``TIE``):
     the setting is why, and the identities are recorded on it as where (``evidence["where"]``). Settings that split
     the same requests equally well changed together: the first names the others (``evidence["together"]``)."""
-    kept = [c for c in merged(causes) if c.score > 0]
+    # a score that rounds to nothing in the report (the smoothing's prior alone, neither value ever diverged) is none
+    kept = [c for c in merged(causes) if round(c.score, 4) > 0]
     # only what a contrast weighed separates requests: unweighed differences say nothing of where or together
     best_setting = max((c.score for c in kept if _is_setting(c) and _weighed(c)), default=None)
 

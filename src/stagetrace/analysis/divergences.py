@@ -110,7 +110,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
                                if s.stage), sorted(candidates))  # fmt: skip
     found_rollouts = rollouts.detect(store, rollouts.suspects(seen), t0, until_ns)
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
-        epochs = [r.fleet_ns for r in found_rollouts]
+        epochs = population.epochs_of(found_rollouts)
         deviations = population.deviations(store, t0, until_ns, epochs, inputs_from_ns)
         if tally_all:
             differences = population.first_differences(store, t0, until_ns, window, epochs, inputs_from_ns)
@@ -118,11 +118,12 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     waves: set[str] = set()
     if found_rollouts:  # the latest of the new grouping, and every request in a wave
         during = [d for d in deviations
-                  if d.trace_id in latest or rollouts.in_wave(None, d.start_ns, found_rollouts)]
+                  if d.trace_id in latest or rollouts.in_wave(None, d.start_ns, found_rollouts, d.service)]
         traces = _traces(store, during, window, gpus)
         first = _divergences(during, traces)
         waves = {d.trace_id for d in during
-                 if d.trace_id in first and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts)}
+                 if d.trace_id in first
+                 and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts, d.service)}
         analysed = [d for d in during if d.trace_id in latest or d.trace_id in waves]
     else:
         first = _divergences(analysed, traces)
@@ -164,12 +165,14 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         stage = where[d.trace_id].stage
         found = []
         if stage:
-            found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id], contrasts.get(stage),
+            found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
+                             contrasts.get((stage, d.peer)),
                              samples, found_rollouts, tenancy=tenancy)  # fmt: skip
         top = next((c for c in found if not c.weak), None)
         # a wave's requests are all analysed, whatever the limit: the rollout explains those (not counted as deviating)
         if top is not None and top.kind == "rollout" and top.evidence.get("expected") and d.trace_id in waves:
-            index = next(i for i, r in enumerate(found_rollouts) if (r.stage, r.name) == (top.stage, top.name))
+            index = next(i for i, r in enumerate(found_rollouts)
+                         if (r.stage, r.name, r.service) == (top.stage, top.name, top.evidence["rollout"]["service"]))
             expected[index] = expected.get(index, 0) + 1
             explained_ids.add(d.trace_id)
             continue
@@ -263,8 +266,8 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
             mine = _span(stage, {n: v for n, v, _ in found.attributes}, {n: v for n, v, _ in found.resource}, d.start_ns)
             theirs = _span(stage, {n: b for n, _, b in found.attributes}, {n: b for n, _, b in found.resource},
                            d.start_ns)  # fmt: skip
-            top = next((c for c in ranked(attribute_causes(stage, mine, theirs, contrasts.get(stage))) if not c.weak),
-                       None)  # fmt: skip
+            top = next((c for c in ranked(attribute_causes(stage, mine, theirs, contrasts.get((stage, d.peer))))
+                        if not c.weak), None)  # fmt: skip
             cause = top.name if top is not None else ""
         out[d.trace_id] = (stage, cause)
     return out
@@ -273,13 +276,13 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
 def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str]) -> list[dict]:
     """Every deviating request (not only those analysed in full) by cause and first divergent stage, most first: how
     many, how many of them were analysed in full, on which hosts, first and last seen (so 80 requests of one index
-    rebuild read as one line, whatever ``--limit`` is)."""
-    by: dict[tuple[str, str], list[population.Deviation]] = {}
+    rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's."""
+    by: dict[tuple[str, str, str], list[population.Deviation]] = {}
     for d in deviations:
         stage, cause = by_request.get(d.trace_id, ("", ""))
-        by.setdefault((cause, stage), []).append(d)
-    return [{"cause": cause, "stage": stage, "requests": len(items),
+        by.setdefault((cause, stage, d.service), []).append(d)
+    return [{"cause": cause, "stage": stage, "service": service, "requests": len(items),
              "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
              "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
              "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}
-            for (cause, stage), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]  # fmt: skip
+            for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]  # fmt: skip

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from stagetrace import conventions, lookup
+from stagetrace import config, conventions, lookup
 from stagetrace.analysis import detectors, inventory, population, rollouts, tenants
 from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples
@@ -277,14 +277,16 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
 _WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
 # Requests with this input in the window, latest trace per request ID, and whether each samples by design.
 # The traces are found by their root rows' digests first, so only they are grouped into requests.
+# Each with its service and model, which make its peer key (``conventions.peer_of``).
 _PEERS_SQL = f"""
 SELECT RequestId, argMax(TraceId, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start),
        argMax(OutputDigest, Start), argMax(TraceId, Start) IN (
            {conventions.nondeterministic_traces_sql(
-               _WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})
+               _WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}),
+       argMax(ServiceName, Start), argMax(Model, Start)
 FROM ({conventions.requests_sql(
     f"{_WINDOW} AND TraceId IN (SELECT TraceId FROM {{db:Identifier}}.stagetrace_requests "
-    f"WHERE InputDigest = {{input:String}} AND {_WINDOW})", "{db:Identifier}.stagetrace_requests")})
+    f"WHERE InputDigest = {{input:String}} AND {_WINDOW})", "{db:Identifier}.stagetrace_requests", model=True)})
 WHERE InputDigest = {{input:String}}
 GROUP BY RequestId"""
 
@@ -307,9 +309,12 @@ class Explainer:
             except lookup.NotFound:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
-        peers = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
+        peers, peer = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
+        if peer is None:  # no input digest to find its row by: its own root span's service and model
+            model = conventions.model_of(trace.root.attributes) if trace.spans else ""
+            peer = conventions.peer_of(trace.service, model, config.peer_key())
         found_rollouts = self._rollouts(trace, peers)
-        epochs = [r.fleet_ns for r in found_rollouts]
+        epochs = population.epochs_of(found_rollouts)
         if against is None:
             # peers on the request's side of every rollout; with none there, across it (the rollout explains it)
             baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or self._baseline(
@@ -331,7 +336,7 @@ class Explainer:
         stage = first.stage
         found: list[Cause] = []
         if stage is not None:
-            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus)
+            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus, peer)
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
@@ -352,26 +357,33 @@ class Explainer:
             "summary": summary(stage, found, baseline, first.input_differed, first.ranks),
         }
 
-    def _peers(self, request_id: str, start_ns: int, input_digest: str, nondeterministic: bool) -> list[tuple]:
-        """(request ID, trace ID, start, host, output) of the requests with this input, sampling alike."""
+    def _peers(self, request_id: str, start_ns: int, input_digest: str,
+               nondeterministic: bool) -> tuple[list[tuple], tuple[str, str] | None]:  # fmt: skip
+        """(request ID, trace ID, start, host, output, service) of the request's peers: the requests with its input and
+        its peer key (``conventions.peer_of``: its service and model), sampling alike; and that key."""
         if not input_digest:
-            return []
+            return [], None
         rows = self.store.client.query(
             _PEERS_SQL,
             parameters={"db": self.store.database, "input": input_digest, "t0": start_ns - self.window_ns,
                         "t1": start_ns + self.window_ns},  # fmt: skip
         ).result_rows
-        return [row[:5] for row in rows if bool(row[5]) == nondeterministic or row[0] == request_id]
+        key = config.peer_key()
+        peer = next((conventions.peer_of(row[6], row[7], key) for row in rows if row[0] == request_id), None)
+        return [(*row[:5], row[6]) for row in rows if conventions.peer_of(row[6], row[7], key) == peer
+                and (bool(row[5]) == nondeterministic or row[0] == request_id)], peer  # fmt: skip
 
-    def _baseline(self, request_id: str, start_ns: int, peers: list[tuple], epochs: list[int]) -> Baseline | None:
-        """The majority (or nearest earlier) among the peers on the request's side of every epoch."""
-        def side(t: int) -> tuple:
-            return tuple(t >= e for e in epochs)
+    def _baseline(self, request_id: str, start_ns: int, peers: list[tuple], epochs) -> Baseline | None:
+        """The majority (or nearest earlier) among the peers on the request's side of every epoch of its service."""
+        def side(t: int, service: str) -> tuple:
+            return tuple(service == s and t >= e for e, s in epochs)
 
-        peers = [p for p in peers if side(int(p[2])) == side(start_ns)]
-        outputs = {rid: out for rid, _, _, _, out in peers}
-        others = [population.Member(rid, tid, int(start), host) for rid, tid, start, host, _ in peers if rid != request_id]
-        host = next((h for rid, _, _, h, _ in peers if rid == request_id), "")
+        service = next((p[5] for p in peers if p[0] == request_id), "")
+        peers = [p for p in peers if side(int(p[2]), p[5]) == side(start_ns, service)]
+        outputs = {rid: out for rid, _, _, _, out, _ in peers}
+        others = [population.Member(rid, tid, int(start), host) for rid, tid, start, host, _, _ in peers
+                  if rid != request_id]  # fmt: skip
+        host = next((h for rid, _, _, h, _, _ in peers if rid == request_id), "")
         counts = Counter(outputs.values())
         ranking = counts.most_common(2)
         if ranking and ranking[0][1] >= 2 and (len(ranking) == 1 or ranking[0][1] > ranking[1][1]):
@@ -394,10 +406,11 @@ class Explainer:
                                among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest])  # fmt: skip
 
     def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list,
-                  gpus: inventory.Inventory | None = None):  # fmt: skip
+                  gpus: inventory.Inventory | None = None, peer: tuple[str, str] = ("", "")):  # fmt: skip
         keys = stage_differences(trace, baseline, stage)
         if keys is None:
             return None
         t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)
         return population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
-                                   (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), inventory=gpus)
+                                   (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), inventory=gpus,
+                                   peer=peer)  # fmt: skip

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stagetrace import conventions
+from stagetrace import config, conventions
 from stagetrace.analysis.inventory import Inventory, value_sql
 from stagetrace.store import Store
 
@@ -24,15 +24,22 @@ from stagetrace.store import Store
 _IN_WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixTimestamp64Nano({t1:Int64})"
 
 
+# A request's side of every rollout of its own service (a rollout in one service is no move of another's requests).
+EPOCH_SQL = ("arrayMap((t, s) -> s = {service} AND {ts} >= t, {{epochs:Array(Int64)}}, "
+             "{{epoch_services:Array(String)}})")  # fmt: skip
+
+
 def _requests(only: str = "") -> str:
-    """The window's requests; ``only``: a further condition on their trace IDs, ending in AND."""
+    """The window's requests; ``only``: a further condition on their trace IDs, ending in AND. Each with its peer
+    key (``conventions.peer_sql``): requests are compared only with their peers."""
+    epoch = EPOCH_SQL.format(service="ServiceName", ts="toUnixTimestamp64Nano(Start)")
     return f"""
     SELECT RequestId, argMax(TraceId, S) AS TraceId, argMax(InputDigest, S) AS InputDigest,
            argMax(OutputDigest, S) AS OutputDigest, max(S) AS Start, argMax(HostName, S) AS HostName,
-           argMax(ServiceName, S) AS ServiceName,
-           arrayMap(t -> toUnixTimestamp64Nano(Start) >= t, {{epochs:Array(Int64)}}) AS Epoch
-    FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName, ServiceName
-          FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests")})
+           argMax(ServiceName, S) AS ServiceName, argMax(Model, S) AS Model,
+           {epoch} AS Epoch, {conventions.peer_sql()} AS Peer
+    FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName, ServiceName, Model
+          FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests", model=True)})
           WHERE {only}TraceId NOT IN ({conventions.nondeterministic_traces_sql(
               _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}))
     GROUP BY RequestId
@@ -53,7 +60,8 @@ def _pairs(requests: str) -> str:
     gathered into an array, and its majority and the baselines found with array functions."""
     return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
-       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(d, 6)
+       tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(d, 6),
+       tupleElement(d, 7)
 FROM (
     SELECT InputDigest, members, Majority, Support,
            arrayFilter(m -> tupleElement(m, 3) = Majority, members) AS agreeing,
@@ -63,8 +71,8 @@ FROM (
                arrayMap(o -> countEqual(outs, o), outputs) AS counts,
                arrayMax(counts) AS Support, outputs[indexOf(counts, Support)] AS Majority
         FROM (SELECT InputDigest, groupArray((RequestId, TraceId, OutputDigest, toUnixTimestamp64Nano(Start), HostName,
-                                             ServiceName)) AS members
-              FROM ({requests}) GROUP BY InputDigest, Epoch)
+                                             ServiceName, Model)) AS members
+              FROM ({requests}) GROUP BY InputDigest, Epoch, Peer)
         WHERE Support >= 2 AND countEqual(counts, Support) = 1)
     WHERE notEmpty(deviating))
 ARRAY JOIN deviating AS d
@@ -103,25 +111,42 @@ class Deviation:
     baseline_request_id: str
     baseline_trace_id: str
     service: str = ""  # the service of the request's root span
+    model: str = ""  # the model its root span names (``conventions.MODEL_KEYS``)
+
+    @property
+    def peer(self) -> tuple[str, str]:
+        """The request's peer key (``conventions.peer_of``) under the configured key."""
+        return conventions.peer_of(self.service, self.model, config.peer_key())
 
 
-def _window(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = ()) -> dict:
-    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "epochs": sorted(epochs)}
+def _window(store: Store, t0_ns: int, t1_ns: int, epochs=()) -> dict:
+    """The parameters of a window; ``epochs``: (fleet-wide moment, service) of each rollout."""
+    epochs = sorted(epochs)
+    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "epochs": [t for t, _ in epochs],
+            "epoch_services": [s for _, s in epochs], **conventions.peer_parameters(config.peer_key())}  # fmt: skip
 
 
-def deviations(store: Store, t0_ns: int, t1_ns: int, epochs: list[int] = (), inputs_from_ns: int = 0) -> list[Deviation]:
-    """Every deviating request that started in [t0, t1), oldest first, with its baseline.
+def epochs_of(found_rollouts) -> list[tuple[int, str]]:
+    """The epochs (``_window``) the rollouts make."""
+    return [(r.fleet_ns, r.service) for r in found_rollouts]
 
-    ``epochs``: the fleet-wide moments of rollouts; requests are compared only with those on the same sides.
-    ``inputs_from_ns``: only the groups of inputs that arrived in [inputs_from, t1) (the live analyser's new ones).
+
+def deviations(store: Store, t0_ns: int, t1_ns: int, epochs=(), inputs_from_ns: int = 0) -> list[Deviation]:
+    """Every deviating request that started in [t0, t1), oldest first, with its baseline among its peers.
+
+    ``epochs``: (fleet-wide moment, service) of rollouts; a service's requests are compared only with those on the
+    same sides of its own. ``inputs_from_ns``: only the groups of inputs that arrived in [inputs_from, t1) (the
+    live analyser's new ones).
     """
     parameters = _window(store, t0_ns, t1_ns, epochs)
     if inputs_from_ns:
         parameters["inputs_from"] = inputs_from_ns
     sql = PAIRS_OF_NEW_INPUTS_SQL if inputs_from_ns else PAIRS_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, service)
-            for rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service in rows]  # fmt: skip
+    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, service,
+                      model)
+            for (rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service,
+                 model) in rows]  # fmt: skip
 
 
 REQUESTS_IN_SQL = """
@@ -136,7 +161,8 @@ def requests_in(store: Store, t0_ns: int, t1_ns: int) -> int:
 
 def nondeterministic_by_service(store: Store, t0_ns: int, t1_ns: int) -> dict[str, int]:
     """How many requests in [t0, t1) sample nondeterministically by design, by service, most first."""
-    rows = store.client.query(NONDETERMINISTIC_BY_SERVICE_SQL, parameters=_window(store, t0_ns, t1_ns)).result_rows
+    rows = store.client.query(NONDETERMINISTIC_BY_SERVICE_SQL,
+                              parameters={"db": store.database, "t0": t0_ns, "t1": t1_ns}).result_rows
     return {service: int(n) for service, n in rows}
 
 
@@ -149,32 +175,42 @@ class Member:
 
 
 def nearest(members: list[Member], start_ns: int, host: str) -> Member | None:
-    """The baseline among agreeing requests: on another host if one exists (to tell hardware apart), nearest in time."""
-    return min(members, key=lambda m: (m.host == host, abs(m.start_ns - start_ns)), default=None)
+    """The baseline among agreeing requests: on another host if one exists (to tell hardware apart), nearest in time;
+    ties to the earlier request, as ``PAIRS_SQL`` breaks them (not to whichever the store read first: other services'
+    rows change that order)."""
+    return min(members, key=lambda m: (m.host == host, abs(m.start_ns - start_ns), m.start_ns, m.request_id),
+               default=None)  # fmt: skip
 
 
 def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, found_rollouts=(),
              majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
-             inventory: Inventory | None = None):  # fmt: skip
-    """One stage's :func:`contrasts`."""
-    return contrasts(store, {stage: keys}, t0_ns, t1_ns, found_rollouts, majority_window, margin_ns,
-                     inventory).get(stage)  # fmt: skip
+             inventory: Inventory | None = None, peer: tuple[str, str] | None = None):  # fmt: skip
+    """One stage's :func:`contrasts` among one peer key's requests (``Deviation.peer``); None: the window's only one."""
+    found = contrasts(store, {stage: keys}, t0_ns, t1_ns, found_rollouts, majority_window, margin_ns, inventory)
+    if peer is None:
+        return found[next(iter(found))] if len(found) == 1 else None
+    return found.get((stage, peer))
 
 
 def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, found_rollouts=(),
               majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
               inventory: Inventory | None = None, sample: int = 1) -> dict:  # fmt: skip
-    """Per stage, counts for :class:`~stagetrace.analysis.causes.Contrast` over its spans in [t0, t1).
+    """Per (stage, peer key), counts for :class:`~stagetrace.analysis.causes.Contrast` over its spans in [t0, t1).
 
     A span *diverged first at the stage* when its output differs from the majority output of the stage's
-    spans with the same stage input (its input agreed, so nothing upstream explains it), within the same
-    rollout epochs, over ``majority_window`` (default the window itself). Spans of nondeterministic
-    requests, and those a rollout's wave explains, are no evidence either way (in the majority, a span's
-    own sampling attributes decide, so that the scan stays narrow). Settings are counted by value and
+    spans with the same stage input among its request's peers (same service and model: ``conventions.peer_sql``),
+    within the same rollout epochs of its service, over ``majority_window`` (default the window itself). Spans of
+    nondeterministic requests, and those a rollout's wave explains, are no evidence either way (in the majority, a
+    span's own sampling attributes decide, so that the scan stays narrow). Settings are counted by value and
     measurements by bucket; a key with a distinct value on nearly every span is an identifier and comes
     back as one summary row, not a row per span. A span whose process recorded no GPU model or driver is counted
     with its value in the ``inventory`` (``analysis.inventory``), as the spans compared were. ``sample``: count
     the spans of one input in ``sample`` (chosen by the input's digest, so that each counted group is whole).
+
+    Several faults at once: a value that diverged far more often than the rest of its stage (``causes.suspect``'s
+    rule, over every setting and identity the spans record, under any name) *explains* its divergences. Per key, a
+    diverged span that another key's suspect value explains is counted apart (``explained``), so that weighing a
+    key's baseline value can set it aside: one host's fault does not count against another's cause.
     """
     from stagetrace.analysis.causes import RESOURCE, Contrast, is_measurement
 
@@ -183,13 +219,24 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
         return {}
     w0, w1 = majority_window or (t0_ns, t1_ns)
     waves = [r for r in found_rollouts if r.stage in keys]
+    peer_key = config.peer_key()
+    epochs = sorted(epochs_of(found_rollouts))
     params = {"db": store.database, "stages": [s for s, _ in pairs], "keys": [k for _, k in pairs],
               "measured": [k for _, k in pairs if is_measurement(k)],
               "t0": t0_ns - margin_ns, "t1": t1_ns + margin_ns, "w0": w0 - margin_ns, "w1": w1 + margin_ns,
-              "epochs": sorted(r.fleet_ns for r in found_rollouts), "rs": [r.stage for r in waves],
+              "epochs": [t for t, _ in epochs], "epoch_services": [s for _, s in epochs],
+              "rs": [r.stage for r in waves], "rsv": [r.service for r in waves],
               "rk": [r.key for r in waves], "rold": [r.old for r in waves], "rnew": [r.new for r in waves],
-              "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves], "sample": max(1, sample)}  # fmt: skip
-    rows: dict[str, dict] = {}
+              "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves], "sample": max(1, sample),
+              **conventions.peer_parameters(peer_key)}  # fmt: skip
+    # Each service's requests name one model in almost every window: then the service alone tells peers apart as the
+    # (service, model) key does, and the spans' models need not be read (a join that costs as much as the contrast)
+    models = conventions.PEER_MODEL in peer_key
+    if models and conventions.PEER_SERVICE in peer_key:
+        by_service = dict(store.client.query(MODELS_BY_SERVICE_SQL, parameters={
+            "db": store.database, "t0": min(t0_ns, w0) - margin_ns, "t1": max(t1_ns, w1) + margin_ns}).result_rows)
+        if all(len(m) <= 1 for m in by_service.values()):
+            models, params["peer_model"] = False, 0
     result = []
     for stage in sorted(keys):  # one query per stage: each reads only its stage's part of the table (by stage, time)
         stage_keys = [k for s, k in pairs if s == stage]
@@ -200,21 +247,64 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
         stage_params = {**params, "stages": [stage] * len(stage_keys), "keys": stage_keys}
         if entries:
             stage_params.update({"ik": list(entries), "iv": list(entries.values())})
-        result += store.client.query(CONTRAST_SQLS[(bool(waves), bool(entries))], parameters=stage_params).result_rows
-    for stage, key, value, n, d, spans, diverged, is_identifier in result:
-        found = rows.setdefault(stage, {"counts": {}, "identifiers": set(), "spans": 0, "diverged": 0})
-        found["spans"], found["diverged"] = int(spans), int(diverged)
-        if is_identifier:
-            found["identifiers"].add(key)
-        else:
-            found["counts"][(key, value)] = (int(n), int(d))
-    return {stage: Contrast(r["counts"], r["spans"], r["diverged"], frozenset(r["identifiers"])) for stage, r in rows.items()}
+        rows = store.client.query(CONTRAST_SQLS[(bool(waves), bool(entries), models)], parameters=stage_params)
+        for service, model, kind, key, value, profile, n, d in rows.result_rows:
+            if conventions.PEER_MODEL in peer_key and not models:  # the service's one model, as the key has it
+                model = next(iter(by_service.get(service) or [""]))
+            result.append((stage, (service, model), kind, key, value, profile, int(n), int(d)))
+    return _weighed(result)
 
 
-def _contrast_sql(waves: bool, inventory: bool = False) -> str:
+def _weighed(rows) -> dict:
+    """The :class:`Contrast` of each (stage, peer key) from the contrast query's rows: (stage, peer, kind, key, value,
+    profile, spans, diverged), where kind 0 counts a weighed key's value, 1 a recorded setting's or identity's, and 2
+    the diverged spans of one profile (their weighed keys' values and recorded pairs): ``causes.suspect`` values, and
+    per weighed (key, value) the diverged spans another key's suspect value explains."""
+    from stagetrace.analysis.causes import IDENTIFIER_SHARE, IDENTIFIER_SPANS, Contrast, suspect
+
+    out = {}
+    by: dict[tuple, list] = {}
+    for stage, peer, *row in rows:
+        by.setdefault((stage, peer), []).append(row)
+    for at, items in by.items():
+        counts = {(key, value): (n, d) for kind, key, value, _, n, d in items if kind == 0}
+        per_key: dict[str, list[tuple[int, int]]] = {}
+        for (key, _), nd in counts.items():
+            per_key.setdefault(key, []).append(nd)
+        # every span counts once for each weighed key: the stage's spans and diverged ones, from any of them
+        spans, diverged = (sum(x) for x in zip(*next(iter(per_key.values()), [(0, 0)])))
+        identifiers = {key for key, nds in per_key.items()
+                       if sum(n for n, _ in nds) >= IDENTIFIER_SPANS
+                       and len(nds) >= IDENTIFIER_SHARE * sum(n for n, _ in nds)}  # fmt: skip
+        counts = {kv: nd for kv, nd in counts.items() if kv[0] not in identifiers}
+        suspects = {(key, value) for kind, key, value, _, n, d in items
+                    if kind == 1 and suspect(n, d, spans, diverged)}  # fmt: skip
+        explained: dict[tuple[str, str], int] = {}
+        for kind, _, _, profile, _, d in items:
+            if kind != 2:
+                continue
+            weighed = [(k, v) for k, v in profile if k.startswith("\0")]
+            recorded = [(k, v) for k, v in profile if not k.startswith("\0")]
+            for k, v in weighed:
+                key = k[1:]
+                if any(rk != key and (rk, rv) in suspects for rk, rv in recorded):
+                    explained[(key, v)] = explained.get((key, v), 0) + d
+        out[at] = Contrast(counts, spans, diverged, frozenset(identifiers), explained)
+    return out
+
+
+# the models each service's requests named in a window (``contrasts``)
+MODELS_BY_SERVICE_SQL = """
+SELECT ServiceName, groupUniqArray(2)(Model) FROM {db:Identifier}.stagetrace_requests
+WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
+GROUP BY ServiceName"""
+
+
+def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> str:
     """The contrast query; with ``inventory``, a resource attribute a span lacks is read from the GPU inventory's
-    entries (parameters ``ik`` and ``iv``: ``inventory.value_sql``)."""
-    from stagetrace.analysis.causes import BUCKET_SQL, IDENTIFIER_SHARE, IDENTIFIER_SPANS, RESOURCE
+    entries (parameters ``ik`` and ``iv``: ``inventory.value_sql``); with ``models``, the spans' requests' models are
+    read for their peer keys (a key without the model does not read them)."""
+    from stagetrace.analysis.causes import BUCKET_SQL, RESOURCE
 
     def value(k: str) -> str:
         """A span's value of the contrast key ``k`` (an SQL expression)."""
@@ -225,10 +315,11 @@ def _contrast_sql(waves: bool, inventory: bool = False) -> str:
         return f"if(startsWith({k}, '{RESOURCE}'), {resource}, Attributes[{k}])"
 
     ts = "toUnixTimestamp64Nano(Start)"
-    # a rollout's wave: the new value before the fleet moved, or the old one while the wave still rolled
-    wave = (f"arrayExists((s, k, o, n, t, u) -> s = Stage AND (({value('k')} = n AND {ts} < t) OR "
-            f"({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rk:Array(String)}}, "
-            "{rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})")
+    # a rollout's wave (of the span's own service): the new value before the fleet moved, or the old one while the
+    # wave still rolled
+    wave = (f"arrayExists((s, sv, k, o, n, t, u) -> s = Stage AND sv = ServiceName "
+            f"AND (({value('k')} = n AND {ts} < t) OR ({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rsv:Array(String)}}, "
+            "{rk:Array(String)}, {rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})")
 
     def comparable(t0: str, t1: str, whole_requests: bool) -> str:
         window = f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})"
@@ -241,40 +332,65 @@ def _contrast_sql(waves: bool, inventory: bool = False) -> str:
                 " AND cityHash64(InputDigest) % {sample:UInt64} = 0"
                 + (f" AND NOT {wave}" if waves else ""))  # fmt: skip
 
-    epoch = f"arrayMap(t -> {ts} >= t, {{epochs:Array(Int64)}})"
-    identifier = f"Spans >= {IDENTIFIER_SPANS} AND Values >= {IDENTIFIER_SHARE} * Spans"
+    def with_model(spans: str, t0: str, t1: str) -> str:
+        """``spans`` (a subquery with TraceId) with the model of each span's request ('' without ``models``)."""
+        if not models:
+            return f"SELECT *, '' AS Model FROM ({spans})"
+        window = (f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) "
+                  f"AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})")
+        return f"""SELECT s.*, m.RequestModel AS Model FROM ({spans}) AS s
+            LEFT JOIN (SELECT TraceId, any(Model) AS RequestModel FROM {{db:Identifier}}.stagetrace_requests
+                       WHERE {window} AND Model != '' AND TraceId IN (SELECT TraceId FROM ({spans}))
+                       GROUP BY TraceId) AS m ON s.TraceId = m.TraceId"""
+
+    epoch = EPOCH_SQL.format(service="ServiceName", ts=ts)
+    peer = conventions.peer_sql("ServiceName", "Model")
+    # every setting and identity a span records, as (contrast key, value): what may explain its divergence
+    recorded = ("arrayConcat(arrayFilter(p -> {a}, arrayZip(mapKeys(Attributes), mapValues(Attributes))), "
+                "arrayMap(p -> (concat('{r}', tupleElement(p, 1)), tupleElement(p, 2)), arrayFilter(p -> {a}, "
+                "arrayZip(mapKeys(ResourceAttributes), mapValues(ResourceAttributes)))))").format(
+        a=conventions.candidate_sql("tupleElement(p, 1)"), r=RESOURCE)  # fmt: skip
+    counted_spans = f"""SELECT Stage, TraceId, InputDigest, OutputDigest, ServiceName, Start, Attributes,
+               ResourceAttributes{', HostName' if inventory else ''}
+        FROM {{db:Identifier}}.stagetrace_stages WHERE {comparable("t0", "t1", True)}"""
+    majority_spans = f"""SELECT Stage, TraceId, InputDigest, OutputDigest, ServiceName, Start
+                FROM {{db:Identifier}}.stagetrace_stages
+                WHERE InputDigest IN (SELECT InputDigest FROM counted) AND {comparable("w0", "w1", False)}"""
     return f"""
 WITH counted AS (
-    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, Attributes, ResourceAttributes{', HostName' if inventory else ''}
-    FROM {{db:Identifier}}.stagetrace_stages
-    WHERE {comparable("t0", "t1", True)}),
+    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, {peer} AS Peer, Attributes,
+           ResourceAttributes{', HostName' if inventory else ''}
+    FROM ({with_model(counted_spans, "t0", "t1")})),
 majority AS (
-    SELECT Stage, InputDigest, Epoch, outputs[indexOf(counts, top)] AS Majority
-    FROM (SELECT Stage, InputDigest, Epoch, groupArray(OutputDigest) AS outs, arrayDistinct(outs) AS outputs,
+    SELECT Stage, InputDigest, Epoch, Peer, outputs[indexOf(counts, top)] AS Majority
+    FROM (SELECT Stage, InputDigest, Epoch, Peer, groupArray(OutputDigest) AS outs, arrayDistinct(outs) AS outputs,
                  arrayMap(o -> countEqual(outs, o), outputs) AS counts, arrayMax(counts) AS top
-          FROM (SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch
-                FROM {{db:Identifier}}.stagetrace_stages
-                WHERE InputDigest IN (SELECT InputDigest FROM counted) AND {comparable("w0", "w1", False)})
-          GROUP BY Stage, InputDigest, Epoch)
-    WHERE top >= 2 AND countEqual(counts, top) = 1)
-SELECT Stage, key, value, n, d, Spans, Diverged, {identifier}
-FROM (SELECT Stage, key, value, n, d, count() OVER w AS Values, sum(n) OVER w AS Spans, sum(d) OVER w AS Diverged
-      FROM (SELECT Stage, key, if(key IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', 'raw')}, raw) AS value,
-                   count() AS n, countIf(Out != Majority) AS d
-            FROM (SELECT c.Stage AS Stage, c.OutputDigest AS Out, m.Majority AS Majority, tupleElement(sk, 2) AS key,
-                         {value('tupleElement(sk, 2)')} AS raw
-                  FROM counted AS c
-                  INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
-                  ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = c.Stage,
-                                         arrayZip({{stages:Array(String)}}, {{keys:Array(String)}})) AS sk)
-            GROUP BY Stage, key, value)
-      WINDOW w AS (PARTITION BY Stage, key))
-LIMIT 1 BY Stage, key, if({identifier}, '', value)"""
+          FROM (SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, {peer} AS Peer
+                FROM ({with_model(majority_spans, "w0", "w1")}))
+          GROUP BY Stage, InputDigest, Epoch, Peer)
+    WHERE top >= 2 AND countEqual(counts, top) = 1),
+judged AS (
+    SELECT c.Peer AS Peer, c.OutputDigest != m.Majority AS Diverged,
+           -- the weighed keys' values, measurements by magnitude, each key marked with a leading NUL
+           arrayMap(k -> (concat('\\0', k), if(k IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', value('k'))},
+                                                {value('k')})), {{keys:Array(String)}}) AS Weighed,
+           {recorded} AS Recorded
+    FROM counted AS c
+    INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
+                                AND c.Peer = m.Peer)
+-- one pass: each weighed value (kind 0), each recorded setting or identity (1), and each diverged span's profile (2)
+SELECT tupleElement(Peer, 1), tupleElement(Peer, 2), tupleElement(item, 1) AS kind, tupleElement(item, 2),
+       tupleElement(item, 3), tupleElement(item, 4), count(), countIf(Diverged)
+FROM judged
+ARRAY JOIN arrayConcat(arrayMap(p -> (0, substring(tupleElement(p, 1), 2), tupleElement(p, 2), []), Weighed),
+                       arrayMap(p -> (1, tupleElement(p, 1), tupleElement(p, 2), []), Recorded),
+                       if(Diverged, [(2, '', '', arrayConcat(Weighed, Recorded))], [])) AS item
+GROUP BY Peer, item"""
 
 
-# by (rollouts' waves left out, the GPU inventory read)
-CONTRAST_SQLS = {(waves, inventory): _contrast_sql(waves, inventory) for waves in (False, True)
-                 for inventory in (False, True)}  # fmt: skip
+# by (rollouts' waves left out, the GPU inventory read, the requests' models read)
+CONTRAST_SQLS = {(waves, inventory, models): _contrast_sql(waves, inventory, models) for waves in (False, True)
+                 for inventory in (False, True) for models in (False, True)}  # fmt: skip
 
 
 # Where every deviating request first differs from its baseline, for the tally of ``divergences`` (which covers all
@@ -291,7 +407,8 @@ def _first_differences(pairs: str) -> str:
     differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
                      arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
     return f"""
-WITH pairs AS (SELECT c2 AS Dev, c11 AS Base FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12)),
+WITH pairs AS (SELECT c2 AS Dev, c11 AS Base
+               FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13)),
 passes AS (
     SELECT TraceId, Stage, min(Start) AS First, arraySort(groupUniqArray(OutputDigest)) AS Outputs,
            argMin(Attributes, {first_pass}) AS Attrs, argMin(ResourceAttributes, {first_pass}) AS Resource
@@ -325,7 +442,7 @@ class Difference:
     resource: list[tuple[str, str, str]]  # the same of its resource
 
 
-def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, int], epochs: list[int] = (),
+def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, int], epochs=(),
                       inputs_from_ns: int = 0) -> dict[str, Difference]:  # fmt: skip
     """Trace ID → where each of :func:`deviations` (same arguments) first differs from its baseline; the stage spans
     read within ``window``. A request none of whose recorded stages differs has no entry."""

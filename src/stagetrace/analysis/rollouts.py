@@ -22,15 +22,16 @@ from itertools import pairwise
 from stagetrace.analysis.causes import RESOURCE
 from stagetrace.store import Store
 
+# per service: a rollout in one service is no rollout of another that uses the same attribute name
 ROLLOUT_SQL = f"""
-SELECT tupleElement(sk, 1) AS S, tupleElement(sk, 2) AS K, HostName,
+SELECT tupleElement(sk, 1) AS S, tupleElement(sk, 2) AS K, ServiceName, HostName,
        if(startsWith(K, '{RESOURCE}'), ResourceAttributes[substring(K, {len(RESOURCE) + 1})], Attributes[K]) AS Value,
        toUnixTimestamp64Nano(min(Start)), toUnixTimestamp64Nano(max(Start)), count()
 FROM {{db:Identifier}}.stagetrace_stages
 ARRAY JOIN arrayFilter(p -> tupleElement(p, 1) = Stage, arrayZip({{stages:Array(String)}}, {{keys:Array(String)}})) AS sk
 WHERE Stage IN {{stages:Array(String)}} AND (empty({{traces:Array(String)}}) OR TraceId IN {{traces:Array(String)}})
   AND (__RANGES__) AND Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start < fromUnixTimestamp64Nano({{t1:Int64}})
-GROUP BY S, K, HostName, Value
+GROUP BY S, K, ServiceName, HostName, Value
 """
 
 
@@ -48,6 +49,7 @@ class Rollout:
     fleet_ns: int
     until_ns: int
     lagging: dict[str, int | None] = field(default_factory=dict)  # host → when it caught up, None: never
+    service: str = ""  # the service whose hosts rolled it out: its requests' epochs, no other's
 
     @property
     def name(self) -> str:
@@ -81,7 +83,8 @@ class Rollout:
         return text
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "name": self.name, "old": self.old, "new": self.new, "from_ns": self.from_ns,
+        return {"stage": self.stage, "service": self.service, "name": self.name,
+                "old": self.old, "new": self.new, "from_ns": self.from_ns,
                 "to_ns": self.to_ns, "fleet_ns": self.fleet_ns, "hosts": len(self.switched), "of_hosts": self.of_hosts,
                 "lagging": dict(sorted(self.lagging.items())), "summary": self.describe()}  # fmt: skip
 
@@ -93,11 +96,12 @@ def value_of(span, key: str) -> str:
     return span.attributes.get(key, "")
 
 
-def in_wave(stage: str | None, t_ns: int, found: list[Rollout]) -> bool:
+def in_wave(stage: str | None, t_ns: int, found: list[Rollout], service: str | None = None) -> bool:
     """Whether a request that diverged first at ``stage`` (None: at any) and started at ``t_ns`` falls in the wave of
-    a rollout of that stage. A wave is dated by its stage spans, which start after their requests: a request that
-    started up to ``AMONG_MARGIN_NS`` before it counts too."""
-    return any((stage is None or r.stage == stage) and r.from_ns - AMONG_MARGIN_NS <= t_ns <= r.until_ns for r in found)
+    a rollout of that stage in its ``service`` (None: any). A wave is dated by its stage spans, which start after their
+    requests: a request that started up to ``AMONG_MARGIN_NS`` before it counts too."""
+    return any((stage is None or r.stage == stage) and (service is None or r.service == service)
+               and r.from_ns - AMONG_MARGIN_NS <= t_ns <= r.until_ns for r in found)  # fmt: skip
 
 
 def _clock(t_ns: int) -> str:
@@ -109,8 +113,8 @@ AMONG_MARGIN_NS = 5_000_000_000  # a request's stage spans start this close to i
 
 def _values(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
             among: list[tuple[str, int]] = (), margin_ns: int = AMONG_MARGIN_NS) -> dict:  # fmt: skip
-    """(stage, key) → host → [(first, last, requests, value)] of the candidates' values in the window, or only in
-    the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
+    """(stage, key, service) → host → [(first, last, requests, value)] of the candidates' values in the window, or
+    only in the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
     ranges, params = [], {}
     for a, b in _merged(sorted((start - margin_ns, start + margin_ns) for _, start in among)):
         i = len(ranges)
@@ -121,8 +125,8 @@ def _values(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: 
         "db": store.database, "stages": [s for s, _ in candidates], "keys": [k for _, k in candidates],
         "t0": t0_ns, "t1": t1_ns, "traces": [t for t, _ in among], **params}).result_rows  # fmt: skip
     values: dict[tuple[str, str], dict[str, list[tuple[int, int, int, str]]]] = defaultdict(lambda: defaultdict(list))
-    for stage, key, host, value, first, last, count in rows:
-        values[(stage, key)][host].append((int(first), int(last), int(count), value))
+    for stage, key, service, host, value, first, last, count in rows:
+        values[(stage, key, service)][host].append((int(first), int(last), int(count), value))
     return values
 
 
@@ -135,8 +139,9 @@ def values_of(stage_spans, candidates: list[tuple[str, str]]) -> dict:
     for stage, span in stage_spans:
         for key in wanted.get(stage, ()):
             value, host = value_of(span, key), span.resource.get("host.name", "")
-            first, last, count = found[(stage, key)][host].get(value, (span.start_ns, span.start_ns, 0))
-            found[(stage, key)][host][value] = (min(first, span.start_ns), max(last, span.start_ns), count + 1)
+            first, last, count = found[(stage, key, span.service)][host].get(value, (span.start_ns, span.start_ns, 0))
+            found[(stage, key, span.service)][host][value] = (min(first, span.start_ns), max(last, span.start_ns),
+                                                              count + 1)  # fmt: skip
     return {key: {host: [(*v, value) for value, v in values.items()] for host, values in hosts.items()}
             for key, hosts in found.items()}
 
@@ -165,23 +170,23 @@ def detect(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: i
         return []
     values = _values(store, candidates, t0_ns, t1_ns)
     found = []
-    for (stage, key), hosts in values.items():
-        found += _rollouts(stage, key, hosts)
+    for (stage, key, service), hosts in values.items():
+        found += _rollouts(stage, key, hosts, service)
     return sorted(found, key=lambda r: r.fleet_ns)
 
 
 def suspects(values: dict) -> list[tuple[str, str]]:
     """The (stage, key)s whose values (as ``_values`` gives them) look like a rollout among a few requests: two
-    hosts (or the only one) switched cleanly from one value to the same other. A value that one host alone moved
-    to (a fault, a restart) is no rollout, and no full detection is run for it."""
-    out = []
-    for key, hosts in values.items():
+    hosts (or the only one) of a service switched cleanly from one value to the same other. A value that one host
+    alone moved to (a fault, a restart) is no rollout, and no full detection is run for it."""
+    out = set()
+    for (stage, key, _), hosts in values.items():
         switched: dict[tuple[str, str], int] = defaultdict(int)  # (old, new) → hosts seen switching
         for intervals in hosts.values():
             for before, after in pairwise(_regimes(intervals) or ()):
                 switched[(before[3], after[3])] += 1
         if any(n >= 2 or len(hosts) == 1 for n in switched.values()):
-            out.append(key)
+            out.add((stage, key))
     return sorted(out)
 
 
@@ -192,7 +197,7 @@ def _regimes(intervals: list[tuple[int, int, int, str]]) -> list[tuple[int, int,
     return ordered
 
 
-def _rollouts(stage: str, key: str, hosts: dict[str, list]) -> list[Rollout]:
+def _rollouts(stage: str, key: str, hosts: dict[str, list], service: str = "") -> list[Rollout]:
     switches: dict[tuple[str, str], dict[str, tuple[int, int]]] = defaultdict(dict)  # (old, new) → host → (last, first)
     regimes_of = {host: _regimes(intervals) for host, intervals in hosts.items()}
     for host, regimes in regimes_of.items():
@@ -215,5 +220,5 @@ def _rollouts(stage: str, key: str, hosts: dict[str, list]) -> list[Rollout]:
         for host, regimes in regimes_of.items():  # hosts that kept the old value after the fleet moved
             if host not in by_host and regimes and regimes[-1][3] == old and regimes[-1][1] > until:
                 lagging[host] = None
-        found.append(Rollout(stage, key, old, new, len(stateful), wave, fleet, until, lagging))
+        found.append(Rollout(stage, key, old, new, len(stateful), wave, fleet, until, lagging, service))
     return found

@@ -26,7 +26,7 @@ class Rollout:
             return []
         causes = []
         for rollout in case.rollouts:
-            if rollout.stage != case.stage:
+            if rollout.stage != case.stage or rollout.service != case.span.service:  # another service's is no move here
                 continue
             mine, base = value_of(case.span, rollout.key), value_of(theirs, rollout.key)
             verdict = rollout.explains(mine, base, case.span.start_ns)
