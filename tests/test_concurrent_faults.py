@@ -5,7 +5,8 @@ in the same hours, each for a configuration difference of its own, recorded unde
 detector does not write (on the resource or on the decode span), beside a host whose configuration differs
 harmlessly. Every deviating request is named by its own host's setting (never by the host, its GPU or another
 host's setting), in ``explain``, in ``divergences`` (and its tally) and by the live analyser; the harmless setting
-by none. Built from the class of case (DESIGN.md "A store is shared, and faults overlap").
+by none. Built from the class of case (docs/design.md#what-the-baseline-must-respect, "A store is shared, and
+faults overlap").
 """
 
 from __future__ import annotations

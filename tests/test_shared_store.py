@@ -8,7 +8,8 @@ hours, and every answer for ``rag`` must stay what it was: stage, cause kind, na
   rollout of its own under the same attribute name as ``rag``'s fault;
 - a canary of the same model on the same host names, with a fault of its own and its own rollout of ``rag``'s
   template setting to another value.
-Built from the class of case (DESIGN.md "A store is shared, and faults overlap"), not from any demo.
+Built from the class of case (docs/design.md#what-the-baseline-must-respect, "A store is shared, and faults
+overlap"), not from any demo.
 """
 
 from __future__ import annotations
