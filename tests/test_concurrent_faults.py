@@ -11,22 +11,14 @@ faults overlap").
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests import fleet
 
 from stagetrace.analysis import divergences, live
 from stagetrace.analysis.explain import Explainer
 from stagetrace.store import open_store
-
-_spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
-fleet = sys.modules.get(_spec.name)
-if fleet is None:
-    fleet = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = fleet
-    _spec.loader.exec_module(fleet)
 
 SECOND = fleet.SECOND
 HEALTHY = {f"c{i}": {"acme.gpu.sku": "H200" if i <= 3 else "H100", "acme.driver": "550.54" if i % 2 else "560.35"}

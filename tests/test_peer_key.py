@@ -3,22 +3,14 @@ operator changes it (``STAGETRACE_PEER_KEY``); the SQL twin of the candidate rul
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests import fleet
 
 from stagetrace import config, conventions
 from stagetrace.analysis import divergences
 from stagetrace.analysis.explain import Explainer
-
-_spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
-fleet = sys.modules.get(_spec.name)
-if fleet is None:
-    fleet = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = fleet
-    _spec.loader.exec_module(fleet)
 
 SECOND = fleet.SECOND
 

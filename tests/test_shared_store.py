@@ -14,22 +14,14 @@ overlap"), not from any demo.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+
+from tests import fleet
 
 from stagetrace.analysis import divergences, live
 from stagetrace.analysis.explain import Explainer
 from stagetrace.store import open_store
-
-_spec = importlib.util.spec_from_file_location("stagetrace_tests_fleet", Path(__file__).with_name("fleet.py"))
-fleet = sys.modules.get(_spec.name)
-if fleet is None:
-    fleet = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = fleet
-    _spec.loader.exec_module(fleet)
 
 MINUTE, SECOND = fleet.MINUTE, fleet.SECOND
 SINCE_NS = 24 * 3600 * SECOND
