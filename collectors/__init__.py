@@ -7,9 +7,9 @@ collector touches neither the command line nor a shared list of options.
 
 from __future__ import annotations
 
-import importlib
-
-from stagetrace.collectors.base import REGISTRY, Collector, Node, Options, Setting, add_arguments, all_settings
+from stagetrace.collectors.base import (
+    MODULES, Collector, Node, Options, Setting, add_arguments, all_settings, available,
+)  # fmt: skip
 
 __all__ = [
     "MODULES",
@@ -22,24 +22,6 @@ __all__ = [
     "available",
     "build_node",
 ]
-
-# Module names, which are the collectors' names, in the order their series appear in a scrape.
-MODULES = ("gpu", "mps", "rdma", "ethtool", "nccl", "kubernetes")
-
-
-def available(names: tuple[str, ...] | None = None) -> dict[str, type[Collector]]:
-    """The named collectors (default: every registered one, the built-in modules first), importing only
-    the built-in modules among them. ValueError for a name no module or registration provides."""
-    for name in MODULES if names is None else names:
-        if name in MODULES:
-            importlib.import_module(f"stagetrace.collectors.{name}")
-    if names is None:
-        return {**{name: REGISTRY[name] for name in MODULES}, **REGISTRY}
-    unknown = [n for n in names if n not in REGISTRY]
-    if unknown:
-        choices = list(dict.fromkeys((*MODULES, *REGISTRY)))
-        raise ValueError(f"unknown collector {', '.join(unknown)}: choose from {', '.join(choices)}")
-    return {name: REGISTRY[name] for name in names}
 
 
 def build_node(names: str | list[str] | None = None, options: Options | None = None) -> Node:

@@ -13,6 +13,7 @@ the node logs that once, reports success 0, and logs again only after the source
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
@@ -92,8 +93,6 @@ SHARED_SETTINGS: tuple[Setting, ...] = (HOST, SYSFS)
 
 def all_settings() -> tuple[Setting, ...]:
     """The shared settings, then each registered collector's, in registration order (built-in modules first)."""
-    from stagetrace.collectors import available  # the package imports this module: import it late
-
     available()
     seen: dict[str, Setting] = {}
     for setting in (*SHARED_SETTINGS, *(s for cls in REGISTRY.values() for s in cls.settings)):
@@ -154,6 +153,25 @@ def register(cls: type[Collector]) -> type[Collector]:
             flags[setting.flag] = setting
     REGISTRY[cls.name] = cls
     return cls
+
+
+# Module names, which are the collectors' names, in the order their series appear in a scrape.
+MODULES = ("gpu", "mps", "rdma", "ethtool", "nccl", "kubernetes")
+
+
+def available(names: tuple[str, ...] | None = None) -> dict[str, type[Collector]]:
+    """The named collectors (default: every registered one, the built-in modules first), importing only
+    the built-in modules among them. ValueError for a name no module or registration provides."""
+    for name in MODULES if names is None else names:
+        if name in MODULES:
+            importlib.import_module(f"stagetrace.collectors.{name}")  # a module registers its collector
+    if names is None:
+        return {**{name: REGISTRY[name] for name in MODULES}, **REGISTRY}
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        choices = list(dict.fromkeys((*MODULES, *REGISTRY)))
+        raise ValueError(f"unknown collector {', '.join(unknown)}: choose from {', '.join(choices)}")
+    return {name: REGISTRY[name] for name in names}
 
 
 SUCCESS = MetricSpec("stagetrace_collector_success", GAUGE, "Whether the collector's last scrape succeeded.", ("collector",))

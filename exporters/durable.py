@@ -20,7 +20,7 @@ then be given. False means neither (no spool, or the disk refused it): the calle
   A group sealed by an earlier process may be stored already with the engine's memory of its token lost (its
   deduplication log is not fsynced with the part): only the rows the table lacks are inserted
   (``exporters.restore.missing``).
-  ``RECORD_KINDS`` names, for each kind of record, the function that turns one into rows; any writer
+  ``exporters.records.RECORD_KINDS`` names, for each kind of record, the function that turns one into rows; any writer
   replays any record, so what a killed agent wrote ahead is stored by whichever process writes next.
 * **A store held by the agent** (shared read-only through its query endpoint) takes no inserts: batches go
   into the spool's inbox, fsynced, and the agent's replay thread adopts and stores them within seconds.
@@ -34,7 +34,6 @@ then be given. False means neither (no spool, or the disk refused it): the calle
 
 from __future__ import annotations
 
-import importlib
 import logging
 import struct
 import threading
@@ -45,6 +44,8 @@ from clickhouse_connect.driver.exceptions import DataError
 
 from stagetrace.exporters import restore, spool
 from stagetrace.exporters.diskspace import Headroom
+from stagetrace.exporters.inserts import insert_rows
+from stagetrace.exporters.records import record_tables
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
@@ -55,12 +56,6 @@ MAX_BACKOFF_S = 30.0
 # here (0.68-0.75x at 32,768 against 8,192 rows, for 18% more memory; 65,536: little more, for 65% more;
 # benchmarks/RESULTS.md, issue 32)
 MAX_GROUP_ROWS = 32_768
-# record kind -> "module:function" taking a record's bytes to {table: (columns, rows)}; imported when met
-RECORD_KINDS = {
-    "otlp_traces": "stagetrace.exporters.otlp:trace_tables",
-    "otlp_metrics": "stagetrace.exporters.otlp:metric_tables",
-    "otlp_logs": "stagetrace.exporters.otlp:log_tables",
-}
 ADOPT_EVERY_S = 5.0  # how often the replay thread looks for the segments of writers that are gone
 
 # Engine errors about the values of rows, not the store: a batch holding such a row is split to find it.
@@ -100,11 +95,6 @@ def row_error(exc: BaseException) -> str | None:
     return None
 
 
-def record_tables(kind: str) -> Callable[[bytes], dict[str, tuple]]:
-    module, function = RECORD_KINDS[kind].split(":")
-    return getattr(importlib.import_module(module), function)
-
-
 class NoRoom(Exception):
     """A request refused because free space under the store or the spool is below the reserve (``diskspace``);
     the message says where and how much: the caller answers "retry later", as for a full spool."""
@@ -116,26 +106,6 @@ class _Refused(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
-
-
-def _in_seconds(data: list, types) -> list:
-    """Columns of nanosecond times made whole seconds where the table keeps seconds: the Collector's current metric
-    tables have ``DateTime`` times, its previous ones and stagetrace's ``DateTime64(9)`` (``schema.check``)."""
-    for i, column_type in enumerate(types):
-        if column_type.base_type == "DateTime":  # DateTime64's base type is DateTime64
-            data[i] = [v // 1_000_000_000 if isinstance(v, int) else v for v in data[i]]
-    return data
-
-
-def insert_rows(store: Store, table: str, rows: list, columns, types=None, settings=None) -> None:
-    """Insert rows (times in nanoseconds) into a table of either generation, column by column; ``types``: the
-    columns' types, when the caller asked the store for them once already."""
-    if types is None:
-        types = store.client.create_insert_context(table, column_names=list(columns), database=store.database).column_types
-    # transposed by zip, in C: clickhouse-connect's own transposition of rows is slower (5-25% of a 4,096-span
-    # insert, measured)
-    store.client.insert(table, _in_seconds(list(zip(*rows)), types), column_names=columns, database=store.database,
-                        column_types=types, settings=settings, column_oriented=True)  # fmt: skip
 
 
 class _Inserts:

@@ -255,14 +255,14 @@ def span_counts(request: ExportTraceServiceRequest) -> tuple[int, int]:
 
 
 def trace_tables(payload: bytes) -> dict[str, tuple]:
-    """A write-ahead record of an ``ExportTraceServiceRequest`` as rows (``durable.RECORD_KINDS``)."""
+    """A write-ahead record of an ``ExportTraceServiceRequest`` as rows (``records.RECORD_KINDS``)."""
     views, _ = span_views(ExportTraceServiceRequest.FromString(payload))
     resources = _Resources()
     return {"otel_traces": (COLUMNS, [span_row(view, resources) for view in views])}
 
 
 def metric_tables(payload: bytes) -> dict[str, tuple]:
-    """A write-ahead record of an ``ExportMetricsServiceRequest`` as rows (``durable.RECORD_KINDS``)."""
+    """A write-ahead record of an ``ExportMetricsServiceRequest`` as rows (``records.RECORD_KINDS``)."""
     tables = metric_rows(ExportMetricsServiceRequest.FromString(payload))
     return {GAUGE_TABLE: (GAUGE_COLUMNS, tables[GAUGE_TABLE]), SUM_TABLE: (OTLP_SUM_COLUMNS, tables[SUM_TABLE])}
 
@@ -362,7 +362,7 @@ def log_counts(request: ExportLogsServiceRequest) -> int:
 
 
 def log_tables(payload: bytes) -> dict[str, tuple]:
-    """A write-ahead record of an ``ExportLogsServiceRequest`` as rows (``durable.RECORD_KINDS``)."""
+    """A write-ahead record of an ``ExportLogsServiceRequest`` as rows (``records.RECORD_KINDS``)."""
     return {LOGS_TABLE: (LOG_COLUMNS, log_rows(ExportLogsServiceRequest.FromString(payload)))}
 
 

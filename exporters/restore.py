@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from stagetrace.exporters import spool
+from stagetrace.exporters.inserts import insert_rows
+from stagetrace.exporters.records import record_tables
 from stagetrace.schema import DURABLE_SETTINGS
 from stagetrace.store import Store
 
@@ -35,7 +38,7 @@ logger = logging.getLogger("stagetrace.agent")
 
 # table -> (its time column, the columns that identify a row)
 KEYS = {"otel_traces": ("Timestamp", ("TraceId", "SpanId"))}
-# table -> the kind of kept record whose rows go into it (``durable.RECORD_KINDS``)
+# table -> the kind of kept record whose rows go into it (``records.RECORD_KINDS``)
 SOURCES = {"otel_traces": "otlp_traces"}
 # tables the views fill from otel_traces -> (their time column, the columns that identify a row); None: a table
 # whose rows a second insert leaves as they are (the trace index keeps each trace's min and max)
@@ -262,8 +265,6 @@ class Restorer:
         """Insert ``rows`` into ``table`` without firing its materialized views: their own tables (requests, stages,
         trace extents) kept their parts, so the rows they derived are there already. The rows go into a scratch
         table of the same layout, whose partitions are then attached to ``table`` (a part copy, which fires no view)."""
-        from stagetrace.exporters.durable import insert_rows
-
         names = {"db": self.store.database, "table": table, "scratch": f"{SCRATCH_PREFIX}{table}"}
         primary, sorting, partition = self.store.client.query(_LAYOUT_SQL, parameters=names).result_rows[0]
         self.store.client.command(_DROP_SCRATCH_SQL, parameters=names)  # left by a restore a crash cut short
@@ -278,9 +279,6 @@ class Restorer:
             self.store.client.command(_DROP_SCRATCH_SQL, parameters=names)
 
     def _restore(self, table: str, broken) -> Outcome | None:
-        from stagetrace.exporters import spool
-        from stagetrace.exporters.durable import record_tables
-
         covered = self._covered(table, broken)
         lost = [p for p in broken if p.name not in covered]
         names, put_back = _names(lost), _names(p for p in broken if p.name in covered)

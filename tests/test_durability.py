@@ -135,7 +135,8 @@ def test_a_backlog_is_stored_in_inserts_of_whole_requests_of_up_to_the_group_s_r
 def test_a_group_stored_just_before_a_crash_adds_nothing_when_the_next_writer_replays_it(store):
     """A crash between a group's insert and the removal of its records (part of them removed): the next
     writer finds the rest still sealed into the group and inserts them under the group's token again."""
-    from stagetrace.exporters.durable import MAX_GROUP_ROWS, record_tables
+    from stagetrace.exporters.durable import MAX_GROUP_ROWS
+    from stagetrace.exporters.records import record_tables
 
     crashed = spool.open_spool(store.location, "spans")
     for n in range(5):

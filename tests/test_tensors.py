@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import stagetrace
 from stagetrace import completion, tensors
-from stagetrace.digest import digest, framed
+from stagetrace.digest import Folded, digest, framed
 
 MASK = (1 << 64) - 1
 
@@ -395,7 +395,7 @@ def test_a_failed_device_value_is_recorded_not_raised():
     provider.add_span_processor(SimpleSpanProcessor(memory))
     span = provider.get_tracer("t").start_span("stage.allreduce")
     failed = tensors.Failed("the device failed before the digest was ready (RuntimeError: CUDA error: illegal address)")
-    folded = tensors.Folded([tensors.Ready("a" * 32), failed])
+    folded = Folded([tensors.Ready("a" * 32), failed])
     completion.submit(span, {"stagetrace.stage.output_digest": folded}, time.time_ns())
     (ended,) = memory.get_finished_spans()
     assert "CUDA error" in ended.attributes[completion.DIGEST_ERROR]
@@ -403,6 +403,6 @@ def test_a_failed_device_value_is_recorded_not_raised():
 
 def test_folded_digests_are_the_digest_of_the_parts_in_order():
     parts = [tensors.start(torch.full((3,), float(i))) for i in range(4)]
-    folded = tensors.Folded(parts)
+    folded = Folded(parts)
     assert folded.done() and folded.result() == digest([digest(torch.full((3,), float(i))) for i in range(4)])
-    assert folded.result() != tensors.Folded(parts[::-1]).result()
+    assert folded.result() != Folded(parts[::-1]).result()

@@ -7,7 +7,11 @@ no two structures encode to the same bytes.
 Arrays and tensors (NumPy, torch on any device, CuPy, JAX, anything with ``__dlpack__`` or
 ``__cuda_array_interface__``) are content by dtype, shape and bytes, through one 128-bit hash that the host and
 the device compute alike (``stagetrace.tensors``); a device tensor is hashed on its device and ``digest`` waits
-for it (the span API does not: it completes the span when the digest is ready).
+for it (the span API does not: it completes the span when the digest is ready). ``Folded`` and ``Steps`` fold
+several such digests, ready or not, into one value of a span.
+
+The frame every digest ends in is ``stagetrace.frames``'; ``stagetrace.tensors`` frames arrays with it, and is
+imported here only when an array is met.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import struct
 
-DIGEST_BYTES = 16
+from stagetrace.conventions import STEP_DIGEST_CHARS, STEPS_KEPT
+from stagetrace.frames import DIGEST_BYTES, framed  # noqa: F401  (framed: part of this module's interface)
+from stagetrace.frames import frame as _frame
 
 
 def digest(value) -> str:
@@ -25,19 +30,6 @@ def digest(value) -> str:
     h = hashlib.blake2b(digest_size=DIGEST_BYTES)
     _feed(h, value)
     return h.hexdigest()
-
-
-def framed(tag: bytes, payload: bytes) -> str:
-    """The hex digest of one frame: what ``digest`` gives for a value whose encoding is ``tag`` and ``payload``."""
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES)
-    _frame(h, tag, payload)
-    return h.hexdigest()
-
-
-def _frame(h, tag: bytes, payload: bytes) -> None:
-    h.update(tag)
-    h.update(struct.pack(">Q", len(payload)))
-    h.update(payload)
 
 
 def _encoded(value) -> bytes:
@@ -89,3 +81,29 @@ def _feed(h, value) -> None:
             f"cannot digest a {type(value).__name__}: pass str, bytes, numbers, lists, dicts, "
             "dataclasses or arrays (or a digest you computed yourself)"
         )
+
+
+class Folded:
+    """The digest of several digests in order (``digest([d1, d2, ...])``): a stage's content over many tensors.
+    ``parts`` are digests that may not be ready yet (``stagetrace.tensors``' ``Ready``, ``Pending``, ``Later``,
+    ``Failed``): ``done()`` when all are, ``result()`` raises what a failed part raises."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def result(self) -> str:
+        return digest([p.result() for p in self.parts])
+
+
+class Steps(Folded):
+    """The first ``STEPS_KEPT`` parts' digests, each cut to ``STEP_DIGEST_CHARS``, comma-separated, in order
+    (``conventions.STAGE_STEP_INPUT_DIGESTS``)."""
+
+    def __init__(self, parts: list):
+        super().__init__(parts[:STEPS_KEPT])
+
+    def result(self) -> str:
+        return ",".join(p.result()[:STEP_DIGEST_CHARS] for p in self.parts)

@@ -49,8 +49,7 @@ import time
 
 import numpy as np
 
-from stagetrace.conventions import STEP_DIGEST_CHARS, STEPS_KEPT
-from stagetrace.digest import framed, digest
+from stagetrace.frames import framed
 
 TAG = b"X"
 M1, C1, C2, M3 = 0x9E3779B97F4A7C15, 0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53, 0xBF58476D1CE4E5B9
@@ -370,30 +369,6 @@ class Pending:
     def payload(self, timeout_s: float | None = None) -> bytes:
         self.result(timeout_s)
         return self._payload
-
-
-class Folded:
-    """The digest of several digests in order (``digest([d1, d2, ...])``): a stage's content over many tensors."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-
-    def done(self) -> bool:
-        return all(p.done() for p in self.parts)
-
-    def result(self) -> str:
-        return digest([p.result() for p in self.parts])
-
-
-class Steps(Folded):
-    """The first ``STEPS_KEPT`` parts' digests, each cut to ``STEP_DIGEST_CHARS``, comma-separated, in order
-    (``conventions.STAGE_STEP_INPUT_DIGESTS``)."""
-
-    def __init__(self, parts: list):
-        super().__init__(parts[:STEPS_KEPT])
-
-    def result(self) -> str:
-        return ",".join(p.result()[:STEP_DIGEST_CHARS] for p in self.parts)
 
 
 def start(value):

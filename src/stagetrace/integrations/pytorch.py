@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from stagetrace import tensors, tracing
+from stagetrace.digest import Folded, Steps
 from stagetrace.conventions import STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST, STAGE_STEP_INPUT_DIGESTS, TP_SIZE
 
 logger = logging.getLogger(__name__)
@@ -231,15 +232,15 @@ class serving:
                     start_time_ns=self._allreduce.start_ns, end_time_ns=self._allreduce.end_ns,
                     attributes={TP_SIZE: tp_size, ALLREDUCE_COUNT: self._allreduce.count,
                                 ALLREDUCE_BYTES: self._allreduce.bytes},
-                    values={STAGE_INPUT_DIGEST: tensors.Folded(member.allreduce_in),
-                            STAGE_STEP_INPUT_DIGESTS: tensors.Steps(member.allreduce_in),
-                            STAGE_OUTPUT_DIGEST: tensors.Folded(member.allreduce_out),
+                    values={STAGE_INPUT_DIGEST: Folded(member.allreduce_in),
+                            STAGE_STEP_INPUT_DIGESTS: Steps(member.allreduce_in),
+                            STAGE_OUTPUT_DIGEST: Folded(member.allreduce_out),
                             ALLREDUCE_TIME_MS: times.total_ms(), ALLREDUCE_MAX_MS: times.max_ms()},
                 )  # fmt: skip
             if self._decode.count:
-                values = {STAGE_OUTPUT_DIGEST: tensors.Folded(member.decode_out)}
+                values = {STAGE_OUTPUT_DIGEST: Folded(member.decode_out)}
                 if member.decode_in:
-                    values[STAGE_INPUT_DIGEST] = tensors.Folded(member.decode_in)
+                    values[STAGE_INPUT_DIGEST] = Folded(member.decode_in)
                 tracing.measured_stage(
                     "decode", parent=member.parent, rank=rank,
                     start_time_ns=self._decode.start_ns, end_time_ns=self._decode.end_ns,
