@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from stagetrace.environment_variables import STAGETRACE_HOST, STAGETRACE_SYSFS
 # the metric model and settings live in the core; collectors (and the tests that write collectors) import them here
 from stagetrace.metrics import COUNTER, GAUGE, INFO, MetricSpec, Samples  # noqa: F401
 from stagetrace.settings import Setting  # noqa: F401
@@ -80,12 +81,12 @@ class Options:
 
 # A setting several collectors read lives here; one only a collector reads lives in its module.
 HOST = Setting(
-    "host", str, socket.gethostname, env="STAGETRACE_HOST", flag="--host", metavar="NAME",
+    "host", str, socket.gethostname, env=STAGETRACE_HOST, flag="--host", metavar="NAME",
     help="the host label on every series", shown_default="this machine's hostname",
 )  # fmt: skip
 # node_exporter's --path.sysfs: the RDMA collector reads <sysfs>/class/infiniband, the ethtool one <sysfs>/class/net
 SYSFS = Setting(
-    "sysfs", Path, "/sys", env="STAGETRACE_SYSFS", flag="--sysfs", metavar="DIR",
+    "sysfs", Path, "/sys", env=STAGETRACE_SYSFS, flag="--sysfs", metavar="DIR",
     help="sysfs root the RDMA and ethtool collectors read",
 )  # fmt: skip
 SHARED_SETTINGS: tuple[Setting, ...] = (HOST, SYSFS)

@@ -50,6 +50,7 @@ from stagetrace.collectors.base import (
     register,
 )
 from stagetrace.collectors.rdma import rdma_netdevs
+from stagetrace.environment_variables import STAGETRACE_ETHTOOL_FIXTURE, STAGETRACE_ETHTOOL_INCLUDE, STAGETRACE_NETDEVS
 
 logger = logging.getLogger("stagetrace.collectors.ethtool")
 
@@ -274,16 +275,16 @@ def included_spec(stat: str) -> MetricSpec:
 
 
 NETDEVS = Setting(
-    "netdevs", comma_list, "", env="STAGETRACE_NETDEVS", flag="--netdevs", metavar="LIST",
+    "netdevs", comma_list, "", env=STAGETRACE_NETDEVS, flag="--netdevs", metavar="LIST",
     help="comma-separated netdevs the ethtool collector reads",
     shown_default="those behind RDMA ports, else every non-loopback one",
 )  # fmt: skip
 INCLUDE = Setting(
-    "ethtool_include", str, "", env="STAGETRACE_ETHTOOL_INCLUDE", flag="--ethtool-include", metavar="REGEX",
+    "ethtool_include", str, "", env=STAGETRACE_ETHTOOL_INCLUDE, flag="--ethtool-include", metavar="REGEX",
     help="also export every ethtool statistic whose name this regular expression matches",
 )  # fmt: skip
 FIXTURE = Setting(
-    "ethtool_fixture", path_or_none, env="STAGETRACE_ETHTOOL_FIXTURE", flag="--ethtool-fixture", metavar="FILE",
+    "ethtool_fixture", path_or_none, env=STAGETRACE_ETHTOOL_FIXTURE, flag="--ethtool-fixture", metavar="FILE",
     help="recorded ethtool statistics instead of the ioctl",
 )  # fmt: skip
 

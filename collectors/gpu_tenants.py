@@ -35,6 +35,7 @@ from statistics import fmean
 from typing import Any
 
 from stagetrace.collectors.base import GAUGE, INFO, MetricSpec, Setting
+from stagetrace.environment_variables import STAGETRACE_KUBELET_LOG_DIR, STAGETRACE_PROCFS
 
 logger = logging.getLogger("stagetrace.collectors.gpu")
 
@@ -85,11 +86,11 @@ UNATTRIBUTED = MetricSpec(
 )  # fmt: skip
 
 PROCFS = Setting(
-    "procfs", Path, "/proc", env="STAGETRACE_PROCFS", flag="--procfs", metavar="DIR",
+    "procfs", Path, "/proc", env=STAGETRACE_PROCFS, flag="--procfs", metavar="DIR",
     help="procfs root whose <pid>/cgroup names each GPU process's pod (the host's, e.g. /host/proc)",
 )  # fmt: skip
 KUBELET_LOG_DIR = Setting(
-    "kubelet_log_dir", Path, "/var/log", env="STAGETRACE_KUBELET_LOG_DIR", flag="--kubelet-log-dir", metavar="DIR",
+    "kubelet_log_dir", Path, "/var/log", env=STAGETRACE_KUBELET_LOG_DIR, flag="--kubelet-log-dir", metavar="DIR",
     help="the host's /var/log, whose pods/ and containers/ name the kubelet's pod UIDs and container IDs",
 )  # fmt: skip
 

@@ -75,6 +75,9 @@ from stagetrace.collectors.base import (
     comma_list,
     register,
 )
+from stagetrace.environment_variables import (
+    STAGETRACE_GPU_RESOURCES, STAGETRACE_GPU_SHARING_FACTOR, STAGETRACE_KUBELET_SOCKET,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     import grpc
@@ -133,16 +136,16 @@ def positive_int(text: str) -> int:
 
 
 SOCKET = Setting(
-    "kubelet_socket", Path, KUBELET_SOCKET, env="STAGETRACE_KUBELET_SOCKET", flag="--kubelet-socket",
+    "kubelet_socket", Path, KUBELET_SOCKET, env=STAGETRACE_KUBELET_SOCKET, flag="--kubelet-socket",
     metavar="PATH", help="the kubelet's PodResources socket; the kubernetes collector runs by default where it exists",
 )  # fmt: skip
 GPU_RESOURCES = Setting(
-    "gpu_resources", comma_list, "nvidia.com/gpu*,nvidia.com/mig-*", env="STAGETRACE_GPU_RESOURCES",
+    "gpu_resources", comma_list, "nvidia.com/gpu*,nvidia.com/mig-*", env=STAGETRACE_GPU_RESOURCES,
     flag="--gpu-resources", metavar="PATTERNS",
     help="extended resources that are GPUs, comma-separated names or shell patterns",
 )  # fmt: skip
 GPU_SHARING_FACTOR = Setting(
-    "gpu_sharing_factor", positive_int, "1", env="STAGETRACE_GPU_SHARING_FACTOR", flag="--gpu-sharing-factor",
+    "gpu_sharing_factor", positive_int, "1", env=STAGETRACE_GPU_SHARING_FACTOR, flag="--gpu-sharing-factor",
     metavar="N", help="allocations per physical GPU you intend (the MPS or time-slicing replicas); more is an alert",
 )  # fmt: skip
 

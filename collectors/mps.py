@@ -59,6 +59,7 @@ from stagetrace.collectors.nvml import (
     nvml_source,
     write_json_atomic,
 )
+from stagetrace.environment_variables import STAGETRACE_MPS_FIXTURE
 
 logger = logging.getLogger("stagetrace.collectors.mps")
 
@@ -187,7 +188,7 @@ PIPE_DIR = Setting(
     help="the MPS control daemon's pipe directory",
 )  # fmt: skip
 FIXTURE = Setting(
-    "mps_fixture", path_or_none, env="STAGETRACE_MPS_FIXTURE", flag="--mps-fixture", metavar="DIR",
+    "mps_fixture", path_or_none, env=STAGETRACE_MPS_FIXTURE, flag="--mps-fixture", metavar="DIR",
     help="recorded nvidia-cuda-mps-control answers instead of the binary",
 )  # fmt: skip
 

@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stagetrace.collectors.base import (
     COUNTER, GAUGE, Collector, MetricSpec, Samples, Setting, SourceUnavailable, path_or_none, register,
 )  # fmt: skip
+from stagetrace.environment_variables import STAGETRACE_NCCL_DIR
 
 logger = logging.getLogger("stagetrace.collectors.nccl")
 
@@ -106,7 +107,7 @@ def _uuid(path: Path) -> str:
 
 # NCCL_INSPECTOR_DUMP_DIR: the plugin's own variable, so an agent started in the job's environment finds the dumps
 DUMP_DIR = Setting(
-    "nccl_dir", path_or_none, env=("STAGETRACE_NCCL_DIR", "NCCL_INSPECTOR_DUMP_DIR"), flag="--nccl-dir", metavar="DIR",
+    "nccl_dir", path_or_none, env=(STAGETRACE_NCCL_DIR, "NCCL_INSPECTOR_DUMP_DIR"), flag="--nccl-dir", metavar="DIR",
     help="the directory NCCL Inspector dumps into (its NCCL_INSPECTOR_DUMP_DIR)",
 )  # fmt: skip
 

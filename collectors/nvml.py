@@ -69,10 +69,11 @@ from typing import Any, Protocol
 import pynvml
 
 from stagetrace.collectors.base import Options, Setting, SourceUnavailable, path_or_none
+from stagetrace.environment_variables import STAGETRACE_NVML_FIXTURE
 
 # Read by the gpu and mps collectors, which both declare it.
 NVML_FIXTURE = Setting(
-    "nvml_fixture", path_or_none, env="STAGETRACE_NVML_FIXTURE", flag="--nvml-fixture", metavar="DIR",
+    "nvml_fixture", path_or_none, env=STAGETRACE_NVML_FIXTURE, flag="--nvml-fixture", metavar="DIR",
     help="recorded NVML snapshots instead of the real library",
 )  # fmt: skip
 

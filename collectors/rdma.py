@@ -40,6 +40,7 @@ from stagetrace.collectors.base import (
     register,
 )
 from stagetrace.collectors.sysfs import HeldFiles, read_once
+from stagetrace.environment_variables import STAGETRACE_RDMA_RAILS
 
 logger = logging.getLogger("stagetrace.collectors")
 
@@ -192,7 +193,7 @@ def parse_rails(text: str) -> tuple[tuple[str, str, str], ...]:
 
 
 RAILS = Setting(
-    "rails", parse_rails, "", env="STAGETRACE_RDMA_RAILS", flag="--rdma-rails", metavar="LIST",
+    "rails", parse_rails, "", env=STAGETRACE_RDMA_RAILS, flag="--rdma-rails", metavar="LIST",
     help="RDMA ports as rails, comma-separated NAME=DEVICE[:PORT] or DEVICE[:PORT] (rail DEVICE/PORT, port 1 "
          "unless given); a port not listed is no rail", shown_default="every port is a rail named DEVICE/PORT",
 )  # fmt: skip

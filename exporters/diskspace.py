@@ -32,11 +32,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from stagetrace.environment_variables import STAGETRACE_MIN_FREE_SPACE
 from stagetrace.settings import parse_size
 
 logger = logging.getLogger("stagetrace.agent")
 
-ENV_MIN_FREE_SPACE = "STAGETRACE_MIN_FREE_SPACE"
 DEFAULT_BYTES = 1 << 30
 DEFAULT_FRACTION_CAP = 0.05
 CHECK_EVERY_S = 0.25  # how stale a measurement may be: at 100 MB/s of writes, 25 MB of a reserve
@@ -91,13 +91,13 @@ def parse_reserve(text: str) -> Reserve:
 def reserve_setting(text: str | None = None) -> Reserve:
     """The reserve from ``text`` (the flag), else ``STAGETRACE_MIN_FREE_SPACE``, else the default; ValueError
     naming the flag and the variable for text that is neither a size nor a percentage."""
-    chosen = text if text is not None else os.environ.get(ENV_MIN_FREE_SPACE)
+    chosen = text if text is not None else os.environ.get(STAGETRACE_MIN_FREE_SPACE)
     if chosen is None or not chosen.strip():
         return DEFAULT
     try:
         return parse_reserve(chosen)
     except ValueError as exc:
-        raise ValueError(f"--min-free-space ({ENV_MIN_FREE_SPACE}): {exc}") from None
+        raise ValueError(f"--min-free-space ({STAGETRACE_MIN_FREE_SPACE}): {exc}") from None
 
 
 def mib(n: int) -> str:
@@ -248,4 +248,4 @@ class Headroom:
                            free, path, refused)  # fmt: skip
 
 
-__all__ = ["DEFAULT", "ENV_MIN_FREE_SPACE", "Headroom", "Reserve", "Spell", "parse_reserve", "reserve_setting"]
+__all__ = ["DEFAULT", "Headroom", "Reserve", "Spell", "parse_reserve", "reserve_setting"]

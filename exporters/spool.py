@@ -64,15 +64,15 @@ from pathlib import Path
 
 from prometheus_client.core import CounterMetricFamily
 
+from stagetrace.environment_variables import (
+    STAGETRACE_SPOOL_DIR, STAGETRACE_SPOOL_KEEP_BYTES, STAGETRACE_SPOOL_MAX_BYTES,
+)  # fmt: skip
 from stagetrace.exporters.diskspace import Spell
 from stagetrace.settings import parse_size
 from stagetrace.store import StoreError
 
 logger = logging.getLogger(__name__)
 
-ENV_SPOOL_DIR = "STAGETRACE_SPOOL_DIR"
-ENV_SPOOL_MAX_BYTES = "STAGETRACE_SPOOL_MAX_BYTES"
-ENV_SPOOL_KEEP_BYTES = "STAGETRACE_SPOOL_KEEP_BYTES"
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
 # 64 MiB of requests as they arrived: some 300,000 spans of the benchmarks' batches, minutes of a busy node and
 # hours of a quiet one; the 2% cap keeps a small volume (a test's tmpfs) from filling with it
@@ -157,25 +157,25 @@ DROPPED = _Dropped()
 def max_bytes_setting(max_bytes: int | None = None) -> int:
     if max_bytes is not None:
         return int(max_bytes)
-    raw = os.environ.get(ENV_SPOOL_MAX_BYTES)
+    raw = os.environ.get(STAGETRACE_SPOOL_MAX_BYTES)
     if raw:
         try:
             return parse_size(raw)
         except ValueError as exc:
-            logger.warning("ignoring %s: %s; using %d bytes", ENV_SPOOL_MAX_BYTES, exc, DEFAULT_MAX_BYTES)
+            logger.warning("ignoring %s: %s; using %d bytes", STAGETRACE_SPOOL_MAX_BYTES, exc, DEFAULT_MAX_BYTES)
     return DEFAULT_MAX_BYTES
 
 
 def keep_bytes_setting(base: Path, keep_bytes: int | None = None) -> int:
     """How many bytes of stored records to keep under ``base`` (see the module docstring)."""
     if keep_bytes is None:
-        raw = os.environ.get(ENV_SPOOL_KEEP_BYTES)
+        raw = os.environ.get(STAGETRACE_SPOOL_KEEP_BYTES)
         keep_bytes = DEFAULT_KEEP_BYTES
         if raw:
             try:
                 return parse_size(raw, zero=True)
             except ValueError as exc:
-                logger.warning("ignoring %s: %s; using %d bytes", ENV_SPOOL_KEEP_BYTES, exc, keep_bytes)
+                logger.warning("ignoring %s: %s; using %d bytes", STAGETRACE_SPOOL_KEEP_BYTES, exc, keep_bytes)
         try:
             stats = os.statvfs(base)
             keep_bytes = min(keep_bytes, int(stats.f_blocks * stats.f_frsize * KEEP_FRACTION_CAP))
@@ -216,7 +216,7 @@ def pending_records(base: Path) -> list[Segment]:
 
 def directory_setting(location, directory: str | os.PathLike | None = None) -> Path | None:
     """The spool's base directory for a store ``location``; None when there is to be no spool."""
-    chosen = directory if directory is not None else os.environ.get(ENV_SPOOL_DIR)
+    chosen = directory if directory is not None else os.environ.get(STAGETRACE_SPOOL_DIR)
     if chosen is not None:
         text = os.fspath(chosen)
         return None if text.strip().lower() in ("", "off", "none") else Path(text).expanduser()
@@ -303,7 +303,7 @@ class Spool:
         except OSError as exc:
             raise SpoolError(
                 f"cannot use the spool directory {base}: {exc.strerror or exc} "
-                f"(choose another with {ENV_SPOOL_DIR}, or {ENV_SPOOL_DIR}=off)"
+                f"(choose another with {STAGETRACE_SPOOL_DIR}, or {STAGETRACE_SPOOL_DIR}=off)"
             ) from None
         if self._segments:
             logger.warning("spool %s holds %d rows from an earlier run; replaying them", self.directory, self.rows())
@@ -408,7 +408,7 @@ class Spool:
             if sum(s.size for s in self._segments) + len(payload) > self.max_bytes:
                 self._refusing("full", logging.WARNING, "spool %s is full (%d bytes): refusing requests until the "
                                "store takes the backlog (raise %s)", self.directory, self.max_bytes,
-                               ENV_SPOOL_MAX_BYTES)  # fmt: skip
+                               STAGETRACE_SPOOL_MAX_BYTES)  # fmt: skip
                 return None
             self._seq = max(self._seq + 1, time.time_ns())
             segment = Segment(self.directory / f"{self._seq:020d}.{kind}.{rows}.{token}.wal", kind, rows,
@@ -597,7 +597,7 @@ class Spool:
         DROPPED.add(kind, rows, reason)
         if quiet:
             return
-        advice = f" (raise {ENV_SPOOL_MAX_BYTES})" if reason == "spool_full" else ""
+        advice = f" (raise {STAGETRACE_SPOOL_MAX_BYTES})" if reason == "spool_full" else ""
         logger.error("spool %s: dropped %d %s: %s%s", self.directory, rows, kind.replace("_", " "), why, advice)
 
     def _scan(self) -> list[Segment]:
@@ -709,6 +709,6 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.close(dir_fd)
 
 
-__all__ = ["Batch", "DROPPED", "REASONS", "ENV_SPOOL_DIR", "ENV_SPOOL_KEEP_BYTES", "ENV_SPOOL_MAX_BYTES", "KEPT",
+__all__ = ["Batch", "DROPPED", "REASONS", "KEPT",
            "Segment", "Spool", "SpoolError", "directory_setting", "dropped_kind", "keep_bytes_setting", "kept_records", "new_token", "open_spool",
            "pending_records"]  # fmt: skip

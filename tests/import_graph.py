@@ -23,7 +23,7 @@ from pathlib import Path
 REPOSITORY = Path(__file__).resolve().parent.parent
 # source folder -> the package it installs as (pyproject.toml's package-dir)
 ROOTS = {"src/stagetrace": "stagetrace", "collectors": "stagetrace.collectors", "exporters": "stagetrace.exporters",
-         "dashboards": "stagetrace.dashboards"}  # fmt: skip
+         "dashboards": "stagetrace.dashboards"}
 CORE_EXCLUDES = ("stagetrace.collectors", "stagetrace.demo")  # the demo simulates hardware with the collectors
 
 
@@ -119,7 +119,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 def into_collectors(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
     """Arrows from outside ``collectors/`` (and the demo's simulated hardware) into it."""
     return sorted((a, b) for a, targets in edges.items() for b in targets
-                  if b.startswith("stagetrace.collectors") and not a.startswith(CORE_EXCLUDES))  # fmt: skip
+                  if b.startswith("stagetrace.collectors") and not a.startswith(CORE_EXCLUDES))
 
 
 def main() -> int:

@@ -20,6 +20,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from tests.test_durability import gauge_rows, stored_gpus, trace_request
 from tests.test_otlp_grpc import assert_retry_later, call, spans
 
+from stagetrace.environment_variables import STAGETRACE_MIN_FREE_SPACE
 from stagetrace.exporters import diskspace, spool
 from stagetrace.exporters.clickhouse import METRIC_COLUMNS
 from stagetrace.exporters.diskspace import Headroom, Reserve, parse_reserve, reserve_setting
@@ -40,7 +41,7 @@ def test_a_reserve_is_a_size_or_a_percentage(text, reserve):
 
 @pytest.mark.parametrize("text", ["lots", "-1GiB", "5 parsecs", "100%", "150%", ""])
 def test_a_reserve_that_is_neither_says_how_to_write_it_in_one_line(text, monkeypatch):
-    monkeypatch.setenv(diskspace.ENV_MIN_FREE_SPACE, "1GiB")
+    monkeypatch.setenv(STAGETRACE_MIN_FREE_SPACE, "1GiB")
     with pytest.raises(ValueError) as raised:
         parse_reserve(text)
     message = str(raised.value)
@@ -51,9 +52,9 @@ def test_a_reserve_that_is_neither_says_how_to_write_it_in_one_line(text, monkey
 
 
 def test_the_flag_wins_over_the_environment_which_wins_over_the_default(monkeypatch):
-    monkeypatch.delenv(diskspace.ENV_MIN_FREE_SPACE, raising=False)
+    monkeypatch.delenv(STAGETRACE_MIN_FREE_SPACE, raising=False)
     assert reserve_setting() == diskspace.DEFAULT == Reserve(GIB, 0.05)
-    monkeypatch.setenv(diskspace.ENV_MIN_FREE_SPACE, "3%")
+    monkeypatch.setenv(STAGETRACE_MIN_FREE_SPACE, "3%")
     assert reserve_setting() == Reserve(fraction=0.03)
     assert reserve_setting("256MiB") == Reserve(256 << 20)
     # the default: 1 GiB on a laptop's or a node's disk, 5% of a small volume

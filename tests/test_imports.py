@@ -34,7 +34,7 @@ def test_the_checker_finds_a_loop_through_a_function_s_import_and_a_relative_one
         "src/stagetrace/d.py": "from .c import value\n",
         "src/stagetrace/e.py": "import stagetrace.a\nimport numpy\n",  # into a loop, not part of one
         "exporters/__init__.py": "",
-    })  # fmt: skip
+    })
     edges = import_graph.graph(tmp_path)
     assert edges["stagetrace.e"] == {"stagetrace.a"}  # another package's import is no node
     assert import_graph.cycles(edges) == [["stagetrace.a", "stagetrace.b"], ["stagetrace.c", "stagetrace.d"]]
@@ -43,10 +43,14 @@ def test_the_checker_finds_a_loop_through_a_function_s_import_and_a_relative_one
 def test_a_package_that_imports_its_submodules_is_no_loop_but_using_its_names_is(tmp_path):
     _tree(tmp_path, {
         "src/stagetrace/__init__.py": "",
-        "src/stagetrace/demo/__init__.py": "from stagetrace.demo import world\nfrom stagetrace.demo.pipeline import run\n",
+        "src/stagetrace/demo/__init__.py": "from stagetrace.demo import world\n"
+                                           "from stagetrace.demo.pipeline import run\n",
         "src/stagetrace/demo/world.py": "",
         "src/stagetrace/demo/pipeline.py": "from stagetrace.demo import world\n\ndef run():\n    pass\n",
         "collectors/__init__.py": "from stagetrace.collectors.base import Collector\n\ndef available():\n    pass\n",
-        "collectors/base.py": "class Collector:\n    def settings(self):\n        from stagetrace.collectors import available\n",
-    })  # fmt: skip
-    assert import_graph.cycles(import_graph.graph(tmp_path)) == [["stagetrace.collectors", "stagetrace.collectors.base"]]
+        "collectors/base.py": "class Collector:\n"
+                              "    def settings(self):\n"
+                              "        from stagetrace.collectors import available\n",
+    })
+    loops = import_graph.cycles(import_graph.graph(tmp_path))
+    assert loops == [["stagetrace.collectors", "stagetrace.collectors.base"]]

@@ -21,6 +21,9 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from stagetrace import schema
 from stagetrace.agent import SerializedNode
 from stagetrace.collectors.base import Node
+from stagetrace.environment_variables import (
+    STAGETRACE_SPOOL_DIR, STAGETRACE_SPOOL_KEEP_BYTES, STAGETRACE_SPOOL_MAX_BYTES,
+)  # fmt: skip
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import COLUMNS, ClickHouseMetricWriter, ClickHouseSpanExporter
 from stagetrace.exporters.durable import DurableWriter
@@ -127,27 +130,27 @@ def test_a_second_process_gets_its_own_slot_and_a_dead_ones_segments_are_adopted
 def test_spool_directory_settings(monkeypatch, tmp_path):
     from stagetrace.store import parse_dsn
 
-    monkeypatch.delenv(spool.ENV_SPOOL_DIR, raising=False)
+    monkeypatch.delenv(STAGETRACE_SPOOL_DIR, raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     assert spool.directory_setting(parse_dsn("chdb:///data/st/store")) == Path("/data/st/store.spool")
     assert spool.directory_setting(parse_dsn("chdb://memory")) is None
     assert spool.directory_setting(parse_dsn("http://u:secret@ch:8123/db")) == tmp_path / "state/stagetrace/spool/ch-8123-db"
-    monkeypatch.setenv(spool.ENV_SPOOL_DIR, str(tmp_path / "x"))
+    monkeypatch.setenv(STAGETRACE_SPOOL_DIR, str(tmp_path / "x"))
     assert spool.directory_setting(parse_dsn("chdb://memory")) == tmp_path / "x"
-    monkeypatch.setenv(spool.ENV_SPOOL_DIR, "off")
+    monkeypatch.setenv(STAGETRACE_SPOOL_DIR, "off")
     assert spool.directory_setting(parse_dsn("chdb:///data/st/store")) is None
     # the one size grammar (stagetrace.settings), as --min-free-space and the query limits read it
     for text, size in (("1000000", 1_000_000), ("256MiB", 256 << 20), ("1.5G", 3 << 29), ("2GB", 2 * 10**9)):
-        monkeypatch.setenv(spool.ENV_SPOOL_MAX_BYTES, text)
+        monkeypatch.setenv(STAGETRACE_SPOOL_MAX_BYTES, text)
         assert spool.max_bytes_setting() == size
-    monkeypatch.setenv(spool.ENV_SPOOL_KEEP_BYTES, "8MiB")
+    monkeypatch.setenv(STAGETRACE_SPOOL_KEEP_BYTES, "8MiB")
     assert spool.keep_bytes_setting(tmp_path) == 8 << 20
 
 
 def test_a_spool_size_that_is_no_size_is_said_once_and_the_default_kept(monkeypatch, caplog):
-    monkeypatch.setenv(spool.ENV_SPOOL_MAX_BYTES, "lots")
+    monkeypatch.setenv(STAGETRACE_SPOOL_MAX_BYTES, "lots")
     assert spool.max_bytes_setting() == spool.DEFAULT_MAX_BYTES
-    assert caplog.messages == [f"ignoring {spool.ENV_SPOOL_MAX_BYTES}: 'lots' is not a positive size: write e.g. 1GiB, "
+    assert caplog.messages == [f"ignoring {STAGETRACE_SPOOL_MAX_BYTES}: 'lots' is not a positive size: write e.g. 1GiB, "
                                f"512MiB or 1000000; using {spool.DEFAULT_MAX_BYTES} bytes"]  # fmt: skip
 
 

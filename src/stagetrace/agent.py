@@ -21,6 +21,7 @@ import time
 
 from stagetrace import httpd, hub
 from stagetrace.collectors.base import Node
+from stagetrace.environment_variables import STAGETRACE_AGENT_TOKEN
 from stagetrace.exporters import diskspace, spool
 from stagetrace.exporters.agent_logs import StoreLogHandler
 from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
@@ -140,7 +141,7 @@ def _busy(listens: list[tuple[str | None, str]]) -> list[str]:
 def _exposed(listen: str, what: str, token: str | None) -> None:
     if token is None and not httpd.is_loopback(parse_listen(listen)[0]):
         logger.warning("%s listens on %s without a token: anyone who can reach it can use it "
-                       "(set one with --token-file or %s)", what, listen, httpd.ENV_TOKEN)  # fmt: skip
+                       "(set one with --token-file or %s)", what, listen, STAGETRACE_AGENT_TOKEN)  # fmt: skip
 
 
 def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,

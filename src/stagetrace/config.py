@@ -1,22 +1,23 @@
-"""Settings that come from the environment, with their names and defaults in one place."""
+"""Settings that come from the environment: the store, the span API's, the peer key and the agent's token.
+
+The variables' names, defaults and grammar are registered in ``stagetrace.environment_variables``; this module reads
+them.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-ENV_STORE = "STAGETRACE_STORE"
-ENV_STORE_USER = "STAGETRACE_STORE_USER"
-ENV_STORE_PASSWORD = "STAGETRACE_STORE_PASSWORD"
-ENV_STORE_PASSWORD_FILE = "STAGETRACE_STORE_PASSWORD_FILE"
-ENV_SERVICE_NAME = "STAGETRACE_SERVICE_NAME"
-ENV_RECORD_CONTENT = "STAGETRACE_RECORD_CONTENT"
-ENV_TOKEN = "STAGETRACE_AGENT_TOKEN"  # the agent's token, required by its listeners when set
-ENV_TOKEN_FILE = "STAGETRACE_AGENT_TOKEN_FILE"
-# Which requests are peers (compared with each other) besides the input digest: a comma-separated subset of
-# ``conventions.PEER_KEY_PARTS`` ("service.name,gen_ai.request.model" by default; "gen_ai.request.model" for services
-# that share a model pool; "none" for the input digest alone). docs/explain.md "Peers".
-ENV_PEER_KEY = "STAGETRACE_PEER_KEY"
+from stagetrace.environment_variables import (
+    STAGETRACE_AGENT_TOKEN, STAGETRACE_AGENT_TOKEN_FILE, STAGETRACE_PEER_KEY, STAGETRACE_RECORD_CONTENT,
+    STAGETRACE_SERVICE_NAME, STAGETRACE_STORE, STAGETRACE_STORE_PASSWORD, STAGETRACE_STORE_PASSWORD_FILE,
+)  # fmt: skip
+
+# the names the command line, the agent's clients and tests still import from here
+ENV_STORE, ENV_STORE_PASSWORD = STAGETRACE_STORE, STAGETRACE_STORE_PASSWORD
+ENV_STORE_PASSWORD_FILE, ENV_PEER_KEY = STAGETRACE_STORE_PASSWORD_FILE, STAGETRACE_PEER_KEY
+ENV_TOKEN, ENV_TOKEN_FILE = STAGETRACE_AGENT_TOKEN, STAGETRACE_AGENT_TOKEN_FILE
 
 DEFAULT_DATABASE = "stagetrace"
 DEFAULT_QUERY_LISTEN = "127.0.0.1:8123"  # the agent's --query-listen: ClickHouse's own HTTP port, for Grafana
@@ -29,19 +30,19 @@ def default_store_path() -> Path:
 
 
 def store_dsn() -> str:
-    return os.environ.get(ENV_STORE) or f"chdb://{default_store_path()}"
+    return os.environ.get(STAGETRACE_STORE) or f"chdb://{default_store_path()}"
 
 
 def store_password() -> str:
     """The server password from the environment or a file, so it never appears in ``ps`` output."""
-    path = os.environ.get(ENV_STORE_PASSWORD_FILE)
+    path = os.environ.get(STAGETRACE_STORE_PASSWORD_FILE)
     if path:
         return Path(path).read_text().strip()
-    return os.environ.get(ENV_STORE_PASSWORD, "")
+    return os.environ.get(STAGETRACE_STORE_PASSWORD, "")
 
 
 def service_name() -> str:
-    return os.environ.get(ENV_SERVICE_NAME) or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
+    return os.environ.get(STAGETRACE_SERVICE_NAME) or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
 
 
 def peer_key(text: str | None = None) -> tuple[str, ...]:
@@ -49,19 +50,19 @@ def peer_key(text: str | None = None) -> tuple[str, ...]:
     names a part that is not one of ``conventions.PEER_KEY_PARTS``."""
     from stagetrace import conventions
 
-    text = os.environ.get(ENV_PEER_KEY, "") if text is None else text
+    text = os.environ.get(STAGETRACE_PEER_KEY, "") if text is None else text
     if not text.strip():
         return conventions.DEFAULT_PEER_KEY
     parts = tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != "none")
     unknown = [p for p in parts if p not in conventions.PEER_KEY_PARTS]
     if unknown:
-        raise ValueError(f"{ENV_PEER_KEY}: {', '.join(unknown)} is not a peer key part; use a comma-separated subset "
+        raise ValueError(f"{STAGETRACE_PEER_KEY}: {', '.join(unknown)} is not a peer key part; use a comma-separated subset "
                          f"of {', '.join(conventions.PEER_KEY_PARTS)}, or none")
     return tuple(p for p in conventions.PEER_KEY_PARTS if p in parts)
 
 
 def record_content() -> bool:
-    return os.environ.get(ENV_RECORD_CONTENT, "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get(STAGETRACE_RECORD_CONTENT, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class TokenError(Exception):
@@ -70,7 +71,7 @@ class TokenError(Exception):
 
 def load_token(path: str | Path | None = None) -> str | None:
     """The token from ``path``, else ``$STAGETRACE_AGENT_TOKEN_FILE``, else ``$STAGETRACE_AGENT_TOKEN``; None if unset."""
-    path = path or os.environ.get(ENV_TOKEN_FILE)
+    path = path or os.environ.get(STAGETRACE_AGENT_TOKEN_FILE)
     if path:
         try:
             mode = Path(path).stat().st_mode & 0o777
@@ -82,4 +83,4 @@ def load_token(path: str | Path | None = None) -> str | None:
         if not token:
             raise TokenError(f"the token file {path} is empty: write the token into it, or leave the option out")
         return token
-    return os.environ.get(ENV_TOKEN, "").strip() or None
+    return os.environ.get(STAGETRACE_AGENT_TOKEN, "").strip() or None

@@ -27,6 +27,7 @@ from pathlib import Path
 from opentelemetry.sdk.resources import Resource, ResourceDetector
 
 from stagetrace import conventions as cv
+from stagetrace.environment_variables import STAGETRACE_NVML_FIXTURE
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ def _nvml(environ):
     from stagetrace.collectors.base import Options
     from stagetrace.collectors.nvml import nvml_source
 
-    fixture = environ.get("STAGETRACE_NVML_FIXTURE")
+    fixture = environ.get(STAGETRACE_NVML_FIXTURE)
     source = nvml_source(Options(nvml_fixture=Path(fixture) if fixture else None), watch_xids=False)
     source.open()
     return source

@@ -19,7 +19,7 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from stagetrace.config import ENV_TOKEN, ENV_TOKEN_FILE, TokenError, load_token  # re-exported
+from stagetrace.config import TokenError, load_token  # re-exported
 
 _LINGER_S = 2.0
 _LINGER_BYTES = 64 * 1024 * 1024
@@ -292,5 +292,5 @@ def is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
 
-__all__ = ["ENV_TOKEN", "ENV_TOKEN_FILE", "Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized",
+__all__ = ["Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized",
            "form_fields", "is_loopback", "load_token", "parse_listen", "start"]  # fmt: skip

@@ -44,6 +44,10 @@ from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
 from stagetrace import httpd, schema
+from stagetrace.environment_variables import (
+    STAGETRACE_QUERY_MAX_CONCURRENT, STAGETRACE_QUERY_MAX_MEMORY, STAGETRACE_QUERY_MAX_RESULT_BYTES,
+    STAGETRACE_QUERY_MAX_RESULT_ROWS, STAGETRACE_QUERY_MAX_THREADS, STAGETRACE_QUERY_TIMEOUT,
+)  # fmt: skip
 from stagetrace.query_guard import Denied, QueryGuard
 from stagetrace.through_agent import AGENT_FILE, READ_ONLY_MESSAGE, Refused, read_only_format
 
@@ -68,12 +72,12 @@ class QueryLimits:
     max_concurrent: int = 16  # in flight: one runs, the others wait their turn
 
     # each field's agent option and environment variable
-    OPTIONS = {"timeout_s": ("--query-timeout", "STAGETRACE_QUERY_TIMEOUT"),
-               "max_memory_bytes": ("--query-max-memory", "STAGETRACE_QUERY_MAX_MEMORY"),
-               "max_threads": ("--query-max-threads", "STAGETRACE_QUERY_MAX_THREADS"),
-               "max_result_rows": ("--query-max-result-rows", "STAGETRACE_QUERY_MAX_RESULT_ROWS"),
-               "max_result_bytes": ("--query-max-result-bytes", "STAGETRACE_QUERY_MAX_RESULT_BYTES"),
-               "max_concurrent": ("--query-max-concurrent", "STAGETRACE_QUERY_MAX_CONCURRENT")}  # fmt: skip
+    OPTIONS = {"timeout_s": ("--query-timeout", STAGETRACE_QUERY_TIMEOUT),
+               "max_memory_bytes": ("--query-max-memory", STAGETRACE_QUERY_MAX_MEMORY),
+               "max_threads": ("--query-max-threads", STAGETRACE_QUERY_MAX_THREADS),
+               "max_result_rows": ("--query-max-result-rows", STAGETRACE_QUERY_MAX_RESULT_ROWS),
+               "max_result_bytes": ("--query-max-result-bytes", STAGETRACE_QUERY_MAX_RESULT_BYTES),
+               "max_concurrent": ("--query-max-concurrent", STAGETRACE_QUERY_MAX_CONCURRENT)}  # fmt: skip
 
     def __post_init__(self):
         for field in fields(self):

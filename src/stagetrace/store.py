@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from stagetrace import config, schema, through_agent
 # StoreError and StoreLockedError re-exported: callers catch them from here
+from stagetrace.environment_variables import STAGETRACE_STORE_PASSWORD_FILE, STAGETRACE_STORE_USER
 from stagetrace.errors import StoreError, StoreLockedError, first_line
 
 # The driver logs a failure before raising it; the store says it once, in its error. Where an application
@@ -96,7 +97,7 @@ def parse_dsn(dsn: str | None = None) -> Location:
         database=database,
         host=parts.hostname,
         port=port,
-        username=unquote(parts.username or "") or os.environ.get(config.ENV_STORE_USER, "default"),
+        username=unquote(parts.username or "") or os.environ.get(STAGETRACE_STORE_USER, "default"),
         password=unquote(parts.password or "") or _password_from_environment(),
     )
 
@@ -106,7 +107,7 @@ def _password_from_environment() -> str:
         return config.store_password()
     except OSError as exc:
         raise StoreError(
-            f"cannot read the store password file named by {config.ENV_STORE_PASSWORD_FILE}: {exc.strerror}"
+            f"cannot read the store password file named by {STAGETRACE_STORE_PASSWORD_FILE}: {exc.strerror}"
         ) from None
 
 

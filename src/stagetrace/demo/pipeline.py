@@ -38,6 +38,7 @@ from stagetrace.demo.faults import (
 from stagetrace.demo.hardware import NodeHardware
 from stagetrace.demo.tp import TPGroup
 from stagetrace.digest import digest
+from stagetrace.environment_variables import STAGETRACE_NVML_FIXTURE
 from stagetrace.exporters.clickhouse import _Resources, span_row
 
 SIM_SECONDS_PER_REQUEST = 0.25  # the simulated clock: requests arrive this far apart (cache ages, TTLs, timestamps)
@@ -220,7 +221,7 @@ class Node:
         started with this attention backend on this host's GPUs."""
         detected = configuration.configuration(
             argv=["vllm", "serve", world.MODEL_NAME, "--tensor-parallel-size", str(world.TP_SIZE),
-                  "--attention-backend", backend], environ={"STAGETRACE_NVML_FIXTURE": str(hardware.nvml)})  # fmt: skip
+                  "--attention-backend", backend], environ={STAGETRACE_NVML_FIXTURE: str(hardware.nvml)})  # fmt: skip
         resource = Resource.create({**detected, "service.name": SERVICE_NAME, "host.name": hardware.host})
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(_QueueSpanExporter(self.queue), schedule_delay_millis=200))
