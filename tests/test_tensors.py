@@ -57,7 +57,7 @@ def test_host_and_device_paths_compute_the_definition(length):
     words = tensors.torch_words(torch.from_numpy(data))  # the words the CUDA path reads, by torch ops
     assert tuple(v & MASK for v in tensors.device_lanes(words).tolist()) == expected
     # what the CUDA path does: the first step on the producer's stream, the rest in place on the private copy
-    premultiplied = torch.mul(words, tensors._M1)
+    premultiplied = tensors.premultiplied(words)
     assert tuple(v & MASK for v in tensors.device_lanes(premultiplied, premultiplied=True).tolist()) == expected
     assert digest(data) == reference_digest("uint8", (length,), data.tobytes())
 
