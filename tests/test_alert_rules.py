@@ -23,7 +23,7 @@ from stagetrace.collectors import MODULES as COLLECTOR_MODULES
 from stagetrace.collectors import gpm, gpu_tenants
 from stagetrace.collectors.base import MetricSpec
 from stagetrace.dashboards import alert_rules, build_all
-from stagetrace.dashboards.macros import QueryContext, expand
+from tests.grafana_macros import QueryContext, expand
 
 RULES_DIR = Path(alert_rules.__file__).parent / "prometheus"
 RULES = RULES_DIR / "hardware.rules.yml"

@@ -553,7 +553,7 @@ def test_deviating_output_rule_leaves_out_requests_sampled_without_a_seed(store)
 
     import stagetrace
     from stagetrace.dashboards import alert_rules
-    from stagetrace.dashboards.macros import QueryContext, expand
+    from tests.grafana_macros import QueryContext, expand
 
     store.client.database = store.database  # as the Grafana data source sets it
     stagetrace.configure(store=store, host_name="node-a", service_name="rag")

@@ -20,7 +20,7 @@ import pytest
 
 from stagetrace.analysis import live
 from stagetrace.dashboards import alert_rules, build_all
-from stagetrace.dashboards.macros import QueryContext, expand
+from tests.grafana_macros import QueryContext, expand
 from stagetrace.store import open_store
 
 

@@ -2,7 +2,7 @@
 
 The demo runs once for this module, as a separate ``stagetrace demo`` process; the store is then
 opened here with the data source's ``defaultDatabase`` as the connection's database. Each query runs
-after exactly the rewrites the ClickHouse data source applies (``stagetrace.dashboards.macros.expand``)
+after exactly the rewrites the ClickHouse data source applies (``tests.grafana_macros.expand``)
 and must return the columns its panel type needs.
 """
 
@@ -18,7 +18,7 @@ from stagetrace import dashboards
 from stagetrace.analysis.explain import Explainer
 from stagetrace.dashboards import _panels, build_all, compare, render
 from stagetrace.dashboards.__main__ import main as regenerate
-from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
+from tests.grafana_macros import ALL, QueryContext, Variable, expand
 
 DASHBOARDS = build_all()
 NUMERIC = re.compile(r"^(Nullable\()?(U?Int\d+|Float\d+|Decimal.*)\)?$")

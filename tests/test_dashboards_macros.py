@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from stagetrace.dashboards.macros import ALL, MacroError, QueryContext, Variable, expand, expand_macros, interpolate
+from tests.grafana_macros import ALL, MacroError, QueryContext, Variable, expand, expand_macros, interpolate
 
 # The time range of the plugin's own macro tests.
 FROM = datetime(2014, 11, 12, 11, 45, 26, 371000, tzinfo=timezone.utc)
@@ -88,7 +88,7 @@ def test_conditional_all_becomes_1_eq_1_when_all_is_selected():
 
 def test_conditional_all_keeps_the_condition_otherwise():
     sql = "select stuff from table where $__conditionalAll(fieldVal in ($fieldVal), $fieldVal);"
-    from stagetrace.dashboards.macros import apply_conditional_all
+    from tests.grafana_macros import apply_conditional_all
 
     assert apply_conditional_all(sql, {"fieldVal": Variable("'val1', 'val2'")}) == (
         "select stuff from table where fieldVal in ($fieldVal);"

@@ -3,7 +3,7 @@ all-reduce, a TP host that drops out, weight syncs through one NIC and all to al
 
 The data is the demo's: sysfs trees, ethtool statistics and NCCL Inspector dumps in their real formats read by
 the real collectors, spans from the OpenTelemetry SDK, all in a real embedded store. Dashboard panels and the
-Grafana-managed rules run as Grafana sends them (``dashboards.macros.expand``); the Prometheus rules run under
+Grafana-managed rules run as Grafana sends them (``tests.grafana_macros.expand``); the Prometheus rules run under
 Debian's promtool over the demo's own samples, written out as promtool input series with an ``up`` series that
 is 0 where a host answered no scrape, as Prometheus records it.
 """
@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from stagetrace.dashboards import alert_rules, build_all
-from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
+from tests.grafana_macros import ALL, QueryContext, Variable, expand
 from stagetrace.demo import fabric
 
 PROMETHEUS_RULES = Path(alert_rules.__file__).parent / "prometheus" / "hardware.rules.yml"

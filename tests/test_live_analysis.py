@@ -317,7 +317,7 @@ def test_the_stalled_analysis_rule_fires_where_requests_arrive_and_no_analyser_r
     from datetime import datetime, timedelta, timezone
 
     from stagetrace.dashboards import alert_rules
-    from stagetrace.dashboards.macros import QueryContext, expand
+    from tests.grafana_macros import QueryContext, expand
 
     now = time.time_ns()
     _traffic(store, now)

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import SpanKind
 
 from stagetrace.dashboards import trace_lookup
-from stagetrace.dashboards.macros import QueryContext, Variable, expand
+from tests.grafana_macros import QueryContext, Variable, expand
 from stagetrace.store import open_store
 
 _spec = importlib.util.spec_from_file_location("stagetrace_tests_agents", Path(__file__).with_name("agents.py"))

@@ -24,7 +24,7 @@ import clickhouse_connect
 import pytest
 
 from stagetrace.dashboards import build_all
-from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
+from tests.grafana_macros import ALL, QueryContext, Variable, expand
 
 _spec = importlib.util.spec_from_file_location("stagetrace_tests_agents", Path(__file__).with_name("agents.py"))
 agents = importlib.util.module_from_spec(_spec)

@@ -3,7 +3,7 @@
 The class of case: a TP=4 group over two hosts (ranks 0-1 on one, 2-3 on the other) serves requests; then one
 host stops reporting and the group's requests carry only the other host's rank spans. Spans are written by the
 plain OpenTelemetry SDK through ``ClickHouseSpanExporter`` into a real embedded store, each host with its own
-resource, and the queries run as Grafana sends them (``dashboards.macros.expand``).
+resource, and the queries run as Grafana sends them (``tests.grafana_macros.expand``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from stagetrace import conventions as st
 from stagetrace.dashboards import alert_rules, build_all
-from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
+from tests.grafana_macros import ALL, QueryContext, Variable, expand
 from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
 
 T0 = datetime(2026, 12, 1, 12, 0, tzinfo=timezone.utc)

@@ -198,7 +198,7 @@ def _dashboard_reads_are_bounded(store, trace):
     from datetime import datetime, timedelta, timezone
 
     from stagetrace.dashboards import build_all
-    from stagetrace.dashboards.macros import QueryContext, Variable, expand
+    from tests.grafana_macros import QueryContext, Variable, expand
 
     now = datetime.now(timezone.utc)
     context = QueryContext(now - timedelta(hours=6), now, interval_ms=1000)  # the picker does not matter here

@@ -163,6 +163,7 @@ _side_lock = threading.Lock()
 
 
 def side_stream(device):
+    """The stream a device's digests are hashed on, one per device, made when first asked for."""
     import torch
 
     with _side_lock:
