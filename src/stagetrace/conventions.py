@@ -194,12 +194,16 @@ PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decod
 REQUEST_ID_ALIASES = (REQUEST_ID, "gen_ai.request.id")
 SGLANG_RID = "rid"
 SGLANG_MODULE = ("module", "sglang::request")
-# Roots that are no request (engine_traces.md): an engine's start-up and model loading (vLLM's spans with code.*
-# attributes), and SGLang's other modules' roots, e.g. the KV sender's ``Sender Req 0x...`` (module
-# sglang::mooncake), a transfer worker's view of a request whose own root is ``... Req <rid8>``. They stay in
-# otel_traces as spans, but a request listed, analysed or counted is a request a client sent.
+# Roots that are no request (engine_traces.md): an engine's start-up and model loading, and SGLang's other modules'
+# roots, e.g. the KV sender's ``Sender Req 0x...`` (module sglang::mooncake), a transfer worker's view of a request
+# whose own root is ``... Req <rid8>``. They stay in otel_traces as spans, but a request listed, analysed or counted
+# is a request a client sent. vLLM's start-up spans come from its ``@instrument`` decorator, which records the
+# decorated function's module as ``code.namespace`` (``vllm.v1.engine.core_client``): which of its dozens of names
+# is the root depends on how vLLM was started (``Overall Loading`` for ``vllm serve``, ``SyncMPClient init`` for the
+# ``LLM`` class, in 0.33.0), so the module says it, the names being kept for producers that drop ``code.*``.
 NOT_REQUEST_ROOT_NAMES = ("API server setup", "Overall Loading", "Executor init", "Worker init", "Init device",
                           "Load model", "Prepare model")  # fmt: skip
+VLLM_CODE_NAMESPACE = ("code.namespace", "vllm.")
 SGLANG_MODULE_PREFIX = "sglang::"
 # SGLang's prefill/decode disaggregation serves one request on two servers, each opening a root of its own
 # (``prefill Req <rid8>``, ``decode Req <rid8>``) with the same rid, in two traces unless a traced router joins them:
@@ -217,7 +221,8 @@ def disaggregated_role(root_name: str) -> str | None:
 def is_not_request(name: str, attributes: dict[str, str]) -> bool:
     """A span that is never a request, even as a trace's root (same rule as ``IS_NOT_REQUEST_SQL``)."""
     module = attributes.get(SGLANG_MODULE[0], "")
-    return name in NOT_REQUEST_ROOT_NAMES or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
+    return (name in NOT_REQUEST_ROOT_NAMES or str(attributes.get(VLLM_CODE_NAMESPACE[0], "")).startswith(
+        VLLM_CODE_NAMESPACE[1]) or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1]))
 
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
@@ -426,16 +431,19 @@ PEER_MODEL = "gen_ai.request.model"
 PEER_KEY_PARTS = (PEER_SERVICE, PEER_MODEL)
 DEFAULT_PEER_KEY = PEER_KEY_PARTS
 # Where a request root names its model, first non-empty wins: the GenAI conventions (what was asked for, then what
-# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names.
+# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names; then the
+# same keys on the span's resource: vLLM's llm_request names no model (0.33.0), and an operator declares the model a
+# server serves there (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer
+# providers read), a span's own naming winning over it.
 MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
               "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
-MODEL_SQL = "multiIf(" + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
-                                   for k in MODEL_KEYS) + ", '')"  # fmt: skip
+MODEL_SQL = "multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in ("SpanAttributes",
+                                   "ResourceAttributes") for k in MODEL_KEYS) + ", '')"  # fmt: skip
 
 
-def model_of(attributes: dict[str, str]) -> str:
-    """A root span's model by ``MODEL_KEYS``; the Python twin of ``MODEL_SQL``."""
-    return next((str(attributes[k]) for k in MODEL_KEYS if attributes.get(k, "") != ""), "")
+def model_of(attributes: dict[str, str], resource: dict[str, str] | None = None) -> str:
+    """A root span's model by ``MODEL_KEYS``, on the span, then on its resource; the Python twin of ``MODEL_SQL``."""
+    return next((str(m[k]) for m in (attributes, resource or {}) for k in MODEL_KEYS if m.get(k, "") != ""), "")
 
 
 def peer_sql(service: str = "ServiceName", model: str = "Model") -> str:
@@ -482,6 +490,17 @@ SEED_UNRECORDED = ((SGLANG_MODULE[0], SGLANG_MODULE[1]), ("gen_ai.latency.e2e", 
 def seed_unknown(attributes: dict[str, str]) -> bool:
     """The span's producer never records the seed (same rule as ``SEED_UNKNOWN_SQL``)."""
     return any(attributes.get(k, "") != "" if v is None else attributes.get(k) == v for k, v in SEED_UNRECORDED)
+
+
+def unknown_seed(attributes: dict[str, str]) -> str:
+    """Why a span's sampling has an unknown seed, in words, or ``''``: it samples (temperature > 0) and its producer
+    never records the seed (``SEED_UNRECORDED``), so it may have been seeded. ``explain`` and ``divergences`` say so
+    where they would otherwise have called it sampling nondeterminism (issue 53)."""
+    if not seed_unknown(attributes) or any(attributes.get(k, "") != "" for k in SEED_KEYS):
+        return ""
+    producer = "SGLang" if attributes.get(SGLANG_MODULE[0]) == SGLANG_MODULE[1] else "the engine"
+    return next((f"{k} {attributes[k]}, and {producer} does not record the seed" for k in TEMPERATURE_KEYS
+                 if _positive(str(attributes.get(k, "")))), "")  # fmt: skip
 
 
 def nondeterminism(attributes: dict[str, str]) -> str:
@@ -634,6 +653,7 @@ ATTRIBUTE_REQUEST_ID_SQL = (
 IS_WEIGHT_SYNC_SQL = f"mapContains(SpanAttributes, {_quote(SYNC_BYTES)})"
 IS_NOT_REQUEST_SQL = (
     f"(SpanName IN ({', '.join(_quote(n) for n in NOT_REQUEST_ROOT_NAMES)}) OR "
+    f"startsWith(SpanAttributes[{_quote(VLLM_CODE_NAMESPACE[0])}], {_quote(VLLM_CODE_NAMESPACE[1])}) OR "
     f"(startsWith(SpanAttributes[{_quote(SGLANG_MODULE[0])}], {_quote(SGLANG_MODULE_PREFIX)}) "
     f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}))"
 )
