@@ -262,3 +262,28 @@ def test_a_vllm_request_sampled_with_an_unknown_seed_is_compared_and_said_to_hav
     text = piped.getvalue()
     assert "1 with the seed unknown" in text and "3 sampled without a seed, not compared" in text, text
     assert "seed unknown: chatcmpl-53a3: gen_ai.request.temperature 0.7" in text
+
+
+def test_sglang_pipeline_stages_keep_their_tp_ranks_apart_and_the_dp_replica_reaches_the_stages(store, receiver):
+    """SGLang 0.5.23's schedulers record pp_rank (and dp_rank under data parallelism) beside tp_rank on their thread
+    span. With PP=2 each pipeline stage has TP ranks 0 and 1: the stage key's rank is the TP rank on pipeline stage 0
+    and ``<tp>@pp<pp>`` on stage 1, four keys, not two holding two GPUs' spans each; the DP replica that served the
+    request (1 of 2) reaches each stage span as ``parallel.dp_rank``. Beside it the TP=2 server without pipeline
+    parallelism keeps its ranks 0 and 1."""
+    send(receiver, "dp2-pp2-tp2")
+    send(receiver, "unified-tp2")
+    rows = stages(store)
+    assert sorted(r for n, _, r, svc in rows if n == "decode_forward" and svc == "sglang-pp") == [
+        "0", "0@pp1", "1", "1@pp1"]
+    assert sorted(r for n, _, r, svc in rows if n == "decode_forward" and svc == "sglang") == ["0", "1"]
+    stored = store.client.query("SELECT SpanName, Rank, Attributes['parallel.dp_rank'], ServiceName "
+                                "FROM stagetrace.stagetrace_stages").result_rows
+    assert {dp for n, _, dp, svc in stored if svc == "sglang-pp" and n != "tokenize"} == {"1"}
+    assert [dp for n, _, dp, svc in stored if n == "tokenize"] == ["", ""]  # the tokenizer thread has no replica
+    # the twin reads each stored span's rank as the view did; ranks order by pipeline stage, then TP rank
+    spans = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'decode_forward' "
+                               "AND ServiceName = 'sglang-pp'").result_columns[0]
+    ranks = sorted((conventions.rank_of(a) for a in spans), key=conventions.rank_order)
+    assert ranks == ["0", "1", "0@pp1", "1@pp1"]
+    # the request is one request, its rank a stage's key and not a cause: dp rank names where it ran
+    assert conventions.is_identity(conventions.DP_RANK) and not conventions.is_comparable(conventions.PP_RANK)

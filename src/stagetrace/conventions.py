@@ -50,11 +50,18 @@ TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-p
 # inputs differ too: the first step at which a rank's input differs tells the rank where it began
 STAGE_STEP_INPUT_DIGESTS = "stagetrace.stage.step_input_digests"
 STEPS_KEPT, STEP_DIGEST_CHARS = 256, 16
-# Ranks an engine records on an enclosing span instead of its stage spans: SGLang sets tp_rank (and dp_rank, pp_rank)
-# on its per-thread span (``Scheduler [TP 0] ...``) only. The agent copies them onto the spans below that span in
-# the same export (inherit_ranks) before the views read them: a view sees one span at a time and SGLang ends the
-# thread span after its stage spans, so neither the view nor a later lookup of ``Rank`` could join them cheaply.
-ENCLOSING_RANKS = {"tp_rank": TP_RANK}
+# Data- and pipeline-parallel ranks. A request runs on one data-parallel replica: its DP rank says where it ran, an
+# identity like its host. Pipeline-parallel stages each hold their own TP ranks 0..n-1, so the stage key's rank is
+# the TP rank alone on pipeline stage 0 (or without pipeline parallelism) and ``<tp>@pp<pp>`` on the others
+# (rank_of, RANK_SQL): one key per GPU, and the ranks of a deployment without pipeline parallelism unchanged.
+DP_RANK = "parallel.dp_rank"
+PP_RANK = "parallel.pp_rank"
+# Ranks an engine records on an enclosing span instead of its stage spans: SGLang sets tp_rank, pp_rank (always, 0
+# without pipeline parallelism) and dp_rank (with data parallelism) on its per-thread span (``Scheduler [TP 0]
+# [PP 0] ...``) only. The agent copies them onto the spans below that span in the same export (inherit_ranks) before
+# the views read them: a view sees one span at a time and SGLang ends the thread span after its stage spans, so
+# neither the view nor a later lookup of ``Rank`` could join them cheaply.
+ENCLOSING_RANKS = {"tp_rank": TP_RANK, "pp_rank": PP_RANK, "dp_rank": DP_RANK}
 HOST = "host.name"  # resource attribute
 GPU_UUID = "gpu.uuid"
 WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with
@@ -390,7 +397,7 @@ MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", 
 MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
 # Never compared: they describe the telemetry, not the request.
 UNCOMPARED_PREFIXES = ("stagetrace.", "telemetry.sdk.", "process.", "service.instance.")
-UNCOMPARED_KEYS = frozenset({TP_RANK, *ENCLOSING_RANKS, "input.mime_type", "output.mime_type"})
+UNCOMPARED_KEYS = frozenset({TP_RANK, PP_RANK, *ENCLOSING_RANKS, "input.mime_type", "output.mime_type"})
 
 
 def is_content(key: str) -> bool:
@@ -404,6 +411,7 @@ IDENTITY_KEYS = frozenset({
     HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
     "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
     CONFIGURATION_GPU_UUIDS, "cloud.resource_id", "host_id",  # SGLang's machine ID, on its thread spans
+    DP_RANK,  # the data-parallel replica that served the request
 })  # fmt: skip
 
 
@@ -572,38 +580,51 @@ def stage_passes(spans):
 
 
 def inherit_ranks(spans) -> int:
-    """Give each span without a rank of its own the rank of its nearest enclosing span among ``spans`` (objects
+    """Give each span the ranks it does not record itself of its nearest enclosing span among ``spans`` (objects
     with ``context.trace_id``, ``context.span_id``, ``parent`` (None or with ``span_id``) and a mutable
-    ``attributes`` dict) that records one, as ``parallel.tp_rank`` (``ENCLOSING_RANKS``); returns how many got one.
+    ``attributes`` dict) that records them, under stagetrace's names (``ENCLOSING_RANKS``: ``tp_rank`` as
+    ``parallel.tp_rank``, ...); returns how many spans got one. A span that records an engine's rank itself (the
+    thread span) is left as it is.
 
     Only spans exported together are seen: SGLang's exporter sends a thread's spans when the request ends on that
     thread, thread span last, so they share an export unless a batch boundary (512 spans by default) falls between.
     """
     by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
-    found: dict[tuple[int, int], str] = {}
+    found: dict[tuple[int, int, str], str] = {}
 
-    def rank(span, depth: int = 0) -> str:
-        key = (span.context.trace_id, span.context.span_id)
+    def rank(span, engine: str, ours: str, depth: int = 0) -> str:
+        key = (span.context.trace_id, span.context.span_id, ours)
         if key not in found:
-            own = span.attributes.get(TP_RANK, "")
-            own = own if own != "" else next((span.attributes[k] for k in ENCLOSING_RANKS if k in span.attributes), "")
+            own = span.attributes.get(ours, "")
+            own = own if own != "" else span.attributes.get(engine, "")
             parent = by_id.get((span.context.trace_id, span.parent.span_id)) if span.parent else None
-            found[key] = str(own) if own != "" else rank(parent, depth + 1) if parent and depth < 64 else ""
+            inherited = rank(parent, engine, ours, depth + 1) if parent and depth < 64 else ""
+            found[key] = str(own) if own != "" else inherited
         return found[key]
 
     given = 0
     for span in spans:
-        if span.attributes.get(TP_RANK, "") == "" and not any(k in span.attributes for k in ENCLOSING_RANKS):
-            inherited = rank(span)
-            if inherited:
-                span.attributes[TP_RANK] = inherited
-                given += 1
+        if any(k in span.attributes for k in ENCLOSING_RANKS):
+            continue
+        inherited = {ours: rank(span, engine, ours) for engine, ours in ENCLOSING_RANKS.items()
+                     if span.attributes.get(ours, "") == ""}  # fmt: skip
+        inherited = {k: v for k, v in inherited.items() if v}
+        span.attributes.update(inherited)
+        given += bool(inherited)
     return given
 
 
+def rank_of(attributes: dict[str, str]) -> str:
+    """The rank of a stage span's key: its TP rank, on a pipeline stage other than 0 with that stage
+    (``1@pp1``). The Python twin of ``RANK_SQL``."""
+    tp, pp = str(attributes.get(TP_RANK, "")), str(attributes.get(PP_RANK, ""))
+    return tp if pp in ("", "0") else f"{tp or 0}@pp{pp}"
+
+
 def rank_order(rank: str) -> tuple:
-    """TP ranks by number (a rank that is no number as 0)."""
-    return (int(rank) if rank.isdigit() else 0, rank)
+    """Ranks by pipeline stage, then TP rank, by number (a rank that is no number as 0)."""
+    tp, _, pp = rank.partition("@pp")
+    return (int(pp) if pp.isdigit() else 0, int(tp) if tp.isdigit() else 0, rank)
 
 
 def combined_output(outputs) -> str:
@@ -681,7 +702,9 @@ HAS_CONTENT_SQL = "arrayExists(k -> k IN ({keys}) OR {prefixes}, mapKeys(SpanAtt
 )
 REQUEST_INPUT_DIGEST_GIVEN_SQL, REQUEST_OUTPUT_DIGEST_GIVEN_SQL, STAGE_INPUT_DIGEST_GIVEN_SQL, \
     STAGE_OUTPUT_DIGEST_GIVEN_SQL = (sources[0].sql() for sources in _SOURCES)  # fmt: skip
-RANK_SQL = f"SpanAttributes[{_quote(TP_RANK)}]"
+RANK_SQL = (f"if(SpanAttributes[{_quote(PP_RANK)}] IN ('', '0'), SpanAttributes[{_quote(TP_RANK)}], "
+            f"concat(if(SpanAttributes[{_quote(TP_RANK)}] = '', '0', SpanAttributes[{_quote(TP_RANK)}]), '@pp', "
+            f"SpanAttributes[{_quote(PP_RANK)}]))")  # fmt: skip
 # Stage attributes as stagetrace keeps them: without content, which stays only where its producer sent it.
 STAGE_ATTRIBUTES_SQL = (
     "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), SpanAttributes)".format(
