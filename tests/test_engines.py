@@ -74,6 +74,12 @@ def test_sglang_sampled_request_without_an_exported_seed_is_not_called_nondeterm
     send(receiver, "unified-tp2")
     rows = store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows
     assert rows == [(RID, "")]
+    # and what explain and divergences say of it, from the root as stored
+    from stagetrace import lookup
+    from stagetrace.analysis.explain import unknown_seed
+
+    assert unknown_seed(lookup.by_request_id(store, RID)) == (
+        "gen_ai.request.temperature 0.7, and SGLang does not record the seed")
 
 
 def test_a_disaggregated_request_is_found_by_its_id_with_its_prefill_and_its_decode(store, receiver):
