@@ -1,8 +1,9 @@
-"""Engines' own traces, recorded from their released tracing code (tests/fixtures/sglang/README.md), sent over
-OTLP/HTTP into a running receiver and read from the real store (issue 53)."""
+"""Engines' own traces, recorded from their released tracing code (tests/fixtures/sglang/README.md,
+tests/fixtures/vllm/README.md), sent over OTLP/HTTP into a running receiver and read from the real store (issue 53)."""
 
 from __future__ import annotations
 
+import io
 import json
 import urllib.request
 from pathlib import Path
@@ -11,12 +12,14 @@ import pytest
 from google.protobuf import json_format
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from stagetrace import conventions
 from stagetrace.exporters.otlp import OtlpReceiver
 
 # every span these tests store is also the corpus of the views' rows (tests/views_reference.py)
 pytestmark = pytest.mark.views_row_for_row
 
 SGLANG = Path(__file__).parent / "fixtures" / "sglang"
+VLLM = Path(__file__).parent / "fixtures" / "vllm"
 RID = "3f9a1c2e8b7d4e6fa0b1c2d3e4f5a6b7"
 
 
@@ -27,15 +30,18 @@ def receiver(store):
     r.close()
 
 
-def send(receiver, scenario: str) -> None:
-    """Post each export request SGLang's exporter sent, as it sent it (protobuf over HTTP)."""
-    for message in json.loads((SGLANG / f"{scenario}.json").read_text()):
-        body = json_format.ParseDict(message, ExportTraceServiceRequest()).SerializeToString()
-        request = urllib.request.Request(f"{receiver.url}/v1/traces", data=body, method="POST",
-                                         headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
+def send(receiver, scenario: str, engine: Path = SGLANG) -> None:
+    """Post each export request the engine's exporter sent, as it sent it (protobuf over HTTP)."""
+    for message in json.loads((engine / f"{scenario}.json").read_text()):
+        post(receiver, json_format.ParseDict(message, ExportTraceServiceRequest()))
     receiver.writer.flush()
+
+
+def post(receiver, message: ExportTraceServiceRequest) -> None:
+    request = urllib.request.Request(f"{receiver.url}/v1/traces", data=message.SerializeToString(), method="POST",
+                                     headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
 
 
 def stages(store) -> list[tuple]:
@@ -68,6 +74,12 @@ def test_sglang_sampled_request_without_an_exported_seed_is_not_called_nondeterm
     send(receiver, "unified-tp2")
     rows = store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows
     assert rows == [(RID, "")]
+    # and what explain and divergences say of it, from the root as stored
+    from stagetrace import lookup
+    from stagetrace.analysis.explain import unknown_seed
+
+    assert unknown_seed(lookup.by_request_id(store, RID)) == (
+        "gen_ai.request.temperature 0.7, and SGLang does not record the seed")
 
 
 def test_a_disaggregated_request_is_found_by_its_id_with_its_prefill_and_its_decode(store, receiver):
@@ -97,10 +109,7 @@ def test_a_disaggregated_request_is_found_by_its_id_with_its_prefill_and_its_dec
                                span_id=(attempt + 7).to_bytes(8, "big"), start_time_unix_nano=10**18 + attempt * 10**9,
                                end_time_unix_nano=10**18 + attempt * 10**9 + 1000)  # fmt: skip
         span.attributes.add(key="stagetrace.request.id", value={"string_value": retried})
-        request = urllib.request.Request(f"{receiver.url}/v1/traces", data=message.SerializeToString(), method="POST",
-                                         headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
-        with urllib.request.urlopen(request, timeout=10) as response:
-            assert response.status == 200
+        post(receiver, message)
     receiver.writer.flush()
     assert [s.name for s in lookup.by_request_id(store, retried).spans] == ["attempt-1"]
 
@@ -117,3 +126,170 @@ def test_the_kv_transfer_of_a_disaggregated_request_is_its_cache_stage(store, re
          "mooncake_transfer_kv"), "cache")  # fmt: skip
     assert by_name["prefill_forward"] == by_name["decode_forward"] == "decode"
     assert not any(" Req " in name or "Scheduler" in name for name in by_name), by_name
+
+
+# -- vLLM 0.33.0 (tests/fixtures/vllm/README.md): ``vllm serve`` with three requests behind an application that sent
+# traceparent and one sent straight to it; the ``LLM`` class with one request
+VLLM_REQUESTS = {"chatcmpl-53a1", "chatcmpl-53a2", "chatcmpl-53a3", "chatcmpl-53b1", "53c1"}
+VLLM_START_UP = {"API server setup", "Overall Loading", "AsyncMPClient init", "EngineCoreProc init", "Executor init",
+                 "Worker init", "Load model", "SyncMPClient init"}  # fmt: skip
+
+
+def vllm_requests() -> dict[str, dict]:
+    """The fixture's llm_request spans by request ID: trace and parent IDs (hex), start and end (ns)."""
+    out = {}
+    for scenario in ("serve", "offline"):
+        for message in json.loads((VLLM / f"{scenario}.json").read_text()):
+            parsed = json_format.ParseDict(message, ExportTraceServiceRequest())
+            for span in (s for r in parsed.resource_spans for ss in r.scope_spans for s in ss.spans):
+                attributes = {a.key: a.value.string_value for a in span.attributes}
+                if span.name == "llm_request":
+                    out[attributes["gen_ai.request.id"]] = {
+                        "trace_id": span.trace_id, "parent_span_id": span.parent_span_id,
+                        "start": span.start_time_unix_nano, "end": span.end_time_unix_nano}  # fmt: skip
+    return out
+
+
+def app_roots(receiver, service: str, roots) -> None:
+    """An application's root spans (``(trace ID, span ID, start, end, attributes)``), as an app in front of an
+    engine sends them: hand-built here, the engine's spans below them being the recorded ones."""
+    message = ExportTraceServiceRequest()
+    resource = message.resource_spans.add()
+    resource.resource.attributes.add(key="service.name", value={"string_value": service})
+    scope = resource.scope_spans.add()
+    for trace_id, span_id, start, end, attributes in roots:
+        span = scope.spans.add(name="chat", trace_id=trace_id, span_id=span_id, start_time_unix_nano=start,
+                               end_time_unix_nano=end)  # fmt: skip
+        for key, value in attributes.items():
+            span.attributes.add(key=key, value={"string_value": value})
+    post(receiver, message)
+    receiver.writer.flush()
+
+
+def test_vllm_requests_are_found_by_their_id_and_its_start_up_roots_are_not_requests(store, receiver):
+    """vLLM's llm_request is a request (found by gen_ai.request.id, as the root of its trace or below an app's span
+    that sent traceparent) and its decode stage; its start-up spans, whichever is their root (``Overall Loading``
+    under ``vllm serve``, ``SyncMPClient init`` under the ``LLM`` class), are kept as spans and never listed. Beside
+    them SGLang's request in the same store is listed as before, its stages unchanged."""
+    from stagetrace import lookup
+
+    send(receiver, "serve", VLLM)
+    send(receiver, "offline", VLLM)
+    send(receiver, "unified-tp2")
+    listed = dict(store.client.query("SELECT RequestId, ServiceName FROM stagetrace.stagetrace_requests").result_rows)
+    assert listed == {**dict.fromkeys(VLLM_REQUESTS, "vllm"), RID: "sglang"}, listed
+    kept = set(store.client.query("SELECT DISTINCT SpanName FROM stagetrace.otel_traces").result_columns[0])
+    assert VLLM_START_UP <= kept
+    for request_id in VLLM_REQUESTS:
+        trace = lookup.by_request_id(store, request_id)
+        assert [(s.name, s.stage) for s in trace.spans] == [("llm_request", "decode")], request_id
+    assert {(n, s) for n, s, _, svc in stages(store) if svc == "vllm"} == {("llm_request", "decode")}
+    assert {n for n, s, _, svc in stages(store) if svc == "sglang" and s == "decode"} == {
+        "prefill_forward", "chunked_prefill", "decode_forward", "decode_loop"}
+    # the Python twin says the same of every stored span
+    rows = store.client.query("SELECT SpanName, SpanAttributes FROM stagetrace.otel_traces").result_rows
+    assert {n for n, a in rows if conventions.is_not_request(n, a)} & VLLM_START_UP == VLLM_START_UP
+    assert not any(conventions.is_not_request(n, a) for n, a in rows if n == "llm_request" or " Req " in n)
+
+
+def test_a_vllm_request_s_model_is_the_one_its_operator_declared_on_the_resource(store, receiver):
+    """vLLM 0.33.0's llm_request names no model; its operator declared the one it serves on the resource
+    (OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...), which the peer key reads where the span names none. Beside
+    it SGLang's request names its model on its span, and an app's request names one on its span and another on its
+    resource: the span's own wins."""
+    send(receiver, "serve", VLLM)
+    send(receiver, "unified-tp2")
+    app_roots(receiver, "other-app", [(b"\x0b" * 16, b"\x0c" * 8, 10**18, 10**18 + 1000,
+                                       {"stagetrace.request.id": "app-1", "gen_ai.request.model": "on-the-span"})])
+    message = ExportTraceServiceRequest()  # the same app's resource declaring another model
+    resource = message.resource_spans.add()
+    resource.resource.attributes.add(key="gen_ai.request.model", value={"string_value": "on-the-resource"})
+    span = resource.scope_spans.add().spans.add(name="chat", trace_id=b"\x0d" * 16, span_id=b"\x0e" * 8,
+                                                start_time_unix_nano=10**18, end_time_unix_nano=10**18 + 1)
+    span.attributes.add(key="stagetrace.request.id", value={"string_value": "app-2"})
+    span.attributes.add(key="gen_ai.request.model", value={"string_value": "on-the-span"})
+    post(receiver, message)
+    receiver.writer.flush()
+    models = dict(store.client.query("SELECT RequestId, Model FROM stagetrace.stagetrace_requests").result_rows)
+    assert {r: m for r, m in models.items() if r.startswith("chatcmpl-")} == dict.fromkeys(
+        ("chatcmpl-53a1", "chatcmpl-53a2", "chatcmpl-53a3", "chatcmpl-53b1"), "Qwen/Qwen3-0.6B")
+    assert models[RID] == "Qwen/Qwen3-0.6B" and models["app-1"] == models["app-2"] == "on-the-span"
+    # the Python twin reads each stored root as the view did
+    rows = store.client.query("SELECT SpanAttributes, ResourceAttributes, SpanAttributes['gen_ai.request.id'] "
+                              "FROM stagetrace.otel_traces WHERE SpanName = 'llm_request'").result_rows
+    assert {conventions.model_of(a, r) for a, r, _ in rows} == {"Qwen/Qwen3-0.6B"}
+    assert {conventions.model_of(a) for a, r, _ in rows} == {""}
+
+
+def test_a_vllm_request_sampled_with_an_unknown_seed_is_compared_and_said_to_have_an_unknown_seed(store, receiver):
+    """Three requests with one prompt behind an app, sent to vLLM at temperature 0.7, one answering otherwise. vLLM
+    never records the seed, so they may have been seeded: the odd one is compared with the other two and deviates,
+    and ``explain`` and ``divergences`` say its seed is unknown in words, never excusing it as sampling. The
+    neighbour: another service's three requests at temperature 0.7 whose producer records seeds and recorded none,
+    one answering otherwise: sampling by design, not compared, and no "seed unknown" said of them."""
+    from rich.console import Console
+
+    from stagetrace import render
+    from stagetrace.analysis import divergences
+    from stagetrace.analysis.explain import Explainer
+
+    send(receiver, "serve", VLLM)
+    found = vllm_requests()
+    digest = "1f" * 16
+    app_roots(receiver, "rag-app", [
+        (found[r]["trace_id"], found[r]["parent_span_id"], found[r]["start"] - 10**6, found[r]["end"] + 10**6,
+         {"stagetrace.input.digest": digest, "stagetrace.output.digest": output})
+        for r, output in (("chatcmpl-53a1", "aa" * 16), ("chatcmpl-53a2", "aa" * 16), ("chatcmpl-53a3", "bb" * 16))])
+    start = found["chatcmpl-53a1"]["start"]
+    app_roots(receiver, "chat-app", [
+        (bytes([0xC0, n]) * 8, bytes([0xC1, n]) * 4, start + n * 10**6, start + n * 10**6 + 10**5,
+         {"stagetrace.request.id": f"chat-{n}", "stagetrace.input.digest": digest, "gen_ai.request.temperature": "0.7",
+          "stagetrace.output.digest": ("cc" if n < 2 else "dd") * 16}) for n in range(3)])  # fmt: skip
+
+    report = Explainer(store).explain("chatcmpl-53a3")
+    assert report["diverged"] and not report["nondeterministic"], report["summary"]
+    assert report["baseline"]["request_id"] in ("chatcmpl-53a1", "chatcmpl-53a2")
+    assert report["seed_unknown"] == "gen_ai.request.temperature 0.7, and the engine does not record the seed"
+    piped = io.StringIO()
+    render.explanation(render.Output(Console(file=piped)), report)
+    assert "seed unknown: gen_ai.request.temperature 0.7" in piped.getvalue()
+    neighbour = Explainer(store).explain("chat-2")
+    assert neighbour["nondeterministic"] and neighbour["seed_unknown"] is None
+    # a greedy vLLM request has nothing a seed would change
+    assert Explainer(store).explain("chatcmpl-53b1")["seed_unknown"] is None
+
+    result = divergences.find(store, 3600 * 10**9, until_ns=start + 60 * 10**9)
+    deviating = {i["request_id"]: i for g in result["groups"] for i in g["deviating"]}
+    assert set(deviating) == {"chatcmpl-53a3"}, deviating
+    assert deviating["chatcmpl-53a3"]["seed_unknown"] == report["seed_unknown"]
+    assert result["nondeterministic_by_service"] == {"chat-app": 3} and result["seed_unknown"] == 1
+    piped = io.StringIO()
+    render.divergence_groups(render.Output(Console(file=piped)), result, "1h")
+    text = piped.getvalue()
+    assert "1 with the seed unknown" in text and "3 sampled without a seed, not compared" in text, text
+    assert "seed unknown: chatcmpl-53a3: gen_ai.request.temperature 0.7" in text
+
+
+def test_sglang_pipeline_stages_keep_their_tp_ranks_apart_and_the_dp_replica_reaches_the_stages(store, receiver):
+    """SGLang 0.5.23's schedulers record pp_rank (and dp_rank under data parallelism) beside tp_rank on their thread
+    span. With PP=2 each pipeline stage has TP ranks 0 and 1: the stage key's rank is the TP rank on pipeline stage 0
+    and ``<tp>@pp<pp>`` on stage 1, four keys, not two holding two GPUs' spans each; the DP replica that served the
+    request (1 of 2) reaches each stage span as ``parallel.dp_rank``. Beside it the TP=2 server without pipeline
+    parallelism keeps its ranks 0 and 1."""
+    send(receiver, "dp2-pp2-tp2")
+    send(receiver, "unified-tp2")
+    rows = stages(store)
+    assert sorted(r for n, _, r, svc in rows if n == "decode_forward" and svc == "sglang-pp") == [
+        "0", "0@pp1", "1", "1@pp1"]
+    assert sorted(r for n, _, r, svc in rows if n == "decode_forward" and svc == "sglang") == ["0", "1"]
+    stored = store.client.query("SELECT SpanName, Rank, Attributes['parallel.dp_rank'], ServiceName "
+                                "FROM stagetrace.stagetrace_stages").result_rows
+    assert {dp for n, _, dp, svc in stored if svc == "sglang-pp" and n != "tokenize"} == {"1"}
+    assert [dp for n, _, dp, svc in stored if n == "tokenize"] == ["", ""]  # the tokenizer thread has no replica
+    # the twin reads each stored span's rank as the view did; ranks order by pipeline stage, then TP rank
+    spans = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'decode_forward' "
+                               "AND ServiceName = 'sglang-pp'").result_columns[0]
+    ranks = sorted((conventions.rank_of(a) for a in spans), key=conventions.rank_order)
+    assert ranks == ["0", "1", "0@pp1", "1@pp1"]
+    # the request is one request, its rank a stage's key and not a cause: dp rank names where it ran
+    assert conventions.is_identity(conventions.DP_RANK) and not conventions.is_comparable(conventions.PP_RANK)

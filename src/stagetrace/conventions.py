@@ -50,11 +50,18 @@ TP_SIZE = "parallel.tp_size"  # on each rank's span: how many ranks the tensor-p
 # inputs differ too: the first step at which a rank's input differs tells the rank where it began
 STAGE_STEP_INPUT_DIGESTS = "stagetrace.stage.step_input_digests"
 STEPS_KEPT, STEP_DIGEST_CHARS = 256, 16
-# Ranks an engine records on an enclosing span instead of its stage spans: SGLang sets tp_rank (and dp_rank, pp_rank)
-# on its per-thread span (``Scheduler [TP 0] ...``) only. The agent copies them onto the spans below that span in
-# the same export (inherit_ranks) before the views read them: a view sees one span at a time and SGLang ends the
-# thread span after its stage spans, so neither the view nor a later lookup of ``Rank`` could join them cheaply.
-ENCLOSING_RANKS = {"tp_rank": TP_RANK}
+# Data- and pipeline-parallel ranks. A request runs on one data-parallel replica: its DP rank says where it ran, an
+# identity like its host. Pipeline-parallel stages each hold their own TP ranks 0..n-1, so the stage key's rank is
+# the TP rank alone on pipeline stage 0 (or without pipeline parallelism) and ``<tp>@pp<pp>`` on the others
+# (rank_of, RANK_SQL): one key per GPU, and the ranks of a deployment without pipeline parallelism unchanged.
+DP_RANK = "parallel.dp_rank"
+PP_RANK = "parallel.pp_rank"
+# Ranks an engine records on an enclosing span instead of its stage spans: SGLang sets tp_rank, pp_rank (always, 0
+# without pipeline parallelism) and dp_rank (with data parallelism) on its per-thread span (``Scheduler [TP 0]
+# [PP 0] ...``) only. The agent copies them onto the spans below that span in the same export (inherit_ranks) before
+# the views read them: a view sees one span at a time and SGLang ends the thread span after its stage spans, so
+# neither the view nor a later lookup of ``Rank`` could join them cheaply.
+ENCLOSING_RANKS = {"tp_rank": TP_RANK, "pp_rank": PP_RANK, "dp_rank": DP_RANK}
 HOST = "host.name"  # resource attribute
 GPU_UUID = "gpu.uuid"
 WEIGHTS_STEP = "model.weights.step"  # on decode spans: the training step of the weights the GPU served with
@@ -194,12 +201,16 @@ PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decod
 REQUEST_ID_ALIASES = (REQUEST_ID, "gen_ai.request.id")
 SGLANG_RID = "rid"
 SGLANG_MODULE = ("module", "sglang::request")
-# Roots that are no request (engine_traces.md): an engine's start-up and model loading (vLLM's spans with code.*
-# attributes), and SGLang's other modules' roots, e.g. the KV sender's ``Sender Req 0x...`` (module
-# sglang::mooncake), a transfer worker's view of a request whose own root is ``... Req <rid8>``. They stay in
-# otel_traces as spans, but a request listed, analysed or counted is a request a client sent.
+# Roots that are no request (engine_traces.md): an engine's start-up and model loading, and SGLang's other modules'
+# roots, e.g. the KV sender's ``Sender Req 0x...`` (module sglang::mooncake), a transfer worker's view of a request
+# whose own root is ``... Req <rid8>``. They stay in otel_traces as spans, but a request listed, analysed or counted
+# is a request a client sent. vLLM's start-up spans come from its ``@instrument`` decorator, which records the
+# decorated function's module as ``code.namespace`` (``vllm.v1.engine.core_client``): which of its dozens of names
+# is the root depends on how vLLM was started (``Overall Loading`` for ``vllm serve``, ``SyncMPClient init`` for the
+# ``LLM`` class, in 0.33.0), so the module says it, the names being kept for producers that drop ``code.*``.
 NOT_REQUEST_ROOT_NAMES = ("API server setup", "Overall Loading", "Executor init", "Worker init", "Init device",
                           "Load model", "Prepare model")  # fmt: skip
+VLLM_CODE_NAMESPACE = ("code.namespace", "vllm.")
 SGLANG_MODULE_PREFIX = "sglang::"
 # SGLang's prefill/decode disaggregation serves one request on two servers, each opening a root of its own
 # (``prefill Req <rid8>``, ``decode Req <rid8>``) with the same rid, in two traces unless a traced router joins them:
@@ -217,7 +228,8 @@ def disaggregated_role(root_name: str) -> str | None:
 def is_not_request(name: str, attributes: dict[str, str]) -> bool:
     """A span that is never a request, even as a trace's root (same rule as ``IS_NOT_REQUEST_SQL``)."""
     module = attributes.get(SGLANG_MODULE[0], "")
-    return name in NOT_REQUEST_ROOT_NAMES or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
+    return (name in NOT_REQUEST_ROOT_NAMES or str(attributes.get(VLLM_CODE_NAMESPACE[0], "")).startswith(
+        VLLM_CODE_NAMESPACE[1]) or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1]))
 
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
@@ -385,7 +397,7 @@ MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", 
 MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
 # Never compared: they describe the telemetry, not the request.
 UNCOMPARED_PREFIXES = ("stagetrace.", "telemetry.sdk.", "process.", "service.instance.")
-UNCOMPARED_KEYS = frozenset({TP_RANK, *ENCLOSING_RANKS, "input.mime_type", "output.mime_type"})
+UNCOMPARED_KEYS = frozenset({TP_RANK, PP_RANK, *ENCLOSING_RANKS, "input.mime_type", "output.mime_type"})
 
 
 def is_content(key: str) -> bool:
@@ -399,6 +411,7 @@ IDENTITY_KEYS = frozenset({
     HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
     "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
     CONFIGURATION_GPU_UUIDS, "cloud.resource_id", "host_id",  # SGLang's machine ID, on its thread spans
+    DP_RANK,  # the data-parallel replica that served the request
 })  # fmt: skip
 
 
@@ -426,16 +439,19 @@ PEER_MODEL = "gen_ai.request.model"
 PEER_KEY_PARTS = (PEER_SERVICE, PEER_MODEL)
 DEFAULT_PEER_KEY = PEER_KEY_PARTS
 # Where a request root names its model, first non-empty wins: the GenAI conventions (what was asked for, then what
-# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names.
+# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names; then the
+# same keys on the span's resource: vLLM's llm_request names no model (0.33.0), and an operator declares the model a
+# server serves there (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer
+# providers read), a span's own naming winning over it.
 MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
               "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
-MODEL_SQL = "multiIf(" + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
-                                   for k in MODEL_KEYS) + ", '')"  # fmt: skip
+MODEL_SQL = "multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in ("SpanAttributes",
+                                   "ResourceAttributes") for k in MODEL_KEYS) + ", '')"  # fmt: skip
 
 
-def model_of(attributes: dict[str, str]) -> str:
-    """A root span's model by ``MODEL_KEYS``; the Python twin of ``MODEL_SQL``."""
-    return next((str(attributes[k]) for k in MODEL_KEYS if attributes.get(k, "") != ""), "")
+def model_of(attributes: dict[str, str], resource: dict[str, str] | None = None) -> str:
+    """A root span's model by ``MODEL_KEYS``, on the span, then on its resource; the Python twin of ``MODEL_SQL``."""
+    return next((str(m[k]) for m in (attributes, resource or {}) for k in MODEL_KEYS if m.get(k, "") != ""), "")
 
 
 def peer_sql(service: str = "ServiceName", model: str = "Model") -> str:
@@ -482,6 +498,17 @@ SEED_UNRECORDED = ((SGLANG_MODULE[0], SGLANG_MODULE[1]), ("gen_ai.latency.e2e", 
 def seed_unknown(attributes: dict[str, str]) -> bool:
     """The span's producer never records the seed (same rule as ``SEED_UNKNOWN_SQL``)."""
     return any(attributes.get(k, "") != "" if v is None else attributes.get(k) == v for k, v in SEED_UNRECORDED)
+
+
+def unknown_seed(attributes: dict[str, str]) -> str:
+    """Why a span's sampling has an unknown seed, in words, or ``''``: it samples (temperature > 0) and its producer
+    never records the seed (``SEED_UNRECORDED``), so it may have been seeded. ``explain`` and ``divergences`` say so
+    where they would otherwise have called it sampling nondeterminism (issue 53)."""
+    if not seed_unknown(attributes) or any(attributes.get(k, "") != "" for k in SEED_KEYS):
+        return ""
+    producer = "SGLang" if attributes.get(SGLANG_MODULE[0]) == SGLANG_MODULE[1] else "the engine"
+    return next((f"{k} {attributes[k]}, and {producer} does not record the seed" for k in TEMPERATURE_KEYS
+                 if _positive(str(attributes.get(k, "")))), "")  # fmt: skip
 
 
 def nondeterminism(attributes: dict[str, str]) -> str:
@@ -553,38 +580,51 @@ def stage_passes(spans):
 
 
 def inherit_ranks(spans) -> int:
-    """Give each span without a rank of its own the rank of its nearest enclosing span among ``spans`` (objects
+    """Give each span the ranks it does not record itself of its nearest enclosing span among ``spans`` (objects
     with ``context.trace_id``, ``context.span_id``, ``parent`` (None or with ``span_id``) and a mutable
-    ``attributes`` dict) that records one, as ``parallel.tp_rank`` (``ENCLOSING_RANKS``); returns how many got one.
+    ``attributes`` dict) that records them, under stagetrace's names (``ENCLOSING_RANKS``: ``tp_rank`` as
+    ``parallel.tp_rank``, ...); returns how many spans got one. A span that records an engine's rank itself (the
+    thread span) is left as it is.
 
     Only spans exported together are seen: SGLang's exporter sends a thread's spans when the request ends on that
     thread, thread span last, so they share an export unless a batch boundary (512 spans by default) falls between.
     """
     by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
-    found: dict[tuple[int, int], str] = {}
+    found: dict[tuple[int, int, str], str] = {}
 
-    def rank(span, depth: int = 0) -> str:
-        key = (span.context.trace_id, span.context.span_id)
+    def rank(span, engine: str, ours: str, depth: int = 0) -> str:
+        key = (span.context.trace_id, span.context.span_id, ours)
         if key not in found:
-            own = span.attributes.get(TP_RANK, "")
-            own = own if own != "" else next((span.attributes[k] for k in ENCLOSING_RANKS if k in span.attributes), "")
+            own = span.attributes.get(ours, "")
+            own = own if own != "" else span.attributes.get(engine, "")
             parent = by_id.get((span.context.trace_id, span.parent.span_id)) if span.parent else None
-            found[key] = str(own) if own != "" else rank(parent, depth + 1) if parent and depth < 64 else ""
+            inherited = rank(parent, engine, ours, depth + 1) if parent and depth < 64 else ""
+            found[key] = str(own) if own != "" else inherited
         return found[key]
 
     given = 0
     for span in spans:
-        if span.attributes.get(TP_RANK, "") == "" and not any(k in span.attributes for k in ENCLOSING_RANKS):
-            inherited = rank(span)
-            if inherited:
-                span.attributes[TP_RANK] = inherited
-                given += 1
+        if any(k in span.attributes for k in ENCLOSING_RANKS):
+            continue
+        inherited = {ours: rank(span, engine, ours) for engine, ours in ENCLOSING_RANKS.items()
+                     if span.attributes.get(ours, "") == ""}  # fmt: skip
+        inherited = {k: v for k, v in inherited.items() if v}
+        span.attributes.update(inherited)
+        given += bool(inherited)
     return given
 
 
+def rank_of(attributes: dict[str, str]) -> str:
+    """The rank of a stage span's key: its TP rank, on a pipeline stage other than 0 with that stage
+    (``1@pp1``). The Python twin of ``RANK_SQL``."""
+    tp, pp = str(attributes.get(TP_RANK, "")), str(attributes.get(PP_RANK, ""))
+    return tp if pp in ("", "0") else f"{tp or 0}@pp{pp}"
+
+
 def rank_order(rank: str) -> tuple:
-    """TP ranks by number (a rank that is no number as 0)."""
-    return (int(rank) if rank.isdigit() else 0, rank)
+    """Ranks by pipeline stage, then TP rank, by number (a rank that is no number as 0)."""
+    tp, _, pp = rank.partition("@pp")
+    return (int(pp) if pp.isdigit() else 0, int(tp) if tp.isdigit() else 0, rank)
 
 
 def combined_output(outputs) -> str:
@@ -634,6 +674,7 @@ ATTRIBUTE_REQUEST_ID_SQL = (
 IS_WEIGHT_SYNC_SQL = f"mapContains(SpanAttributes, {_quote(SYNC_BYTES)})"
 IS_NOT_REQUEST_SQL = (
     f"(SpanName IN ({', '.join(_quote(n) for n in NOT_REQUEST_ROOT_NAMES)}) OR "
+    f"startsWith(SpanAttributes[{_quote(VLLM_CODE_NAMESPACE[0])}], {_quote(VLLM_CODE_NAMESPACE[1])}) OR "
     f"(startsWith(SpanAttributes[{_quote(SGLANG_MODULE[0])}], {_quote(SGLANG_MODULE_PREFIX)}) "
     f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}))"
 )
@@ -661,7 +702,9 @@ HAS_CONTENT_SQL = "arrayExists(k -> k IN ({keys}) OR {prefixes}, mapKeys(SpanAtt
 )
 REQUEST_INPUT_DIGEST_GIVEN_SQL, REQUEST_OUTPUT_DIGEST_GIVEN_SQL, STAGE_INPUT_DIGEST_GIVEN_SQL, \
     STAGE_OUTPUT_DIGEST_GIVEN_SQL = (sources[0].sql() for sources in _SOURCES)  # fmt: skip
-RANK_SQL = f"SpanAttributes[{_quote(TP_RANK)}]"
+RANK_SQL = (f"if(SpanAttributes[{_quote(PP_RANK)}] IN ('', '0'), SpanAttributes[{_quote(TP_RANK)}], "
+            f"concat(if(SpanAttributes[{_quote(TP_RANK)}] = '', '0', SpanAttributes[{_quote(TP_RANK)}]), '@pp', "
+            f"SpanAttributes[{_quote(PP_RANK)}]))")  # fmt: skip
 # Stage attributes as stagetrace keeps them: without content, which stays only where its producer sent it.
 STAGE_ATTRIBUTES_SQL = (
     "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), SpanAttributes)".format(

@@ -376,6 +376,8 @@ def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
     if baseline:
         out.line(f"baseline request {baseline['request_id']} ({baseline_words(baseline)})")
     out.line(Text(report["summary"], style="bold"))
+    if report.get("seed_unknown"):
+        out.line(f"seed unknown: {report['seed_unknown']}; compared as if seeded, not excused as sampling")
     stages = []
     for stage in report.get("stages") or ():
         name = stage["stage"] + (f"[{stage['rank']}]" if stage["rank"] else "")
@@ -415,7 +417,9 @@ def divergence_groups(out: Output, found: dict, since: str) -> None:
                 if found["analysed"] < found["deviating"] else "")
              + (f"; {found['nondeterministic']} sampled without a seed, not compared"
                 + _by_service(found.get("nondeterministic_by_service", {}))
-                if found.get("nondeterministic") else ""))  # fmt: skip
+                if found.get("nondeterministic") else "")
+             + (f"; {found['seed_unknown']} with the seed unknown (their engine does not record it), compared as "
+                "if seeded" if found.get("seed_unknown") else ""))  # fmt: skip
     for rollout in found.get("rollouts", ()):
         out.line(f"rollout: {rollout['summary']}")
     # every deviating request, analysed in full or not: a cause of those not analysed is the setting the contrast
@@ -442,6 +446,8 @@ def divergence_groups(out: Output, found: dict, since: str) -> None:
                Column("device", keep=True), Column("top cause", keep=True), Column("value vs baseline"),
                Column("input"), Column("majority")]  # fmt: skip
     out.table("deviating requests", columns, rows)
+    for item in (i for group in found["groups"] for i in group["deviating"] if i.get("seed_unknown")):
+        out.line(f"seed unknown: {item['request_id']}: {item['seed_unknown']}")
 
 
 # --- demo ---------------------------------------------------------------------------------------------------

@@ -25,8 +25,10 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # 12: the request's model (stagetrace_requests.Model, conventions.MODEL_SQL), part of its peer key (issue 51), and
 # the parts a merge replaced kept 120 s on an embedded store (its durable settings: issue 50);
 # 13: engines' roots that are no request (start-up, loading, SGLang's KV sender) not listed as requests, an
-# engine's unrecorded seed unknown, not absent, and SGLang's KV transfer the cache stage (issue 53)
-SCHEMA_VERSION = 13
+# engine's unrecorded seed unknown, not absent, and SGLang's KV transfer the cache stage (issue 53);
+# 14: vLLM's start-up roots known by their code.namespace, a request's model read from its resource where its
+# span names none (vLLM's llm_request), and a stage's rank on a pipeline stage other than 0 named with it (issue 53)
+SCHEMA_VERSION = 14
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -425,6 +427,8 @@ REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetra
             6: ("stagetrace_requests_mv",),
             12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv"),
             13: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
+                 "stagetrace_stages_content_mv"),
+            14: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
                  "stagetrace_stages_content_mv")}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}

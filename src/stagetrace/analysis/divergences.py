@@ -21,7 +21,8 @@ from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, rollouts
 from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measurement, ranked
 from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
-                                         first_divergence, ranks_of, setting_keys, stage_differences, summary)
+                                         first_divergence, ranks_of, setting_keys, stage_differences, summary,
+                                         unknown_seed)
 from stagetrace.analysis.hardware import Samples, devices
 from stagetrace.analysis.tenants import Tenancy, gpus_of
 from stagetrace.store import Store
@@ -189,6 +190,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
             "baseline_request_id": baseline.request_id, "start": lookup.iso_ns(d.start_ns), "host": d.host,
             "device": device,
             "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
+            "seed_unknown": unknown_seed(traces.get(d.trace_id)) or None,
         })  # fmt: skip
         rows.append((
             detected, d.request_id, d.trace_id, d.start_ns, service, d.host, d.input_digest, baseline.request_id,
@@ -213,6 +215,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "analysed": len(rows),
         "nondeterministic": sum(unseeded.values()),
         "nondeterministic_by_service": unseeded,
+        # deviating requests that sample with a seed their engine does not record: compared, and said
+        "seed_unknown": sum(1 for g in groups.values() for item in g["deviating"] if item["seed_unknown"]),
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
         "tally": tally(remaining, by_request, set(tops)),
         "tally_covers": "all" if tally_all else "analysed",

@@ -161,6 +161,12 @@ def nondeterminism(trace: lookup.Trace) -> str:
     return next((r for r in (conventions.nondeterminism(s.attributes) for s in trace.spans) if r), "")
 
 
+def unknown_seed(trace: lookup.Trace | None) -> str:
+    """Why the request samples with a seed nobody recorded (an engine that never exports it), or ``''``: compared as
+    if seeded, and said, never excused as sampling (``conventions.unknown_seed``)."""
+    return next((r for r in (conventions.unknown_seed(s.attributes) for s in trace.spans) if r), "") if trace else ""
+
+
 def contrast_window(store: Store, lo_ns: int, hi_ns: int, half_ns: int = CONTRAST_WINDOW_NS) -> tuple[int, int]:
     """The requests whose divergences weigh attribute differences: ``half_ns`` either side of [lo, hi], narrowed
     when more than ``CONTRAST_REQUESTS`` started in it (busy hours: the nearest weigh as well, and it stays fast)."""
@@ -302,7 +308,8 @@ class Explainer:
         reason = nondeterminism(trace)
         report = {"request_id": request_id, "trace_id": trace.trace_id, "input_digest": trace.input_digest,
                   "output_digest": trace.output_digest, "nondeterministic": bool(reason),
-                  "nondeterminism": reason or None, "expected": False, "rollouts": [], "divergent_ranks": []}  # fmt: skip
+                  "nondeterminism": reason or None, "seed_unknown": unknown_seed(trace) or None, "expected": False,
+                  "rollouts": [], "divergent_ranks": []}  # fmt: skip
         if against is not None:
             try:
                 other = lookup.by_request_id(self.store, against)
