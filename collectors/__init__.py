@@ -2,7 +2,7 @@
 
 Each collector declares the settings it reads (``Collector.settings``); :func:`add_arguments` makes their
 flags and :meth:`Options.from_args` their values (flag, else environment variable, else default), so a new
-collector touches neither the command line nor a shared list of options.
+collector touches neither the command line nor a shared list of options (the machinery is ``stagetrace.settings``).
 """
 
 from __future__ import annotations

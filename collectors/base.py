@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from stagetrace.environment_variables import STAGETRACE_HOST, STAGETRACE_SYSFS
 # the metric model and settings live in the core; collectors (and the tests that write collectors) import them here
 from stagetrace.metrics import COUNTER, GAUGE, INFO, MetricSpec, Samples  # noqa: F401
+from stagetrace import settings
 from stagetrace.settings import Setting  # noqa: F401
 
 if TYPE_CHECKING:
@@ -47,36 +47,17 @@ def comma_list(text: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
-class Options:
+class Options(settings.Options):
     """The value of every setting of every registered collector: ``Options(sysfs=..., host=...)``.
 
-    A keyword sets a value as it is given; an omitted setting takes its environment variable, else its
-    default. The settings are those collectors declare (:attr:`Collector.settings`), so the built-in
-    collectors' modules are imported first. An unknown keyword raises TypeError, as a dataclass would.
+    The settings are the shared ones and those collectors declare (:attr:`Collector.settings`), so the built-in
+    collectors' modules are imported first; the rest (keywords, variables, defaults, ``from_args``) is
+    ``stagetrace.settings.Options``.
     """
 
-    def __init__(self, **values):
-        settings = all_settings()
-        unknown = sorted(values.keys() - {s.name for s in settings})
-        if unknown:
-            raise TypeError(f"Options() got an unexpected keyword argument {', '.join(map(repr, unknown))}")
-        for setting in settings:
-            setattr(self, setting.name, values[setting.name] if setting.name in values else setting.value())
-
     @classmethod
-    def from_args(cls, args, environ: Mapping[str, str] = os.environ) -> Options:
-        """The options of a command line parsed with :func:`add_arguments`' flags: each flag, else its variable,
-        else the default. Raises ValueError, naming the flag or the variable, for text a setting refuses."""
-        flags = {s.name: getattr(args, s.name, None) for s in all_settings() if s.flag}
-        return cls(**{s.name: s.value(flags.get(s.name), environ) for s in all_settings()})
-
-    def __repr__(self) -> str:
-        return f"Options({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
-
-    def __eq__(self, other) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
+    def _settings(cls) -> tuple[Setting, ...]:
+        return all_settings()
 
 
 # A setting several collectors read lives here; one only a collector reads lives in its module.
@@ -102,12 +83,8 @@ def all_settings() -> tuple[Setting, ...]:
 
 
 def add_arguments(group) -> None:
-    """Add a flag for every setting that has one to an argparse parser or group; its value stays text until
-    :meth:`Options.from_args` parses it, so a refused value is one line naming the flag, not argparse's usage."""
-    for setting in all_settings():
-        if setting.flag:
-            group.add_argument(setting.flag, dest=setting.name, metavar=setting.metavar, default=None,
-                               help=setting.help_text())  # fmt: skip
+    """A flag for every collector setting that has one (``stagetrace.settings.add_arguments``)."""
+    settings.add_arguments(group, all_settings())
 
 
 class Collector:

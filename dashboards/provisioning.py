@@ -20,18 +20,20 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from stagetrace import config, through_agent, web_config
+from stagetrace import config, through_agent
+from stagetrace.environment_variables import (
+    STAGETRACE_CA_FILE,
+    STAGETRACE_CLICKHOUSE_HOST,
+    STAGETRACE_CLICKHOUSE_PASSWORD,
+    STAGETRACE_CLICKHOUSE_PASSWORD_FILE,
+    STAGETRACE_CLICKHOUSE_PORT,
+    STAGETRACE_CLICKHOUSE_PROTOCOL,
+    STAGETRACE_CLICKHOUSE_USER,
+)
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import alert_rules, build_all, render
 from stagetrace.store import StoreError, parse_dsn
 
-ENV_HOST = "STAGETRACE_CLICKHOUSE_HOST"
-ENV_PORT = "STAGETRACE_CLICKHOUSE_PORT"
-ENV_PROTOCOL = "STAGETRACE_CLICKHOUSE_PROTOCOL"
-ENV_USER = "STAGETRACE_CLICKHOUSE_USER"
-ENV_PASSWORD = "STAGETRACE_CLICKHOUSE_PASSWORD"
-ENV_PASSWORD_FILE = "STAGETRACE_CLICKHOUSE_PASSWORD_FILE"
-ENV_CA_FILE = web_config.ENV_CA_FILE  # one variable for every client of an agent or server with its own CA
 DEFAULT_PROVISIONING_PATH = "/etc/grafana/provisioning"
 PROVIDER_NAME = "stagetrace"
 ORG_ID = 1
@@ -99,32 +101,33 @@ def settings_from(
     except StoreError as exc:
         raise ProvisionError(str(exc)) from None
     server = None if location.embedded else location
-    host = host or os.environ.get(ENV_HOST) or (server.host if server else None)
+    host = host or os.environ.get(STAGETRACE_CLICKHOUSE_HOST) or (server.host if server else None)
     note, needed = "", True
     if not host:
         if not location.path:
             raise ProvisionError(
                 "an in-memory store cannot be shared with Grafana: give --store chdb:///path (served by `stagetrace "
-                f"agent`), a server store with --store http(s)://host:8123/db, or --clickhouse-host (or {ENV_HOST})"
+                "agent`), a server store with --store http(s)://host:8123/db, or --clickhouse-host (or "
+                f"{STAGETRACE_CLICKHOUSE_HOST})"
             )
         host, port, note, agent_tls, needed = _through_agent(location, port)
         secure = agent_tls if secure is None else secure
-    protocol = protocol or os.environ.get(ENV_PROTOCOL) or "http"
+    protocol = protocol or os.environ.get(STAGETRACE_CLICKHOUSE_PROTOCOL) or "http"
     if protocol not in PROTOCOLS:
         raise ProvisionError(f"ClickHouse protocol {protocol!r}: use native or http")
     if secure is None:
         secure = bool(server and server.scheme == "https")
     if port is None:
-        port = _port(os.environ.get(ENV_PORT)) or (
+        port = _port(os.environ.get(STAGETRACE_CLICKHOUSE_PORT)) or (
             server.port if server and protocol == "http" else DEFAULT_PORTS[(protocol, secure)]
         )
-    user = user or os.environ.get(ENV_USER) or (server.username if server else "default")
+    user = user or os.environ.get(STAGETRACE_CLICKHOUSE_USER) or (server.username if server else "default")
     password = _password()
     if password is None:  # the store's own credentials when Grafana connects as the same user
         password = server.password if server and server.username == user else ""
-    ca_file = os.environ.get(ENV_CA_FILE, "") if secure else ""
+    ca_file = os.environ.get(STAGETRACE_CA_FILE, "") if secure else ""
     if ca_file and not Path(ca_file).is_file():
-        raise ProvisionError(f"{ENV_CA_FILE}={ca_file} is not a file: name the CA that signed the server's certificate")
+        raise ProvisionError(f"{STAGETRACE_CA_FILE}={ca_file} is not a file: name the CA that signed the server's certificate")
     return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password, note,
                               ca_file, needed or bool(password))  # fmt: skip
 
@@ -138,7 +141,7 @@ def _through_agent(location, port: int | None) -> tuple[str, int, str, bool, boo
     host, port = url.hostname or "127.0.0.1", port or url.port or 8123
     state = (f"the agent (pid {record.get('pid')}) serves it at {host}:{port}" if record else
              f"start `stagetrace agent --store chdb://{location.path}`, which serves it at {host}:{port}")  # fmt: skip
-    token = (f"; the agent needs its token: give Grafana it as {ENV_PASSWORD}" if record and record.get("token") else "")
+    token = (f"; the agent needs its token: give Grafana it as {STAGETRACE_CLICKHOUSE_PASSWORD}" if record and record.get("token") else "")
     reach = ("run Grafana on this host's network (docker run --network host ...)" if host in ("127.0.0.1", "::1", "localhost")
              else f"Grafana must reach {host}:{port}")  # fmt: skip
     note = f"the store is embedded: Grafana reads it through the agent's query endpoint; {state}; {reach}{token}"
@@ -149,18 +152,18 @@ def _port(text: str | None) -> int | None:
     if not text:
         return None
     if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ProvisionError(f"{ENV_PORT}={text!r} is not a port number")
+        raise ProvisionError(f"{STAGETRACE_CLICKHOUSE_PORT}={text!r} is not a port number")
     return int(text)
 
 
 def _password() -> str | None:
-    path = os.environ.get(ENV_PASSWORD_FILE)
+    path = os.environ.get(STAGETRACE_CLICKHOUSE_PASSWORD_FILE)
     if path:
         try:
             return Path(path).read_text().strip()
         except OSError as exc:
-            raise ProvisionError(f"cannot read the file {ENV_PASSWORD_FILE} names: {exc.strerror}") from None
-    return os.environ.get(ENV_PASSWORD)
+            raise ProvisionError(f"cannot read the file {STAGETRACE_CLICKHOUSE_PASSWORD_FILE} names: {exc.strerror}") from None
+    return os.environ.get(STAGETRACE_CLICKHOUSE_PASSWORD)
 
 
 def datasource(settings: ClickHouseSettings) -> dict:
@@ -176,7 +179,7 @@ def datasource(settings: ClickHouseSettings) -> dict:
 
 
 def datasources_file(settings: ClickHouseSettings) -> dict:
-    secrets = {"password": f"${{{ENV_PASSWORD}}}"}
+    secrets = {"password": f"${{{STAGETRACE_CLICKHOUSE_PASSWORD}}}"}
     if settings.ca_file:  # Grafana reads the file when it provisions: the CA's text is not copied here
         secrets["tlsCACert"] = f"$__file{{{settings.ca_file}}}"
     entry = {**datasource(settings), "orgId": ORG_ID, "editable": False, "secureJsonData": secrets}

@@ -20,8 +20,9 @@ then be given. False means neither (no spool, or the disk refused it): the calle
   A group sealed by an earlier process may be stored already with the engine's memory of its token lost (its
   deduplication log is not fsynced with the part): only the rows the table lacks are inserted
   (``exporters.restore.missing``).
-  ``exporters.records.RECORD_KINDS`` names, for each kind of record, the function that turns one into rows; any writer
-  replays any record, so what a killed agent wrote ahead is stored by whichever process writes next.
+  The writer of a kind hands its ``exporters.records.RecordKind`` (its name and the function that turns a record into
+  rows); the replay decodes through the kinds' registry, so any writer replays any record and what a killed agent
+  wrote ahead is stored by whichever process writes next.
 * **A store held by the agent** (shared read-only through its query endpoint) takes no inserts: batches go
   into the spool's inbox, fsynced, and the agent's replay thread adopts and stores them within seconds.
 * **Rows the store can never take** (the client cannot serialise them, or the engine rejects their values)
@@ -45,7 +46,7 @@ from clickhouse_connect.driver.exceptions import DataError
 from stagetrace.exporters import restore, spool
 from stagetrace.exporters.diskspace import Headroom
 from stagetrace.exporters.inserts import insert_rows
-from stagetrace.exporters.records import record_tables
+from stagetrace.exporters.records import RecordKind, decoder
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
@@ -231,8 +232,8 @@ class DurableWriter:
             return True
         return self.spool is not None and self._spool(table, columns, rows, token)
 
-    def write_ahead(self, kind: str, payload: bytes, rows: int, token: str) -> bool:
-        """Store one request of ``kind`` (see ``RECORD_KINDS``) durably; True once it is a fsynced record (or it
+    def write_ahead(self, kind: RecordKind, payload: bytes, rows: int, token: str) -> bool:
+        """Store one request of ``kind`` (``exporters.records``) durably; True once it is a fsynced record (or it
         was already: a sender's retry), or, without a spool or with the store held by the agent, once its rows
         are written as ``write`` writes them. False: refused (the caller answers "retry later"); NoRoom: refused
         because free space is below the reserve."""
@@ -240,10 +241,10 @@ class DurableWriter:
             raise NoRoom(self.headroom.reason())
         if self.spool is None or self.handoff:
             return all(self.write(table, columns, table_rows, token)
-                       for table, (columns, table_rows) in record_tables(kind)(payload).items())  # fmt: skip
+                       for table, (columns, table_rows) in kind.decode(payload).items())  # fmt: skip
         if self.spool.known(token):
             return True
-        if self.spool.put_record(kind, payload, rows, token) is None:
+        if self.spool.put_record(kind.name, payload, rows, token) is None:
             return False
         with self._cond:
             self._cond.notify_all()
@@ -350,7 +351,7 @@ class DurableWriter:
             if payload is None:
                 continue
             try:
-                decoded = record_tables(segment.table)(payload)
+                decoded = decoder(segment.table)(payload)
             except Exception as exc:  # a record that does not decode (or of an unknown kind) cannot ever be stored
                 self.spool.unreadable(segment, exc)
                 continue

@@ -61,6 +61,7 @@ from stagetrace.exporters.clickhouse import (
     span_row,
 )
 from stagetrace.exporters.durable import DurableWriter, NoRoom
+from stagetrace.exporters.records import RecordKind, register
 from stagetrace.exporters.spool import new_token
 from stagetrace.store import Store
 
@@ -255,14 +256,14 @@ def span_counts(request: ExportTraceServiceRequest) -> tuple[int, int]:
 
 
 def trace_tables(payload: bytes) -> dict[str, tuple]:
-    """A write-ahead record of an ``ExportTraceServiceRequest`` as rows (``records.RECORD_KINDS``)."""
+    """A write-ahead record of an ``ExportTraceServiceRequest`` as rows (``records``)."""
     views, _ = span_views(ExportTraceServiceRequest.FromString(payload))
     resources = _Resources()
     return {"otel_traces": (COLUMNS, [span_row(view, resources) for view in views])}
 
 
 def metric_tables(payload: bytes) -> dict[str, tuple]:
-    """A write-ahead record of an ``ExportMetricsServiceRequest`` as rows (``records.RECORD_KINDS``)."""
+    """A write-ahead record of an ``ExportMetricsServiceRequest`` as rows (``records``)."""
     tables = metric_rows(ExportMetricsServiceRequest.FromString(payload))
     return {GAUGE_TABLE: (GAUGE_COLUMNS, tables[GAUGE_TABLE]), SUM_TABLE: (OTLP_SUM_COLUMNS, tables[SUM_TABLE])}
 
@@ -362,8 +363,14 @@ def log_counts(request: ExportLogsServiceRequest) -> int:
 
 
 def log_tables(payload: bytes) -> dict[str, tuple]:
-    """A write-ahead record of an ``ExportLogsServiceRequest`` as rows (``records.RECORD_KINDS``)."""
+    """A write-ahead record of an ``ExportLogsServiceRequest`` as rows (``records``)."""
     return {LOGS_TABLE: (LOG_COLUMNS, log_rows(ExportLogsServiceRequest.FromString(payload)))}
+
+
+# the kinds of write-ahead record the receivers write, each with the function that makes its rows
+TRACES = register("otlp_traces", trace_tables)
+METRICS = register("otlp_metrics", metric_tables)
+LOGS = register("otlp_logs", log_tables)
 
 
 # --- the receiver -----------------------------------------------------------------------------------------
@@ -431,7 +438,7 @@ class OtlpReceiver:
             raise OtlpError(413, f"{valid} spans in one request are more than the receiver takes "
                                  f"({self.max_spans}): send smaller batches")  # fmt: skip
         if valid:
-            self._write_ahead("otlp_traces", request, body, valid, token)
+            self._write_ahead(TRACES, request, body, valid, token)
         response = ExportTraceServiceResponse()
         if rejected:
             response.partial_success.rejected_spans = rejected
@@ -446,7 +453,7 @@ class OtlpReceiver:
                 body: bytes | None = None) -> ExportMetricsServiceResponse:  # fmt: skip
         points, rejected, why = metric_counts(request)
         if points:
-            self._write_ahead("otlp_metrics", request, body, points, token)
+            self._write_ahead(METRICS, request, body, points, token)
         response = ExportMetricsServiceResponse()
         if rejected:
             response.partial_success.rejected_data_points = rejected
@@ -466,10 +473,10 @@ class OtlpReceiver:
             raise OtlpError(413, f"{records} log records in one request are more than the receiver takes "
                                  f"({self.max_spans}): send smaller batches")  # fmt: skip
         if records:
-            self._write_ahead("otlp_logs", request, body, records, token)
+            self._write_ahead(LOGS, request, body, records, token)
         return ExportLogsServiceResponse()
 
-    def _write_ahead(self, kind: str, request, body: bytes | None, rows: int, token: str | None) -> None:
+    def _write_ahead(self, kind: RecordKind, request, body: bytes | None, rows: int, token: str | None) -> None:
         payload = body if body is not None else request.SerializeToString()
         try:
             written = self.writer.write_ahead(kind, payload, rows, token or new_token())

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from stagetrace.exporters import spool
 from stagetrace.exporters.inserts import insert_rows
-from stagetrace.exporters.records import record_tables
+from stagetrace.exporters.records import decoder
 from stagetrace.schema import DURABLE_SETTINGS
 from stagetrace.store import Store
 
@@ -38,7 +38,7 @@ logger = logging.getLogger("stagetrace.agent")
 
 # table -> (its time column, the columns that identify a row)
 KEYS = {"otel_traces": ("Timestamp", ("TraceId", "SpanId"))}
-# table -> the kind of kept record whose rows go into it (``records.RECORD_KINDS``)
+# table -> the kind of kept record whose rows go into it (``exporters.records``)
 SOURCES = {"otel_traces": "otlp_traces"}
 # tables the views fill from otel_traces -> (their time column, the columns that identify a row); None: a table
 # whose rows a second insert leaves as they are (the trace index keeps each trace's min and max)
@@ -304,7 +304,7 @@ class Restorer:
         time_column = KEYS[table][0]
         for segment in kept:
             try:
-                decoded = record_tables(segment.table)(segment.path.read_bytes())
+                decoded = decoder(segment.table)(segment.path.read_bytes())
             except Exception:  # a kept record that no longer reads restores nothing: the count below says so
                 continue
             if table not in decoded:

@@ -136,3 +136,30 @@ def test_options_reads_the_environment_for_what_a_keyword_does_not_set(monkeypat
     assert (options.sysfs, options.host, options.nvml_fixture) == (Path("/from-env"), "env-host", Path("/n"))
     options.sysfs = Path("/else")  # attributes stay writable, as on the dataclass this replaced
     assert options.sysfs == Path("/else") and options != Options(nvml_fixture=Path("/n"))
+
+
+def test_options_of_any_set_of_settings_are_generic_configuration():
+    """``stagetrace.settings.Options`` is not the collectors': any set of settings gets keywords, variables,
+    defaults and flags the same way (the collectors' Options is the one whose settings the registry declares)."""
+    import argparse
+
+    from stagetrace import settings
+
+    every = settings.Setting("every_s", settings.parse_duration, "1m", env="EXAMPLE_EVERY", flag="--every")
+    limit = settings.Setting("limit", int, 10, env="EXAMPLE_LIMIT")
+
+    class Loop(settings.Options):
+        @classmethod
+        def _settings(cls):
+            return (every, limit)
+
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, Loop._settings())
+    assert [a.option_strings for a in parser._actions[1:]] == [["--every"]]  # a setting without a flag gets none
+    chosen = Loop.from_args(parser.parse_args(["--every", "5s"]), {"EXAMPLE_EVERY": "2m", "EXAMPLE_LIMIT": "3"})
+    assert (chosen.every_s, chosen.limit) == (5.0, 3)
+    assert Loop(limit=4) == Loop(limit=4) != Loop(limit=5)
+    with pytest.raises(ValueError, match=r"^EXAMPLE_EVERY: 'soon' is not a positive duration"):
+        Loop.from_args(parser.parse_args([]), {"EXAMPLE_EVERY": "soon"})
+    with pytest.raises(TypeError, match="Loop.. got an unexpected keyword argument 'sysfs'"):
+        Loop(sysfs="/sys")

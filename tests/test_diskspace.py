@@ -25,7 +25,7 @@ from stagetrace.exporters import diskspace, spool
 from stagetrace.exporters.clickhouse import METRIC_COLUMNS
 from stagetrace.exporters.diskspace import Headroom, Reserve, parse_reserve, reserve_setting
 from stagetrace.exporters.durable import DurableWriter, NoRoom
-from stagetrace.exporters.otlp import OtlpReceiver
+from stagetrace.exporters.otlp import TRACES, OtlpReceiver
 from stagetrace.exporters.otlp_grpc import OtlpGrpcServer
 
 GIB = 1 << 30
@@ -99,7 +99,7 @@ def test_without_room_the_writer_refuses_requests_keeps_batches_out_of_the_spool
     writer = DurableWriter(store, "metrics", headroom=headroom)
     try:
         with pytest.raises(NoRoom, match="disk is full"):
-            writer.write_ahead("otlp_traces", trace_request(0), 3, spool.new_token())
+            writer.write_ahead(TRACES, trace_request(0), 3, spool.new_token())
         # a batch: the engine's own guard (half the reserve) refuses the insert, and the spool is not written
         assert headroom.engine_guard() == headroom.reserve.size // 2
         assert writer.write("otel_metrics_gauge", METRIC_COLUMNS, gauge_rows(10)) is False
@@ -111,7 +111,7 @@ def test_without_room_the_writer_refuses_requests_keeps_batches_out_of_the_spool
         time.sleep(0.06)
         assert writer.write("otel_metrics_gauge", METRIC_COLUMNS, gauge_rows(10))
         assert stored_gpus(store) == list(range(10))
-        assert writer.write_ahead("otlp_traces", trace_request(1), 3, spool.new_token())
+        assert writer.write_ahead(TRACES, trace_request(1), 3, spool.new_token())
     finally:
         writer.close()
 

@@ -10,6 +10,7 @@ import logging
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import METRIC_COLUMNS
 from stagetrace.exporters.durable import DurableWriter
+from stagetrace.exporters.otlp import TRACES
 
 T0 = 1_700_000_000_000_000_000
 
@@ -102,7 +103,7 @@ def test_requests_written_ahead_in_an_outage_are_stored_each_once_in_few_inserts
     try:
         store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.traces_away")
         for n in range(40):
-            assert writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token())  # fsynced: acknowledge
+            assert writer.write_ahead(TRACES, trace_request(n), 3, spool.new_token())  # fsynced: acknowledge
         assert writer.spooled_rows() == 120
         store.client.command("RENAME TABLE stagetrace.traces_away TO stagetrace.otel_traces")
         assert writer.flush()
@@ -120,7 +121,7 @@ def test_a_backlog_is_stored_in_inserts_of_whole_requests_of_up_to_the_group_s_r
     store.client.command("SYSTEM STOP MERGES stagetrace.otel_traces")
     backlog = spool.open_spool(store.location, "spans")
     for n in range(10):
-        assert backlog.put_record("otlp_traces", trace_request(n, spans=5), 5, spool.new_token())
+        assert backlog.put_record(TRACES.name, trace_request(n, spans=5), 5, spool.new_token())
     backlog.close()
     writer = DurableWriter(store, "spans", group_rows=20)
     try:
@@ -136,15 +137,15 @@ def test_a_group_stored_just_before_a_crash_adds_nothing_when_the_next_writer_re
     """A crash between a group's insert and the removal of its records (part of them removed): the next
     writer finds the rest still sealed into the group and inserts them under the group's token again."""
     from stagetrace.exporters.durable import MAX_GROUP_ROWS
-    from stagetrace.exporters.records import record_tables
+    from stagetrace.exporters.records import decoder
 
     crashed = spool.open_spool(store.location, "spans")
     for n in range(5):
-        assert crashed.put_record("otlp_traces", trace_request(n), 3, spool.new_token())
+        assert crashed.put_record(TRACES.name, trace_request(n), 3, spool.new_token())
     group, members = crashed.head_group(MAX_GROUP_ROWS)
     assert len(members) == 5
-    rows = [row for m in members for row in record_tables(m.table)(crashed.read_record(m))["otel_traces"][1]]
-    columns = record_tables("otlp_traces")(crashed.read_record(members[0]))["otel_traces"][0]
+    rows = [row for m in members for row in decoder(m.table)(crashed.read_record(m))["otel_traces"][1]]
+    columns = TRACES.decode(crashed.read_record(members[0]))["otel_traces"][0]
     assert DurableWriter(store, "spans", spool_dir=False).insert("otel_traces", columns, rows, group)
     crashed.remove(members[0])  # the crash, midway through removing the group's records
     crashed.close()
@@ -162,12 +163,12 @@ def test_a_full_spool_refuses_new_requests_and_drops_none_it_acknowledged(store,
     writer = DurableWriter(store, "spans", spool_max_bytes=len(body) * 3 + 10)
     store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.traces_away")
     try:
-        answers = [writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token()) for n in range(50)]
+        answers = [writer.write_ahead(TRACES, trace_request(n), 3, spool.new_token()) for n in range(50)]
         assert answers == [True] * 3 + [False] * 47  # refused: the sender keeps them and retries
         assert writer.dropped_rows == 0
         store.client.command("RENAME TABLE stagetrace.traces_away TO stagetrace.otel_traces")
         assert writer.flush() and stored_spans(store) == 9
-        assert writer.write_ahead("otlp_traces", trace_request(3), 3, spool.new_token())  # room again
+        assert writer.write_ahead(TRACES, trace_request(3), 3, spool.new_token())  # room again
     finally:
         writer.close()
     # the spell in two lines, not a line per refused request
@@ -187,7 +188,7 @@ def test_a_running_writer_adopts_what_a_writer_that_is_gone_wrote_ahead(store):
         gone = spool.open_spool(store.location, "spans")  # the next free slot, beside the running writer's
         assert gone.directory != running.spool.directory
         for n in range(4):
-            assert gone.put_record("otlp_traces", trace_request(n), 3, spool.new_token())
+            assert gone.put_record(TRACES.name, trace_request(n), 3, spool.new_token())
         gone.close()  # its slot is free now, its records left in it
         deadline = time.monotonic() + 3 * ADOPT_EVERY_S
         while stored_spans(store) < 12 and time.monotonic() < deadline:
@@ -221,7 +222,7 @@ def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_a
             writer = DurableWriter(store.another(), "spans", spool_dir=tmp_path / "spool")
             try:
                 for n in range(10):
-                    assert writer.write_ahead("otlp_traces", trace_request(n), 3, spool.new_token())
+                    assert writer.write_ahead(TRACES, trace_request(n), 3, spool.new_token())
                 assert not writer.flush(timeout_s=1.0)  # the server refuses: they stay
                 deadline = time.monotonic() + 10
                 while not any("NOT_ENOUGH_SPACE" in m for m in caplog.messages) and time.monotonic() < deadline:

@@ -20,6 +20,7 @@ import threading
 import time
 
 from stagetrace import httpd, hub
+from stagetrace.agent_config import AgentConfig
 from stagetrace.collectors.base import Node
 from stagetrace.environment_variables import STAGETRACE_AGENT_TOKEN
 from stagetrace.exporters import diskspace, spool
@@ -144,48 +145,38 @@ def _exposed(listen: str, what: str, token: str | None) -> None:
                        "(set one with --token-file or %s)", what, listen, STAGETRACE_AGENT_TOKEN)  # fmt: skip
 
 
-def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: threading.Event | None = None,
-        otlp: str | None = None, query_listen: str | None = None, token: str | None = None,
-        otlp_grpc: str | None = None, query_limits: hub.QueryLimits | None = None,
-        low_priority: bool | None = None, insert_every_s: float = 10.0, analysis=None,
-        analysis_by_default: bool = True, open_query: bool = False, web=None,
-        min_free_space: diskspace.Reserve | None = None, otlp_logs: bool = True,
-        agent_logs: bool = False) -> int:  # fmt: skip
-    """Serve and write until ``stop`` is set or SIGTERM/SIGINT arrives; returns the exit status (0).
+def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) -> int:
+    """Serve and write as ``config`` says (``agent_config``) until ``stop`` is set or SIGTERM/SIGINT arrives;
+    returns the exit status (0).
 
-    ``otlp``, ``otlp_grpc`` and ``query_listen`` are the addresses of the OTLP/HTTP and OTLP/gRPC receivers and
-    of the query endpoint (None: off); ``token``, when given, is required by all three; ``query_limits`` bound
-    each query of the endpoint. ``low_priority`` (None: for an embedded store) lowers the agent's CPU and I/O
-    priority, its engine threads' included. Samples are inserted at most every ``insert_every_s`` (at least
-    every interval), so a short interval costs scrapes, not engine inserts. ``analysis`` is the live analyser's
-    ``live.Schedule`` (None: the defaults), which runs with an embedded store; with a server store (whose analyser
-    is ``stagetrace analyse``, one per store) only when asked for (``analysis_by_default`` False).
-    ``min_free_space``: the reserve kept free on the store's and the spool's filesystems (``exporters.diskspace``;
-    None: the default), below which writes are refused. The store is checked for parts the engine detached as
-    broken at start and every minute (``store_health``). ``agent_logs``: the agent's own log lines into
-    ``otel_logs`` as well (``exporters.agent_logs``).
+    Samples are inserted at most every ``config.insert_every_s`` (at least every interval), so a short interval
+    costs scrapes, not engine inserts. The store is checked for parts the engine detached as broken at start and
+    every minute (``store_health``); ``config.agent_logs``: the agent's own log lines go into ``otel_logs`` as well
+    (``exporters.agent_logs``).
     """
-    busy = _busy([(listen, "--listen"), (otlp, "--otlp"), (otlp_grpc, "--otlp-grpc"), (query_listen, "--query-listen")])
+    busy = _busy(config.listeners())
     if len(busy) > 1:  # one alone gets the message of the listener that fails, below
         raise AgentError(f"cannot listen on {', '.join(busy)}: choose other addresses with those options "
                          "(or none for the receivers and the query endpoint)")  # fmt: skip
+    listen, otlp, otlp_grpc, query_listen = (config.listen, config.otlp, config.otlp_grpc, config.query_listen)
+    token, web, interval_s = config.token, config.web, config.interval_s
     stop = stop or threading.Event()
     shared = SerializedNode(node)
-    embedded = parse_dsn(store).embedded
-    low = embedded if low_priority is None else low_priority
+    embedded = parse_dsn(config.store).embedded
+    low = embedded if config.low_priority is None else config.low_priority
     lowered = lower_priority() if low else []
     with contextlib.ExitStack() as cleanup:  # undone in reverse: signals, listeners, writers (flush), store, node
         cleanup.callback(node.close)
         without_dataframe_checks()
         # Never through another agent's query endpoint: this agent must hold the store it writes.
-        opened = open_store(store, agent_fallback=False, engine=AGENT_ENGINE)
+        opened = open_store(config.store, agent_fallback=False, engine=AGENT_ENGINE)
         cleanup.callback(opened.close)
         location = opened.location
-        reserve = diskspace.DEFAULT if min_free_space is None else min_free_space
+        reserve = config.reserve
         spool_base = spool.directory_setting(location)
         headroom = diskspace.Headroom({"store": location.path if location.embedded else None, "spool": spool_base},
                                       reserve)  # fmt: skip
-        if agent_logs:
+        if config.agent_logs:
             own = StoreLogHandler(opened, node.host, headroom=headroom)
             cleanup.callback(own.close)  # after it is removed: what it holds is written
             logging.getLogger("stagetrace").addHandler(own)
@@ -208,7 +199,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             cleanup.callback(_guard_thread(guard, guarding).join, 30)
             cleanup.callback(guarding.set)
         writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False, headroom=headroom,
-                                        insert_every_s=max(insert_every_s, interval_s))  # fmt: skip
+                                        insert_every_s=max(config.insert_every_s, interval_s))  # fmt: skip
         cleanup.callback(writer.close)
         server = _bind(lambda: serve(shared, listen, web=web), listen, "--listen")
         cleanup.callback(server.close)
@@ -216,7 +207,7 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
         if otlp or otlp_grpc:
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom, logs=otlp_logs,
+            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom, logs=config.otlp_logs,
                                                   part_guard=guard),
                              otlp or "",
                              "--otlp", " for OTLP")  # fmt: skip
@@ -237,23 +228,20 @@ def run(node: Node, *, listen: str, interval_s: float, store: str | None, stop: 
             # who reaches it must show something: a token, a basic-auth user, or a certificate the CA signed
             verified = web is not None and bool(web.users or (web.tls and web.tls.client_auth == "RequireAndVerifyClientCert"))
             exposed = not httpd.is_loopback(parse_listen(query_listen)[0])
-            if token is None and not verified and not open_query and exposed:
+            if token is None and not verified and not config.query_open and exposed:
                 raise AgentError(f"the query endpoint would read the store for anyone who can reach {query_listen}: "
                                  "give it a token (--token-file) or require client certificates (--web-config-file), "
                                  "keep it on loopback, or accept that with --query-open")  # fmt: skip
             _exposed(query_listen, "the query endpoint", token)
             endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, database=location.database,
-                                                            token=token, limits=query_limits, web=web),
+                                                            token=token, limits=config.query_limits, web=web),
                              query_listen,
                              "--query-listen", " for queries")  # fmt: skip
             cleanup.callback(endpoint.close)
             endpoints["query"] = endpoint.url
             cleanup.callback(hub.withdraw, hub.advertise(location.path, **endpoints))
-        if analysis is None:
-            from stagetrace.analysis.live import Schedule
-
-            analysis = Schedule()
-        if analysis and (embedded or not analysis_by_default):
+        analysis = config.analysis
+        if analysis and (embedded or config.analysis_asked):
             from stagetrace.analysis import live
 
             shared.analysis = live.Stats()

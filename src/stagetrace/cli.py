@@ -389,43 +389,19 @@ def _collect(args) -> int:
 
 
 def _agent(args) -> int:
-    from stagetrace import agent, httpd, web_config
-    from stagetrace.exporters import diskspace
-    from stagetrace.httpd import parse_listen
-    from stagetrace.settings import parse_duration
+    from stagetrace import agent
+    from stagetrace.agent_config import AgentConfig
+    from stagetrace.config import TokenError
 
     _log_to_stderr("stagetrace agent")
-    otlp, otlp_grpc, query_listen = (None if a.lower() in ("none", "off") else a
-                                     for a in (args.otlp, args.otlp_grpc, args.query_listen))  # fmt: skip
     try:
-        try:
-            interval = parse_duration(args.interval)
-        except ValueError as exc:
-            raise ValueError(f"--interval: {exc}") from None
-        try:
-            insert_every = parse_duration(args.insert_every)
-        except ValueError as exc:
-            raise ValueError(f"--insert-every: {exc}") from None
-        asked = bool((args.analyse_every or "").strip())
-        analysis = False if asked and _is_zero(args.analyse_every) else _schedule(
-            args.analyse_every if asked else "1m", "--analyse-every")
-        for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
-            parse_listen(address)
-        token = httpd.load_token(args.token_file)
-        web = web_config.load(args.web_config_file)
-        limits = _query_limits(args)
-        reserve = diskspace.reserve_setting(args.min_free_space)
+        config = AgentConfig.from_args(args)
         node = _node(args)
-    except (ValueError, httpd.TokenError) as exc:  # a WebConfigError is a ValueError
+    except (ValueError, TokenError) as exc:  # a WebConfigError is a ValueError
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
     try:
-        return agent.run(node, listen=args.listen, interval_s=interval, store=args.store, otlp=otlp,
-                         otlp_grpc=otlp_grpc, query_listen=query_listen, token=token, query_limits=limits,
-                         low_priority=args.low_priority, insert_every_s=insert_every, analysis=analysis,
-                         analysis_by_default=not asked, open_query=args.query_open, web=web,
-                         min_free_space=reserve, otlp_logs=args.otlp_logs == "store",
-                         agent_logs=args.agent_logs == "store")  # fmt: skip
+        return agent.run(node, config)
     except agent.AgentError as exc:
         print(f"stagetrace agent: {exc}", file=sys.stderr)
         return 2
@@ -435,39 +411,12 @@ DURATION_OPTIONS = ("--since", "--window", "--interval", "--insert-every", "--an
                     "--lookback")
 
 
-def _is_zero(text: str) -> bool:
-    """``0``, ``0s``, ``0ms``...: a duration of nothing (which turns analysis off, or the settle delay)."""
-    import re
-
-    return re.fullmatch(r"\s*0+(\.0*)?\s*(ms|s|m|h|d|w)?\s*", text) is not None
-
-
-def _schedule(every: str, flag: str, settle: str | None = None, lookback: str | None = None):
-    """The live analyser's schedule: each duration from its option, else its environment variable, else default."""
-    from stagetrace.settings import parse_duration
-    from stagetrace.analysis import live
-
-    texts = {flag: every, "--settle": settle or os.environ.get("STAGETRACE_ANALYSE_SETTLE"),
-             "--lookback": lookback or os.environ.get("STAGETRACE_ANALYSE_LOOKBACK")}  # fmt: skip
-    seconds = {}
-    for option, text in texts.items():
-        if not (text or "").strip():  # unset, or set empty: the default
-            continue
-        try:
-            seconds[option] = 0.0 if _is_zero(text) else parse_duration(text)
-        except ValueError as exc:
-            raise ValueError(f"{option}: {exc}") from None
-    if seconds[flag] <= 0:
-        raise ValueError(f"{flag} must be a positive duration such as 30s or 1m")
-    return live.Schedule(every_s=seconds[flag], settle_s=seconds.get("--settle", live.DEFAULT_SETTLE_S),
-                         lookback_s=seconds.get("--lookback", live.DEFAULT_LOOKBACK_S))
-
-
 def _analyse(args) -> int:
     import signal
     import socket
     import threading
 
+    from stagetrace import agent_config
     from stagetrace.analysis import live
     from stagetrace.exporters.prometheus import parse_listen, serve
     from stagetrace.store import open_store
@@ -476,7 +425,7 @@ def _analyse(args) -> int:
     for handler in logging.getLogger().handlers:  # the drivers log each retry; an outage is one line of its own
         handler.addFilter(lambda record: record.name.startswith("stagetrace"))
     try:
-        schedule = _schedule(args.every, "--every", args.settle, args.lookback)
+        schedule = agent_config.schedule(args.every, "--every", args.settle, args.lookback)
         listen = None if args.listen.lower() in ("none", "off") else args.listen
         if listen:
             parse_listen(listen)
@@ -536,25 +485,6 @@ def _joined_durations(argv: list[str]) -> list[str]:
         out.append(argv[i])
         i += 1
     return out
-
-
-def _query_limits(args):
-    """The query endpoint's limits: each from its option, else its environment variable, else the default."""
-    from stagetrace.settings import parse_duration, parse_size
-    from stagetrace.hub import QueryLimits
-
-    parsers = {"timeout_s": parse_duration, "max_memory_bytes": parse_size, "max_result_bytes": parse_size}
-    chosen = {}
-    for field, (option, variable) in QueryLimits.OPTIONS.items():
-        text = getattr(args, option[2:].replace("-", "_")) or os.environ.get(variable)
-        if text is None:
-            continue
-        parse = parsers.get(field)
-        try:
-            chosen[field] = parse(text) if parse else int(text)
-        except ValueError as exc:
-            raise ValueError(f"{option} ({variable}): {exc if parse else f'{text!r} is not a whole number'}") from None
-    return QueryLimits(**chosen)
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

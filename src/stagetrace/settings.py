@@ -1,8 +1,10 @@
 """Settings as data, and the one grammar each for sizes and durations that every flag and variable is read with.
 
 A :class:`Setting` is one value a command reads: its flag, its environment variables, its default and the parser
-that turns their text into the value (with a message a person can act on for text it refuses). Collectors declare
-theirs (``collectors.base.Options`` gathers them); the agent's and the store's are read the same way.
+that turns their text into the value (with a message a person can act on for text it refuses). :class:`Options`
+holds the values of a set of settings as attributes and :func:`add_arguments` makes their flags; the collectors'
+options (``collectors.base.Options``) are the settings the registered collectors declare, and the agent's
+(``agent_config``) and the store's are read the same way.
 
 Sizes are written ``512MiB``, ``2GiB``, ``1.5G``, ``1000000`` (bytes): binary units as ``KiB``/``MiB``/... or their
 one-letter short forms ``K``/``M``/``G``/``T``, decimal ones as ``KB``/``MB``/..., any case. Durations are written
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,4 +95,50 @@ class Setting:
         return text.replace("%", "%%")  # argparse formats help with %
 
 
-__all__ = ["Setting", "parse_duration", "parse_size"]
+class Options:
+    """The value of each of a set of settings, as attributes: ``Options(sysfs=..., host=...)``.
+
+    A keyword sets a value as it is given; an omitted setting takes its environment variable, else its default.
+    A subclass names its settings (:meth:`_settings`, called when an instance is made, so a registry can grow). An
+    unknown keyword raises TypeError, as a dataclass would.
+    """
+
+    @classmethod
+    def _settings(cls) -> tuple[Setting, ...]:  # private: no setting's name can take it (Setting refuses "_")
+        raise NotImplementedError(f"{cls.__name__} names no settings")
+
+    def __init__(self, **values):
+        settings = self._settings()
+        unknown = sorted(values.keys() - {s.name for s in settings})
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {', '.join(map(repr, unknown))}")
+        for setting in settings:
+            setattr(self, setting.name, values[setting.name] if setting.name in values else setting.value())
+
+    @classmethod
+    def from_args(cls, args, environ: Mapping[str, str] = os.environ) -> Options:
+        """The options of a command line parsed with :func:`add_arguments`' flags: each flag, else its variable,
+        else the default. Raises ValueError, naming the flag or the variable, for text a setting refuses."""
+        settings = cls._settings()
+        flags = {s.name: getattr(args, s.name, None) for s in settings if s.flag}
+        return cls(**{s.name: s.value(flags.get(s.name), environ) for s in settings})
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
+
+
+def add_arguments(group, settings: Iterable[Setting]) -> None:
+    """Add a flag for every setting that has one to an argparse parser or group; its value stays text until
+    :meth:`Options.from_args` parses it, so a refused value is one line naming the flag, not argparse's usage."""
+    for setting in settings:
+        if setting.flag:
+            group.add_argument(setting.flag, dest=setting.name, metavar=setting.metavar, default=None,
+                               help=setting.help_text())  # fmt: skip
+
+
+__all__ = ["Options", "Setting", "add_arguments", "parse_duration", "parse_size"]

@@ -30,11 +30,15 @@ from pathlib import Path
 
 import yaml
 
+from stagetrace.environment_variables import (
+    STAGETRACE_CA_FILE,
+    STAGETRACE_CLIENT_CERT_FILE,
+    STAGETRACE_CLIENT_KEY_FILE,
+    STAGETRACE_WEB_CONFIG_FILE,
+)
+
 logger = logging.getLogger(__name__)
 
-ENV_WEB_CONFIG_FILE = "STAGETRACE_WEB_CONFIG_FILE"
-ENV_CA_FILE = "STAGETRACE_CA_FILE"  # what the project's own clients verify an agent's certificate against
-ENV_CLIENT_CERT_FILE, ENV_CLIENT_KEY_FILE = "STAGETRACE_CLIENT_CERT_FILE", "STAGETRACE_CLIENT_KEY_FILE"
 CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
                "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}  # fmt: skip
 VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
@@ -100,7 +104,7 @@ class WebConfig:
 
 def load(path: str | None) -> WebConfig | None:
     """The web configuration named by ``path`` (else ``$STAGETRACE_WEB_CONFIG_FILE``), or None for plain HTTP."""
-    path = path or os.environ.get(ENV_WEB_CONFIG_FILE) or None
+    path = path or os.environ.get(STAGETRACE_WEB_CONFIG_FILE) or None
     return WebConfig.load(path) if path else None
 
 
@@ -242,11 +246,11 @@ class ServerTLS:
 def client_context(ca_file: str | None = None) -> ssl.SSLContext:
     """What the project's clients verify an agent's certificate with: ``ca_file`` (else ``$STAGETRACE_CA_FILE``, else
     the system's CAs), presenting ``$STAGETRACE_CLIENT_CERT_FILE`` / ``_KEY_FILE`` when the agent asks for one."""
-    context = ssl.create_default_context(cafile=ca_file or os.environ.get(ENV_CA_FILE) or None)
-    cert = os.environ.get(ENV_CLIENT_CERT_FILE)
+    context = ssl.create_default_context(cafile=ca_file or os.environ.get(STAGETRACE_CA_FILE) or None)
+    cert = os.environ.get(STAGETRACE_CLIENT_CERT_FILE)
     if cert:
-        context.load_cert_chain(cert, os.environ.get(ENV_CLIENT_KEY_FILE) or None)
+        context.load_cert_chain(cert, os.environ.get(STAGETRACE_CLIENT_KEY_FILE) or None)
     return context
 
 
-__all__ = ["ENV_CA_FILE", "ENV_WEB_CONFIG_FILE", "ServerTLS", "WebConfig", "WebConfigError", "client_context", "load"]
+__all__ = ["ServerTLS", "WebConfig", "WebConfigError", "client_context", "load"]
