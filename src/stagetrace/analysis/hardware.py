@@ -1,4 +1,4 @@
-"""Hardware evidence: error-class counters that rose on a stage's GPUs and NICs while it ran.
+"""Hardware evidence: error-class counters that rose on a stage's GPUs and NICs in its window.
 
 Signals are described as data (metric, which device label joins it to a span, label filter,
 severity, rule), and what is read is derived from them, in two queries over the hosts and time range:
@@ -460,10 +460,11 @@ def _names(text: str) -> list[str]:
 
 
 def context(store: Store, trace) -> list[dict]:
-    """Error-class counters that rose on the GPUs and NICs a trace's spans name, while each span ran.
+    """Error-class counters that rose on the GPUs and NICs a trace's spans name, in each span's window.
 
     What ``stagetrace trace`` shows beside the waterfall; largest increase per device and series (with
-    the series' typical level, ``typical``, for a relative signal).
+    the series' typical level, ``typical``, for a relative signal), and where in the window it rose (``when``:
+    ``Timing.words``, as ``explain`` says it, with the timing's times).
     """
     spans = [s for s in trace.spans if any(devices(s.attributes))]
     if not spans:
@@ -483,4 +484,7 @@ def context(store: Store, trace) -> list[dict]:
                 entry["increase"] = rise.delta
                 if rise.typical is not None:
                     entry["typical"] = rise.typical
+                if rise.timing is not None:  # the same words as explain's sentence
+                    entry["when"] = rise.timing.words(span.stage or span.name)
+                    entry |= rise.timing.to_json()
     return [found[k] for k in sorted(found, key=lambda k: (-severity[k], found[k]["device"]))]
