@@ -2,8 +2,10 @@
 
 It holds what ``explain`` concluded and what it saw: the verdict, the request's and the baseline's waterfalls
 side by side with the divergent stage marked, the stage-by-stage digest comparison, the ranked causes with
-their evidence, and for each hardware cause the counter's samples around the stage's window, the window
-shaded (for a co-tenant, that tenant's use of the GPU), beside the GPM activity of the divergent stage's GPU.
+their evidence, and for each hardware cause the counter's samples around the stage, drawn from the cause's
+``Timing`` (the record the verdict's sentence reads too): the window its detector weighed shaded, the stage
+outlined, the rise marked (for a co-tenant, that tenant's use of the GPU, its stage shaded), beside the GPM
+activity of the divergent stage's GPU.
 Everything is inline (CSS, SVG): the page fetches nothing, runs no script, and prints as it shows.
 IDs are in ``<code>`` elements that never wrap and select whole with one click.
 """
