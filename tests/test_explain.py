@@ -192,14 +192,15 @@ def test_cli_explain_json_unknown_id_and_agreeing(store_dsn):
 
 
 def test_divergences_with_nothing_in_its_window_names_the_since_that_finds_the_older_requests(store_dsn):
-    """A store whose requests ran two hours ago: the default hour shows 0 deviating requests and says, in one line
-    on stderr, how old the latest is and which --since covers it; with that --since the deviating one is found.
+    """A store whose requests ran two and a half hours ago: the default hour shows 0 deviating requests and says, in
+    one line on stderr, how old the latest is and which --since covers it (the latest and an hour before it, where
+    its peers are); with that --since the deviating one is found.
     Neighbour: a window that holds requests which all agree gets no such line (0 is then the answer)."""
     from stagetrace.store import open_store
     from tests.fleet import Fleet
 
     with open_store(store_dsn) as store:
-        fleet = Fleet(store)  # two hours ago
+        fleet = Fleet(store, start_ns=time.time_ns() - 151 * 60 * 10**9)  # the latest 2.5 h ago: off an hour's edge
         for i in range(4):
             fleet.request(f"old-{i}", fleet.at(0, 10 * i), "node-a")
         fleet.request("old-odd", fleet.at(1), "node-a", differs={"decode": "x"})
@@ -209,7 +210,7 @@ def test_divergences_with_nothing_in_its_window_names_the_since_that_finds_the_o
     [hint] = empty.stderr.strip().splitlines()
     found = re.fullmatch(r"stagetrace divergences: no request in the last 1h; the store's latest started "
                          r"([\d.]+) h ago: try --since (\d+)h", hint)  # fmt: skip
-    assert found and 1.9 <= float(found[1]) <= 2.2 and found[2] == "3", hint
+    assert found and 2.4 <= float(found[1]) <= 2.6 and found[2] == "4", hint
     wider = _cli("divergences", "--since", f"{found[2]}h", "--json", store_dsn=store_dsn)
     assert wider.returncode == 0 and wider.stderr == "", wider.stderr
     assert [i["request_id"] for g in json.loads(wider.stdout)["groups"] for i in g["deviating"]] == ["old-odd"]
