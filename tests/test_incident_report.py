@@ -128,9 +128,10 @@ def test_each_demo_hardware_cause_is_drawn_where_its_sentence_says(cli_demo, tmp
                           rf"{re.escape(top['device'])} ", report["summary"])  # fmt: skip
         assert found, report["summary"]
         said = interval(found[2], top["stage"], start, end)
-        # the top cause's chart is the first of its series (two ranks sharing a NIC each have one)
+        # the top cause's chart: its series, device and rank (two ranks sharing a NIC each have one)
+        where = (f"rank {top['rank']}, " if top.get("rank") else "") + f"<code>{top['device']}</code>"
         svg = next(svg for svg, caption in figures(page.read_text())
-                   if f'aria-label="{top["name"]}"' in svg and top["device"] in caption)  # fmt: skip
+                   if f'aria-label="{top["name"]}"' in svg and where in caption)  # fmt: skip
         chart = Chart(svg)
         px = chart.ns_per_px  # a rise narrower than a few pixels is drawn widened: its steps are told by time
         window, rise = chart.band("window"), chart.band("rise")

@@ -253,10 +253,11 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame
             if name != cause["name"] or series.labels != cause.get("labels", series.labels):
                 continue
             timing = Timing.of(cause)
+            rank = escape(f"rank {cause['rank']}, ") if cause.get("rank") else ""  # two ranks may share a NIC
             when = (f"{timing.words(cause['stage'])} (marked); the window weighed shaded, {cause['stage']} outlined"
                     if timing else f"while {cause['stage']} ran (shaded)")  # fmt: skip
             charts.append(_figure(series.times, series.values, window, frame, name,
-                                  f"{escape(name)} on {_code(cause['device'])} ({escape(cause['host'])}): "
+                                  f"{escape(name)} on {rank}{_code(cause['device'])} ({escape(cause['host'])}): "
                                   f"{escape(cause['value'])} {escape(when)}",
                                   counter=not series.signal.is_gauge, timing=timing))  # fmt: skip
     return charts
