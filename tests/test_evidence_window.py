@@ -42,8 +42,8 @@ def scrapes(fleet) -> list[int]:
 
 def marker(fleet, host: str) -> None:
     """A counter every host writes at every scrape (its scrape times)."""
-    fleet.counter(host, "gpu_energy_joules_total", {"gpu": "0", "uuid": f"GPU-{host}-0"}, fleet.at(0), fleet.at(MINUTES),
-                  every_ns=EVERY, value=1000, rises=tuple((t, 50) for t in scrapes(fleet)))  # fmt: skip
+    fleet.counter(host, "gpu_energy_joules_total", {"gpu": "0", "uuid": f"GPU-{host}-0"}, fleet.at(0),
+                  fleet.at(MINUTES), every_ns=EVERY, value=1000, rises=tuple((t, 50) for t in scrapes(fleet)))  # fmt: skip
 
 
 def gauge(fleet, host: str, name: str, labels: dict, values: dict[int, float]) -> None:

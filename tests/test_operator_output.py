@@ -143,7 +143,8 @@ def test_trace_shows_the_resource_setting_explain_blames_with_its_header_whole_a
     assert top["name"] == "engine.attention_backend" and top["value"] != top["baseline_value"], top
     for who, value in ((request, top["value"]), (report["baseline"]["request_id"], top["baseline_value"])):
         found = json_of("trace", who, "--store", dsn)
-        assert any(r["attributes"].get(top["name"]) == value and r["host"] for r in found["resources"]), found["resources"]
+        resources = found["resources"]
+        assert any(r["attributes"].get(top["name"]) == value and r["host"] for r in resources), resources
         status, shown = run_on_terminal([*STAGETRACE, "trace", who, "--store", dsn], 80)
         assert status == 0, shown
         lines = shown.splitlines()
