@@ -107,14 +107,15 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     def y(v: float) -> float:
         return top + plot_h - (v - v0) / span_v * plot_h
 
-    def band(name: str, times: tuple[int, int], style: str, within: tuple[int, int] | None = None) -> str:
+    def band(name: str, times: tuple[int, int], style: str, within: tuple[int, int] | None = None,
+             tall: float = 1.0) -> str:  # fmt: skip
         lo, hi = (x(within[0]), x(within[1])) if within else (left, left + plot_w)
         if hi - lo < MIN_SHADE_PX:
             lo, hi = left, left + plot_w
         w = max(MIN_SHADE_PX, x(times[1]) - x(times[0]))
         bx = min(max((x(times[0]) + x(times[1]) - w) / 2, lo), hi - w)  # a widened band stays inside ``within``
         return (f'<rect class="{name}" data-from-ns="{times[0]}" data-to-ns="{times[1]}" x="{bx:.1f}" y="{top}" '
-                f'width="{w:.1f}" height="{plot_h}" {style}/>')  # fmt: skip
+                f'width="{w:.1f}" height="{plot_h * tall:.1f}" {style}/>')  # fmt: skip
 
     points = []
     for i, (t, v) in enumerate(zip(times, values)):
@@ -125,7 +126,8 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     if stage is not None:
         bands += band("stage", stage, 'fill="#ffc9c9" stroke="#c92a2a" stroke-dasharray="3 2"')
     if rise is not None:
-        bands += band("rise", rise, 'fill="#fab005" fill-opacity="0.45"', within=window)
+        # a strip along the top: a rise that spans the window leaves the window's shading and the line in view
+        bands += band("rise", rise, 'fill="#f08c00" fill-opacity="0.8"', within=window, tall=0.12)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" role="img" aria-label="{escape(title)}" data-t0="{t0}" data-t1="{t1}">'
             f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>{bands}'
