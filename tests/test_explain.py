@@ -8,6 +8,7 @@ way (a stage, an attribute the analysis has never heard of, a counter on a devic
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -87,7 +88,9 @@ def test_hardware_only_cause_on_the_same_device(store):
     assert [c["kind"] for c in report["causes"]] == ["hardware"], "no attribute differs"
     top = report["causes"][0]
     assert (top["name"], top["value"], top["baseline_value"], top["device"]) == ("gpu_xid_errors_total", "+1", "+0", "GPU-a")
-    assert report["summary"].startswith("decode diverged: gpu_xid_errors_total rose by 1 on GPU-a (node-a)")
+    # the XID's first sample was written before "odd" started: the sentence says so, not "while it ran"
+    assert re.match(r"decode diverged: gpu_xid_errors_total rose by 1 in the [\d.]+ m?s before decode started "
+                    r"on GPU-a \(node-a\), not for the baseline", report["summary"]), report["summary"]
     # the trace lookup shows the same hardware context, and none for a request before the XID
     [rise] = context(store, lookup.by_request_id(store, "odd"))
     assert (rise["stage"], rise["device"], rise["metric"], rise["labels"]["xid"], rise["increase"]) == (
@@ -186,3 +189,36 @@ def test_cli_explain_json_unknown_id_and_agreeing(store_dsn):
     assert len(unknown.stderr.strip().splitlines()) == 1
     bad = _cli("divergences", "--since", "yesterday", store_dsn=store_dsn)
     assert bad.returncode == 2 and "--since" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_divergences_with_nothing_in_its_window_names_the_since_that_finds_the_older_requests(store_dsn):
+    """A store whose requests ran two and a half hours ago: the default hour shows 0 deviating requests and says, in
+    one line on stderr, how old the latest is and which --since covers it (the latest and an hour before it, where
+    its peers are); with that --since the deviating one is found.
+    Neighbour: a window that holds requests which all agree gets no such line (0 is then the answer)."""
+    from stagetrace.store import open_store
+    from tests.fleet import Fleet
+
+    with open_store(store_dsn) as store:
+        fleet = Fleet(store, start_ns=time.time_ns() - 151 * 60 * 10**9)  # the latest 2.5 h ago: off an hour's edge
+        for i in range(4):
+            fleet.request(f"old-{i}", fleet.at(0, 10 * i), "node-a")
+        fleet.request("old-odd", fleet.at(1), "node-a", differs={"decode": "x"})
+        fleet.flush()
+    empty = _cli("divergences", store_dsn=store_dsn)
+    assert empty.returncode == 0 and empty.stdout.startswith("0 deviating requests in the last 1h"), empty.stdout
+    [hint] = empty.stderr.strip().splitlines()
+    found = re.fullmatch(r"stagetrace divergences: no request in the last 1h; the store's latest started "
+                         r"([\d.]+) h ago: try --since (\d+)h", hint)  # fmt: skip
+    assert found and 2.4 <= float(found[1]) <= 2.6 and found[2] == "4", hint
+    wider = _cli("divergences", "--since", f"{found[2]}h", "--json", store_dsn=store_dsn)
+    assert wider.returncode == 0 and wider.stderr == "", wider.stderr
+    assert [i["request_id"] for g in json.loads(wider.stdout)["groups"] for i in g["deviating"]] == ["old-odd"]
+
+    with open_store(store_dsn) as store:
+        recent = Fleet(store, start_ns=time.time_ns() - 10 * 60 * 10**9)
+        for i in range(3):
+            recent.request(f"new-{i}", recent.at(0, 10 * i), "node-b")
+        recent.flush()
+    agreeing = _cli("divergences", store_dsn=store_dsn)
+    assert agreeing.returncode == 0 and agreeing.stderr == "", agreeing.stderr

@@ -90,6 +90,32 @@ def test_pfc_storm_on_the_netdev_rises_for_the_span_naming_its_rdma_device(store
     assert rise.delta == window_increase(storm)
     assert rise.typical is not None and rise.delta > 10 * rise.typical, "typical: the usual increase over as long"
     assert rises(store, nics=["eth0"]) == [], "the netdev is mlx5_0's: a span names the RDMA device"
+    # the window weighed: a scrape before the stage's to the one after it; the storm rose over both its intervals
+    assert rise.timing.window_ns == (at(STAGE_AT - 1), at(STAGE_AT + 1)) and rise.timing.stage_ns == STAGE
+    assert rise.timing.rise_ns == (at(STAGE_AT - 1), at(STAGE_AT + 1))
+    assert rise.timing.words("allreduce") == "between 17 s before allreduce started and 5 s after it ended"
+
+
+def test_a_rise_s_timing_says_where_in_the_window_it_happened(store):
+    """An uncorrected ECC error two scrapes before the stage (inside its lookback of three), and a link-down seen
+    at the scrape after it: each Rise carries its own window (the ECC's reaches three scrapes back, the link's
+    one) and when it rose, and says it in words whose numbers bound that time. Neighbour: a link-down on another
+    device of the host at the same scrape is not the span's."""
+    node(store, ports={"mlx5_0": "eth0", "mlx5_1": "eth1"})
+    write(store, "node-a", "gpu_energy_joules_total", {"gpu": "0", "uuid": "GPU-a"}, {i: i for i in range(SCRAPES)})
+    write(store, "node-a", "gpu_ecc_errors_total", {"gpu": "0", "uuid": "GPU-a", "type": "uncorrected"},
+          {i: 0 if i < STAGE_AT - 1 else 1 for i in range(SCRAPES)})  # fmt: skip
+    for device in ("mlx5_0", "mlx5_1"):
+        write(store, "node-a", "rdma_link_downed_total", {"device": device, "port": "1"},
+              {i: 0 if i <= STAGE_AT else 1 for i in range(SCRAPES)})  # fmt: skip
+    found = {r.metric: r for r in rises(store, gpus=["GPU-a"], nics=["mlx5_0"])}
+    ecc, link = found["gpu_ecc_errors_total"], found["rdma_link_downed_total"]
+    assert ecc.timing.window_ns == (at(STAGE_AT - 3), at(STAGE_AT + 1))
+    assert ecc.timing.rise_ns == (at(STAGE_AT - 2), at(STAGE_AT - 1))
+    assert ecc.timing.words("decode") == "in the 32 s before decode started"  # 17 s + 15 s, from the scrape before
+    assert link.timing.window_ns == (at(STAGE_AT - 1), at(STAGE_AT + 1)) and link.device == "mlx5_0"
+    assert link.timing.rise_ns == (at(STAGE_AT), at(STAGE_AT + 1))
+    assert link.timing.words("allreduce") == "between 2 s before allreduce started and 5 s after it ended"
 
 
 def test_without_a_netdev_mapping_the_netdev_name_itself_joins(store):

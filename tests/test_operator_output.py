@@ -131,6 +131,33 @@ def test_trace_at_80_columns_shows_host_rank_gpu_and_settings(demo_store):
     assert f"decode.batch_size={decode['attributes']['decode.batch_size']}" in shown  # settings, not hidden
 
 
+def test_trace_shows_the_resource_setting_explain_blames_with_its_header_whole_at_80_columns(demo_store):
+    """The demo's attention-backend request: ``explain`` blames a resource attribute (the process's, not a span's);
+    ``trace`` shows it with its value, for the request and (a neighbour with the other value) for its baseline,
+    in the JSON's ``resources`` too. At 80 columns the header is one line ("start ms" was split over two), the bars
+    are drawn and fit, and a wrapped setting hangs under its span instead of starting at column 0."""
+    dsn, demo = demo_store
+    request = next(t["request_id"] for t in demo["truth"] if t["cause"] == "engine.attention_backend")
+    report = json_of("explain", request, "--store", dsn)
+    top = report["causes"][0]
+    assert top["name"] == "engine.attention_backend" and top["value"] != top["baseline_value"], top
+    for who, value in ((request, top["value"]), (report["baseline"]["request_id"], top["baseline_value"])):
+        found = json_of("trace", who, "--store", dsn)
+        resources = found["resources"]
+        assert any(r["attributes"].get(top["name"]) == value and r["host"] for r in resources), resources
+        status, shown = run_on_terminal([*STAGETRACE, "trace", who, "--store", dsn], 80)
+        assert status == 0, shown
+        lines = shown.splitlines()
+        assert any(f"{top['name']}={value}" in line for line in lines), shown
+        assert f"{top['name']}={top['value'] if value != top['value'] else top['baseline_value']}" not in shown
+        header = next(line for line in lines if line.startswith("span "))
+        assert "start ms" in header and "dur ms" in header, header
+        table = lines[lines.index(header):next(i for i, line in enumerate(lines) if line.startswith("gpu0 ="))]
+        assert max(map(len, table)) <= 80 and all("█" in line for line in table[2:]), table
+        settings = lines[lines.index("attributes") + 1:]
+        assert all(line.startswith("  ") for line in settings[:8]), settings[:8]  # each wrapped line indented
+
+
 @pytest.mark.parametrize("command", ["trace", "explain", "divergences"])
 def test_piped_output_is_plain_tab_separated_text(demo_store, command):
     dsn, demo = demo_store

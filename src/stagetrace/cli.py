@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
 # Only what building the parser needs: each command imports what it uses, so `--help` and a lookup through the
@@ -225,8 +227,10 @@ def _trace(args) -> int:
         pods = gpu_pods(store, found)
         logs = lookup.logs_of(store, found)
     if args.json:
-        json.dump({**found.to_json(), "hardware": hardware, "activity": busy, "pods": pods,
-                   "logs": [line.to_json() for line in logs]},
+        from stagetrace.render import resources
+
+        json.dump({**found.to_json(), "resources": resources(found), "hardware": hardware, "activity": busy,
+                   "pods": pods, "logs": [line.to_json() for line in logs]},
                   sys.stdout, indent=2, ensure_ascii=False)  # fmt: skip
         sys.stdout.write("\n")
     else:
@@ -296,6 +300,9 @@ def _divergences(args) -> int:
         raise _UsageError("--limit: give 0 (all) or a positive number")
     with open_store(args.store, must_exist=True) as store:
         found = divergences.find(store, since, limit=args.limit or None)
+        hint = _older_requests_hint(store, since, args.since) if not found["deviating"] else ""
+    if hint:  # on stderr: the JSON on stdout stays what it was
+        print(f"stagetrace divergences: {hint}", file=sys.stderr)
     if args.json:
         json.dump(found, sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
@@ -304,6 +311,26 @@ def _divergences(args) -> int:
 
         divergence_groups(Output(), found, args.since)
     return 0
+
+
+# The latest request the store holds, whatever its age (run only when a window found nothing to show).
+_LATEST_REQUEST_SQL = "SELECT toUnixTimestamp64Nano(max(Start)) FROM {db:Identifier}.stagetrace_requests"
+HOUR_NS = 3_600_000_000_000
+
+
+def _older_requests_hint(store, since_ns: int, since: str) -> str:
+    """When the window holds no request but the store holds older ones: how old the latest is and a ``--since``
+    that covers it (a newcomer who ran the demo an hour ago saw "0 deviating requests" and nothing else)."""
+    latest = int(store.client.command(_LATEST_REQUEST_SQL, parameters={"db": store.database}) or 0)
+    age_ns = time.time_ns() - latest
+    if not latest or age_ns <= since_ns:  # an empty store, or requests in the window that simply agree
+        return ""
+    hours = math.ceil(age_ns / HOUR_NS)
+    # the latest request and an hour or a day before it: its peers, which a baseline is chosen from, ran earlier
+    cover = f"{hours + 1}h" if hours <= 48 else f"{math.ceil(hours / 24) + 1}d"
+    age = (f"{math.ceil(age_ns / 60e9)} min" if age_ns < HOUR_NS else f"{age_ns / HOUR_NS:.1f} h" if hours <= 48
+           else f"{age_ns / (24 * HOUR_NS):.1f} days")  # fmt: skip
+    return f"no request in the last {since}; the store's latest started {age} ago: try --since {cover}"
 
 
 def _demo(args) -> int:

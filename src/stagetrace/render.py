@@ -80,12 +80,14 @@ class Output:
     def width(self) -> int:
         return self.console.width
 
-    def line(self, text: Cell = "", style: str | None = None) -> None:
+    def line(self, text: Cell = "", style: str | None = None, hang: str = "") -> None:
+        """One line of text; on a terminal wrapped between words, each further line starting with ``hang`` (an
+        indent: a wrapped setting that began at column 0 read as the start of another span's)."""
         if not self.terminal:
             self.console.file.write(_plain(text) + "\n")
             return
-        for part in wrapped(text if isinstance(text, Text) else Text(text), self.width):
-            self.console.print(part, style=style, soft_wrap=True)
+        for i, part in enumerate(wrapped(text if isinstance(text, Text) else Text(text), self.width - cell_len(hang))):
+            self.console.print(Text.assemble(hang, part) if i else part, style=style, soft_wrap=True)
 
     def command(self, parts: Sequence[str], indent: str = "  ") -> None:
         """A command to paste, from its parts (words, each quoted for a shell, that stay together: a verb with its
@@ -114,11 +116,8 @@ class Output:
             lines += ["\t".join(_plain(cell) for cell in row) for row in rows]
             self.console.file.write("\n".join(lines) + "\n")
             return
-        # a kept column whole, any other at least as wide as its longest word: a word is never broken
-        least = [max(cell_len(c.header) if c.keep else _longest_word(c.header),
-                     *((cell_len if c.keep else _longest_word)(_plain(row[i])) for row in rows))
-                 for i, c in enumerate(columns)]  # fmt: skip
-        if sum(least) + 2 * (len(columns) - 1) > self.width:
+        least = _least_widths(columns, rows)
+        if self.spare(columns, rows) < 0:
             self._blocks(title, columns, rows)
             return
         table = Table(title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
@@ -129,6 +128,11 @@ class Output:
         for row in rows:
             table.add_row(*row)
         self.console.print(table)
+
+    def spare(self, columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> int:
+        """The terminal's columns left over once the table's columns have their least widths (negative: it does
+        not fit, and prints as blocks)."""
+        return self.width - sum(_least_widths(columns, rows)) - 2 * (len(columns) - 1)
 
     def _blocks(self, title: str, columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> None:
         """A table too wide for the terminal: a block per row, its first cell on a line of its own and the
@@ -147,6 +151,13 @@ class Output:
                 line = Text.assemble(line, "   " if line.plain.strip() else "", field)
             if line.plain.strip():
                 self.line(line)
+
+
+def _least_widths(columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> list[int]:
+    """A kept column whole, any other at least as wide as its longest word (a word is never broken), and every
+    header whole: "start ms" over a column of "0.00" split into two header lines at 80 columns."""
+    return [max(cell_len(c.header), *((cell_len if c.keep else _longest_word)(_plain(row[i])) for row in rows))
+            for i, c in enumerate(columns)]  # fmt: skip
 
 
 def _longest_word(text: str) -> int:
@@ -211,10 +222,15 @@ def _shown_attributes(attrs: dict[str, str]) -> str:
                     and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX)))  # fmt: skip
 
 
+BAR_WIDTH = 20  # the waterfall's bars on a wide terminal; a narrow one gives them what the other columns leave
+MIN_BAR_WIDTH = 6  # narrower, a bar tells nothing: the rows print without one
+
+
 def waterfall(out: Output, trace: Trace) -> None:
     """The trace: its IDs on lines of their own, then each span with where it ran (host, TP rank, GPU) and its
-    settings; on a terminal narrower than ``WIDE`` the settings follow the table and the GPUs are named in a
-    legend."""
+    settings, then its processes' resource settings (what ``explain`` weighs beside the spans' own); on a terminal
+    narrower than ``WIDE`` the settings follow the table and the GPUs are named in a legend, and the bars take the
+    width the other columns leave (none when too little is left: the table then prints as blocks)."""
     from stagetrace.analysis.hardware import devices
 
     out.line(f"request {trace.request_id or '-'}")
@@ -232,8 +248,6 @@ def waterfall(out: Output, trace: Trace) -> None:
 
     show_status = any(span.status != "Unset" for span in trace.spans)
     columns = [Column("span", keep=True), Column("start ms", right=True), Column("dur ms", right=True)]
-    if out.terminal:
-        columns.append(Column("", keep=True))
     if show_status:
         columns.append(Column("status"))
     columns += [Column("in→out", keep=True), Column("host", keep=True), Column("gpu", keep=True)]
@@ -241,20 +255,23 @@ def waterfall(out: Output, trace: Trace) -> None:
         columns.append(Column("attributes"))
     labels = {s.span_id: ("  " * depths[s.span_id] if out.terminal else "") + (s.stage or s.name)
               + (f"[{s.rank}]" if s.rank else "") for s in trace.spans}  # fmt: skip
-    bar_width = 10 if narrow else 20
     rows = []
     for span in trace.spans:
         status = _STATUS_TEXT.get(span.status, span.status)
         cells: list[Cell] = [labels[span.span_id], f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
                              f"{span.duration_ns / 1e6:.2f}"]  # fmt: skip
-        if out.terminal:
-            cells.append(_bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns, bar_width))
         if show_status:
             cells.append(Text(status, style=_STATUS_STYLE.get(status, "")))
         cells += [_digests(span, trace), span.resource.get("host.name", ""), gpu_cell(span)]
         if not narrow:
             cells.append(_shown_attributes(span.attributes))
         rows.append(cells)
+    if out.terminal:  # the bars after the times, as wide as the terminal leaves them
+        bar_width = BAR_WIDTH if not narrow else min(BAR_WIDTH, out.spare(columns, rows) - 2)
+        if bar_width >= MIN_BAR_WIDTH:
+            columns.insert(3, Column("", keep=True))
+            for span, cells in zip(trace.spans, rows):
+                cells.insert(3, _bar(span.start_ns - trace.start_ns, span.duration_ns, trace.duration_ns, bar_width))
     out.table("", columns, rows)
     for uuid, short in gpus.items():
         out.line(f"{short} = {uuid}")
@@ -264,10 +281,30 @@ def waterfall(out: Output, trace: Trace) -> None:
             out.line(Text("attributes", style="bold"))
             for label, text in settings:
                 if text:
-                    out.line(f"  {label}: {text}")
+                    out.line(f"  {label}: {text}", hang="      ")
+    found = resources(trace)
+    if found:
+        out.line(Text("resources: the settings of its processes (explain weighs them)", style="bold"))
+        for process in found:
+            settings = " ".join(f"{k}={v}" for k, v in process["attributes"].items())
+            out.line(f"  {process['host'] or '-'} ({process['service']}): {settings}", hang="      ")
     for span in trace.spans:  # engine timings below the table, so they show however narrow the terminal is
         if span.engine_ms:
             out.line(f"{span.name} ({span.service}): {engine_timings(span)}")
+
+
+def resources(trace: Trace) -> list[dict]:
+    """The resource attributes of the trace's processes that ``explain`` compares (``conventions.is_comparable``):
+    an engine's attention backend, a driver version, the GPUs a process sees. One entry per distinct resource, in
+    the order its spans come; host and service name it (they are not repeated among its attributes)."""
+    found: dict[tuple, dict] = {}
+    for span in trace.spans:
+        shown = {k: v for k, v in sorted(span.resource.items())
+                 if conventions.is_comparable(k) and k not in (conventions.HOST, conventions.PEER_SERVICE)}  # fmt: skip
+        key = (span.resource.get(conventions.HOST, ""), span.service, tuple(shown.items()))
+        if shown and key not in found:
+            found[key] = {"host": key[0], "service": span.service, "attributes": shown}
+    return list(found.values())
 
 
 def gpu_holders(out: Output, pods: list[dict]) -> None:
@@ -292,15 +329,16 @@ def gpu_activity(out: Output, rows: list[dict]) -> None:
 
 
 def hardware_rises(out: Output, rises: list[dict]) -> None:
-    """Error counters that rose on the request's GPUs and NICs while its stages ran."""
+    """Error counters that rose on the request's GPUs and NICs in its stages' windows, and when (``explain``'s words:
+    a window reaches a scrape or more before its stage, so "while it ran" would not always be true)."""
     rows = []
     for rise in rises:
         labels = " ".join(f"{k}={v}" for k, v in rise["labels"].items() if k not in ("uuid", "device", "gpu", "model"))
         rows.append([Text(rise["device"], style="red"), rise["stage"] or "", rise["host"], rise["metric"], labels,
-                     f"+{rise['increase']:g}"])  # fmt: skip
+                     f"+{rise['increase']:g}", rise.get("when", "")])  # fmt: skip
     columns = [Column("device", keep=True), Column("stage"), Column("host", keep=True), Column("counter", keep=True),
-               Column("labels"), Column("increase", right=True)]  # fmt: skip
-    out.table("hardware while it ran: error counters that rose", columns, rows)
+               Column("labels"), Column("increase", right=True), Column("when")]  # fmt: skip
+    out.table("hardware around each stage: error counters that rose", columns, rows)
 
 
 def log_lines(out: Output, lines: list, first: int | None) -> None:
@@ -531,4 +569,5 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store: str = 
 
 
 __all__ = ["Column", "Output", "WIDE", "demo_counts", "demo_summary", "deviations_by_cause", "divergence_groups",
-           "engine_timings", "evidence", "explanation", "gpu_activity", "gpu_holders", "hardware_rises", "progress_bar", "waterfall"]
+           "engine_timings", "evidence", "explanation", "gpu_activity", "gpu_holders", "hardware_rises", "progress_bar",
+           "resources", "waterfall"]

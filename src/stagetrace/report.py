@@ -2,8 +2,10 @@
 
 It holds what ``explain`` concluded and what it saw: the verdict, the request's and the baseline's waterfalls
 side by side with the divergent stage marked, the stage-by-stage digest comparison, the ranked causes with
-their evidence, and for each hardware cause the counter's samples around the stage's window, the window
-shaded (for a co-tenant, that tenant's use of the GPU), beside the GPM activity of the divergent stage's GPU.
+their evidence, and for each hardware cause the counter's samples around the stage, drawn from the cause's
+``Timing`` (the record the verdict's sentence reads too): the window its detector weighed shaded, the stage
+outlined, the rise marked (for a co-tenant, that tenant's use of the GPU, its stage shaded), beside the GPM
+activity of the divergent stage's GPU.
 Everything is inline (CSS, SVG): the page fetches nothing, runs no script, and prints as it shows.
 IDs are in ``<code>`` elements that never wrap and select whole with one click.
 """
@@ -16,7 +18,7 @@ from html import escape
 from stagetrace import lookup
 from stagetrace.analysis.activity import NAMES as ACTIVITY_NAMES
 from stagetrace.analysis.activity import Activity
-from stagetrace.analysis.hardware import Samples, devices
+from stagetrace.analysis.hardware import Samples, Timing, devices
 from stagetrace.analysis.tenants import Tenancy
 from stagetrace.render import cause_groups, evidence
 from stagetrace.store import Store
@@ -78,11 +80,18 @@ def waterfall_svg(trace: lookup.Trace, marked_stage: str | None, width: int = 64
 
 
 def series_svg(times: list[int], values: list[float], window: tuple[int, int], title: str, width: int = 640,
-               frame: tuple[int, int] | None = None, counter: bool = False) -> str:
-    """A series' samples as a step line over ``frame`` (default: the samples and the window), the stage's window
-    shaded, at least ``MIN_SHADE_PX`` wide. A ``counter`` is drawn as its increase since the frame's start, from 0
-    where its series begins inside the frame (born at its first event, as the hardware signals count it), so a
-    rise of 1 on a counter of millions still shows."""
+               frame: tuple[int, int] | None = None, counter: bool = False, stage: tuple[int, int] | None = None,
+               rise: tuple[int, int] | None = None) -> str:  # fmt: skip
+    """A series' samples as a step line over ``frame`` (default: the samples and the window), ``window`` shaded.
+
+    For a hardware cause ``window`` is the window its detector weighed, ``stage`` the stage's own span (outlined
+    inside it) and ``rise`` when the change happened (``Timing``: a band from the scrape before the step to the
+    step): the times the verdict's sentence cites, drawn where they are on the time axis. A band narrower than
+    ``MIN_SHADE_PX`` is widened about its middle (a stage of milliseconds in a minute-wide chart is still seen).
+    A ``counter`` is drawn as its increase since the frame's start, from 0 where its series begins inside the frame
+    (born at its first event, as the hardware signals count it), so a rise of 1 on a counter of millions still
+    shows. Every band carries its times (``data-from-ns``, ``data-to-ns``); ``data-t0``/``data-t1`` are the
+    times at the ends of the axis line."""
     height, left, right, top, bottom = 170, 60, 16, 22, 30
     if frame is None:
         frame = (min([*times, window[0]]), max([*times, window[1]]))
@@ -98,18 +107,32 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     def y(v: float) -> float:
         return top + plot_h - (v - v0) / span_v * plot_h
 
+    def band(name: str, times: tuple[int, int], style: str, within: tuple[int, int] | None = None,
+             tall: float = 1.0) -> str:  # fmt: skip
+        lo, hi = (x(within[0]), x(within[1])) if within else (left, left + plot_w)
+        if hi - lo < MIN_SHADE_PX:
+            lo, hi = left, left + plot_w
+        w = max(MIN_SHADE_PX, x(times[1]) - x(times[0]))
+        bx = min(max((x(times[0]) + x(times[1]) - w) / 2, lo), hi - w)  # a widened band stays inside ``within``
+        return (f'<rect class="{name}" data-from-ns="{times[0]}" data-to-ns="{times[1]}" x="{bx:.1f}" y="{top}" '
+                f'width="{w:.1f}" height="{plot_h * tall:.1f}" {style}/>')  # fmt: skip
+
     points = []
     for i, (t, v) in enumerate(zip(times, values)):
         if i:
             points.append(f"{x(t):.1f},{y(values[i - 1]):.1f}")  # a sample holds until the next scrape
         points.append(f"{x(t):.1f},{y(v):.1f}")
-    shade = max(MIN_SHADE_PX, x(window[1]) - x(window[0]))
-    wx = min(max((x(window[0]) + x(window[1]) - shade) / 2, left), left + plot_w - shade)
+    bands = band("window", window, 'fill="#ffe3e3"')
+    if stage is not None:
+        bands += band("stage", stage, 'fill="#ffc9c9" stroke="#c92a2a" stroke-dasharray="3 2"')
+    if rise is not None:
+        # a strip along the top: a rise that spans the window leaves the window's shading and the line in view
+        bands += band("rise", rise, 'fill="#f08c00" fill-opacity="0.8"', within=window, tall=0.12)
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" role="img" aria-label="{escape(title)}" data-t0="{t0}" data-t1="{t1}">'
-            f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>'
-            f'<rect class="window" x="{wx:.1f}" y="{top}" width="{shade:.1f}" height="{plot_h}" fill="#ffc9c9"/>'
-            f'<line x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" stroke="#868e96"/>'
+            f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>{bands}'
+            f'<line class="axis" x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
+            'stroke="#868e96"/>'
             f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#868e96"/>'
             f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{unit}{v1:g}</text>'
             f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{v0:g}</text>'
@@ -159,8 +182,12 @@ def _value(text: str) -> str:
 
 
 def _figure(times: list[int], values: list[float], window: tuple[int, int], frame: tuple[int, int], name: str,
-            caption: str, counter: bool = False) -> str:
-    chart = series_svg(times, values, window, name, frame=frame, counter=counter)
+            caption: str, counter: bool = False, timing: Timing | None = None) -> str:
+    if timing is not None:  # a hardware cause: the detector's window, the stage inside it, and the rise
+        window, stage, rise = timing.window_ns, timing.stage_ns, timing.rise_ns
+    else:
+        stage = rise = None
+    chart = series_svg(times, values, window, name, frame=frame, counter=counter, stage=stage, rise=rise)
     return f'<figure class="counter">{chart}<figcaption>{caption}</figcaption></figure>'
 
 
@@ -173,8 +200,10 @@ def _stage_window(trace: lookup.Trace, stage: str | None, rank: str = "") -> tup
 
 def _frame(trace: lookup.Trace, stage: str | None, causes: list[dict]) -> tuple[int, int]:
     """One span of time for every chart of the report: the stages they shade, ``FRAME_MARGIN_NS`` either side."""
+    hardware = [c for c in causes if c["kind"] == "hardware"]
     windows = [w for w in [_stage_window(trace, stage)] + [_stage_window(trace, c["stage"], c.get("rank") or "")
-                                                           for c in causes if c["kind"] == "hardware"] if w]  # fmt: skip
+                                                           for c in hardware] if w]  # fmt: skip
+    windows += [timing.window_ns for timing in map(Timing.of, hardware) if timing]  # a lookback reaches further
     start = min((w[0] for w in windows), default=trace.start_ns)
     end = max((w[1] for w in windows), default=trace.start_ns + trace.duration_ns)
     return start - FRAME_MARGIN_NS, end + FRAME_MARGIN_NS
@@ -226,10 +255,14 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame
         for name, series in samples.series(cause["host"], cause["device"]):
             if name != cause["name"] or series.labels != cause.get("labels", series.labels):
                 continue
+            timing = Timing.of(cause)
+            rank = escape(f"rank {cause['rank']}, ") if cause.get("rank") else ""  # two ranks may share a NIC
+            when = (f"{timing.words(cause['stage'])} (marked); the window weighed shaded, {cause['stage']} outlined"
+                    if timing else f"while {cause['stage']} ran (shaded)")  # fmt: skip
             charts.append(_figure(series.times, series.values, window, frame, name,
-                                  f"{escape(name)} on {_code(cause['device'])} ({escape(cause['host'])}): "
-                                  f"{escape(cause['value'])} while {escape(cause['stage'])} ran (shaded)",
-                                  counter=not series.signal.gauge))  # fmt: skip
+                                  f"{escape(name)} on {rank}{_code(cause['device'])} ({escape(cause['host'])}): "
+                                  f"{escape(cause['value'])} {escape(when)}",
+                                  counter=not series.signal.is_gauge, timing=timing))  # fmt: skip
     return charts
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from stagetrace import config, conventions, lookup
 from stagetrace.analysis import detectors, inventory, population, rollouts, tenants
 from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
-from stagetrace.analysis.hardware import Samples
+from stagetrace.analysis.hardware import Samples, Timing
 from stagetrace.store import Store
 
 HOUR_NS = 3600 * 1_000_000_000
@@ -262,8 +262,10 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
         change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")
         usual = f" (usually {top.evidence['typical']:g})" if "typical" in top.evidence else ""
-        return (f"{lead}: {top.name} {change}{usual} on{rank} {top.evidence['device']} "
-                f"({top.evidence['host']}) while it ran, not for the baseline {tail}")  # fmt: skip
+        timing = Timing.of(top.evidence)  # the window the detector weighed, as the report draws it
+        when = timing.words(stage) if timing else "while it ran"
+        return (f"{lead}: {top.name} {change}{usual} {when} on{rank} {top.evidence['device']} "
+                f"({top.evidence['host']}), not for the baseline {tail}")  # fmt: skip
     value, usual = top.value or "(unset)", top.baseline_value or "(unset)"
     where = top.evidence.get("where") or {}
     host = where.get(conventions.HOST) or next(iter(where.values()), "")

@@ -1,4 +1,4 @@
-"""Hardware evidence: error-class counters that rose on a stage's GPUs and NICs while it ran.
+"""Hardware evidence: error-class counters that rose on a stage's GPUs and NICs in its window.
 
 Signals are described as data (metric, which device label joins it to a span, label filter,
 severity, rule), and what is read is derived from them, in two queries over the hosts and time range:
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import re
 import statistics
 from collections import defaultdict
@@ -222,6 +223,65 @@ class Series:
     values: list[float]
 
 
+@dataclass(frozen=True)
+class Timing:
+    """Where a rise lies against the stage it is blamed on: the one account of time that the verdict's sentence,
+    the incident report's chart and the JSON all read, so that they cannot disagree.
+
+    ``window_ns`` is the window the detector weighed (scrapes, as ``Samples.window`` makes it), ``stage_ns`` the
+    span's start and end, ``rise_ns`` when the change happened as far as the scrapes can tell: for a counter, from
+    the scrape before the first sample that showed an increase to the last sample that did (it rose at some time
+    in between); for a gauge, its first and last sample past the bound.
+    """
+
+    window_ns: tuple[int, int]
+    stage_ns: tuple[int, int]
+    rise_ns: tuple[int, int]
+
+    def words(self, stage: str) -> str:
+        """Where in the window the change happened, against ``stage``: "in the 8.8 s before decode started",
+        "while decode ran", "in the 3.7 s after decode ended", or, when the scrapes straddle an edge of the stage,
+        "between 1.2 s before decode started and 3.7 s after it ended". Each number is rounded outwards, so
+        the words hold for every time the scrapes allow."""
+        (start, end), (first, last) = self.stage_ns, self.rise_ns
+        if last <= start:
+            return f"in the {seconds(start - first)} before {stage} started"
+        if first >= start and last <= end:
+            return f"while {stage} ran"
+        if first >= end:
+            return f"in the {seconds(last - end)} after {stage} ended"
+        return f"between {_edge(first, start, end, stage)} and {_edge(last, start, end, 'it')}"
+
+    def to_json(self) -> dict:
+        return {"window_ns": list(self.window_ns), "stage_ns": list(self.stage_ns), "rise_ns": list(self.rise_ns)}
+
+    @classmethod
+    def of(cls, evidence: dict) -> Timing | None:
+        """The timing a cause's evidence (``to_json``'s keys) carries; None for one without it."""
+        try:
+            return cls(*(tuple(int(t) for t in evidence[key]) for key in ("window_ns", "stage_ns", "rise_ns")))
+        except (KeyError, TypeError, ValueError):
+            return None
+
+
+def seconds(ns: int) -> str:
+    """A duration as the sentence says it, rounded up (a bound: "in the 8.8 s before" must hold): whole seconds
+    from 10 s, tenths below, milliseconds under one second."""
+    if ns >= 10 * 10**9:
+        return f"{math.ceil(ns / 1e9)} s"
+    if ns >= 10**9:
+        return f"{math.ceil(ns / 1e8) / 10:g} s"
+    return f"{math.ceil(ns / 1e6)} ms"
+
+
+def _edge(t: int, start: int, end: int, stage: str) -> str:
+    if t < start:
+        return f"{seconds(start - t)} before {stage} started"
+    if t <= end:
+        return f"{seconds(t - start)} after {stage} started"
+    return f"{seconds(t - end)} after {stage} ended"
+
+
 @dataclass
 class Rise:
     """A signal that rose (or was active) on a device in a window."""
@@ -232,6 +292,7 @@ class Rise:
     labels: dict[str, str]
     delta: float  # counter increase, or the gauge's extreme value while active
     typical: float | None = None  # relative signals: the series' usual increase over such a window, or usual value
+    timing: Timing | None = None  # the window weighed, the stage, and when in it the change happened
 
 
 class Samples:
@@ -293,44 +354,66 @@ class Samples:
         return scrapes[first], scrapes[last]
 
     def rises(self, host: str, gpus: list[str], nics: list[str], start_ns: int, end_ns: int) -> list[Rise]:
-        if host not in self._scrape_times:
+        """What rose on the devices while a span ran from ``start_ns`` to ``end_ns``, each with its ``Timing``."""
+        scrapes = self._scrape_times.get(host)
+        if not scrapes:
             return []
-        born_after = self._scrape_times[host][0]  # a series whose first sample is later was born then
         out = []
         for device in dict.fromkeys([*gpus, *nics]):
             for name, series in self._by_device.get((host, device), ()):
-                delta, typical = _rise(series, *self.window(host, start_ns, end_ns, series.signal.lookback), born_after)
-                if delta > 0:
-                    out.append(Rise(series.signal, name, device, series.labels, delta, typical))
+                window = self.window(host, start_ns, end_ns, series.signal.lookback)
+                delta, typical, when = _rise(series, *window, scrapes)
+                if delta > 0 and when is not None:
+                    out.append(Rise(series.signal, name, device, series.labels, delta, typical,
+                                    Timing(window, (start_ns, end_ns), when)))  # fmt: skip
         return out
 
 
-def _rise(series: Series, w0: int, w1: int, born_after: int) -> tuple[float, float | None]:
-    """(what the signal shows in the window, 0 when it is not active; the typical level for a relative signal)."""
+def _rise(series: Series, w0: int, w1: int, scrapes: list[int]) -> tuple[float, float | None, tuple[int, int] | None]:
+    """(what the signal shows in the window, 0 when it is not active; the typical level for a relative signal; when
+    in the window it changed, as ``Timing.rise_ns``). ``scrapes``: the host's scrape times."""
     lo = bisect.bisect_left(series.times, w0)
     hi = bisect.bisect_right(series.times, w1)
     values = series.values[lo:hi]
     if not values:
-        return 0.0, None
+        return 0.0, None, None
     signal = series.signal
     if signal.ratio_above is not None:
-        return _relative(series, lo, hi, w0, w1, born_after)
+        return _relative(series, lo, hi, w0, w1, scrapes)
     if signal.gauge_above is not None:
-        return max((v for v in values if v > signal.gauge_above), default=0.0), None
+        active = [i for i in range(lo, hi) if series.values[i] > signal.gauge_above]
+        return max((series.values[i] for i in active), default=0.0), None, _span(series, active)
     if signal.gauge_below is not None:
-        return (1.0 if any(v < signal.gauge_below for v in values) else 0.0), None
-    return _increase(series, lo, hi, w0, born_after), None
+        active = [i for i in range(lo, hi) if series.values[i] < signal.gauge_below]
+        return (1.0 if active else 0.0), None, _span(series, active)
+    increase, when = _increase(series, lo, hi, w0, scrapes)
+    return increase, None, when
 
 
-def _increase(series: Series, lo: int, hi: int, w0: int, born_after: int) -> float:
-    values = series.values[lo:hi]
-    increase = values[0] if lo == 0 and series.times[0] > max(w0, born_after) else 0.0
-    for previous, value in zip(values, values[1:]):
-        increase += value - previous if value >= previous else value  # a decrease is a reset or a wrap
-    return increase
+def _span(series: Series, samples: list[int]) -> tuple[int, int] | None:
+    """A gauge's first and last sample (indices) past its bound: when it was seen so."""
+    return (series.times[samples[0]], series.times[samples[-1]]) if samples else None
 
 
-def _relative(series: Series, lo: int, hi: int, w0: int, w1: int, born_after: int) -> tuple[float, float | None]:
+def _increase(series: Series, lo: int, hi: int, w0: int, scrapes: list[int]) -> tuple[float, tuple[int, int] | None]:
+    """The counter's increase over samples ``lo:hi``, and from the scrape before its first step to its last step."""
+    times, values = series.times, series.values
+    born_after = scrapes[0]  # a series whose first sample is later was born then: it rose from zero
+    steps = []  # (the scrape before, the sample that showed it) of each step up
+    increase = 0.0
+    if lo == 0 and times[0] > max(w0, born_after) and values[0] > 0:
+        increase = values[0]
+        steps.append((scrapes[max(bisect.bisect_left(scrapes, times[0]) - 1, 0)], times[0]))
+    for i in range(lo + 1, hi):
+        step = values[i] - values[i - 1] if values[i] >= values[i - 1] else values[i]  # a decrease: reset or wrap
+        if step > 0:
+            increase += step
+            steps.append((times[i - 1], times[i]))
+    return increase, ((min(a for a, _ in steps), max(b for _, b in steps)) if steps else None)
+
+
+def _relative(series: Series, lo: int, hi: int, w0: int, w1: int,
+              scrapes: list[int]) -> tuple[float, float | None, tuple[int, int] | None]:  # fmt: skip
     signal = series.signal
     times, values = series.times, series.values
     around_lo = bisect.bisect_left(times, w0 - LOOKAROUND_NS)
@@ -339,25 +422,26 @@ def _relative(series: Series, lo: int, hi: int, w0: int, w1: int, born_after: in
         outside = values[around_lo:lo] + values[hi:around_hi]
         peak = max(values[lo:hi])
         if len(outside) < MIN_TYPICAL:
-            return 0.0, None
+            return 0.0, None, None
         typical = statistics.median(outside)
         active = peak > signal.ratio_above * typical and (signal.floor is None or peak >= signal.floor)
-        return (peak if active else 0.0), typical
-    seconds = (w1 - w0) / 1e9
-    increase = _increase(series, lo, hi, w0, born_after)
-    if seconds <= 0 or increase <= 0:
-        return 0.0, None
+        above = [i for i in range(lo, hi) if values[i] > signal.ratio_above * typical]
+        return (peak if active else 0.0), typical, _span(series, above)
+    seconds_in = (w1 - w0) / 1e9
+    increase, when = _increase(series, lo, hi, w0, scrapes)
+    if seconds_in <= 0 or increase <= 0:
+        return 0.0, None, None
     rates = []  # per second, over the scrape intervals of the lookaround that lie outside the window
     for i in range(around_lo, around_hi - 1):
         t, t_next = times[i], times[i + 1]
         if t_next <= w0 or t >= w1:
             step = values[i + 1] - values[i] if values[i + 1] >= values[i] else values[i + 1]
             rates.append(step / ((t_next - t) / 1e9))
-    floor_met = signal.floor is None or increase / seconds >= signal.floor
+    floor_met = signal.floor is None or increase / seconds_in >= signal.floor
     if len(rates) < MIN_TYPICAL:
-        return (increase if signal.floor is not None and floor_met else 0.0), None
-    typical = statistics.median(rates) * seconds
-    return (increase if floor_met and increase > signal.ratio_above * typical else 0.0), typical
+        return (increase if signal.floor is not None and floor_met else 0.0), None, when
+    typical = statistics.median(rates) * seconds_in
+    return (increase if floor_met and increase > signal.ratio_above * typical else 0.0), typical, when
 
 
 def devices(attributes: dict[str, str]) -> tuple[list[str], list[str]]:
@@ -376,10 +460,11 @@ def _names(text: str) -> list[str]:
 
 
 def context(store: Store, trace) -> list[dict]:
-    """Error-class counters that rose on the GPUs and NICs a trace's spans name, while each span ran.
+    """Error-class counters that rose on the GPUs and NICs a trace's spans name, in each span's window.
 
     What ``stagetrace trace`` shows beside the waterfall; largest increase per device and series (with
-    the series' typical level, ``typical``, for a relative signal).
+    the series' typical level, ``typical``, for a relative signal), and where in the window it rose (``when``:
+    ``Timing.words``, as ``explain`` says it, with the timing's times).
     """
     spans = [s for s in trace.spans if any(devices(s.attributes))]
     if not spans:
@@ -399,4 +484,7 @@ def context(store: Store, trace) -> list[dict]:
                 entry["increase"] = rise.delta
                 if rise.typical is not None:
                     entry["typical"] = rise.typical
+                if rise.timing is not None:  # the same words as explain's sentence
+                    entry["when"] = rise.timing.words(span.stage or span.name)
+                    entry |= rise.timing.to_json()
     return [found[k] for k in sorted(found, key=lambda k: (-severity[k], found[k]["device"]))]

@@ -41,7 +41,6 @@ class HardwareSignals:
             for rise in _rises(case.samples, theirs) if theirs is not None else ():
                 before[_kind(rise)] = before.get(_kind(rise), 0.0) + rise.delta
             host = span.resource.get("host.name", "")
-            window = case.samples.window(host, span.start_ns, span.start_ns + span.duration_ns)
             for rise in _rises(case.samples, span):
                 both = before.get(_kind(rise), 0.0) > 0
                 evidence = {"host": host, "device": rise.device, "rank": rank or None, "labels": rise.labels}
@@ -50,8 +49,8 @@ class HardwareSignals:
                     others = [p for p in held.get((host, rise.device), []) if p != pods.own_pod(span)]
                     if others:
                         evidence["co_tenants"] = others
-                if window:
-                    evidence["window_ns"] = list(window)
+                if rise.timing is not None:  # the window weighed and when in it: what the sentence and chart say
+                    evidence |= rise.timing.to_json()
                 if rise.typical is not None:  # a relative signal: against the series' own usual level
                     evidence["typical"] = rise.typical
                 sign = "" if rise.signal.is_gauge else "+"
