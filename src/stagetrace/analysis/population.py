@@ -453,3 +453,28 @@ def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, i
     rows = store.client.query(sql, parameters=parameters).result_rows
     return {trace_id: Difference(stage, list(attributes), list(resource))
             for trace_id, (stage, attributes, resource) in rows}  # fmt: skip
+
+
+# Other requests of a deviation's service with its input and its group's majority output, the earliest few of each:
+# the references ``explain.confirmed`` checks a TP stage's ranks against when several began the difference against
+# the baseline (which agrees in output but may carry a masked difference of its own on a rank).
+MAJORITY_MEMBERS_SQL = f"""
+SELECT ServiceName, InputDigest, OutputDigest, groupArray({{n:UInt32}})(TraceId)
+FROM (SELECT ServiceName, InputDigest, OutputDigest, TraceId, Start
+      FROM ({conventions.requests_sql(
+          _IN_WINDOW + " AND InputDigest IN {inputs:Array(String)}", "{db:Identifier}.stagetrace_requests")})
+      WHERE InputDigest IN {{inputs:Array(String)}} AND OutputDigest IN {{outputs:Array(String)}}
+      ORDER BY Start, TraceId)
+GROUP BY ServiceName, InputDigest, OutputDigest"""
+
+
+def majority_members(store: Store, keys, t0_ns: int, t1_ns: int, n: int) -> dict[tuple[str, str, str], list[str]]:
+    """(service, input, majority output) → the trace IDs of up to ``n`` requests in [t0, t1) of that service with
+    both, earliest first."""
+    keys = set(keys)
+    if not keys:
+        return {}
+    rows = store.client.query(MAJORITY_MEMBERS_SQL, parameters={
+        "db": store.database, "t0": t0_ns, "t1": t1_ns, "n": n, "inputs": sorted({i for _, i, _ in keys}),
+        "outputs": sorted({o for _, _, o in keys})}).result_rows  # fmt: skip
+    return {(s, i, o): list(tids) for s, i, o, tids in rows if (s, i, o) in keys}

@@ -1,0 +1,189 @@
+"""The rank that broke it: a tensor-parallel rank whose contribution to the all-reduce is corrupted is named, with
+its GPU and host, not the rank that carries the request or the ranks that summed the corrupted contribution.
+
+The class of case: silent data corruption in tensor parallelism. One rank computes with a corrupted weight of its
+shard; the all-reduce adds its wrong partial sum into every rank's result, so every rank's output differs and only
+the inputs tell the ranks apart. Two real gloo jobs (``tests/apps/tp_ranks.py``: ``torch.distributed`` with a
+process per rank, each process a host of its own with its own ``host.name`` and ``gpu.uuid``), instrumented with
+stagetrace's PyTorch integration, send their spans with the official OTLP exporter into one real embedded store:
+
+- ``lm-tp2``: TP = 2; rank 1 corrupts some requests (always the same weight: a faulty GPU).
+- ``lm-tp4``: TP = 4, the other's neighbour in the store; rank 2 corrupts some requests and, at the same time,
+  rank 0 (the rank that carries the request) others.
+
+Each job also serves control requests and masked ones (a corruption too small to change the generated tokens).
+Which request deviates is decided by the models' own outputs, never by the analysis. Every case goes through
+``explain``, ``divergences`` and the live analyser, which must give the same rank, GPU and host. Real hosts' GPUs
+do not exist here: the GPU UUIDs are the processes' resource attributes, as the resource detector records them.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stagetrace.analysis import divergences, live
+from stagetrace.analysis.explain import Explainer
+from stagetrace.exporters.otlp import OtlpReceiver
+from stagetrace.store import open_store
+
+APP = Path(__file__).parent / "apps" / "tp_ranks.py"
+FLIP = 256.0  # one exponent bit of one weight: changes the output
+ULP = 1.0 + 2.0**-20  # a few ulps: changes the contribution's bits, not the generated tokens
+TOKENS = 3
+PROMPTS = {"a": [5, 17, 42], "b": [1, 2, 3]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plan(service: str, faults: dict[str, tuple[int, float]]) -> dict:
+    """Per prompt: three controls, then each fault's requests (``faults``: request-ID infix -> (rank, scale)), the
+    controls first so that the majority is theirs."""
+    requests = []
+    for p, prompt in PROMPTS.items():
+        requests += [{"id": f"{service}-{p}-ok{i}", "prompt": prompt, "tokens": TOKENS} for i in range(3)]
+        for name, (rank, scale) in faults.items():
+            requests += [{"id": f"{service}-{p}-{name}", "prompt": prompt, "tokens": TOKENS,
+                          "corrupt": {"rank": rank, "scale": scale}}]  # fmt: skip
+    return {"service": service, "hosts": service, "requests": requests}
+
+
+JOBS = {
+    "lm-tp2": (2, _plan("lm-tp2", {"r1": (1, FLIP), "r1again": (1, FLIP), "masked": (1, ULP)})),
+    "lm-tp4": (4, _plan("lm-tp4", {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (3, ULP)})),
+}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """(store, {request ID: generated tokens}) of both jobs, run at once into one store."""
+    with open_store(f"chdb://{tmp_path_factory.mktemp('ranks') / 'store'}") as store:
+        receiver = OtlpReceiver(store, "127.0.0.1:0")
+        try:
+            processes = {}
+            for service, (world, plan) in JOBS.items():
+                port = _free_port()
+                processes[service] = [subprocess.Popen(
+                    [sys.executable, str(APP), str(rank), str(world), str(port), f"{receiver.url}/v1/traces",
+                     json.dumps(plan)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for rank in range(world)]  # fmt: skip
+            outputs = {}
+            for service, ranks in processes.items():
+                results = [p.communicate(timeout=300) for p in ranks]
+                for p, (_, err) in zip(ranks, results):
+                    assert p.returncode == 0, err
+                outputs.update(json.loads(results[0][0]))
+            assert receiver.writer.flush()
+        finally:
+            receiver.close()
+        yield store, outputs
+
+
+def _ids(service: str, kind: str) -> list[str]:
+    return [f"{service}-{p}-{kind}" for p in PROMPTS]
+
+
+def test_the_premise_comes_from_the_models_own_outputs(recorded):
+    """Not an analysis test: the corruptions changed the generated tokens, the masked ones and controls did not."""
+    _, outputs = recorded
+    for service, kinds in (("lm-tp2", ("r1", "r1again")), ("lm-tp4", ("r2", "r2again", "r0"))):
+        for p in PROMPTS:
+            control = outputs[f"{service}-{p}-ok0"]
+            assert outputs[f"{service}-{p}-ok1"] == outputs[f"{service}-{p}-ok2"] == control
+            assert outputs[f"{service}-{p}-masked"] == control, "the masked corruption must leave the tokens alone"
+            for kind in kinds:
+                assert outputs[f"{service}-{p}-{kind}"] != control, (service, p, kind)
+
+
+@pytest.mark.parametrize("service, kinds, rank", [
+    ("lm-tp2", ("r1", "r1again"), "1"),
+    ("lm-tp4", ("r2", "r2again"), "2"),
+    ("lm-tp4", ("r0",), "0"),  # the rank that carries the request, named only when it is the one that began it
+])  # fmt: skip
+def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorded, service, kinds, rank):
+    store, _ = recorded
+    world = JOBS[service][0]
+    others = [str(r) for r in range(world) if str(r) != rank]
+    for kind in kinds:
+        for rid in _ids(service, kind):
+            report = Explainer(store).explain(rid)
+            assert report["diverged"] and report["first_divergent_stage"] == "allreduce", report["summary"]
+            assert report["divergent_ranks"] == [rank], report["summary"]
+            origin = report["origin"]
+            assert origin["how"] == "input" and origin["received"] == [str(r) for r in range(world)], origin
+            assert origin["places"] == [{"rank": rank, "gpu": f"GPU-{service}-{rank}", "host": f"{service}-node-{rank}"}]
+            summary = report["summary"]
+            assert f"rank {rank}'s contribution to the all-reduce differs (its input)" in summary, summary
+            assert f"GPU-{service}-{rank}" in summary and f"{service}-node-{rank}" in summary, summary
+            for other in others:  # the ranks that summed it are not blamed
+                assert f"GPU-{service}-{other}" not in summary and f"{service}-node-{other} " not in summary, summary
+                assert not any(c.get("rank") == other or f"GPU-{service}-{other}" in json.dumps(c)
+                               for c in report["causes"]), report["causes"]  # fmt: skip
+            received = "ranks 0 and 1 both" if world == 2 else "ranks 0, 1, 2 and 3 all"
+            assert f"{received} received the difference" in summary, summary
+
+
+@pytest.mark.parametrize("service", list(JOBS))
+def test_controls_and_masked_corruptions_agree(recorded, service):
+    store, _ = recorded
+    for rid in _ids(service, "ok1") + _ids(service, "masked"):
+        report = Explainer(store).explain(rid)
+        assert not report["diverged"], report["summary"]
+
+
+def test_the_same_gpu_beginning_differences_with_no_counter_is_suspected_silent_data_corruption(recorded):
+    """Rank 1 of lm-tp2 began the difference of four requests and nothing was recorded against its GPU: once the
+    analyser has recorded them, ``explain`` says so plainly, with the GPU's UUID and host. Rank 0 of lm-tp4 began
+    two: named, but not suspected of silent corruption on two requests' evidence."""
+    store, _ = recorded
+    divergences.find(store, 3600 * 10**9, time.time_ns() + 10**9, limit=None)  # the analyser's record
+    report = Explainer(store).explain("lm-tp2-a-r1")
+    assert "suspected silent data corruption: GPU-lm-tp2-1 (lm-tp2-node-1)" in report["summary"], report["summary"]
+    top = report["causes"][0]
+    assert (top["kind"], top["gpu"], top["host"], top["requests"]) == ("sdc", "GPU-lm-tp2-1", "lm-tp2-node-1", 4)
+    single = Explainer(store).explain("lm-tp4-a-r0")
+    assert "silent data corruption" not in single["summary"], single["summary"]
+
+
+def _began(items: dict) -> dict[str, list[tuple[str, str, str]]]:
+    return {rid: [(p["rank"], p["gpu"], p["host"]) for p in item["began"]] for rid, item in items.items()}
+
+
+def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recorded):
+    store, _ = recorded
+    expected = {}
+    for service, kinds, rank in (("lm-tp2", ("r1", "r1again"), "1"), ("lm-tp4", ("r2", "r2again", "r0"), None)):
+        for kind in kinds:
+            r = rank or kind[1]
+            for rid in _ids(service, kind):
+                expected[rid] = [(r, f"GPU-{service}-{r}", f"{service}-node-{r}")]
+    found = divergences.find(store, 3600 * 10**9, time.time_ns() + 10**9, limit=None)
+    items = {item["request_id"]: item for group in found["groups"] for item in group["deviating"]}
+    assert _began(items) == expected
+    for rid, item in items.items():  # the stored row carries the GPU (Devices) and the verdict names rank and host
+        assert item["device"] == expected[rid][0][1] and expected[rid][0][2] in item["summary"], item
+    rows = dict(store.client.query("SELECT RequestId, Devices FROM {db:Identifier}.stagetrace_divergences FINAL",
+                                   parameters={"db": store.database}).result_rows)  # fmt: skip
+    assert {rid: rows[rid] for rid in expected} == {rid: e[0][1] for rid, e in expected.items()}
+
+    store.client.command("TRUNCATE TABLE {db:Identifier}.stagetrace_divergences", parameters={"db": store.database})
+    analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600),
+                             clock=lambda: time.time_ns() + 10**9)  # fmt: skip
+    assert analyser.step() is not None
+    summaries = dict(store.client.query(
+        "SELECT RequestId, Summary FROM {db:Identifier}.stagetrace_divergences FINAL",
+        parameters={"db": store.database}).result_rows)  # fmt: skip
+    assert sorted(summaries) == sorted(expected)
+    for rid, [(rank, gpu, host)] in expected.items():
+        assert f"rank {rank}'s contribution to the all-reduce differs" in summaries[rid] and gpu in summaries[rid]
+        assert host in summaries[rid], summaries[rid]
