@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from stagetrace.analysis import divergences, live
+from stagetrace.analysis import divergences, live, population
 from stagetrace.analysis.explain import Explainer
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.store import open_store
@@ -187,3 +187,28 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
     for rid, [(rank, gpu, host)] in expected.items():
         assert f"rank {rank}'s contribution to the all-reduce differs" in summaries[rid] and gpu in summaries[rid]
         assert host in summaries[rid], summaries[rid]
+
+
+def test_the_tallys_sql_finds_the_same_rank_gpu_and_host(recorded):
+    """``population.first_differences`` (what the tally reads for requests not analysed in full) applies the same
+    rule in SQL, without the confirmation against other majority requests: the requests whose baseline carries no
+    masked difference of its own get the same rank, GPU and host as ``explain``."""
+    store, _ = recorded
+    until = time.time_ns() + 10**9
+    t0 = until - 3600 * 10**9
+    found = population.first_differences(store, t0, until, (t0 - 60 * 10**9, until + 60 * 10**9))
+    deviations = {d.request_id: d for d in population.deviations(store, t0, until)}
+    checked = 0
+    for rid, d in deviations.items():
+        report = Explainer(store).explain(rid)
+        if report["divergent_ranks"] != report["origin"]["ranks"] or len(report["origin"]["ranks"]) != 1:
+            continue
+        against = Explainer(store).explain(rid, against=d.baseline_request_id)
+        if against["divergent_ranks"] != report["divergent_ranks"]:
+            continue  # its baseline carries a masked difference: only the confirmed analysis tells them apart
+        place = report["origin"]["places"][0]
+        difference = found[d.trace_id]
+        assert (difference.stage, difference.rank, difference.gpu, difference.host) == (
+            "allreduce", place["rank"], place["gpu"], place["host"]), rid
+        checked += 1
+    assert checked >= len(deviations) // 2, (checked, len(deviations))
