@@ -11,6 +11,10 @@ stagetrace's PyTorch integration, send their spans with the official OTLP export
 - ``lm-tp4``: TP = 4, the other's neighbour in the store; rank 2 corrupts some requests and, at the same time,
   rank 0 (the rank that carries the request) others.
 
+- ``hand-tp2``: TP = 2 recorded by hand with the span API (one input and output digest per rank, no step digests),
+  two groups of two hosts; rank 1 of group b corrupts two requests, and during one of them its host's NIC counts
+  packet sequence errors (the hardware samples are written in the agent's metric format: no mlx5 NIC here).
+
 Each job also serves control requests and masked ones (a corruption too small to change the generated tokens).
 Which request deviates is decided by the models' own outputs, never by the analysis. Every case goes through
 ``explain``, ``divergences`` and the live analyser, which must give the same rank, GPU and host. Real hosts' GPUs
@@ -86,7 +90,83 @@ def recorded(tmp_path_factory):
             assert receiver.writer.flush()
         finally:
             receiver.close()
+        _record_by_hand(store)
         yield store, outputs
+
+
+BY_HAND = {"hand-nic": 6, "hand-quiet": 10}  # request ID -> its index: rank 1 of group b corrupted
+NIC_LABELS = {"device": "mlx5_0", "port": "1"}
+
+
+def _record_by_hand(store) -> None:
+    """``hand-tp2``: a request every 20 s for 16 requests, two prompts, alternating between group a (hosts hand-a0,
+    hand-a1) and group b (hand-b0, hand-b1). Each rank's allreduce span: input its partial sum, output the reduced
+    sum. Rank 1 of group b contributes a corrupted partial to ``BY_HAND``'s requests; hand-b1's NIC counts sequence
+    errors during the first one only."""
+    from opentelemetry import trace as otel
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from stagetrace import conventions as cv
+    from stagetrace.digest import digest
+    from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
+    from tests.fleet import Fleet
+
+    memory = InMemorySpanExporter()
+    tracers = {}
+    for host in ("hand-a0", "hand-a1", "hand-b0", "hand-b1"):
+        provider = TracerProvider(resource=Resource.create({"service.name": "hand-tp2", "host.name": host,
+                                                            "gpu.uuid": f"GPU-{host}"}))  # fmt: skip
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        tracers[host] = provider.get_tracer("by-hand")
+    t0 = time.time_ns() - 30 * 60 * 10**9
+    corrupted = {i: rid for rid, i in BY_HAND.items()}
+    starts = {}
+    for i in range(16):
+        at, prompt, group = t0 + i * 20 * 10**9, i % 2, "ab"[(i // 2) % 2]
+        bad = i in corrupted
+        assert not bad or group == "b"
+        rid = corrupted.get(i, f"hand-{i:02d}")
+        starts[rid] = at
+        total = f"sum-{prompt}" + ("-bad" if bad else "")
+        root = tracers[f"hand-{group}0"].start_span("inference.request", start_time=at, attributes={
+            cv.REQUEST_ID: rid, cv.INPUT_DIGEST: digest(f"prompt-{prompt}"), cv.OUTPUT_DIGEST: digest(total)})
+        context = otel.set_span_in_context(root)
+        for rank in (0, 1):
+            partial = f"partial-{prompt}-{rank}" + ("-bad" if bad and rank == 1 else "")
+            span = tracers[f"hand-{group}{rank}"].start_span("allreduce", context=context, start_time=at + 10**6,
+                                                             attributes={
+                cv.STAGE: "allreduce", cv.TP_RANK: rank, cv.TP_SIZE: 2, "net.rdma.devices": ["mlx5_0"],
+                cv.STAGE_INPUT_DIGEST: digest(partial), cv.STAGE_OUTPUT_DIGEST: digest(total)})  # fmt: skip
+            span.end(end_time=at + 5 * 10**6)
+        root.end(end_time=at + 10 * 10**6)
+    writer = ClickHouseSpanExporter(store=store, spool_dir=False, create_schema=False)
+    assert writer.export(memory.get_finished_spans()).name == "SUCCESS" and writer.force_flush(60_000)
+    writer.shutdown()
+    fleet = Fleet(store)
+    for host in tracers:  # scraped every 15 s all along; hand-b1's counter rises once, in the scrape after hand-nic
+        rises = ((starts["hand-nic"] + 12 * 10**9, 3.0),) if host == "hand-b1" else ()
+        fleet.counter(host, "rdma_packet_seq_err_total", NIC_LABELS, t0 - 60 * 10**9, t0 + 7 * 60 * 10**9,
+                      value=40, rises=rises)  # fmt: skip
+
+
+def test_ranks_recorded_by_hand_name_the_host_whose_nic_counted_errors_during_the_all_reduce(recorded):
+    """With one input digest per rank and no steps, the rank whose contribution differs while the other's matches
+    began it; its host's NIC counter is the evidence, never the summing rank's host (the root's)."""
+    store, _ = recorded
+    report = Explainer(store).explain("hand-nic")
+    assert report["divergent_ranks"] == ["1"] and report["origin"]["how"] == "input", report["summary"]
+    top = report["causes"][0]
+    assert (top["kind"], top["name"], top["host"], str(top["rank"])) == (
+        "hardware", "rdma_packet_seq_err_total", "hand-b1", "1"), report["causes"][:3]
+    assert "rdma_packet_seq_err_total rose by 3 on rank 1, mlx5_0 (hand-b1)" in report["summary"], report["summary"]
+    assert not any(c.get("host") == "hand-b0" or "hand-b0" in str(c.get("value")) for c in report["causes"])
+    quiet = Explainer(store).explain("hand-quiet")
+    assert quiet["divergent_ranks"] == ["1"], quiet["summary"]
+    assert "rank 1 (GPU-hand-b1, hand-b1): rank 1's contribution to the all-reduce differs" in quiet["summary"]
+    assert not any(c["kind"] == "hardware" for c in quiet["causes"]), quiet["causes"]
 
 
 def _ids(service: str, kind: str) -> list[str]:
@@ -167,6 +247,7 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
             r = rank or kind[1]
             for rid in _ids(service, kind):
                 expected[rid] = [(r, f"GPU-{service}-{r}", f"{service}-node-{r}")]
+    expected |= {rid: [("1", "GPU-hand-b1", "hand-b1")] for rid in BY_HAND}
     found = divergences.find(store, 3600 * 10**9, time.time_ns() + 10**9, limit=None)
     items = {item["request_id"]: item for group in found["groups"] for item in group["deviating"]}
     assert _began(items) == expected
