@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,10 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
     assert _began(items) == expected
     for rid, item in items.items():  # the stored row carries the GPU (Devices) and the verdict names rank and host
         assert item["device"] == expected[rid][0][1] and expected[rid][0][2] in item["summary"], item
+    on = Counter()  # the tally counts each line's requests by the GPU and host that began them
+    for line in found["tally"]:
+        on.update(line.get("began_on", {}))
+    assert on == Counter(f"{e[0][1]} ({e[0][2]})" for e in expected.values()), found["tally"]
     rows = dict(store.client.query("SELECT RequestId, Devices FROM {db:Identifier}.stagetrace_divergences FINAL",
                                    parameters={"db": store.database}).result_rows)  # fmt: skip
     assert {rid: rows[rid] for rid in expected} == {rid: e[0][1] for rid, e in expected.items()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, ranks, rollouts, silent
@@ -258,7 +259,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "nondeterministic": sum(unseeded.values()),
         "nondeterministic_by_service": unseeded,
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
-        "tally": tally(remaining, by_request, set(tops)),
+        "tally": tally(remaining, by_request, set(tops), _began_on(remaining, where, differences)),
         "tally_covers": "all" if tally_all else "analysed",
         "groups": list(groups.values()),
     }
@@ -319,16 +320,45 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
     return out
 
 
-def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str]) -> list[dict]:
+def _began_on(deviations: list[population.Deviation], where: dict[str, Divergence],
+              differences: dict[str, population.Difference]) -> dict[str, str]:  # fmt: skip
+    """Trace ID → ``GPU (host)`` of the TP rank that began each deviation's difference, where one did: an analysed
+    request's from its comparison, another's from the tally's SQL (``population.first_differences``)."""
+    out = {}
+    for d in deviations:
+        origin = where[d.trace_id].origin if d.trace_id in where else None
+        if origin is not None and origin.how != ranks.UPSTREAM and origin.places:
+            place = origin.places[0]
+            gpu, host = place["gpu"], place["host"]
+        elif d.trace_id in differences and differences[d.trace_id].rank:
+            gpu, host = differences[d.trace_id].gpu, differences[d.trace_id].host
+        else:
+            continue
+        if gpu or host:
+            out[d.trace_id] = f"{gpu} ({host})" if gpu and host else gpu or host
+    return out
+
+
+def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str],
+          began_on: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
     """Every deviating request (not only those analysed in full) by cause and first divergent stage, most first: how
     many, how many of them were analysed in full, on which hosts, first and last seen (so 80 requests of one index
-    rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's."""
+    rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's.
+    ``began_on``: per trace, the GPU and host of the TP rank that began it; a line counts its requests by them
+    (``"began_on"``, where any), so that one GPU's many requests read as such."""
     by: dict[tuple[str, str, str], list[population.Deviation]] = {}
     for d in deviations:
         stage, cause = by_request.get(d.trace_id, ("", ""))
         by.setdefault((cause, stage, d.service), []).append(d)
-    return [{"cause": cause, "stage": stage, "service": service, "requests": len(items),
-             "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
-             "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
-             "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}
-            for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]  # fmt: skip
+    began_on = began_on or {}
+    lines = []
+    for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        line = {"cause": cause, "stage": stage, "service": service, "requests": len(items),
+                "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
+                "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
+                "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}  # fmt: skip
+        on = Counter(began_on[d.trace_id] for d in items if d.trace_id in began_on)
+        if on:
+            line["began_on"] = dict(on.most_common())
+        lines.append(line)
+    return lines

@@ -8,6 +8,10 @@ when a setting that differs from the baseline's was rolled out in between (``rol
 baseline is chosen again among the requests on the request's side of the rollout. Requests that
 sample without a seed are compared only with each other.
 
+At a TP stage the difference is localized to the rank that began it (``analysis.ranks``: the rank whose
+contribution first differed, not every rank that summed it), and the causes are weighed on that rank's spans; a GPU
+that began many unexplained differences is a suspected silent data corruption (``analysis.silent``).
+
 The causes come from the detectors (``analysis.detectors``), ranked together; the verdict names the
 strongest, and says so plainly when nothing recorded explains the divergence. Spans whose process recorded no
 GPU model or driver get those of the GPU they ran on from the agent's inventory (``analysis.inventory``), read

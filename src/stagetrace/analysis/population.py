@@ -409,6 +409,7 @@ def _first_differences(pairs: str) -> str:
     differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
                      arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
     steps, gpu, host = conventions.STAGE_STEP_INPUT_DIGESTS, conventions.GPU_UUID, conventions.HOST
+    gpus = conventions.CONFIGURATION_GPU_UUIDS  # the one GPU a rank process could see (``ranks.gpu_of``)
     # per rank of the request's stage: where its input first differs from the baseline's same rank (1-based step,
     # 1 for the input as a whole, 0 nowhere); with steps only where every rank on both sides records them
     theirs_at = "indexOf(t.Ranks, r)"
@@ -439,7 +440,9 @@ theirs AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resou
            FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base)
 SELECT Dev, argMin((Stage, Attributes, ResourceAttributes, Began, BeganGpu, BeganHost), Place)
 FROM (
-    SELECT Dev, Stage, Place, Began, if(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}']) AS BeganGpu,
+    SELECT Dev, Stage, Place, Began,
+           multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
+                   position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '') AS BeganGpu,
            MineResource['{host}'] AS BeganHost, {differing.replace('mine', 'MineAttrs').replace('theirs', 'TheirAttrs')} AS Attributes,
            {differing.replace('mine', 'MineResource').replace('theirs', 'TheirResource')} AS ResourceAttributes
     FROM (

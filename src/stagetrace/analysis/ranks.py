@@ -100,8 +100,11 @@ def at(origin: Origin, trace: lookup.Trace, stage: str) -> Origin:
 
 
 def gpu_of(span: lookup.Span) -> str:
-    """The GPU a span ran on: its own attribute, else its process's resource."""
-    return span.attributes.get(conventions.GPU_UUID) or span.resource.get(conventions.GPU_UUID, "")
+    """The GPU a span ran on: its own ``gpu.uuid``, else its process's, else the one GPU its process could see (the
+    resource detector's ``gpu.uuids``: a rank process pinned to its GPU)."""
+    visible = span.resource.get(conventions.CONFIGURATION_GPU_UUIDS, "")
+    return (span.attributes.get(conventions.GPU_UUID) or span.resource.get(conventions.GPU_UUID)
+            or ("" if "," in visible else visible.strip()))
 
 
 def _ranks(ranks: list[str]) -> str:
