@@ -202,7 +202,8 @@ def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorde
             assert report["divergent_ranks"] == [rank], report["summary"]
             origin = report["origin"]
             assert origin["how"] == "input" and origin["received"] == [str(r) for r in range(world)], origin
-            assert origin["places"] == [{"rank": rank, "gpu": f"GPU-{service}-{rank}", "host": f"{service}-node-{rank}"}]
+            place = {"rank": rank, "gpu": f"GPU-{service}-{rank}", "host": f"{service}-node-{rank}"}
+            assert origin["places"] == [place], origin
             summary = report["summary"]
             assert f"rank {rank}'s contribution to the all-reduce differs (its input)" in summary, summary
             assert f"GPU-{service}-{rank}" in summary and f"{service}-node-{rank}" in summary, summary

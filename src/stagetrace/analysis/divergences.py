@@ -75,13 +75,14 @@ def _confirm(store: Store, deviations: list[population.Deviation], where: dict[s
     unsure = [d for d in deviations if ambiguous(where[d.trace_id])]
     if not unsure:
         return
-    members = population.majority_members(store, {(d.service, d.input_digest, d.majority_output) for d in unsure}, *window,
-                                          REFERENCES + 1)  # fmt: skip
+    keys = {(d.service, d.input_digest, d.majority_output) for d in unsure}
+    members = population.majority_members(store, keys, *window, REFERENCES + 1)
     chosen = {d.trace_id: [t for t in members.get((d.service, d.input_digest, d.majority_output), [])
                            if t not in (d.trace_id, d.baseline_trace_id)][:REFERENCES] for d in unsure}  # fmt: skip
     read = lookup.spans_of_many(store, {t for ts in chosen.values() for t in ts}, window, stages_only=True)
     for d in unsure:
-        references = [lookup.Trace(None, t, read[t][0].service, 0, 0, read[t]) for t in chosen[d.trace_id] if read.get(t)]
+        references = [lookup.Trace(None, t, read[t][0].service, 0, 0, read[t])
+                      for t in chosen[d.trace_id] if read.get(t)]  # fmt: skip
         where[d.trace_id] = confirmed(where[d.trace_id], traces[d.trace_id], references)
 
 

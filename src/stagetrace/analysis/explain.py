@@ -312,7 +312,8 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
                 f"{ev['fleet_step_since'][:19].replace('T', ' ')} UTC): it missed a weight sync {tail}")  # fmt: skip
     if top.kind == "hardware" and "tenant" in top.evidence:
         rank = f" rank {top.evidence['rank']}'s" if top.evidence.get("rank") else " its"
-        return f"{lead}{sep}{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the baseline {tail}"
+        return (f"{lead}{sep}{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the "
+                f"baseline {tail}")  # fmt: skip
     if top.kind == "hardware":
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
         change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")
@@ -453,8 +454,8 @@ class Explainer:
                         key=lambda p: abs(int(p[2]) - trace.start_ns))[:REFERENCES]  # fmt: skip
         if not chosen:
             return []
-        read = lookup.spans_of_many(self.store, [p[1] for p in chosen],
-                                    (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), stages_only=True)
+        within = (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns)
+        read = lookup.spans_of_many(self.store, [p[1] for p in chosen], within, stages_only=True)
         return [_trace_of(tid, spans) for tid, spans in read.items()]
 
     def _baseline(self, request_id: str, start_ns: int, peers: list[tuple], epochs) -> Baseline | None:

@@ -443,7 +443,8 @@ FROM (
     SELECT Dev, Stage, Place, Began,
            multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
                    position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '') AS BeganGpu,
-           MineResource['{host}'] AS BeganHost, {differing.replace('mine', 'MineAttrs').replace('theirs', 'TheirAttrs')} AS Attributes,
+           MineResource['{host}'] AS BeganHost,
+           {differing.replace('mine', 'MineAttrs').replace('theirs', 'TheirAttrs')} AS Attributes,
            {differing.replace('mine', 'MineResource').replace('theirs', 'TheirResource')} AS ResourceAttributes
     FROM (
         SELECT Dev, Stage, (if(indexOf({stages}, Stage) = 0, {len(conventions.PIPELINE_STAGES) + 1},
