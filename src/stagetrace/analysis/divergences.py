@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 from stagetrace import conventions, lookup
-from stagetrace.analysis import inventory, population, rollouts
+from stagetrace.analysis import inventory, population, ranks, rollouts, silent
 from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measurement, ranked
-from stagetrace.analysis.explain import (Baseline, Divergence, compare_stages, contrast_window, diagnose,
-                                         first_divergence, ranks_of, setting_keys, stage_differences, summary,
-                                         unknown_seed)
+from stagetrace.analysis.explain import (REFERENCES, Baseline, Divergence, ambiguous, compare_stages, confirmed,
+                                         contrast_window, diagnose, first_divergence, ranks_of, setting_keys,
+                                         stage_differences, summary, unknown_seed)
 from stagetrace.analysis.hardware import Samples, devices
 from stagetrace.analysis.tenants import Tenancy, gpus_of
 from stagetrace.store import Store
@@ -66,6 +67,42 @@ def _divergences(deviations: list[population.Deviation], traces: dict[str, looku
             for d in deviations if d.trace_id in traces and d.baseline_trace_id in traces}  # fmt: skip
 
 
+def _confirm(store: Store, deviations: list[population.Deviation], where: dict[str, Divergence],
+             traces: dict[str, lookup.Trace], window: tuple[int, int]) -> None:
+    """Where several TP ranks began a deviation's difference against its baseline, the ranks confirmed against other
+    requests with the majority output (``explain.confirmed``): their members read in one query, their stages in
+    another."""
+    unsure = [d for d in deviations if ambiguous(where[d.trace_id])]
+    if not unsure:
+        return
+    keys = {(d.service, d.input_digest, d.majority_output) for d in unsure}
+    members = population.majority_members(store, keys, *window, REFERENCES + 1)
+    chosen = {d.trace_id: [t for t in members.get((d.service, d.input_digest, d.majority_output), [])
+                           if t not in (d.trace_id, d.baseline_trace_id)][:REFERENCES] for d in unsure}  # fmt: skip
+    read = lookup.spans_of_many(store, {t for ts in chosen.values() for t in ts}, window, stages_only=True)
+    for d in unsure:
+        references = [lookup.Trace(None, t, read[t][0].service, 0, 0, read[t])
+                      for t in chosen[d.trace_id] if read.get(t)]  # fmt: skip
+        where[d.trace_id] = confirmed(where[d.trace_id], traces[d.trace_id], references)
+
+
+def _suspect_silent_corruption(store: Store, analysed: list[population.Deviation], where: dict[str, Divergence],
+                               diagnosed: dict[str, list], t0: int, t1: int) -> None:  # fmt: skip
+    """Each unexplained deviation that began on a GPU which began ``silent.MIN_REQUESTS`` or more unexplained ones (in
+    this run, or recorded before it in the window) gets the suspected silent data corruption first among its causes."""
+    unexplained = [d for d in analysed if not any(not c.weak for c in diagnosed[d.trace_id])]
+    suspects = {gpu for d in unexplained for gpu in silent.gpus(where[d.trace_id].origin)}
+    if not suspects:
+        return
+    began = silent.recorded(store, suspects, t0, t1)
+    for d in unexplained:
+        for gpu in silent.gpus(where[d.trace_id].origin):
+            began.setdefault(gpu, set()).add(d.request_id)
+    for d in unexplained:
+        diagnosed[d.trace_id] = silent.suspected(diagnosed[d.trace_id], where[d.trace_id].stage,
+                                                 where[d.trace_id].origin, began, d.request_id)  # fmt: skip
+
+
 def _located(deviations: list[population.Deviation], where: dict[str, Divergence]):
     """The deviations with a divergent stage, each with where it diverged."""
     return [(d, where[d.trace_id]) for d in deviations if d.trace_id in where and where[d.trace_id].stage]
@@ -104,7 +141,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     traces = _traces(store, list({id(d): d for d in analysed + sample}.values()), window, gpus)
     first = _divergences(sample, traces)
     candidates = {(where.stage, key) for d, where in _located(sample, first)
-                  for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage)}  # fmt: skip
+                  for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage,
+                                          where.ranks)}  # fmt: skip
     candidates |= {(found.stage, name) for found in differences.values() for name in _settings(found)}
     in_sample = {t for d in sample for t in (d.trace_id, d.baseline_trace_id)}
     seen = rollouts.values_of(((s.stage, s) for t in traces.values() if t.trace_id in in_sample for s in t.spans
@@ -130,6 +168,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         first = _divergences(analysed, traces)
     nowhere = Divergence(None, [], False)  # the request's or its baseline's spans are gone
     where = {d.trace_id: first.get(d.trace_id, nowhere) for d in analysed}
+    _confirm(store, [d for d in analysed if d.trace_id in traces], where, traces, window)
     # a request that skipped the stage where its baseline differs is compared with it by their root spans: read whole
     skipped = [d for d, at in _located(analysed, where) if not ranks_of(traces[d.trace_id], at.stage)]
     if skipped:
@@ -138,7 +177,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     keys: dict[str, set[str]] = {}
     for d, at in _located(analysed, where):
         keys.setdefault(at.stage, set()).update(
-            stage_differences(traces[d.trace_id], traces[d.baseline_trace_id], at.stage) or ())
+            stage_differences(traces[d.trace_id], traces[d.baseline_trace_id], at.stage, at.ranks) or ())
     # weighed over the requests around the analysed ones, each against the majority of the whole window (a live
     # pass: of the requests around, so that its cost follows the new traffic here too)
     starts = [d.start_ns for d in analysed]
@@ -161,14 +200,19 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     expected: dict[int, int] = {}  # rollout index → requests its wave explains
     explained_ids: set[str] = set()
     detected = time.time_ns() // 1_000_000
+    diagnosed = {}
+    for d in analysed:
+        stage = where[d.trace_id].stage
+        if where[d.trace_id].origin is not None:
+            ranks.at(where[d.trace_id].origin, traces[d.trace_id], stage)
+        diagnosed[d.trace_id] = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
+                                         contrasts.get((stage, d.peer)), samples, found_rollouts, tenancy=tenancy,
+                                         began=where[d.trace_id].ranks) if stage else []  # fmt: skip
+    _suspect_silent_corruption(store, analysed, where, diagnosed, t0, until_ns)
     for d in analysed:
         baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)
         stage = where[d.trace_id].stage
-        found = []
-        if stage:
-            found = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
-                             contrasts.get((stage, d.peer)),
-                             samples, found_rollouts, tenancy=tenancy)  # fmt: skip
+        found = diagnosed[d.trace_id]
         top = next((c for c in found if not c.weak), None)
         # a wave's requests are all analysed, whatever the limit: the rollout explains those (not counted as deviating)
         if top is not None and top.kind == "rollout" and top.evidence.get("expected") and d.trace_id in waves:
@@ -182,13 +226,14 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
                                                    "majority_output": d.majority_output, "support": d.support,
                                                    "deviating": []})  # fmt: skip
-        line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks)
+        origin = where[d.trace_id].origin
+        line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks, origin)
         service = d.service
         device = ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks))
         group["deviating"].append({
             "request_id": d.request_id, "trace_id": d.trace_id, "service": service,
             "baseline_request_id": baseline.request_id, "start": lookup.iso_ns(d.start_ns), "host": d.host,
-            "device": device,
+            "device": device, "began": origin.places if origin else [],
             "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
             "seed_unknown": unknown_seed(traces.get(d.trace_id)) or None,
         })  # fmt: skip
@@ -218,18 +263,20 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         # deviating requests that sample with a seed their engine does not record: compared, and said
         "seed_unknown": sum(1 for g in groups.values() for item in g["deviating"] if item["seed_unknown"]),
         "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
-        "tally": tally(remaining, by_request, set(tops)),
+        "tally": tally(remaining, by_request, set(tops), _began_on(remaining, where, differences)),
         "tally_covers": "all" if tally_all else "analysed",
         "groups": list(groups.values()),
     }
 
 
-def stage_devices(trace: lookup.Trace | None, stage: str | None, ranks) -> list[str]:
-    """The GPUs (else the NICs) the stage's spans ran on: those of the divergent ranks, when known."""
+def stage_devices(trace: lookup.Trace | None, stage: str | None, began) -> list[str]:
+    """The GPUs (else the NICs) the stage's spans ran on: those of the ranks that began the difference, when known
+    (a span's own ``gpu.uuid``, else its process's)."""
     if trace is None or not stage:
         return []
-    spans = [s for s in trace.spans if s.stage == stage and (not ranks or s.rank in ranks)]
-    gpus = sorted({g for s in spans for g in devices(s.attributes)[0]})
+    spans = [s for s in trace.spans if s.stage == stage and (not began or s.rank in began)]
+    gpus = sorted({g for s in spans for g in devices(s.attributes)[0]}) or sorted(
+        {g for s in spans for g in devices({conventions.GPU_UUID: ranks.gpu_of(s)})[0]})
     return gpus or sorted({n for s in spans for n in devices(s.attributes)[1]})
 
 
@@ -277,16 +324,45 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
     return out
 
 
-def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str]) -> list[dict]:
+def _began_on(deviations: list[population.Deviation], where: dict[str, Divergence],
+              differences: dict[str, population.Difference]) -> dict[str, str]:  # fmt: skip
+    """Trace ID → ``GPU (host)`` of the TP rank that began each deviation's difference, where one did: an analysed
+    request's from its comparison, another's from the tally's SQL (``population.first_differences``)."""
+    out = {}
+    for d in deviations:
+        origin = where[d.trace_id].origin if d.trace_id in where else None
+        if origin is not None and origin.how != ranks.UPSTREAM and origin.places:
+            place = origin.places[0]
+            gpu, host = place["gpu"], place["host"]
+        elif d.trace_id in differences and differences[d.trace_id].rank:
+            gpu, host = differences[d.trace_id].gpu, differences[d.trace_id].host
+        else:
+            continue
+        if gpu or host:
+            out[d.trace_id] = f"{gpu} ({host})" if gpu and host else gpu or host
+    return out
+
+
+def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str],
+          began_on: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
     """Every deviating request (not only those analysed in full) by cause and first divergent stage, most first: how
     many, how many of them were analysed in full, on which hosts, first and last seen (so 80 requests of one index
-    rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's."""
+    rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's.
+    ``began_on``: per trace, the GPU and host of the TP rank that began it; a line counts its requests by them
+    (``"began_on"``, where any), so that one GPU's many requests read as such."""
     by: dict[tuple[str, str, str], list[population.Deviation]] = {}
     for d in deviations:
         stage, cause = by_request.get(d.trace_id, ("", ""))
         by.setdefault((cause, stage, d.service), []).append(d)
-    return [{"cause": cause, "stage": stage, "service": service, "requests": len(items),
-             "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
-             "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
-             "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}
-            for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0]))]  # fmt: skip
+    began_on = began_on or {}
+    lines = []
+    for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        line = {"cause": cause, "stage": stage, "service": service, "requests": len(items),
+                "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
+                "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
+                "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}  # fmt: skip
+        on = Counter(began_on[d.trace_id] for d in items if d.trace_id in began_on)
+        if on:
+            line["began_on"] = dict(on.most_common())
+        lines.append(line)
+    return lines

@@ -8,6 +8,10 @@ when a setting that differs from the baseline's was rolled out in between (``rol
 baseline is chosen again among the requests on the request's side of the rollout. Requests that
 sample without a seed are compared only with each other.
 
+At a TP stage the difference is localized to the rank that began it (``analysis.ranks``: the rank whose
+contribution first differed, not every rank that summed it), and the causes are weighed on that rank's spans; a GPU
+that began many unexplained differences is a suspected silent data corruption (``analysis.silent``).
+
 The causes come from the detectors (``analysis.detectors``), ranked together; the verdict names the
 strongest, and says so plainly when nothing recorded explains the divergence. Spans whose process recorded no
 GPU model or driver get those of the GPU they ran on from the agent's inventory (``analysis.inventory``), read
@@ -20,7 +24,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from stagetrace import config, conventions, lookup
-from stagetrace.analysis import detectors, inventory, population, rollouts, tenants
+from stagetrace.analysis import detectors, inventory, population, rollouts, silent, tenants
+from stagetrace.analysis import ranks as _ranks
 from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples, Timing
 from stagetrace.store import Store
@@ -31,6 +36,7 @@ CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute d
 CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
 WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
 SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout
+REFERENCES = 2  # other requests with the majority output that TP ranks are checked against (``confirmed``)
 
 
 @dataclass
@@ -50,6 +56,13 @@ class Baseline:
 
     def to_json(self) -> dict:
         return {"request_id": self.request_id, "how": self.how, "support": self.support, "group_size": self.group_size}
+
+
+def _trace_of(trace_id: str, spans: list[lookup.Span]) -> lookup.Trace:
+    """A trace of the spans read for it (its stages, for comparing them)."""
+    start = min(s.start_ns for s in spans)
+    return lookup.Trace(None, trace_id, spans[0].service, start, max(s.start_ns + s.duration_ns for s in spans) - start,
+                        spans)  # fmt: skip
 
 
 def root(trace: lookup.Trace) -> lookup.Span:
@@ -82,6 +95,7 @@ class StageComparison:
     output_matches: bool
     present: bool  # the request ran this stage
     first_step: int | None = None  # the first step whose input differs, where both record their steps' inputs
+    steps: bool = False  # both record their steps' inputs
 
     def to_json(self) -> dict:
         return {"stage": self.stage, "rank": self.rank or None, "input_matches": self.input_matches,
@@ -102,7 +116,8 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
             for rank in sorted(b, key=rank_order):
                 out.append(StageComparison(stage, rank, a[rank][0].input_digest == b[rank][0].input_digest,
                                            _output(a[rank]) == _output(b[rank]), True,
-                                           _first_step(a[rank][0], b[rank][0])))  # fmt: skip
+                                           _first_step(a[rank][0], b[rank][0]),
+                                           _has_steps(a[rank][0]) and _has_steps(b[rank][0])))  # fmt: skip
             continue
         first_a, first_b = a[min(a, key=rank_order)], b[min(b, key=rank_order)]
         same_out = sorted({_output(p) for p in a.values()}) == sorted({_output(p) for p in b.values()})
@@ -115,8 +130,13 @@ class Divergence:
     """Where a request first differs from its baseline."""
 
     stage: str | None  # None: every recorded stage agreed
-    ranks: list[str]  # the TP ranks whose output differs there (both sides ran the same ranks)
+    ranks: list[str]  # the TP ranks that began the difference there (``ranks.locate``; both ran the same ranks)
     input_differed: bool  # the stage's input already differed: the blame lies upstream of the recorded stages
+    origin: _ranks.Origin | None = None  # how it began among the stage's ranks (where it has ranks)
+
+
+def _has_steps(span: lookup.Span) -> bool:
+    return bool(span.attributes.get(conventions.STAGE_STEP_INPUT_DIGESTS))
 
 
 def _first_step(request: lookup.Span, baseline: lookup.Span) -> int | None:
@@ -131,18 +151,43 @@ def _first_step(request: lookup.Span, baseline: lookup.Span) -> int | None:
 
 
 def first_divergence(comparisons: list[StageComparison]) -> Divergence:
-    """The first stage of :func:`compare_stages` whose output differs, at the ranks whose output differs there; of
-    those, where the ranks record their steps' inputs, the ranks whose input differed at the earliest step (the rank
-    that began it, not the ranks that summed its contribution afterwards)."""
+    """The first stage of :func:`compare_stages` whose output differs, at the ranks that began the difference there
+    (``ranks.locate``: the rank whose contribution differed first, not the ranks that summed it afterwards)."""
     first = next((c for c in comparisons if not c.output_matches), None)
     if first is None:
         return Divergence(None, [], False)
-    differing = [c for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
-    earliest = min((c.first_step for c in differing if c.first_step is not None), default=None)
-    if earliest is not None:
-        differing = [c for c in differing if c.first_step == earliest]
-        first = differing[0]
-    return Divergence(first.stage, [c.rank for c in differing], first.present and not first.input_matches)
+    origin = _origin(comparisons, first.stage)
+    if origin is None:  # one span for the stage, or a rank one side lacks
+        differing = [c.rank for c in comparisons if c.stage == first.stage and not c.output_matches and c.rank]
+        return Divergence(first.stage, differing, first.present and not first.input_matches)
+    return Divergence(first.stage, origin.ranks, origin.how == _ranks.UPSTREAM, origin)
+
+
+def _origin(comparisons: list[StageComparison], stage: str) -> _ranks.Origin | None:
+    """Where the stage's difference began among its ranks (``ranks.locate``); None without ranks on both sides."""
+    at = [c for c in comparisons if c.stage == stage]
+    compared = [_ranks.RankComparison(c.rank, c.input_matches, c.output_matches, c.first_step, c.steps)
+                for c in at if c.rank and c.present]  # fmt: skip
+    return _ranks.locate(compared) if compared and len(compared) == len(at) else None
+
+
+def ambiguous(first: Divergence) -> bool:
+    """Several ranks' contributions differ from the baseline's: it may carry a masked difference of its own."""
+    return first.origin is not None and first.origin.how == _ranks.INPUT and len(first.origin.ranks) > 1
+
+
+def confirmed(first: Divergence, request: lookup.Trace, references: list[lookup.Trace]) -> Divergence:
+    """Where several ranks began the difference against the baseline, the ranks that began it against most of the
+    baseline and ``references`` (other requests with the majority output, each compared on its own): a baseline
+    agrees with the majority in output, not necessarily in every rank's contribution (a corruption the output
+    masked). Unchanged when no rank has a majority."""
+    if not ambiguous(first) or not references:
+        return first
+    origins = [first.origin] + [_origin(compare_stages(request, ref), first.stage) for ref in references]
+    kept = _ranks.vote(origins)
+    if kept and kept != first.origin.ranks:
+        first.origin.ranks = first.ranks = kept
+    return first
 
 
 def _by_stage(passes: dict[tuple[str, str], list[lookup.Span]]) -> dict[str, dict[str, list[lookup.Span]]]:
@@ -186,26 +231,32 @@ def rollout_candidates(trace: lookup.Trace) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def stage_differences(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> list[str] | None:
-    """Contrast keys of the attributes that differ between the two requests' first passes of the stage at its
-    lowest rank; None when the request did not run the stage."""
+def stage_differences(request: lookup.Trace, baseline: lookup.Trace, stage: str,
+                      began: list[str] = ()) -> list[str] | None:  # fmt: skip
+    """Contrast keys of the attributes that differ between the two requests' first passes of the stage at the
+    lowest rank that ``began`` the difference (``ranks.locate``), else its lowest rank; None when the request did
+    not run the stage."""
     mine = ranks_of(request, stage)
     if not mine:
         return None
-    first = min(mine, key=rank_order)
+    first = min([r for r in began if r in mine] or mine, key=rank_order)
     return [key for key, _, _ in differences(mine[first], ranks_of(baseline, stage).get(first))]
 
 
-def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str) -> list[str]:
+def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str, began: list[str] = ()) -> list[str]:
     """The stage's settings whose values differ between the two requests: what a rollout may have changed."""
-    return [key for key in stage_differences(request, baseline, stage) or () if not is_measurement(key)]
+    return [key for key in stage_differences(request, baseline, stage, began) or () if not is_measurement(key)]
 
 
 def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
-             samples: Samples | None, found_rollouts: list, reason: str = "", tenancy=None) -> list[Cause]:  # fmt: skip
+             samples: Samples | None, found_rollouts: list, reason: str = "", tenancy=None,
+             began: list[str] = ()) -> list[Cause]:  # fmt: skip
     """Every detector's causes for one divergent stage, ranked (``tenancy``: the GPUs' tenants read once for many
-    requests; None reads this request's)."""
+    requests; None reads this request's). ``began``: the ranks that began the difference (``ranks.locate``); the
+    detectors look at those ranks' spans alone (their GPU, host, counters and settings), not the lowest rank's."""
     mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
+    if any(r in mine for r in began):
+        mine = {r: span for r, span in mine.items() if r in began}
     if not mine:  # the request skipped a stage the baseline ran: compare the requests themselves
         mine, theirs = {"": root(request)}, {"": root(baseline)}
     if theirs and set(theirs) != set(mine):  # other TP ranks on each side: a rank faces its own or the lowest
@@ -230,41 +281,52 @@ def sourced(causes: list[Cause], span: lookup.Span, baseline: lookup.Span | None
 
 
 def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_differed: bool = False,
-            ranks: list[str] = ()) -> str:  # fmt: skip
-    """The one-line verdict; it names the baseline's request ID so that ``stagetrace trace`` can open it."""
+            ranks: list[str] = (), origin: _ranks.Origin | None = None) -> str:  # fmt: skip
+    """The one-line verdict; it names the baseline's request ID so that ``stagetrace trace`` can open it. With the
+    ``origin`` of a TP stage's difference, it says which rank began it, on which GPU and host, and which received
+    it."""
     tail = f"({baseline.describe()})"
     top = next((c for c in causes if not c.weak), None)
     if top is not None and top.kind == "nondeterminism":
         return f"nondeterministic: {top.value}; its output may differ from any other by design {tail}"
     if stage is None:
         return f"every recorded stage agrees with the baseline; the output differs after the last one {tail}"
-    where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}" if ranks and len(ranks) < 8 else ""
-    lead = f"{stage} diverged{where}" + (" (its input already differed)" if input_differed else "")
+    began = _ranks.describe(origin, stage) if origin is not None else ""
+    if began:  # the ranks that began it, with their GPU and host; the cause follows after a semicolon
+        lead, sep = f"{stage} diverged on {_ranks.where(origin)}: {began}", ";"
+    else:
+        where = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}" if ranks and len(ranks) < 8 else ""
+        lead, sep = f"{stage} diverged{where}" + (" (its input already differed)" if input_differed else ""), ":"
     if top is None:
         weak = ", ".join(c.name for c in [c for c in causes if not c.evidence.get("neutral")][:WEAK_NAMED])
         return (f"{lead}; no recorded setting or hardware signal differs; {stage} itself is nondeterministic or an "
                 f"unrecorded input changed" + (f" (weak candidates: {weak})" if weak else "") + f" {tail}")  # fmt: skip
+    if top.kind == "sdc":
+        ev = top.evidence
+        return (f"{lead}; suspected silent data corruption: {ev['gpu']} ({ev['host']}) began the difference in "
+                f"{ev['requests']} requests with no error counter or setting recorded against it {tail}")  # fmt: skip
     if top.kind == "rollout":
         rollout = top.evidence["rollout"]
         if top.evidence.get("expected"):
             return f"{lead} as expected: {rollout['summary']} {tail}"
-        return (f"{lead}: {top.evidence['host']} still had {top.name} {top.value} after the fleet moved to "
+        return (f"{lead}{sep} {top.evidence['host']} still had {top.name} {top.value} after the fleet moved to "
                 f"{top.baseline_value} ({rollout['hosts']}/{rollout['of_hosts']} hosts) {tail}")  # fmt: skip
     if top.kind == "weights":
         ev = top.evidence
-        return (f"{lead}: {ev['gpu']} ({ev['host']}) used weights of step {top.value} ({top.name}) while its fleet "
+        return (f"{lead}{sep} {ev['gpu']} ({ev['host']}) used weights of step {top.value} ({top.name}) while its fleet "
                 f"served {top.baseline_value} ({ev['gpus_on_fleet_step']}/{ev['gpus']} other GPUs, since "
                 f"{ev['fleet_step_since'][:19].replace('T', ' ')} UTC): it missed a weight sync {tail}")  # fmt: skip
     if top.kind == "hardware" and "tenant" in top.evidence:
         rank = f" rank {top.evidence['rank']}'s" if top.evidence.get("rank") else " its"
-        return f"{lead}:{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the baseline {tail}"
+        return (f"{lead}{sep}{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the "
+                f"baseline {tail}")  # fmt: skip
     if top.kind == "hardware":
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
         change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")
         usual = f" (usually {top.evidence['typical']:g})" if "typical" in top.evidence else ""
         timing = Timing.of(top.evidence)  # the window the detector weighed, as the report draws it
         when = timing.words(stage) if timing else "while it ran"
-        return (f"{lead}: {top.name} {change}{usual} {when} on{rank} {top.evidence['device']} "
+        return (f"{lead}{sep} {top.name} {change}{usual} {when} on{rank} {top.evidence['device']} "
                 f"({top.evidence['host']}), not for the baseline {tail}")  # fmt: skip
     value, usual = top.value or "(unset)", top.baseline_value or "(unset)"
     where = top.evidence.get("where") or {}
@@ -273,13 +335,13 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
     if together:
         names = " and ".join(f"{c['name']} {c['value'] or '(unset)'}" for c in [{"name": top.name, "value": value},
                                                                               *together])
-        return (f"{lead}: {names} changed together{f' on {host}' if host else ''} and cannot be told apart here "
+        return (f"{lead}{sep} {names} changed together{f' on {host}' if host else ''} and cannot be told apart here "
                 f"(a host with one and not the others would tell them apart) {tail}")  # fmt: skip
     known = conventions.KNOWN_CAUSES.get(top.name)
     known = f"; known: {known}" if known else ""
     if host:
-        return f"{lead}: {host} runs {top.name} {value} where its peers run {usual}{known} {tail}"
-    return f"{lead}: {top.name} {value} vs {usual}{known} {tail}"
+        return f"{lead}{sep} {host} runs {top.name} {value} where its peers run {usual}{known} {tail}"
+    return f"{lead}{sep} {top.name} {value} vs {usual}{known} {tail}"
 
 
 _WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
@@ -342,15 +404,25 @@ class Explainer:
         trace, baseline.trace = inventory.filled(trace, gpus), inventory.filled(baseline.trace, gpus)
         comparisons = compare_stages(trace, baseline.trace)
         first = first_divergence(comparisons)
+        if ambiguous(first):
+            first = confirmed(first, trace, self._references(peers, baseline, trace))
         stage = first.stage
+        if first.origin is not None:
+            _ranks.at(first.origin, trace, stage)
         found: list[Cause] = []
         if stage is not None:
-            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus, peer)
+            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus, peer, first.ranks)
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
             samples = Samples(self.store, sorted(hosts), t0, t1)
-            found = diagnose(self.store, stage, trace, baseline.trace, contrast, samples, found_rollouts, reason)
+            found = diagnose(self.store, stage, trace, baseline.trace, contrast, samples, found_rollouts, reason,
+                             began=first.ranks)  # fmt: skip
+            suspects = silent.gpus(first.origin) if not any(not c.weak for c in found) else []
+            if suspects:  # what the analyser recorded of the same GPUs: one query over its small table
+                began = silent.recorded(self.store, suspects, trace.start_ns - self.window_ns,
+                                        trace.start_ns + self.window_ns)  # fmt: skip
+                found = silent.suspected(found, stage, first.origin, began, request_id)
         elif reason:
             found = diagnose(self.store, "", trace, baseline.trace, None, None, [], reason)
         top = next((c for c in found if not c.weak), None)
@@ -360,10 +432,11 @@ class Explainer:
             "expected": bool(top and top.kind == "rollout" and top.evidence.get("expected")),
             "first_divergent_stage": stage,
             "divergent_ranks": first.ranks,
+            "origin": first.origin.to_json() if first.origin else None,
             "stage_input_differed": first.input_differed,
             "stages": [c.to_json() for c in comparisons],
             "causes": [c.to_json() for c in found],
-            "summary": summary(stage, found, baseline, first.input_differed, first.ranks),
+            "summary": summary(stage, found, baseline, first.input_differed, first.ranks, first.origin),
         }
 
     def _peers(self, request_id: str, start_ns: int, input_digest: str,
@@ -381,6 +454,18 @@ class Explainer:
         peer = next((conventions.peer_of(row[6], row[7], key) for row in rows if row[0] == request_id), None)
         return [(*row[:5], row[6]) for row in rows if conventions.peer_of(row[6], row[7], key) == peer
                 and (bool(row[5]) == nondeterministic or row[0] == request_id)], peer  # fmt: skip
+
+    def _references(self, peers: list[tuple], baseline: Baseline, trace: lookup.Trace) -> list[lookup.Trace]:
+        """Up to ``REFERENCES`` other peers with the baseline's output, nearest the request in time: their stage
+        spans, read in one query."""
+        output = baseline.trace.output_digest
+        chosen = sorted((p for p in peers if p[4] == output and p[0] not in (baseline.request_id, trace.request_id)),
+                        key=lambda p: abs(int(p[2]) - trace.start_ns))[:REFERENCES]  # fmt: skip
+        if not chosen:
+            return []
+        within = (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns)
+        read = lookup.spans_of_many(self.store, [p[1] for p in chosen], within, stages_only=True)
+        return [_trace_of(tid, spans) for tid, spans in read.items()]
 
     def _baseline(self, request_id: str, start_ns: int, peers: list[tuple], epochs) -> Baseline | None:
         """The majority (or nearest earlier) among the peers on the request's side of every epoch of its service."""
@@ -415,8 +500,9 @@ class Explainer:
                                among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest])  # fmt: skip
 
     def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list,
-                  gpus: inventory.Inventory | None = None, peer: tuple[str, str] = ("", "")):  # fmt: skip
-        keys = stage_differences(trace, baseline, stage)
+                  gpus: inventory.Inventory | None = None, peer: tuple[str, str] = ("", ""),
+                  began: list[str] = ()):  # fmt: skip
+        keys = stage_differences(trace, baseline, stage, began)
         if keys is None:
             return None
         t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)

@@ -397,35 +397,70 @@ CONTRAST_SQLS = {(waves, inventory, models): _contrast_sql(waves, inventory, mod
 # of them, not only those analysed in full). The SQL twin of ``explain.compare_stages`` and ``first_divergence`` at
 # the level of whole stages: a stage's output is the set of its spans' outputs (every rank and pass: a TP group on
 # several hosts compares with an engine's one span by its outputs, as there), a stage one side lacks differs, and
-# stages go in pipeline order, then by start. Its attributes are those of its lowest rank's first pass, as
-# ``explain.stage_differences`` takes them; only those that differ come back (with the request's and the baseline's
-# values), so the rows stay small. ``pairs``: the deviations (``_pairs``), read in the same query rather than sent as
-# parameters (100,000 trace IDs bound as an array took 43 s to parse in chdb, far more than grouping again).
+# stages go in pipeline order, then by start. Its attributes are those of the first pass of the rank that began the
+# difference (``ranks.locate``'s rule: the ranks whose input, or step input where both record them, first differs
+# from the baseline's same rank while other ranks' match; else the lowest rank), against the baseline's same rank;
+# only those that differ come back (with the request's and the baseline's values), so the rows stay small. Without
+# the confirmation against other majority requests (``explain.confirmed``), which the analysed requests get.
+# ``pairs``: the deviations (``_pairs``), read in the same query rather than sent as parameters (100,000 trace IDs
+# bound as an array took 43 s to parse in chdb, far more than grouping again).
 def _first_differences(pairs: str) -> str:
     stages = "[" + ", ".join(f"'{s}'" for s in conventions.PIPELINE_STAGES) + "]"
-    first_pass = "(toUInt64OrZero(Rank), Rank, Start)"
     differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
                      arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
+    steps, gpu, host = conventions.STAGE_STEP_INPUT_DIGESTS, conventions.GPU_UUID, conventions.HOST
+    gpus = conventions.CONFIGURATION_GPU_UUIDS  # the one GPU a rank process could see (``ranks.gpu_of``)
+    # per rank of the request's stage: where its input first differs from the baseline's same rank (1-based step,
+    # 1 for the input as a whole, 0 nowhere); with steps only where every rank on both sides records them
+    theirs_at = "indexOf(t.Ranks, r)"
+    step_at = (f"arrayFirstIndex(k -> splitByChar(',', s)[k] != splitByChar(',', t.Steps[{theirs_at}])[k], "
+               f"range(1, greatest(length(splitByChar(',', s)), length(splitByChar(',', t.Steps[{theirs_at}]))) + 1))")
+    where = (f"if(arrayAll(x -> x != '', arrayConcat(m.Steps, t.Steps)), arrayMap((r, s) -> {step_at}, m.Ranks, "
+             f"m.Steps), arrayMap((r, i) -> toUInt64(i != t.Inputs[{theirs_at}]), m.Ranks, m.Inputs))")
+    lowest = "arraySort(x -> (toUInt64OrZero(x), x), {r})[1]"
     return f"""
 WITH pairs AS (SELECT c2 AS Dev, c11 AS Base
                FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13)),
-passes AS (
-    SELECT TraceId, Stage, min(Start) AS First, arraySort(groupUniqArray(OutputDigest)) AS Outputs,
-           argMin(Attributes, {first_pass}) AS Attrs, argMin(ResourceAttributes, {first_pass}) AS Resource
+rank_passes AS (
+    SELECT TraceId, Stage, Rank, min(Start) AS First, groupUniqArray(OutputDigest) AS Outputs,
+           argMin(InputDigest, Start) AS Input, argMin(Attributes['{steps}'], Start) AS Steps,
+           argMin(Attributes, Start) AS Attrs, argMin(ResourceAttributes, Start) AS Resource
     FROM {{db:Identifier}}.stagetrace_stages
     WHERE Start >= fromUnixTimestamp64Nano({{s0:Int64}}) AND Start < fromUnixTimestamp64Nano({{s1:Int64}})
       AND TraceId IN (SELECT Dev FROM pairs UNION ALL SELECT Base FROM pairs)
-    GROUP BY TraceId, Stage),
-mine AS (SELECT Dev, Stage, First, Outputs, Attrs, Resource FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Dev),
-theirs AS (SELECT Dev, Stage, First, Outputs, Attrs, Resource FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base)
-SELECT Dev, argMin((Stage, Attributes, ResourceAttributes), Place)
+    GROUP BY TraceId, Stage, Rank),
+passes AS (
+    SELECT TraceId, Stage, min(First) AS First, arraySort(arrayDistinct(arrayFlatten(groupArray(Outputs)))) AS Outputs,
+           groupArray(Rank) AS Ranks, groupArray(Input) AS Inputs, groupArray(Steps) AS Steps,
+           groupArray(Attrs) AS Attrs, groupArray(Resource) AS Resources
+    FROM rank_passes GROUP BY TraceId, Stage),
+mine AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources
+         FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Dev),
+theirs AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources
+           FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base)
+SELECT Dev, argMin((Stage, Attributes, ResourceAttributes, Began, BeganGpu, BeganHost), Place)
 FROM (
-    SELECT Dev, Stage, (if(indexOf({stages}, Stage) = 0, {len(conventions.PIPELINE_STAGES) + 1}, indexOf({stages}, Stage)),
-                        if(empty(t.Outputs), m.First, t.First)) AS Place,
-           {differing.replace('mine', 'm.Attrs').replace('theirs', 't.Attrs')} AS Attributes,
-           {differing.replace('mine', 'm.Resource').replace('theirs', 't.Resource')} AS ResourceAttributes
-    FROM mine AS m FULL OUTER JOIN theirs AS t USING (Dev, Stage)
-    WHERE m.Outputs != t.Outputs)
+    SELECT Dev, Stage, Place, Began,
+           multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
+                   position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '') AS BeganGpu,
+           MineResource['{host}'] AS BeganHost,
+           {differing.replace('mine', 'MineAttrs').replace('theirs', 'TheirAttrs')} AS Attributes,
+           {differing.replace('mine', 'MineResource').replace('theirs', 'TheirResource')} AS ResourceAttributes
+    FROM (
+        SELECT Dev, Stage, (if(indexOf({stages}, Stage) = 0, {len(conventions.PIPELINE_STAGES) + 1},
+                                indexOf({stages}, Stage)), if(empty(t.Outputs), m.First, t.First)) AS Place,
+               {where} AS At, arrayFilter(x -> x > 0, At) AS Differing,
+               -- the ranks that began it, when only some ranks' inputs differ at the earliest place; else the lowest
+               if(notEmpty(Differing) AND countEqual(At, arrayMin(Differing)) < length(At)
+                    AND arrayAll(r -> has(t.Ranks, r), m.Ranks) AND length(m.Ranks) = length(t.Ranks),
+                  {lowest.format(r="arrayFilter((r, a) -> a = arrayMin(Differing), m.Ranks, At)")},
+                  {lowest.format(r="m.Ranks")}) AS Began,
+               m.Attrs[indexOf(m.Ranks, Began)] AS MineAttrs, m.Resources[indexOf(m.Ranks, Began)] AS MineResource,
+               if(has(t.Ranks, Began), indexOf(t.Ranks, Began),
+                  indexOf(t.Ranks, {lowest.format(r="t.Ranks")})) AS TheirIndex,
+               t.Attrs[TheirIndex] AS TheirAttrs, t.Resources[TheirIndex] AS TheirResource
+        FROM mine AS m FULL OUTER JOIN theirs AS t USING (Dev, Stage)
+        WHERE m.Outputs != t.Outputs))
 GROUP BY Dev"""
 
 
@@ -440,6 +475,9 @@ class Difference:
     stage: str
     attributes: list[tuple[str, str, str]]  # (name, value, baseline value) of the stage's span that differ
     resource: list[tuple[str, str, str]]  # the same of its resource
+    rank: str = ""  # the TP rank whose span that is: the one that began the difference (``ranks.locate``'s rule)
+    gpu: str = ""  # its GPU (the span's gpu.uuid, else its process's)
+    host: str = ""  # its host
 
 
 def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, int], epochs=(),
@@ -451,5 +489,30 @@ def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, i
         parameters["inputs_from"] = inputs_from_ns
     sql = FIRST_DIFFERENCES_OF_NEW_INPUTS_SQL if inputs_from_ns else FIRST_DIFFERENCES_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return {trace_id: Difference(stage, list(attributes), list(resource))
-            for trace_id, (stage, attributes, resource) in rows}  # fmt: skip
+    return {trace_id: Difference(stage, list(attributes), list(resource), rank, gpu, host)
+            for trace_id, (stage, attributes, resource, rank, gpu, host) in rows}  # fmt: skip
+
+
+# Other requests of a deviation's service with its input and its group's majority output, the earliest few of each:
+# the references ``explain.confirmed`` checks a TP stage's ranks against when several began the difference against
+# the baseline (which agrees in output but may carry a masked difference of its own on a rank).
+MAJORITY_MEMBERS_SQL = f"""
+SELECT ServiceName, InputDigest, OutputDigest, groupArray({{n:UInt32}})(TraceId)
+FROM (SELECT ServiceName, InputDigest, OutputDigest, TraceId, Start
+      FROM ({conventions.requests_sql(
+          _IN_WINDOW + " AND InputDigest IN {inputs:Array(String)}", "{db:Identifier}.stagetrace_requests")})
+      WHERE InputDigest IN {{inputs:Array(String)}} AND OutputDigest IN {{outputs:Array(String)}}
+      ORDER BY Start, TraceId)
+GROUP BY ServiceName, InputDigest, OutputDigest"""
+
+
+def majority_members(store: Store, keys, t0_ns: int, t1_ns: int, n: int) -> dict[tuple[str, str, str], list[str]]:
+    """(service, input, majority output) → the trace IDs of up to ``n`` requests in [t0, t1) of that service with
+    both, earliest first."""
+    keys = set(keys)
+    if not keys:
+        return {}
+    rows = store.client.query(MAJORITY_MEMBERS_SQL, parameters={
+        "db": store.database, "t0": t0_ns, "t1": t1_ns, "n": n, "inputs": sorted({i for _, i, _ in keys}),
+        "outputs": sorted({o for _, _, o in keys})}).result_rows  # fmt: skip
+    return {(s, i, o): list(tids) for s, i, o, tids in rows if (s, i, o) in keys}
