@@ -49,28 +49,39 @@ def any_selected(column: str, variable: str) -> str:
     return f"$__conditionalAll({column} IN (${{{variable}:singlequote}}), ${variable})"
 
 
+def peer_key(service: str = "ServiceName", model: str = "Model") -> str:
+    """A request's peer key (``conventions.peer_sql``: its service and model) under the default key, as a literal:
+    a dashboard's SQL takes no bound parameters. Only requests with the same input and peer key are compared."""
+    sql = conventions.peer_sql(service, model)
+    for name, on in conventions.peer_parameters(conventions.DEFAULT_PEER_KEY).items():
+        sql = sql.replace(f"{{{name}:UInt8}}", str(on))
+    return sql
+
+
 def majority_outputs(where: str) -> str:
-    """Per input digest seen at least twice, the output most requests with that input produced.
+    """Per input digest and peer key seen at least twice, the output most of those requests produced.
 
     The baseline (docs/design.md#divergence-and-cause) for "this output deviates": the majority output among
-    requests with the same ``stagetrace.input.digest``. A tie picks one of the tied outputs.
+    requests with the same ``stagetrace.input.digest`` in the same service, for the same model (``peer_key``):
+    another service answering the same prompts is no baseline. A tie picks one of the tied outputs.
     """
     return (
-        "SELECT InputDigest, argMax(OutputDigest, requests) AS majority FROM ("
-        f"SELECT InputDigest, OutputDigest, count() AS requests FROM ({conventions.requests_sql(where)}) "
-        "WHERE InputDigest != '' AND OutputDigest != '' GROUP BY InputDigest, OutputDigest"
-        ") GROUP BY InputDigest HAVING sum(requests) >= 2"
+        "SELECT InputDigest, Peer, argMax(OutputDigest, requests) AS majority FROM ("
+        f"SELECT InputDigest, {peer_key()} AS Peer, OutputDigest, count() AS requests "
+        f"FROM ({conventions.requests_sql(where, model=True)}) "
+        "WHERE InputDigest != '' AND OutputDigest != '' GROUP BY InputDigest, Peer, OutputDigest"
+        ") GROUP BY InputDigest, Peer HAVING sum(requests) >= 2"
     )
 
 
-# requests joined with the majority output of their input (alias r, m), for deviating-output ratios; requests that
-# sample without a seed differ by design and are neither counted nor part of a majority
+# requests joined with the majority output of their input among their peers (alias r, m), for deviating-output
+# ratios; requests that sample without a seed differ by design and are neither counted nor part of a majority
 REQUESTS = f"({conventions.requests_sql('$__timeFilter(Start)')})"  # one row per request, by the root rule
 _COMPARABLE = f"$__timeFilter(Start) AND TraceId NOT IN ({conventions.nondeterministic_traces_sql('$__timeFilter(Start)')})"
 REQUESTS_WITH_MAJORITY = (
-    f"({conventions.requests_sql(_COMPARABLE)}) AS r INNER JOIN ("
+    f"(SELECT *, {peer_key()} AS Peer FROM ({conventions.requests_sql(_COMPARABLE, model=True)})) AS r INNER JOIN ("
     + majority_outputs(_COMPARABLE)
-    + ") AS m ON r.InputDigest = m.InputDigest"
+    + ") AS m ON r.InputDigest = m.InputDigest AND r.Peer = m.Peer"
 )
 DEVIATING_RATIO = "countIf(r.OutputDigest != m.majority) / nullIf(count(), 0)"
 

@@ -7,7 +7,8 @@ dashboard's time picker does not matter here: a request from last week is found 
 from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
-from stagetrace.dashboards._sql import HOST, PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES
+from stagetrace import conventions
+from stagetrace.dashboards._sql import HOST, PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES, peer_key
 
 UID = p.TRACE_LOOKUP_UID
 
@@ -91,13 +92,19 @@ GROUP BY host, device, metric, labels"""
 
 SUMMARY_SQL = f"""
 WITH
-    (SELECT (InputDigest, OutputDigest, Start) FROM stagetrace_requests WHERE RequestId = {REQUEST_ID}
+    (SELECT (InputDigest, OutputDigest, Start, TraceId) FROM stagetrace_requests WHERE RequestId = {REQUEST_ID}
        ORDER BY Start DESC LIMIT 1) AS request,
     request.3 - INTERVAL 1 DAY AS since,
     request.3 + INTERVAL 1 DAY AS until,
+    -- its peer key (its service and model: _sql.peer_key), from its trace's root rows as the analysis reads it
+    (SELECT {peer_key()} FROM ({conventions.requests_sql("TraceId = request.4", model=True)})) AS peer,
+    -- the outputs of the requests with its input and its peer key: another service's answers to the same prompt
+    -- are not compared
     (SELECT groupArray((OutputDigest, requests)) FROM (
-        SELECT OutputDigest, uniqExact(TraceId) AS requests FROM stagetrace_requests
-        WHERE InputDigest = request.1 AND Start >= since AND Start <= until GROUP BY OutputDigest)) AS outputs,
+        SELECT OutputDigest, count() AS requests FROM ({conventions.requests_sql(
+            "TraceId IN (SELECT TraceId FROM stagetrace_requests WHERE InputDigest = request.1 AND Start >= since "
+            "AND Start <= until)", model=True)})
+        WHERE InputDigest = request.1 AND {peer_key()} = peer GROUP BY OutputDigest)) AS outputs,
     arraySum(o -> o.2, outputs) AS same_input,
     arraySum(o -> if(o.1 = request.2, o.2, 0), outputs) AS same_output,
     arrayFilter(o -> o.1 != '', outputs) AS answered,
@@ -206,7 +213,8 @@ def panels() -> list[dict]:
     return [
         p.table("Request", SUMMARY_SQL, "none", height=5, overrides=[ms],
                 description="The request's root span; deviates compares its output with the majority output of "
-                            "requests with the same input digest within a day of it."),
+                            "requests with the same input digest, in the same service for the same model, within "
+                            "a day of it."),
         p.traces("Trace", TRACE_SQL, description="Every span of the request's trace."),
         p.logs("Log lines", LOGS_SQL, description="The engines' own log lines of the request's trace (otel_logs): "
                "preemptions, fallbacks, warnings, as they were sent."),

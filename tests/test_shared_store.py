@@ -91,7 +91,8 @@ def answers(store, requests: list[str]) -> dict:
                      r["requests"]) for r in found["rollouts"] if r["service"] == fleet.SERVICE)  # fmt: skip
     tally = sorted((t["cause"], t["stage"], t["requests"], tuple(t["hosts"])) for t in found["tally"]
                    if t["service"] == fleet.SERVICE)  # fmt: skip
-    return {"explain": explained, "divergences": entries, "rollouts": rolled, "tally": tally}
+    sentences = sorted((r["service"], r["summary"]) for r in found["rollouts"])  # every service's, neighbours' too
+    return {"explain": explained, "divergences": entries, "rollouts": rolled, "tally": tally, "sentences": sentences}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,14 @@ def test_neighbours_never_move_an_answer(shared, view):
         assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
     else:
         assert together[view] == alone[view]
+
+
+def test_a_rollout_names_its_service(shared):
+    """Services in one store roll out settings under the same names: each rollout's sentence says whose it is."""
+    _, together, _, _ = shared
+    assert len({service for service, _ in together["sentences"]}) >= 2, together["sentences"]
+    for service, sentence in together["sentences"]:
+        assert f" hosts of {service} (expected change)" in sentence, sentence
 
 
 def test_one_analysis_in_a_shared_store(shared):

@@ -345,21 +345,32 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
 
     epoch = EPOCH_SQL.format(service="ServiceName", ts=ts)
     peer = conventions.peer_sql("ServiceName", "Model")
+    host = ", HostName" if inventory else ""
+    # The attribute names a counted span keeps: the weighed keys, the GPU's UUID (the inventory's lookup) and every
+    # candidate (``conventions.candidate_sql``). The rule runs once per distinct name in the window rather than on
+    # every span's every attribute (a million spans' attributes cost a second of CPU); what it drops (digests,
+    # content, measurements) is what makes each span's attributes unique, so the spans fold into few profiles below.
+    kept = f"""(SELECT arrayFilter(k -> k IN {{keys:Array(String)}} OR k = '{conventions.GPU_UUID}'
+                                     OR {conventions.candidate_sql("k")}, groupUniqArrayArray(mapKeys(Attributes)))
+        FROM {{db:Identifier}}.stagetrace_stages
+        WHERE Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
+              AND Stage IN {{stages:Array(String)}})"""
     # every setting and identity a span records, as (contrast key, value): what may explain its divergence
     recorded = ("arrayConcat(arrayFilter(p -> {a}, arrayZip(mapKeys(Attributes), mapValues(Attributes))), "
                 "arrayMap(p -> (concat('{r}', tupleElement(p, 1)), tupleElement(p, 2)), arrayFilter(p -> {a}, "
                 "arrayZip(mapKeys(ResourceAttributes), mapValues(ResourceAttributes)))))").format(
         a=conventions.candidate_sql("tupleElement(p, 1)"), r=RESOURCE)  # fmt: skip
     counted_spans = f"""SELECT Stage, TraceId, InputDigest, OutputDigest, ServiceName, Start, Attributes,
-               ResourceAttributes{', HostName' if inventory else ''}
+               ResourceAttributes{host}
         FROM {{db:Identifier}}.stagetrace_stages WHERE {comparable("t0", "t1", True)}"""
     majority_spans = f"""SELECT Stage, TraceId, InputDigest, OutputDigest, ServiceName, Start
                 FROM {{db:Identifier}}.stagetrace_stages
                 WHERE InputDigest IN (SELECT InputDigest FROM counted) AND {comparable("w0", "w1", False)}"""
     return f"""
-WITH counted AS (
-    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, {peer} AS Peer, Attributes,
-           ResourceAttributes{', HostName' if inventory else ''}
+WITH {kept} AS Kept,
+counted AS (
+    SELECT Stage, InputDigest, OutputDigest, {epoch} AS Epoch, {peer} AS Peer,
+           mapFilter((k, v) -> has(Kept, k), Attributes) AS Attributes, ResourceAttributes{host}
     FROM ({with_model(counted_spans, "t0", "t1")})),
 majority AS (
     SELECT Stage, InputDigest, Epoch, Peer, outputs[indexOf(counts, top)] AS Majority
@@ -369,18 +380,26 @@ majority AS (
                 FROM ({with_model(majority_spans, "w0", "w1")}))
           GROUP BY Stage, InputDigest, Epoch, Peer)
     WHERE top >= 2 AND countEqual(counts, top) = 1),
+-- the judged spans folded by profile (peer, diverged or not, what they recorded): a process's spans are alike, so
+-- the values below unfold once per profile, not once per span
+profiles AS (
+    SELECT Peer, Diverged, Attributes, ResourceAttributes{host}, count() AS Spans
+    FROM (SELECT c.Peer AS Peer, c.OutputDigest != m.Majority AS Diverged, c.Attributes AS Attributes,
+                 c.ResourceAttributes AS ResourceAttributes{host.replace("HostName", "c.HostName AS HostName")}
+          FROM counted AS c
+          INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
+                                      AND c.Peer = m.Peer)
+    GROUP BY Peer, Diverged, Attributes, ResourceAttributes{host}),
 judged AS (
-    SELECT c.Peer AS Peer, c.OutputDigest != m.Majority AS Diverged,
+    SELECT Peer, Diverged, Spans,
            -- the weighed keys' values, measurements by magnitude, each key marked with a leading NUL
            arrayMap(k -> (concat('\\0', k), if(k IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', value('k'))},
                                                 {value('k')})), {{keys:Array(String)}}) AS Weighed,
            {recorded} AS Recorded
-    FROM counted AS c
-    INNER JOIN majority AS m ON c.Stage = m.Stage AND c.InputDigest = m.InputDigest AND c.Epoch = m.Epoch
-                                AND c.Peer = m.Peer)
+    FROM profiles)
 -- one pass: each weighed value (kind 0), each recorded setting or identity (1), and each diverged span's profile (2)
 SELECT tupleElement(Peer, 1), tupleElement(Peer, 2), tupleElement(item, 1) AS kind, tupleElement(item, 2),
-       tupleElement(item, 3), tupleElement(item, 4), count(), countIf(Diverged)
+       tupleElement(item, 3), tupleElement(item, 4), sum(Spans), sumIf(Spans, Diverged)
 FROM judged
 ARRAY JOIN arrayConcat(arrayMap(p -> (0, substring(tupleElement(p, 1), 2), tupleElement(p, 2), []), Weighed),
                        arrayMap(p -> (1, tupleElement(p, 1), tupleElement(p, 2), []), Recorded),

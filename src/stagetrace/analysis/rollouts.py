@@ -76,8 +76,10 @@ class Rollout:
         return None
 
     def describe(self) -> str:
+        # the service is named: a shared store holds other services' rollouts under the same attribute names
+        hosts = f"{len(self.switched)}/{self.of_hosts} hosts" + (f" of {self.service}" if self.service else "")
         text = (f"{self.name} {self.old or '(unset)'} → {self.new or '(unset)'} rolled out {_clock(self.from_ns)}–"
-                f"{_clock(self.to_ns)} to {len(self.switched)}/{self.of_hosts} hosts (expected change)")  # fmt: skip
+                f"{_clock(self.to_ns)} to {hosts} (expected change)")  # fmt: skip
         for host, caught_up in sorted(self.lagging.items()):
             text += f"; {host} " + (f"lagged until {_clock(caught_up)}" if caught_up else "still has the old value")
         return text
