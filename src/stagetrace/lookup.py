@@ -220,11 +220,12 @@ def by_trace_id(store: Store, trace_id: str) -> Trace:
 
 
 # Spans with what the store derived for them as stages. {traces}: the trace IDs; the window bounds both tables.
+# stagetrace_spans is otel_traces with Map attributes, whichever layout the Collector stores (stagetrace.attributes).
 SPANS_SQL = """
 SELECT t.TraceId, t.SpanId, t.ParentSpanId, t.SpanName, t.SpanKind, t.ServiceName, toUnixTimestamp64Nano(t.Timestamp),
        t.Duration, t.StatusCode, t.StatusMessage, t.SpanAttributes, t.ResourceAttributes,
        s.Stage, s.Rank, s.InputDigest, s.OutputDigest
-FROM {db:Identifier}.otel_traces AS t
+FROM {db:Identifier}.stagetrace_spans AS t
 LEFT JOIN (SELECT TraceId, SpanId, any(Stage) AS Stage, any(Rank) AS Rank, any(InputDigest) AS InputDigest,
                   any(OutputDigest) AS OutputDigest
            FROM {db:Identifier}.stagetrace_stages
@@ -310,7 +311,7 @@ def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows:
 # producer's log line for a request comes while it runs, or just after (a minute either side).
 LOGS_SQL = """
 SELECT toUnixTimestamp64Nano(Timestamp), SeverityText, SeverityNumber, ServiceName, SpanId, Body, LogAttributes
-FROM {db:Identifier}.otel_logs
+FROM {db:Identifier}.stagetrace_logs
 WHERE TraceId = {tid:String}
   AND Timestamp >= fromUnixTimestamp64Nano({t0:Int64}) AND Timestamp <= fromUnixTimestamp64Nano({t1:Int64})
 ORDER BY Timestamp
