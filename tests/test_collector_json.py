@@ -233,3 +233,16 @@ def test_stagetrace_trace_cli_reads_the_json_layout(both_layouts, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert (doc["request_id"], doc["service"]) == ("chat-odd", "chat")
     assert [s["stage"] for s in doc["spans"]] == [None, *cv.PIPELINE_STAGES]
+
+
+def test_a_request_is_found_within_a_second_of_its_spans_being_stored(both_layouts):
+    """The views fill the request index as the Collector's insert stores the spans (the insert returns once they
+    are stored, async_insert or not): a lookup right after finds the request whole, on either layout."""
+    stores, _ = both_layouts
+    spans = pipeline("chat", "chat-late", time.time_ns() - 5 * 10**9)
+    for layout, store in stores.items():
+        collector_insert(store, layout, spans)
+        stored = time.monotonic()
+        trace = lookup.by_request_id(store, "chat-late")
+        assert time.monotonic() - stored < 1.0, layout
+        assert sorted(s.span_id for s in trace.spans) == sorted(s["span_id"] for s in spans)
