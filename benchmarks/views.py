@@ -274,3 +274,133 @@ def views_profile(quick: bool) -> list[Figure]:
             for view, ms in found["planning"].items():
                 figures.append(Figure(f"planning {view}'s query (on no rows)", ms, "ms", "a one-column query", trivial))
     return figures
+
+
+# -- the views priced at the sizes a fleet's writers send (issue 55): the SDK's BatchSpanProcessor exports 512 spans at
+# a time, the Collector's batch processor up to 8,192 (send_batch_size) or what arrived in 200 ms (its timeout)
+WRITER_SIZES = (512, 2_000, 8_192)
+WRITER_RATES = (100, 1_000, 10_000)  # spans/s, sent as the Collector sends them: every COLLECTOR_TIMEOUT_S
+COLLECTOR_TIMEOUT_S, COLLECTOR_BATCH = 0.2, 8_192
+JSON_DDL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "collector_json" / "json.sql"
+
+
+def _json_database(store, name: str, views: bool) -> None:
+    """The Collector's JSON-layout span table (tests/fixtures/collector_json), and stagetrace's views over it."""
+    store.client.command(f"CREATE DATABASE {name}")
+    for chunk in JSON_DDL.read_text().split("\n;;\n"):
+        sql = "\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip()
+        if "otel_traces\"" in sql and "CREATE TABLE" in sql:
+            store.client.command(sql.replace('"stagetrace"', f'"{name}"'))
+    for sql in schema.statements(name, views=False):
+        if "`otel_traces`" not in sql:
+            store.client.command(sql)
+    if views:
+        for sql in schema.statements(name, tables=False, layouts={"otel_traces": "JSON", "otel_logs": "Map"}):
+            store.client.command(sql)
+
+
+# the Collector's exporter inserts with async_insert = 1 (its default since PR #33614) and the server's default
+# wait_for_async_insert = 1: each insert returns once its rows are stored
+COLLECTOR_SETTINGS = {"async_insert": 1, "wait_for_async_insert": 1}
+
+
+def _cpu_of(store, database: str | None, batches: list, pace_s: float = 0.0, settle_s: float = 0.5) -> float:
+    """The process's CPU seconds (every thread: the engine's inserts, its views and its merges) to insert ``batches``
+    into ``database``, one every ``pace_s`` (0: back to back, as the agent's and the SDK's exporters insert; else as
+    the Collector does), and ``settle_s`` after (merges the inserts caused). ``database`` None: the same time idle."""
+    cpu, start = time.process_time(), time.perf_counter()
+    for i, columns in enumerate(batches):
+        if pace_s:
+            time.sleep(max(0.0, start + i * pace_s - time.perf_counter()))
+        if database is None:
+            continue
+        if pace_s:
+            store.client.insert("otel_traces", columns, column_names=COLUMNS, database=database, column_oriented=True,
+                                settings=COLLECTOR_SETTINGS)  # fmt: skip
+        else:
+            _insert(store, database, columns)
+    time.sleep(settle_s)
+    return time.process_time() - cpu
+
+
+# every table stagetrace's views fill from otel_traces (and the trace-ID table the Collector's view fills)
+_FILLED = ("otel_traces", "otel_traces_trace_id_ts", "stagetrace_requests", "stagetrace_stages")
+_CONTENT_SPANS_TABLE = "stagetrace_content_spans"  # a Null table passing spans with content on to their views
+
+
+def _refresh_cpu(store, database: str) -> float:
+    """One period of a refreshed design, a prototype of refreshable views: the CPU seconds to fill every table the
+    views fill from the spans the period stored, each with one insert-select of its views' queries (those of spans
+    with content too, over otel_traces as a schema upgrade refills them; the table that passes them on is skipped)."""
+    cpu = time.process_time()
+    for view in schema.VIEWS:
+        if view.target != _CONTENT_SPANS_TABLE:
+            store.client.command(f"INSERT INTO {database}.`{view.target}` "
+                                 f"{view.select.format(source=f'{database}.`otel_traces`')}")  # fmt: skip
+    return time.process_time() - cpu
+
+
+def by_writer(spans: list, sizes=WRITER_SIZES, rates=WRITER_RATES, rounds: int = 3, period_s: float = 6.0,
+              json_layout: bool = True) -> dict:
+    """CPU seconds a stored span, by database: {("size", n) | ("rate", r): {database: seconds}}. Databases take
+    turns (the order alternating by round), each emptied after its turn; each figure is the median of ``rounds``.
+    At a rate, the CPU the idle process spends in the same time (the engine's own threads) is measured in each round
+    too and taken off. ``refresh``: the bare table's inserts, then one insert-select a view over what they stored
+    (the round's spans: 24,000 at the sizes, ``period_s`` of spans at a rate), as refreshable views would do it."""
+    resources = _Resources()
+    rows = [span_row(s, resources) for s in spans]
+    databases = ["bare", "views", "refresh"] + (["json_bare", "json_views"] if json_layout else [])
+    out: dict = {}
+    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
+            open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
+        _database(store, "bare", [])
+        _database(store, "views", list(schema.VIEWS))
+        _database(store, "refresh", [])
+        if json_layout:
+            _json_database(store, "json_bare", views=False)
+            _json_database(store, "json_views", views=True)
+        for name in databases:  # the first insert opens the tables
+            _insert(store, name, _columnar(rows[:6], 6)[0])
+        plans = [(("size", n), _columnar(rows[: max(n, len(rows) // n * n)], n)[: max(2, 24_000 // n)], 0.0)
+                 for n in sizes]  # fmt: skip
+        for rate in rates:
+            per_insert = min(COLLECTOR_BATCH, max(1, round(rate * COLLECTOR_TIMEOUT_S)))
+            inserts = max(1, int(period_s / COLLECTOR_TIMEOUT_S))
+            needed = per_insert * inserts
+            source = (rows * (needed // len(rows) + 1))[:needed]
+            plans.append((("rate", rate), _columnar(source, per_insert), COLLECTOR_TIMEOUT_S))
+        for key, batches, pace in plans:
+            spans_sent = sum(len(c[0]) for c in batches)
+            seconds: dict[str, list[float]] = {name: [] for name in databases}
+            for r in range(rounds):
+                idle = _cpu_of(store, None, batches, pace) if pace else 0.0
+                for name in databases if r % 2 == 0 else list(reversed(databases)):
+                    cpu = _cpu_of(store, name, batches, pace) - idle
+                    cpu += _refresh_cpu(store, name) if name == "refresh" else 0.0
+                    seconds[name].append(cpu / spans_sent)
+                    for table in _FILLED:  # the next round starts from empty tables, as the others do
+                        store.client.command(f"TRUNCATE TABLE {name}.`{table}`")
+            out[key] = {name: statistics.median(values) for name, values in seconds.items()}
+    return out
+
+
+@benchmark("views_by_writer")
+def views_by_writer(quick: bool) -> list[Figure]:
+    """The store's CPU a stored span (engine, views and merges: the whole process's CPU time), every view against
+    the bare otel_traces, for inserts of the sizes writers send (the SDK's 512, 2,000, the Collector's 8,192) and for
+    spans sent at 100, 1,000 and 10,000 spans/s the way the Collector sends them (what arrived in 200 ms, one insert
+    with async_insert, the idle process's CPU taken off); the same on the Collector's JSON layout.
+    Stagetrace-convention spans."""
+    requests, rounds, period = (400, 1, 1.0) if quick else (4_100, 3, 6.0)
+    found = by_writer(make_spans(requests), rounds=rounds, period_s=period)
+    figures = []
+    for (kind, n), seconds in found.items():
+        what = f"inserts of {n:,} spans" if kind == "size" else f"{n:,} spans/s sent every 200 ms"
+        for layout, bare, views in (("Map", "bare", "views"), ("JSON", "json_bare", "json_views")):
+            if views in seconds:
+                figures.append(Figure(f"CPU a stored span, {what}, {layout} layout: every view", seconds[views] * 1e6,
+                                      "µs", f"bare otel_traces ({layout})", seconds[bare] * 1e6))  # fmt: skip
+        figures.append(Figure(f"CPU a stored span, {what}, Map layout: the views' queries run once a period instead "
+                              "(a refresh's prototype)", seconds["refresh"] * 1e6, "µs", "bare otel_traces (Map)",
+                              seconds["bare"] * 1e6))  # fmt: skip
+    return figures

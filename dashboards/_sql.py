@@ -15,8 +15,11 @@ from stagetrace.conventions import PIPELINE_STAGES
 
 # -- span columns and conditions (docs/design.md#span-conventions). Stage panels read stagetrace_stages, where the
 # store has already named each span's stage by the conventions, whichever producer wrote it.
-HOST = f"ResourceAttributes['{conventions.HOST}']"  # on otel_traces and stagetrace_stages alike
+HOST = f"ResourceAttributes['{conventions.HOST}']"  # on the spans and stagetrace_stages alike
 STAGES = "stagetrace_stages"
+# The Collector's otel_traces and otel_logs as stagetrace reads them (schema.READ_VIEWS): Map attributes whichever
+# layout the Collector stores them in (its `json: true` too), so that one set of dashboards serves every store.
+SPANS, LOGS = "stagetrace_spans", "stagetrace_logs"
 STAGE = "Stage"
 PIPELINE_ORDER = "[" + ", ".join(f"'{stage}'" for stage in PIPELINE_STAGES) + "]"
 DURATION_MS = "Duration / 1e6"
@@ -35,7 +38,7 @@ MISSING_RANKS_RATIO = "countIf(Ranks < TpSize) / nullIf(count(), 0)"
 # -- per-stage ratios, as fractions of the stage's spans; NULL (Grafana's "No data") rather than NaN without spans
 CACHE_HIT_RATIO = "countIf(Attributes['cache.hit'] = 'true') / nullIf(count(), 0)"
 TRUNCATED_RATIO = "countIf(Attributes['context.truncated'] = 'true') / nullIf(count(), 0)"
-# over otel_traces: stage and root spans of the same requests, by the conventions' rules
+# over SPANS: stage and root spans of the same requests, by the conventions' rules
 ALLREDUCE_TIME_SHARE = (
     f"sumIf(Duration, {conventions.STAGE_SQL} = 'allreduce') / nullIf(sumIf(Duration, {conventions.IS_REQUEST_ROOT_SQL}), 0)"
 )
@@ -223,14 +226,14 @@ WEIGHT_SYNCS = (
     f"toInt64OrZero({_attr(conventions.WEIGHTS_STEP)}) AS Step, toFloat64OrZero({_attr(conventions.SYNC_BYTES)}) AS Bytes, "
     f"toUInt32OrZero({_attr(conventions.SYNC_SOURCE_RANKS)}) AS SourceRanks, "
     f"toUInt32OrZero({_attr(conventions.SYNC_DESTINATION_RANKS)}) AS DestinationRanks "
-    f"FROM otel_traces WHERE {conventions.IS_WEIGHT_SYNC_SQL} AND $__timeFilter(Timestamp))"
+    f"FROM {SPANS} WHERE {conventions.IS_WEIGHT_SYNC_SQL} AND $__timeFilter(Timestamp))"
 )
 WEIGHT_LINKS = (
     f"(SELECT TraceId, Timestamp AS Start, Duration, StatusCode, toFloat64OrZero({_attr(conventions.LINK_BYTES)}) AS Bytes, "
     f"concat({_attr(conventions.LINK_SOURCE_HOST)}, ' ', {_attr(conventions.LINK_SOURCE_DEVICE)}) AS SourceNic, "
     f"concat({_attr(conventions.LINK_DESTINATION_HOST)}, ' ', {_attr(conventions.LINK_DESTINATION_DEVICE)}) AS DestinationNic, "
     f"{_attr(conventions.LINK_DESTINATION_GPU)} AS DestinationGpu "
-    f"FROM otel_traces WHERE mapContains(SpanAttributes, '{conventions.LINK_BYTES}') AND $__timeFilter(Timestamp))"
+    f"FROM {SPANS} WHERE mapContains(SpanAttributes, '{conventions.LINK_BYTES}') AND $__timeFilter(Timestamp))"
 )
 # each NIC's negotiated rate, the last in the range (for a link's line rate)
 NIC_RATES = (

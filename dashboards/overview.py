@@ -5,7 +5,7 @@ from __future__ import annotations
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import (
     ALLREDUCE_TIME_SHARE, CACHE_HIT_RATIO, DEVIATING_RATIO, DURATION_MS, HOST, PIPELINE_ORDER, REQUESTS,
-    REQUESTS_WITH_MAJORITY, STAGE, STAGES, TRUNCATED_RATIO, aggregate, any_selected,
+    REQUESTS_WITH_MAJORITY, SPANS, STAGE, STAGES, TRUNCATED_RATIO, aggregate, any_selected,
 )  # fmt: skip
 
 UID = "stagetrace-overview"
@@ -57,7 +57,7 @@ def variables() -> list[dict]:
         ),
         p.query_variable(
             "host", "Host",
-            f"SELECT DISTINCT {HOST} AS host FROM otel_traces WHERE $__timeFilter(Timestamp) "
+            f"SELECT DISTINCT {HOST} AS host FROM {SPANS} WHERE $__timeFilter(Timestamp) "
             f"AND {any_selected('ServiceName', 'service')} ORDER BY host",
             description="host.name of the spans: where a request or stage ran.",
         ),
@@ -81,7 +81,7 @@ def panels() -> list[dict]:
                description="Share of context-assembly spans with context.truncated = true: the model saw less "
                            "context than retrieval found."),
         p.stat("All-reduce time share",
-               aggregate("otel_traces", "Timestamp", {"share": ALLREDUCE_TIME_SHARE}, where=SPAN_FILTERS,
+               aggregate(SPANS, "Timestamp", {"share": ALLREDUCE_TIME_SHARE}, where=SPAN_FILTERS,
                          over_time=False),
                "percentunit", description="Time in all-reduce stages over total request time."),
         p.stat("p99 request latency",
@@ -111,7 +111,7 @@ def panels() -> list[dict]:
                      stage_ratio("context_assembly", TRUNCATED_RATIO, "truncated", over_time=True), "percentunit",
                      width=8, max_value=1, description="Share of assembled contexts cut to fit the token budget."),
         p.timeseries("All-reduce time share",
-                     aggregate("otel_traces", "Timestamp", {"share": ALLREDUCE_TIME_SHARE}, labels=BY_SERVICE_AND_HOST,
+                     aggregate(SPANS, "Timestamp", {"share": ALLREDUCE_TIME_SHARE}, labels=BY_SERVICE_AND_HOST,
                                where=SPAN_FILTERS),
                      "percentunit", width=8, max_value=1,
                      description="Time spent in all-reduce over total request time: a rise points at the fabric "

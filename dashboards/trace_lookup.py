@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from stagetrace.dashboards import _panels as p
 from stagetrace import conventions
-from stagetrace.dashboards._sql import HOST, PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES, peer_key
+from stagetrace.dashboards._sql import HOST, LOGS, PIPELINE_ORDER, REQUEST_ID, SPANS, STAGE, STAGES, peer_key
 
 UID = p.TRACE_LOOKUP_UID
 
@@ -41,7 +41,7 @@ HARDWARE_CONTEXT = f"""{REQUEST_CONTEXT},
     (SELECT (groupUniqArray({HOST}), groupUniqArrayIf(SpanAttributes['gpu.uuid'], SpanAttributes['gpu.uuid'] != ''),
              groupUniqArrayArrayIf(arrayMap(device -> ({HOST}, device), arrayFilter(device -> device != '', {RDMA_DEVICES})),
                                    SpanAttributes['net.rdma.devices'] != ''))
-       FROM otel_traces WHERE {REQUEST_SPANS}) AS named,  -- one read of the request's spans
+       FROM {SPANS} WHERE {REQUEST_SPANS}) AS named,  -- one read of the request's spans
     named.1 AS hosts,
     named.2 AS gpus,
     named.3 AS nics,
@@ -152,14 +152,14 @@ SELECT
         arrayMap(key -> map('key', key, 'value', attributes[key]), mapKeys(attributes)))
         ::Tuple(traceID String, spanID String, tags Array(Map(String, String))),
         Links.TraceId, Links.SpanId, Links.Attributes) AS references
-FROM otel_traces
+FROM {SPANS}
 WHERE TraceId = trace_id AND Timestamp >= trace_start AND Timestamp <= trace_end
 ORDER BY startTime ASC"""
 
-# The request's log lines (otel_logs): by the bloom filter on TraceId inside the request's time, a minute either side.
+# The request's log lines (otel_logs, read as LOGS): by the bloom filter on TraceId inside the request's time, a minute either side.
 LOGS_SQL = f"""{REQUEST_CONTEXT}
 SELECT Timestamp AS timestamp, Body AS body, lower(SeverityText) AS level, ServiceName AS service, SpanId AS span_id
-FROM otel_logs
+FROM {LOGS}
 WHERE TraceId = trace_id AND Timestamp >= request_start - INTERVAL 1 MINUTE AND Timestamp <= request_end + INTERVAL 1 MINUTE
 ORDER BY Timestamp"""
 
@@ -186,12 +186,12 @@ SELECT {HOST} AS host,
     count() AS spans,
     arrayStringConcat(groupUniqArrayIf(SpanAttributes['gpu.uuid'], SpanAttributes['gpu.uuid'] != ''), ', ') AS gpus,
     arrayStringConcat(arrayFilter(d -> d != '', groupUniqArrayArray({RDMA_DEVICES})), ', ') AS rdma_devices
-FROM otel_traces
+FROM {SPANS} AS spans
 LEFT JOIN (SELECT SpanId, any(Stage) AS Stage FROM {STAGES}
            WHERE TraceId = trace_id AND Start >= request_start - INTERVAL 1 MINUTE
              AND Start <= request_end + INTERVAL 1 MINUTE
            GROUP BY SpanId) AS s
-    ON otel_traces.SpanId = s.SpanId
+    ON spans.SpanId = s.SpanId
 WHERE {REQUEST_SPANS}
 GROUP BY host
 ORDER BY host"""

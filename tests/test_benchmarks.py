@@ -44,6 +44,8 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("generations", 4, ["the Collector's previous layout"] * 4),
         ("views", 16, ["bare otel_traces"] * 16),  # two corpora: every view now and before, each table's alone
         ("views_by_insert", 12, ["bare otel_traces"] * 12),  # three insert sizes, two corpora, now and before
+        # three insert sizes and three rates, each on the Map and the JSON layout and refreshed (issue 55)
+        ("views_by_writer", 18, ["bare otel_traces"] * 18),
         # two corpora: an insert of one request, a span more and a large insert against the bare table, the size from
         # which the aim holds; between them each view's planning against a one-column query
         ("views_profile", 14, ["bare otel_traces"] * 3 + [""] + ["a one-column query"] * 6 + ["bare otel_traces"] * 3

@@ -31,8 +31,10 @@ PROMPT = {"prompt": "why is the sky blue?", "seed": 7}
 
 
 def collector_statements(generation: str = "current") -> list[str]:
-    """The generation's DDL statements (separated by lines holding only ``;;``), comments left out."""
-    ddl = Path(__file__).with_name("fixtures") / "collector" / f"{generation}.sql"
+    """The generation's DDL statements (separated by lines holding only ``;;``), comments left out; ``json``: the
+    Collector's JSON attribute layout (``fixtures/collector_json``)."""
+    fixtures = Path(__file__).with_name("fixtures")
+    ddl = fixtures / "collector_json" / "json.sql" if generation == "json" else fixtures / "collector" / f"{generation}.sql"
     chunks = re.split(r"^;;$", ddl.read_text(), flags=re.M)
     statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip() for chunk in chunks]
     return [s for s in statements if s]

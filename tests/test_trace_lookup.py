@@ -182,6 +182,8 @@ def test_every_lookup_query_reads_a_bounded_part_of_each_table(store, monkeypatc
     windows = [p["t1"] - p["t0"] for _, p in ran if "t0" in p]
     assert len(windows) == 2 and max(windows) <= 2 * 10**9, windows
     for sql, parameters in ran:
+        if "FROM system.columns" in sql:  # the store's attribute layout, asked once (Store.readable): no table of it
+            continue
         plan = "\n".join(row[0] for row in store.client.query(f"EXPLAIN indexes = 1 {sql}", parameters=parameters).result_rows)
         reads = _granules(plan)
         assert reads, plan

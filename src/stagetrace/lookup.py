@@ -220,11 +220,12 @@ def by_trace_id(store: Store, trace_id: str) -> Trace:
 
 
 # Spans with what the store derived for them as stages. {traces}: the trace IDs; the window bounds both tables.
+# {spans}: otel_traces with Map attributes, whichever layout the Collector stores (Store.readable).
 SPANS_SQL = """
 SELECT t.TraceId, t.SpanId, t.ParentSpanId, t.SpanName, t.SpanKind, t.ServiceName, toUnixTimestamp64Nano(t.Timestamp),
        t.Duration, t.StatusCode, t.StatusMessage, t.SpanAttributes, t.ResourceAttributes,
        s.Stage, s.Rank, s.InputDigest, s.OutputDigest
-FROM {db:Identifier}.otel_traces AS t
+FROM {db:Identifier}.{spans:Identifier} AS t
 LEFT JOIN (SELECT TraceId, SpanId, any(Stage) AS Stage, any(Rank) AS Rank, any(InputDigest) AS InputDigest,
                   any(OutputDigest) AS OutputDigest
            FROM {db:Identifier}.stagetrace_stages
@@ -258,6 +259,8 @@ def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int,
     (``STAGE_SPANS_SQL``)."""
     out: dict[str, list[Span]] = {}
     params = {"db": store.database, "traces": trace_ids, "t0": start_ns, "t1": end_ns}
+    if not stages_only:
+        params["spans"] = store.readable("otel_traces")
     rows = store.client.query(STAGE_SPANS_SQL if stages_only else SPANS_SQL, parameters=params).result_rows
     for trace_id, *row in rows:
         out.setdefault(trace_id, []).append(Span(*row))
@@ -310,7 +313,7 @@ def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows:
 # producer's log line for a request comes while it runs, or just after (a minute either side).
 LOGS_SQL = """
 SELECT toUnixTimestamp64Nano(Timestamp), SeverityText, SeverityNumber, ServiceName, SpanId, Body, LogAttributes
-FROM {db:Identifier}.otel_logs
+FROM {db:Identifier}.{logs:Identifier}
 WHERE TraceId = {tid:String}
   AND Timestamp >= fromUnixTimestamp64Nano({t0:Int64}) AND Timestamp <= fromUnixTimestamp64Nano({t1:Int64})
 ORDER BY Timestamp
@@ -335,7 +338,8 @@ class LogLine:
 def logs_of(store: Store, trace: Trace, limit: int = 10_000) -> list[LogLine]:
     """The log lines of the trace, in time order (at most ``limit``); none where the store keeps no logs."""
     params = {"db": store.database, "tid": trace.trace_id, "t0": trace.start_ns - WINDOW_MARGIN_NS,
-              "t1": trace.start_ns + trace.duration_ns + WINDOW_MARGIN_NS, "limit": limit}  # fmt: skip
+              "t1": trace.start_ns + trace.duration_ns + WINDOW_MARGIN_NS, "limit": limit,
+              "logs": store.readable("otel_logs")}  # fmt: skip
     rows = store.client.query(LOGS_SQL, parameters=params).result_rows
     return [LogLine(int(t), sev, int(num), service, span, body, dict(attrs)) for t, sev, num, service, span, body, attrs in rows]
 

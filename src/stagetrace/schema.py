@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from stagetrace import attributes
 from stagetrace import conventions as cv
 from stagetrace.errors import SchemaError  # re-exported: callers catch it from here
 from stagetrace.part_guard import SOURCES_KEPT_S
@@ -27,8 +28,10 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # 13: engines' roots that are no request (start-up, loading, SGLang's KV sender) not listed as requests, an
 # engine's unrecorded seed unknown, not absent, and SGLang's KV transfer the cache stage (issue 53);
 # 14: vLLM's start-up roots known by their code.namespace, a request's model read from its resource where its
-# span names none (vLLM's llm_request), and a stage's rank on a pipeline stage other than 0 named with it (issue 53)
-SCHEMA_VERSION = 14
+# span names none (vLLM's llm_request), and a stage's rank on a pipeline stage other than 0 named with it (issue 53);
+# 15: the views read the Collector's JSON attribute layout as its Map layout, and stagetrace_spans / stagetrace_logs,
+# the span and log tables with Map attributes whatever the layout, for lookups and dashboards (issue 55)
+SCHEMA_VERSION = 15
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -420,6 +423,11 @@ GROUP BY TraceId""",
          _stages_select(cv.STAGE_INPUT_DIGEST_SQL, cv.STAGE_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
 )
 
+# The Collector's span and log tables as stagetrace reads them, with Map attributes in either of the Collector's
+# attribute layouts (stagetrace.attributes): what lookups, the trace dashboards and Grafana's rules read, so that none
+# of them depends on how the Collector that made the store was configured. {view: the table it reads}
+READ_VIEWS = {"stagetrace_spans": "otel_traces", "stagetrace_logs": "otel_logs"}
+
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
 BACKFILLS = {2: ("stagetrace_stages_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
@@ -455,6 +463,7 @@ SETTING_CHANGES = {
 }  # fmt: skip
 
 TABLE_NAMES = tuple(t.name for t in TABLES)
+VIEW_NAMES = tuple(v.name for v in VIEWS) + tuple(READ_VIEWS)
 
 
 def _replicated(engine: str) -> str:
@@ -465,13 +474,16 @@ def _replicated(engine: str) -> str:
 
 
 def statements(database: str = "stagetrace", cluster: str | None = None, *, views: bool = True,
-               tables: bool = True) -> list[str]:  # fmt: skip
+               tables: bool = True, layouts: dict[str, str] | None = None) -> list[str]:  # fmt: skip
     """Every DDL statement (or only those of the tables, or of the views), in the order it must run.
 
     With ``cluster``, each table is a ``<name>_local`` Replicated table on every node plus a
     Distributed table under the canonical name, so readers and writers (the Collector included)
-    use the same names on one node and on a fleet; views read and write the local tables.
+    use the same names on one node and on a fleet; materialized views read and write the local tables.
+    ``layouts``: the attribute layout of the Collector's tables the views read (``attributes.layouts``; Map where
+    not named, as the tables above have it).
     """
+    layouts = layouts or {}
     db = identifier(database, "database name")
     on_cluster = f" ON CLUSTER {identifier(cluster, 'cluster name')}" if cluster else ""
     local = "_local" if cluster else ""
@@ -490,12 +502,22 @@ def statements(database: str = "stagetrace", cluster: str | None = None, *, view
                 f" ENGINE = Distributed({identifier(cluster)}, {db}, `{table.name}_local`, {table.shard_by})"
             )
     for view in VIEWS if views else ():
-        source = f"{db}.`{view.source}{local}`"
+        source = read_sql(f"{db}.`{view.source}{local}`", view.source, layouts)
         out.append(
             f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.`{view.name}`{on_cluster}"
             f" TO {db}.`{view.target}{local}`\nAS {view.select.format(source=source)}"
         )
+    for name, table in READ_VIEWS.items() if views else ():  # replaced: a table the Collector made anew is read anew
+        out.append(f"CREATE OR REPLACE VIEW {db}.`{name}`{on_cluster}\n"
+                   f"AS SELECT * FROM {read_sql(f'{db}.`{table}`', table, layouts)}")
     return out
+
+
+def read_sql(table_sql: str, table: str, layouts: dict[str, str]) -> str:
+    """``table_sql`` (``table``'s rows, ``table`` one of the Collector's) with Map attributes, by its layout."""
+    if table not in attributes.COLUMNS:
+        return table_sql  # stagetrace's own tables keep Maps
+    return attributes.source_sql(table_sql, table, layouts.get(table, attributes.MAP))
 
 
 # -- which generation of the Collector's tables a store holds: read from the store, not assumed
@@ -520,20 +542,26 @@ def _generation(table: str, engine: str, sorting_key: str, time_type: str) -> st
     return CURRENT if sorting_key.replace(" ", "").endswith(",Timestamp") else PREVIOUS  # otel_traces
 
 
+JSON_ATTRIBUTES = "JSON attributes"  # said after the generation of a table the Collector made with `json: true`
+
+
 def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
     """Each of the store's tables stagetrace reads or keeps, and what it is: which generation of the Collector's
-    layout, stagetrace's own, or missing (``ensure_schema`` creates what is missing and keeps what is there)."""
+    layout (and, where the Collector stores attributes as JSON, that it does), stagetrace's own, or missing
+    (``ensure_schema`` creates what is missing and keeps what is there)."""
     found = {name: (engine, key, time_type or "")
              for name, engine, key, time_type in client.query(_TABLES_SQL, parameters={"db": database}).result_rows}
+    layouts = attributes.layouts(client, database)
     out = []
-    for table in TABLE_NAMES + tuple(v.name for v in VIEWS):
+    for table in TABLE_NAMES + VIEW_NAMES:
         if table not in found:
             out.append((table, "missing"))
         elif table in COLLECTOR_TABLES:
-            out.append((table, _generation(table, *found[table])))
+            json = layouts.get(table) == attributes.JSON
+            out.append((table, _generation(table, *found[table]) + (f", {JSON_ATTRIBUTES}" if json else "")))
         else:
             owner = "the Collector's" if table.startswith("otel_") else "stagetrace's own"
-            out.append((table, owner + (" view" if found[table][0] == "MaterializedView" else " table")))
+            out.append((table, owner + (" view" if found[table][0] in ("MaterializedView", "View") else " table")))
     return out
 
 
@@ -603,7 +631,10 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
         client.command(f"ALTER TABLE {table} MATERIALIZE PROJECTION {projection}")  # the rows stored before it
     for name in (name for version in upgrades for name in REBUILDS.get(version, ()) + REPLACED.get(version, ())):
         client.command(f"DROP VIEW IF EXISTS {db}.`{name}`{on_cluster}")
-    for sql in statements(database, cluster, tables=False):
+    # the views read the Collector's tables as they are: Map or JSON attributes (stagetrace.attributes)
+    found = attributes.layouts(client, database, [f"{t}{local}" for t in attributes.COLUMNS])
+    layouts = {table.removesuffix(local): layout for table, layout in found.items()}
+    for sql in statements(database, cluster, tables=False, layouts=layouts):
         client.command(sql)
     views = {v.name: v for v in VIEWS}
     for version in upgrades:
@@ -617,7 +648,8 @@ def ensure_schema(client, database: str = "stagetrace", cluster: str | None = No
         if target in rebuilt:
             client.command(f"TRUNCATE TABLE {db}.`{target}{local}`{on_cluster}")
         for view in (v for v in VIEWS if v.target == target):
-            client.command(f"INSERT INTO {db}.`{target}` {view.select.format(source=f'{db}.`otel_traces`')}")
+            spans = read_sql(f"{db}.`otel_traces`", "otel_traces", layouts)
+            client.command(f"INSERT INTO {db}.`{target}` {view.select.format(source=spans)}")
     client.command(
         "INSERT INTO {db:Identifier}.stagetrace_schema_version (Version) VALUES ({v:UInt32})",
         parameters={"db": database, "v": SCHEMA_VERSION},
