@@ -31,7 +31,7 @@ from pathlib import Path
 from stagetrace.exporters import spool
 from stagetrace.exporters.inserts import insert_rows
 from stagetrace.exporters.records import decoder
-from stagetrace.schema import DURABLE_SETTINGS
+from stagetrace.schema import DURABLE_SETTINGS, read_sql
 from stagetrace.store import Store
 
 logger = logging.getLogger("stagetrace.agent")
@@ -335,7 +335,9 @@ class Restorer:
         bounded = first is not None and last is not None
         # a second's slack: a part's min-max index may be in whole seconds; the key check stores nothing twice
         params = {"first": _ns(first), "last": _ns(last) + 1_000_000_000} if bounded else {}
-        source = (_SPANS_IN_RANGE if bounded else _ALL_SPANS).format(db=db)
+        # the spans as the views read them: a Collector's JSON attributes as Maps (stagetrace.attributes)
+        spans = (_SPANS_IN_RANGE if bounded else _ALL_SPANS).format(db=db)
+        source = read_sql(spans, "otel_traces", self.store.layouts())
         count = {"db": db, "table": table}
         before = int(self.store.client.command(_COUNT_SQL, parameters=count))
         for view in (v for v in VIEWS if v.target == table):

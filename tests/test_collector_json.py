@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from pathlib import Path
 
 import pytest
 
@@ -31,7 +32,9 @@ from stagetrace import lookup, schema
 from stagetrace.analysis import divergences, live
 from stagetrace.analysis.explain import Explainer
 from stagetrace.digest import digest
+from stagetrace.exporters.restore import Restorer
 from stagetrace.store import open_store
+from stagetrace.store_health import StoreHealth
 from tests.test_collector_generations import collector_statements
 
 # traces_json_insert.sql's columns in its order, the Keys columns appended as the exporter does when DESC shows them
@@ -246,3 +249,56 @@ def test_a_request_is_found_within_a_second_of_its_spans_being_stored(both_layou
         trace = lookup.by_request_id(store, "chat-late")
         assert time.monotonic() - stored < 1.0, layout
         assert sorted(s.span_id for s in trace.spans) == sorted(s["span_id"] for s in spans)
+
+
+DERIVED_ROWS = {  # each table the views fill from otel_traces, as a reader sees it
+    "stagetrace_requests": "SELECT * FROM {db:Identifier}.stagetrace_requests ORDER BY TraceId, SpanId",
+    "stagetrace_stages": "SELECT * FROM {db:Identifier}.stagetrace_stages ORDER BY TraceId, SpanId",
+    "otel_traces_trace_id_ts": "SELECT TraceId, min(Start), max(End) FROM {db:Identifier}.otel_traces_trace_id_ts "
+                               "GROUP BY TraceId ORDER BY TraceId",
+}  # fmt: skip
+_LARGEST_PART_SQL = """
+SELECT name FROM system.parts WHERE database = {db:String} AND table = {table:String} AND active
+ORDER BY rows DESC, name LIMIT 1"""
+_DETACHED_PATH_SQL = """
+SELECT path FROM system.detached_parts WHERE database = {db:String} AND table = {table:String} AND name = {name:String}"""
+
+
+def _break_a_part(store, table: str) -> str:
+    """Detach ``table``'s largest part and name it as the engine names a part it found broken (``broken_<part>``)."""
+    where = {"db": store.database, "table": table}
+    ((name,),) = store.client.query(_LARGEST_PART_SQL, parameters=where).result_rows
+    store.client.command(f"ALTER TABLE {store.database}.`{table}` DETACH PART '{name}'")
+    ((path,),) = store.client.query(_DETACHED_PATH_SQL, parameters=where | {"name": name}).result_rows
+    path = Path(path)
+    path.rename(path.with_name(f"broken_{name}"))
+    return name
+
+
+def test_a_broken_part_of_a_derived_table_is_rebuilt_alike_on_either_layout(both_layouts):
+    """A part of each table the views fill, found broken (both services' rows in it): the restore makes its rows again
+    from otel_traces by the views' own queries, reading the JSON layout as the views do. Each table then holds what
+    the views wrote, each row once, on either layout. The damage is a part detached and renamed as the engine names a
+    broken one (``tests/test_store_health.py`` truncates a part's file for real; the restore it starts is the same)."""
+    stores, _ = both_layouts
+    written, rebuilt = {}, {}
+    for layout, store in stores.items():
+        read = {t: store.client.query(sql, parameters={"db": store.database}).result_rows
+                for t, sql in DERIVED_ROWS.items()}  # fmt: skip
+        assert all(read.values()), layout
+        written[layout] = read
+        broken = {table: _break_a_part(store, table) for table in DERIVED_ROWS}
+        restorer = Restorer(store, None)
+        found = StoreHealth(store, restore=restorer).check()
+        assert {(p.table, p.name) for p in found} == {(t, f"broken_{n}") for t, n in broken.items()}, layout
+        assert not restorer.waiting, layout  # every rebuild succeeded: none left to retry
+        rebuilt[layout] = {t: store.client.query(sql, parameters={"db": store.database}).result_rows
+                           for t, sql in DERIVED_ROWS.items()}  # fmt: skip
+        for table in ("stagetrace_requests", "stagetrace_stages"):  # none twice
+            keys = store.client.query(f"SELECT TraceId, SpanId FROM {store.database}.{table}").result_rows
+            assert len(keys) == len(set(keys)), (layout, table)
+    assert rebuilt["JSON"] == written["JSON"]
+    assert rebuilt == written and written["JSON"] == written["Map"]
+    services = {row[0] for row in stores["JSON"].client.query(
+        "SELECT DISTINCT ServiceName FROM collector_json.stagetrace_requests").result_rows}
+    assert services == set(SERVICES)

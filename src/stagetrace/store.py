@@ -131,6 +131,14 @@ class Store:
         self.database = location.database
         self.read_only = read_only
         self._readable: dict[str, str] = {}
+        self._layouts: dict[str, str] | None = None
+
+    def layouts(self) -> dict[str, str]:
+        """The attribute layout of each of the Collector's tables the store has (``attributes.layouts``): what every
+        reader of those tables converts by (``schema.read_sql``). Asked of the store once."""
+        if self._layouts is None:
+            self._layouts = attributes.layouts(self.client, self.database)
+        return self._layouts
 
     def readable(self, table: str) -> str:
         """What to read for one of the Collector's tables with attributes (``otel_traces``, ``otel_logs``) with Map
@@ -138,7 +146,7 @@ class Store:
         that reads its JSON as Maps. A plain view costs a lookup's span read about 15 ms more than the table (measured
         on 120,000 spans, issue 55), which a Map store need not pay. Asked of the store once."""
         if not self._readable:
-            layouts = attributes.layouts(self.client, self.database)
+            layouts = self.layouts()
             self._readable = {t: next(v for v, of in schema.READ_VIEWS.items() if of == t)
                               if layouts.get(t) == attributes.JSON else t for t in attributes.COLUMNS}  # fmt: skip
         return self._readable[table]
