@@ -1,6 +1,6 @@
 """The dashboards in a store shared with other services: a request deviates only from its peers.
 
-Each query runs after exactly the rewrites the ClickHouse data source applies (``stagetrace.dashboards.macros.expand``),
+Each query runs after exactly the rewrites the ClickHouse data source applies (``tests.grafana_macros.expand``),
 on a store of its own (chdb allows one embedded store per process, so not beside ``test_dashboards``' demo store).
 """
 
@@ -14,7 +14,7 @@ import pytest
 from tests import fleet
 
 from stagetrace.dashboards import build_all
-from stagetrace.dashboards.macros import ALL, QueryContext, Variable, expand
+from tests.grafana_macros import ALL, QueryContext, Variable, expand
 from stagetrace.store import open_store
 
 DASHBOARDS = build_all()
