@@ -112,3 +112,34 @@ def test_past_the_tally_bound_the_tally_covers_the_analysed_and_says_so(store, m
     assert (f"the tally below covers the 5 analysed in full, not all {len(old) + len(new)}: so many take long to "
             "tally one by one (--limit 0 tallies all)") in piped.getvalue()
     assert _find(store, fl, None)["tally_covers"] == "analysed"  # --limit 0: every one analysed, so tallied
+
+
+def test_a_fault_no_setting_explains_is_tallied_without_naming_an_identity(store):
+    """A host whose decode outputs differ with nothing recorded against it (what a GPU fault looks like in SQL, which
+    reads no counters), older than a weights change on another host (the neighbour, analysed in full). Its requests,
+    tallied but not analysed, have no cause: their host and GPU say where they ran, not why, and the tally line
+    lists the host; the neighbour keeps its setting."""
+    from stagetrace import conventions
+
+    fl = fleet.Fleet(store)
+    silent, weights = [], []
+    n = 0
+    for minute in range(8):
+        for k in range(3):
+            for host in "abcd":
+                for prompt in range(2):
+                    at = fl.at(minute, seconds=20 * k + n % 20)
+                    faulty = host == "b" and minute < 5
+                    other_weights = host == "c" and minute >= 5
+                    fl.request(f"s{n}", at, host, prompt=prompt, settings={STEP: 1100} if other_weights else None,
+                               differs={"decode": "bad-gpu"} if faulty else {"decode": "w"} if other_weights else None)  # fmt: skip
+                    (silent if faulty else weights if other_weights else []).append(f"s{n}")
+                    n += 1
+    fl.flush()
+    result = _find(store, fl, 5)
+    by_host = {tuple(t["hosts"]): t for t in result["tally"]}
+    unexplained = by_host[("b",)]
+    assert unexplained["requests"] == len(silent) and unexplained["analysed"] == 0, result["tally"]
+    assert unexplained["cause"] == "", unexplained  # not host.name, gpu.uuid or any identity
+    assert not any(conventions.is_identity(t["cause"]) for t in result["tally"]), result["tally"]
+    assert by_host[("c",)]["cause"] == STEP and by_host[("c",)]["requests"] == len(weights), result["tally"]

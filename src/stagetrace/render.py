@@ -451,7 +451,10 @@ def _by_service(counts: dict[str, int]) -> str:
 def divergence_groups(out: Output, found: dict, since: str) -> None:
     """``stagetrace divergences``: a tally by cause and stage first, then each deviating request."""
     out.line(f"{found['deviating']} deviating requests in the last {since}"
-             + (f"; the latest {found['analysed']} analysed in full (--limit 0 analyses all)"
+             + (f"; the latest {found['analysed'] + found.get('analysed_expected', 0)} analysed in full: "
+                f"{found['analysed']} deviating, {found['analysed_expected']} a rollout's expected changes "
+                "(--limit 0 analyses all)" if found["analysed"] < found["deviating"] and found.get("analysed_expected")
+                else f"; the latest {found['analysed']} analysed in full (--limit 0 analyses all)"
                 if found["analysed"] < found["deviating"] else "")
              + (f"; {found['nondeterministic']} sampled without a seed, not compared"
                 + _by_service(found.get("nondeterministic_by_service", {}))

@@ -258,6 +258,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "since_ns": since_ns,
         "deviating": len(deviations) - explained,
         "analysed": len(rows),
+        # of the latest analysed in full, those a rollout's wave explains: expected, so not among the deviating
+        "analysed_expected": len(latest & explained_ids),
         "nondeterministic": sum(unseeded.values()),
         "nondeterministic_by_service": unseeded,
         # deviating requests that sample with a seed their engine does not record: compared, and said
@@ -317,8 +319,10 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
             mine = _span(stage, {n: v for n, v, _ in found.attributes}, {n: v for n, v, _ in found.resource}, d.start_ns)
             theirs = _span(stage, {n: b for n, _, b in found.attributes}, {n: b for n, _, b in found.resource},
                            d.start_ns)  # fmt: skip
+            # a setting, never an identity: without the counters only the full analysis reads, a host or GPU that
+            # separates the deviating requests is where they ran, not why (the tally line lists the hosts)
             top = next((c for c in ranked(attribute_causes(stage, mine, theirs, contrasts.get((stage, d.peer))))
-                        if not c.weak), None)  # fmt: skip
+                        if not c.weak and not conventions.is_identity(c.name)), None)  # fmt: skip
             cause = top.name if top is not None else ""
         out[d.trace_id] = (stage, cause)
     return out
