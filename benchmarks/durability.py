@@ -29,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import Figure, benchmark, median_seconds
 from benchmarks.soak import SPANS_PER_BATCH, _batch, _rss_mib
+from stagetrace.environment_variables import STAGETRACE_SPOOL_KEEP_BYTES
 from stagetrace.exporters import spool
 from stagetrace.store import open_store
 
@@ -261,7 +262,7 @@ def reserve(quick: bool) -> list[Figure]:
     bodies = [encode_spans(spans[i:i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
     names = ("shipped", "no reserve", "before")
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    kept_before = os.environ.pop(spool.ENV_SPOOL_KEEP_BYTES, None)
+    kept_before = os.environ.pop(STAGETRACE_SPOOL_KEEP_BYTES, None)
     with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
             open_store(f"chdb://{directory}/store") as store, \
             open_store(f"chdb://{directory}/store?database=before") as before:  # fmt: skip
@@ -271,9 +272,9 @@ def reserve(quick: bool) -> list[Figure]:
         headroom = Headroom({"store": store.location.path, "spool": directory}, DEFAULT)
         receivers = {"shipped": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom, spool_dir=f"{directory}/a"),
                      "no reserve": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b")}  # fmt: skip
-        os.environ[spool.ENV_SPOOL_KEEP_BYTES] = "0"  # read as the spool opens: none kept
+        os.environ[STAGETRACE_SPOOL_KEEP_BYTES] = "0"  # read as the spool opens: none kept
         receivers["before"] = OtlpReceiver(before, "127.0.0.1:0", spool_dir=f"{directory}/c")
-        del os.environ[spool.ENV_SPOOL_KEEP_BYTES]
+        del os.environ[STAGETRACE_SPOOL_KEEP_BYTES]
         try:
             for round_ in range(rounds):
                 for name in names[round_ % 3:] + names[:round_ % 3]:  # each goes first in turn
@@ -285,7 +286,7 @@ def reserve(quick: bool) -> list[Figure]:
             for receiver in receivers.values():
                 receiver.close()
             if kept_before is not None:
-                os.environ[spool.ENV_SPOOL_KEEP_BYTES] = kept_before
+                os.environ[STAGETRACE_SPOOL_KEEP_BYTES] = kept_before
         n = 200_000 if not quick else 20_000
         started = time.perf_counter()
         for _ in range(n):
