@@ -32,7 +32,6 @@ import pynvml
 from stagetrace.collectors.base import (
     COUNTER, GAUGE, INFO, Collector, MetricSpec, Options, Samples, SourceUnavailable, register,
 )  # fmt: skip
-from stagetrace.collectors.gpm import GPM_METRIC_IDS, SUPPORTED
 from stagetrace.collectors.gpm_reader import SUPPORT_CALL, GpmReader
 from stagetrace.collectors.gpu_tenants import KUBELET_LOG_DIR, PROCFS, PodNames, ProcessOwners, tenant_samples
 from stagetrace.collectors.nvml import (
@@ -47,6 +46,7 @@ from stagetrace.collectors.nvml import (
     unavailable_reason,
     write_nvml_fixture,
 )
+from stagetrace.gpm_metrics import GPM_METRIC_IDS, SUPPORTED
 
 logger = logging.getLogger("stagetrace.collectors.gpu")
 
