@@ -1,6 +1,6 @@
 """GPU collector: NVML through nvidia-ml-py (module ``pynvml``), or recorded NVML snapshots.
 
-The collector reads through the source seam in :mod:`stagetrace.collectors.nvml` (the real library,
+The collector reads through the source seam in :mod:`stagetrace.nvml` (the real library,
 or recorded snapshots in NVML's own shapes, whose format is described there); it alone converts units
 and decides what an error means:
 
