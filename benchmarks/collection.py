@@ -33,7 +33,7 @@ from stagetrace.collectors.base import REGISTRY, Node, Options, Samples
 from stagetrace.collectors.gpu import GpuCollector
 from stagetrace.collectors.podresources import RecordedKubelet
 from stagetrace.collectors.rdma import RdmaCollector
-from stagetrace.collectors.nvml import write_nvml_fixture
+from stagetrace.nvml import write_nvml_fixture
 from stagetrace.exporters.prometheus import exposition
 
 FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "node"

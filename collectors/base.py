@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from stagetrace.environment_variables import STAGETRACE_HOST, STAGETRACE_SYSFS
+from stagetrace.errors import SourceUnavailable  # noqa: F401  (the collectors' contract: raised by the binding too)
 # the metric model and settings live in the core; collectors (and the tests that write collectors) import them here
 from stagetrace.metrics import COUNTER, GAUGE, INFO, MetricSpec, Samples  # noqa: F401
 from stagetrace import settings
@@ -31,10 +32,6 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
 logger = logging.getLogger("stagetrace.collectors")
-
-
-class SourceUnavailable(Exception):
-    """The collector's source is not on this machine (or not now); the message says which and why."""
 
 
 def path_or_none(text: str) -> Path | None:

@@ -1,4 +1,4 @@
-"""GPU Performance Monitoring (GPM) for the gpu collector: the series of ``gpm`` read from NVML without DCGM
+"""GPU Performance Monitoring (GPM) for the gpu collector: the series of ``stagetrace.gpm_metrics`` read from NVML without DCGM
 (Hopper and newer).
 
 NVML computes each metric between two samples (``nvmlGpmMetricsGet`` on the samples of ``nvmlGpmSampleGet``, or
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagetrace.collectors.base import MetricSpec
-from stagetrace.collectors.gpm import GPM_METRIC_IDS, GPM_METRICS
+from stagetrace.gpm_metrics import GPM_METRIC_IDS, GPM_METRICS
 from stagetrace.collectors.nvml import NVML_ERRORS, UNSUPPORTED, CachedReads, NvmlSource, error_name
 
 logger = logging.getLogger("stagetrace.collectors.gpu")

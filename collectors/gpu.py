@@ -1,6 +1,6 @@
 """GPU collector: NVML through nvidia-ml-py (module ``pynvml``), or recorded NVML snapshots.
 
-The collector reads through the source seam in :mod:`stagetrace.collectors.nvml` (the real library,
+The collector reads through the source seam in :mod:`stagetrace.nvml` (the real library,
 or recorded snapshots in NVML's own shapes, whose format is described there); it alone converts units
 and decides what an error means:
 
@@ -32,7 +32,6 @@ import pynvml
 from stagetrace.collectors.base import (
     COUNTER, GAUGE, INFO, Collector, MetricSpec, Options, Samples, SourceUnavailable, register,
 )  # fmt: skip
-from stagetrace.collectors.gpm import GPM_METRIC_IDS, SUPPORTED
 from stagetrace.collectors.gpm_reader import SUPPORT_CALL, GpmReader
 from stagetrace.collectors.gpu_tenants import KUBELET_LOG_DIR, PROCFS, PodNames, ProcessOwners, tenant_samples
 from stagetrace.collectors.nvml import (
@@ -47,6 +46,7 @@ from stagetrace.collectors.nvml import (
     unavailable_reason,
     write_nvml_fixture,
 )
+from stagetrace.gpm_metrics import GPM_METRIC_IDS, SUPPORTED
 
 logger = logging.getLogger("stagetrace.collectors.gpu")
 

@@ -34,56 +34,16 @@ from pathlib import Path
 from statistics import fmean
 from typing import Any
 
-from stagetrace.collectors.base import GAUGE, INFO, MetricSpec, Setting
+from stagetrace.collectors.base import Setting
 from stagetrace.environment_variables import STAGETRACE_KUBELET_LOG_DIR, STAGETRACE_PROCFS
+from stagetrace.metrics import MetricSpec
+# the series and the roles are data the analysis and the dashboards read too: they live in the core
+from stagetrace.tenant_metrics import (  # noqa: F401  (importable from here, as before)
+    COMPUTE, GPU_LABELS, MPS_CLIENT, MPS_SERVER, PROCESS, PROCESS_MEMORY_COPY, PROCESS_SM, TENANT_LABELS, TENANT_MEMORY,
+    TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UID_POD, UNATTRIBUTED,
+)  # fmt: skip
 
 logger = logging.getLogger("stagetrace.collectors.gpu")
-
-GPU_LABELS = ("gpu", "uuid", "model")
-TENANT_LABELS = (*GPU_LABELS, "namespace", "pod")  # namespace and pod "" for processes in no pod
-
-PROCESS = MetricSpec(
-    "gpu_process_info", INFO,
-    "A compute process on the GPU, its pod and container (empty outside any pod, or once it exited unseen) and its "
-    "role: compute, mps_server or mps_client.", (*GPU_LABELS, "pid"),
-)  # fmt: skip
-PROCESS_SM = MetricSpec(
-    "gpu_process_sm_utilization_ratio", GAUGE,
-    "SM utilization of the process since the last scrape, NVML's per-process samples (under MPS: the server only).",
-    (*GPU_LABELS, "pid"), "ratio",
-)  # fmt: skip
-PROCESS_MEMORY_COPY = MetricSpec(
-    "gpu_process_memory_copy_utilization_ratio", GAUGE,
-    "Fraction of time the process read or wrote device memory since the last scrape (NVML's per-process samples).",
-    (*GPU_LABELS, "pid"), "ratio",
-)  # fmt: skip
-TENANT_MEMORY = MetricSpec(
-    "gpu_tenant_memory_used_bytes", GAUGE,
-    "Device memory the pod's processes hold on this physical GPU, each process once (MPS clients included).",
-    TENANT_LABELS, "bytes",
-)  # fmt: skip
-TENANT_PROCESSES = MetricSpec(
-    "gpu_tenant_processes", GAUGE, "The pod's compute processes on this physical GPU.", TENANT_LABELS
-)
-TENANT_MPS_CLIENTS = MetricSpec(
-    "gpu_tenant_mps_clients", GAUGE,
-    "The pod's MPS client processes on this GPU: where above 0, NVML cannot say the pod's SM share.", TENANT_LABELS,
-)  # fmt: skip
-TENANT_SM = MetricSpec(
-    "gpu_tenant_sm_utilization_ratio", GAUGE,
-    "The pod's SM utilization on this GPU since the last scrape: the sum over its processes (none under MPS).",
-    TENANT_LABELS, "ratio",
-)  # fmt: skip
-TENANT_MEMORY_COPY = MetricSpec(
-    "gpu_tenant_memory_copy_utilization_ratio", GAUGE,
-    "Fraction of time the pod's processes read or wrote device memory since the last scrape (none under MPS).",
-    TENANT_LABELS, "ratio",
-)  # fmt: skip
-UNATTRIBUTED = MetricSpec(
-    "gpu_memory_unattributed_bytes", GAUGE,
-    "Used device memory no listed process holds: driver contexts, and processes outside the agent's PID namespace.",
-    GPU_LABELS, "bytes",
-)  # fmt: skip
 
 PROCFS = Setting(
     "procfs", Path, "/proc", env=STAGETRACE_PROCFS, flag="--procfs", metavar="DIR",
@@ -95,9 +55,6 @@ KUBELET_LOG_DIR = Setting(
 )  # fmt: skip
 
 MPS_SERVER_COMM = "nvidia-cuda-mps-server"
-# gpu_process_info's roles; the analysis reads MPS_SERVER to know whose utilization is every client's
-COMPUTE, MPS_SERVER, MPS_CLIENT = "compute", "mps_server", "mps_client"
-UID_POD = "uid:"  # the pod label of a pod the kubelet's log directory does not name: uid:<pod UID>
 
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
 _POD_UID = re.compile(rf"pod({_UID})")  # systemd's driver writes the UID's dashes as underscores

@@ -10,12 +10,12 @@ and a node whose device plugin advertises two devices for it as counted twice.
 
 from __future__ import annotations
 
-from stagetrace.collectors.gpm import GPM_METRICS
-from stagetrace.collectors.gpu_tenants import (
-    TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UNATTRIBUTED,
-)  # fmt: skip
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import GPU, HOST, any_selected, counter, gauge
+from stagetrace.gpm_metrics import GPM_METRICS
+from stagetrace.tenant_metrics import (
+    TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UNATTRIBUTED,
+)  # fmt: skip
 
 UID = "stagetrace-gpu"
 

@@ -1,4 +1,5 @@
-"""The import graph of stagetrace's own modules has no cycle, functions' imports included (issue 56).
+"""The import graph of stagetrace's own modules has no cycle, functions' imports included, and nothing but the
+modules that assemble collectors imports up into ``collectors/`` (issue 56).
 
 The graph is read from the source with ``ast`` (``tests/import_graph.py``), so an import hidden inside a function to
 dodge a load-time loop counts as the loop it is.
@@ -16,6 +17,32 @@ def test_the_modules_import_each_other_without_a_cycle():
     assert not loops, "import cycles (move the shared piece to a module both can import): " + "; ".join(
         " <-> ".join(loop) for loop in loops
     )
+
+
+# The modules outside collectors/ that may import it: each builds a node of collectors or reads one's samples. Data
+# other modules read about the series (metric specs, the GPM table, the tenants' series) and the NVML binding live in
+# the core (stagetrace.metrics, gpm_metrics, tenant_metrics, nvml), so no analysis, dashboard or detector needs one.
+ASSEMBLERS = {
+    # `stagetrace agent` / `collect`: runs the Node the command line built, and logs the kubernetes collector's
+    # diagnosis of the scrape it just took
+    "stagetrace.agent",
+    # the command line: the collectors' flags (add_arguments), their Options and build_node, and `collect`'s diagnosis
+    "stagetrace.cli",
+    # the demo's simulated nodes: recorded NVML, MPS and kubelet answers scraped by a real collector node (build_node)
+    "stagetrace.demo.hardware",
+    "stagetrace.demo.fabric",
+}
+
+
+def test_only_the_modules_that_assemble_collectors_import_them():
+    edges = import_graph.graph()
+    arrows = import_graph.into_collectors(edges, ASSEMBLERS)
+    assert not arrows, "imports into collectors/ (move what they read to the core, beside stagetrace.metrics): " + (
+        "; ".join(f"{a} -> {b}" for a, b in arrows)
+    )
+    # the list stays honest: a module that stopped assembling collectors leaves it
+    idle = sorted(m for m in ASSEMBLERS if not any(import_graph.into_collectors({m: edges.get(m, set())})))
+    assert not idle, f"no longer import collectors/, drop from ASSEMBLERS: {idle}"
 
 
 def _tree(root, files: dict[str, str]) -> None:
@@ -54,3 +81,22 @@ def test_a_package_that_imports_its_submodules_is_no_loop_but_using_its_names_is
     })
     loops = import_graph.cycles(import_graph.graph(tmp_path))
     assert loops == [["stagetrace.collectors", "stagetrace.collectors.base"]]
+
+
+def test_the_checker_finds_an_import_up_into_the_collectors_and_lets_an_assembler_through(tmp_path):
+    _tree(tmp_path, {
+        "src/stagetrace/__init__.py": "",
+        "src/stagetrace/metrics.py": "SPEC = 1\n",
+        "src/stagetrace/analysis/__init__.py": "",
+        "src/stagetrace/analysis/reader.py": "def read():\n    from stagetrace.collectors.gpm import TABLE\n",
+        "src/stagetrace/agent.py": "from stagetrace.collectors import build\n",
+        "collectors/__init__.py": "from stagetrace.collectors.gpm import TABLE\n\ndef build():\n    pass\n",
+        "collectors/gpm.py": "from stagetrace.metrics import SPEC\nTABLE = [SPEC]\n",
+    })
+    edges = import_graph.graph(tmp_path)
+    assert import_graph.into_collectors(edges) == [
+        ("stagetrace.agent", "stagetrace.collectors"), ("stagetrace.analysis.reader", "stagetrace.collectors.gpm"),
+    ]  # a collector importing another, or the core, is no arrow up
+    assert import_graph.into_collectors(edges, {"stagetrace.agent"}) == [
+        ("stagetrace.analysis.reader", "stagetrace.collectors.gpm"),
+    ]

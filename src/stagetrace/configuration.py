@@ -35,11 +35,10 @@ logger = logging.getLogger(__name__)
 def _nvml(environ):
     """An open NVML source, as the collectors choose it (recorded snapshots when STAGETRACE_NVML_FIXTURE is set);
     raises where there is none."""
-    from stagetrace.collectors.base import Options
-    from stagetrace.collectors.nvml import nvml_source
+    from stagetrace import nvml  # pynvml, loaded only when the detector runs
 
     fixture = environ.get(STAGETRACE_NVML_FIXTURE)
-    source = nvml_source(Options(nvml_fixture=Path(fixture) if fixture else None), watch_xids=False)
+    source = nvml.open_source(Path(fixture) if fixture else None, watch_xids=False)
     source.open()
     return source
 
@@ -62,7 +61,7 @@ def _visible(count: int, uuids: list[str], environ) -> list[int]:
 
 def gpu_attributes(environ=None) -> dict[str, str]:
     """The visible GPUs' UUIDs, models and count, the driver and CUDA versions; empty without NVML."""
-    from stagetrace.collectors.nvml import driver_versions
+    from stagetrace import nvml
 
     environ = os.environ if environ is None else environ
     try:
@@ -78,7 +77,7 @@ def gpu_attributes(environ=None) -> dict[str, str]:
         out = {cv.CONFIGURATION_GPU_UUIDS: ",".join(uuids[gpu] for gpu in visible),
                cv.CONFIGURATION_GPU_MODEL: ", ".join(dict.fromkeys(models)), cv.CONFIGURATION_GPU_COUNT: len(visible)}  # fmt: skip
         names = {"driver_version": cv.CONFIGURATION_DRIVER, "cuda_version": cv.CONFIGURATION_CUDA}
-        return out | {names[label]: value for label, value in driver_versions(source).items()}
+        return out | {names[label]: value for label, value in nvml.driver_versions(source).items()}
     except Exception as exc:
         logger.debug("GPU configuration only in part: %s", exc)
         return {}

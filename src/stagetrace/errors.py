@@ -1,4 +1,5 @@
-"""The store's expected failures, below every module that opens or reaches a store (and the command line)."""
+"""The expected failures below every module that opens or reaches a store (and the command line), and a hardware
+source's absence, which the collectors and the NVML binding (``stagetrace.nvml``) both raise."""
 
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
+class SourceUnavailable(Exception):
+    """The collector's source is not on this machine (or not now); the message says which and why."""
+
+
 class SchemaError(ValueError):
     """A database or cluster name that cannot be used as a ClickHouse identifier."""
 
 
-__all__ = ["SchemaError", "StoreError", "StoreLockedError", "first_line"]
+__all__ = ["SchemaError", "SourceUnavailable", "StoreError", "StoreLockedError", "first_line"]

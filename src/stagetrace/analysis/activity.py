@@ -16,7 +16,7 @@ from statistics import fmean
 
 from stagetrace import conventions
 from stagetrace.analysis.hardware import DEVICE_LABELS, GPU, LOOKAROUND_NS, devices
-from stagetrace.collectors.gpm import GPM_METRICS
+from stagetrace.gpm_metrics import GPM_METRICS
 
 # shown, in this order, under these column names
 SHOWN = {"sm_active": "gpu_sm_active_ratio", "tensor_active": "gpu_tensor_active_ratio",

@@ -2,7 +2,7 @@
 
 The gpu collector writes, per physical GPU and pod, the pod's device memory, its SM and memory-copy utilization
 (NVML's per-process samples, summed over the pod's processes) and its MPS client processes
-(``gpu_tenant_*``, ``collectors.gpu_tenants``). A tenant's use *rose while the stage ran* when its highest value
+(``gpu_tenant_*``, ``stagetrace.tenant_metrics``). A tenant's use *rose while the stage ran* when its highest value
 at the scrapes whose intervals overlap the stage (from the first scrape after the last one at or before the
 stage's start, to the first at or after its end) is at least ``Use.min_rise`` above its usual level and
 ``Use.min_ratio`` times it. Its usual level is the median of its values at the GPU's scrapes over the
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from stagetrace import conventions
 from stagetrace.analysis.hardware import DEVICE_LABELS, GPU, LOOKAROUND_NS, MIN_TYPICAL
 from stagetrace.metrics import MetricSpec
-from stagetrace.collectors.gpu_tenants import (
+from stagetrace.tenant_metrics import (
     MPS_SERVER, PROCESS, TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UID_POD,
 )  # fmt: skip
 

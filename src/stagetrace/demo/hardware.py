@@ -26,7 +26,7 @@ from pathlib import Path
 from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Options
 from stagetrace.collectors.mps import write_mps_fixture
-from stagetrace.collectors.nvml import H200_MEMORY_BYTES, gpu_snapshot, process_info, write_nvml_fixture, xid_event
+from stagetrace.nvml import H200_MEMORY_BYTES, gpu_snapshot, process_info, write_nvml_fixture, xid_event
 from stagetrace.collectors.podresources import RecordedKubelet, write_answers
 from stagetrace.demo.faults import OTHER_GPU_MODEL, REFERENCE_GPU_MODEL
 from stagetrace.digest import digest
