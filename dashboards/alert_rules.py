@@ -36,17 +36,23 @@ MAX_STEPS_BEHIND = 0
 # changes makes another instance (and another notification): so the cause's value, the baseline's, the example
 # request, the hosts and the devices are those of the cause's requests over the day before, which stay the same
 # while it goes on (hosts and devices grow only when the cause reaches another); the number is the range's count.
+# ``began``: the TP ranks that began those requests' differences, each with its GPU and that GPU's host (not the
+# request's: HostName), as ``explain`` words them ("rank 1 (GPU-..., node-b)"); empty where no rank began one.
+_BEGAN = ("arrayStringConcat(arraySort(groupUniqArrayArray(arrayMap(p -> concat('rank ', tupleElement(p, 1), ' (', "
+          f"tupleElement(p, 2), ', ', tupleElement(p, 3), ')'), {divergences.BEGAN_PLACES}))), '; ')")
 _LOCATED = "FirstDivergentStage != '' AND TopCauseName != ''"
 _DAY = "RequestStart >= $__fromTime - INTERVAL 24 HOUR AND RequestStart <= $__toTime"
 _BY_CAUSE = "ServiceName AS service, FirstDivergentStage AS stage, TopCauseName AS cause"
 DEVIATING_BY_CAUSE = f"""
-SELECT service, stage, cause, value, baseline_value, hosts, devices, example_request, toFloat64(recent) AS deviating
+SELECT service, stage, cause, value, baseline_value, hosts, devices, began, example_request,
+       toFloat64(recent) AS deviating
 FROM (
     SELECT {_BY_CAUSE}, argMin(TopCauseValue, RequestStart) AS value,
            argMin(TopCauseBaselineValue, RequestStart) AS baseline_value,
            arrayStringConcat(arraySort(groupUniqArray(HostName)), ' ') AS hosts,
            arrayStringConcat(arraySort(arrayFilter(d -> d != '', groupUniqArrayArray(splitByChar(',', Devices)))),
                              ' ') AS devices,
+           {_BEGAN} AS began,
            argMin(RequestId, RequestStart) AS example_request, countIf($__timeFilter(RequestStart)) AS recent
     FROM stagetrace_divergences FINAL
     WHERE {_DAY} AND {_LOCATED}
@@ -89,7 +95,8 @@ RULES = (
         "stagetrace-deviating-outputs", "Deviating outputs", DEVIATING_BY_CAUSE, 0, 900, "0s",
         "{{ $labels.service }}: {{ $values.A.Value }} deviating output(s) first diverge at {{ $labels.stage }}: "
         "{{ $labels.cause }} is {{ $labels.value }} where the baseline has {{ $labels.baseline_value }} "
-        "(hosts {{ $labels.hosts }}; devices {{ $labels.devices }})",
+        "(hosts {{ $labels.hosts }}; devices {{ $labels.devices }}"
+        "{{ if $labels.began }}; began on {{ $labels.began }}{{ end }})",
         "The live analyser found requests whose output differs from the majority output for the same input, first "
         "at this stage, with this top cause. Example request: " + EXAMPLE_LINK + " . Expected changes (rollouts) "
         "and requests that sample without a seed are not counted.",

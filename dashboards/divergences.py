@@ -16,6 +16,24 @@ SOURCE = "stagetrace_divergences FINAL"
 FILTERS = [any_selected("ServiceName", "service"), any_selected("HostName", "host"),
            any_selected("FirstDivergentStage", "stage")]  # fmt: skip
 CAUSE = "if(TopCauseName = '', 'no cause found', concat(TopCauseKind, ': ', TopCauseName))"
+# The TP ranks that began a request's difference, as (rank, GPU, the GPU's host) tuples: the analyser stores them as
+# three comma-separated lists in the same order (BeganRank, BeganGpu, BeganHost; empty where no rank began it).
+BEGAN_PLACES = ("if(BeganRank = '', [], arrayZip(splitByChar(',', BeganRank), splitByChar(',', BeganGpu), "
+                "splitByChar(',', BeganHost)))")
+# "Today": the 24 hours to the range's end, whatever the range, as the deviation alert counts a cause's day.
+_DAY = "RequestStart > $__toTime - INTERVAL 24 HOUR AND RequestStart <= $__toTime"
+BEGAN_TODAY_SQL = f"""
+SELECT tupleElement(place, 2) AS gpu, tupleElement(place, 3) AS host,
+    arrayStringConcat(arraySort(groupUniqArray(tupleElement(place, 1))), ', ') AS ranks,
+    uniqExact(RequestId) AS requests,
+    arrayStringConcat(arraySort(groupUniqArray(ServiceName)), ', ') AS services,
+    max(RequestStart) AS last_seen
+FROM {SOURCE}
+ARRAY JOIN {BEGAN_PLACES} AS place
+WHERE {_DAY} AND {" AND ".join(FILTERS)}
+GROUP BY gpu, host
+ORDER BY requests DESC, gpu
+LIMIT 100"""
 
 TABLE_SQL = f"""
 SELECT RequestStart AS request_start, RequestId AS request_id, ServiceName AS service, HostName AS host,
@@ -70,6 +88,12 @@ def panels() -> list[dict]:
                           where=FILTERS, over_time=False),
                 "short", width=12, height=4, sort_by="requests",
                 description="Deviating requests by first divergent stage and top cause."),
+        p.table("GPUs that began differences today", BEGAN_TODAY_SQL, "short", height=6, sort_by="requests",
+                description="Each GPU whose TP rank began the difference of deviating requests in the 24 hours to "
+                            "the range's end (its contribution to a collective differed, or the difference began "
+                            "inside the stage on it), with that GPU's host (not the request's), and how many "
+                            "requests it touched. One GPU with many requests and no cause found is a suspected "
+                            "silent data corruption."),
         p.table("Deviating requests", TABLE_SQL, "none", height=12, overrides=links,
                 description="One row per analysed request: click a request ID to open its trace, stages and "
                             "hardware in the trace-lookup dashboard."),

@@ -255,8 +255,8 @@ def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(ana
     ((last,),) = store.client.query("SELECT max(Timestamp) FROM otel_traces").result_rows
     now = last.replace(tzinfo=timezone.utc, microsecond=0) + timedelta(days=3)
     rows = [(0, f"req-{m}", "t", int((now - timedelta(minutes=m)).timestamp() * 1e9), "chat", "gpu-c", "in", "b",
-             "majority", "decode", "attribute", "engine.kv_cache_dtype", "fp8", "auto", 0.9, "[]", "s", "GPU-c")
-            for m in (14, 5)]  # fmt: skip
+             "majority", "decode", "attribute", "engine.kv_cache_dtype", "fp8", "auto", 0.9, "[]", "s", "GPU-c",
+             "1", "GPU-c", "gpu-c1") for m in (14, 5)]  # fmt: skip
     store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
 
     def labels(at: datetime) -> list:
@@ -264,4 +264,5 @@ def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(ana
         return [row[:-1] for row in json.loads(store.client.raw_query(sql, fmt="JSONCompact"))["data"]]
 
     first, later = labels(now), labels(now + timedelta(minutes=2))  # req-14 is out of the range by then
-    assert first == later == [["chat", "decode", "engine.kv_cache_dtype", "fp8", "auto", "gpu-c", "GPU-c", "req-14"]]
+    assert first == later == [["chat", "decode", "engine.kv_cache_dtype", "fp8", "auto", "gpu-c", "GPU-c",
+                               "rank 1 (GPU-c, gpu-c1)", "req-14"]]

@@ -29,14 +29,17 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 
 from stagetrace.analysis import divergences, live, population
 from stagetrace.analysis.explain import Explainer
+from stagetrace.dashboards import divergences as explorer
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.store import open_store
+from tests.grafana_macros import ALL, QueryContext, Variable, expand
 
 APP = Path(__file__).parent / "apps" / "tp_ranks.py"
 FLIP = 256.0  # one exponent bit of one weight: changes the output
@@ -241,6 +244,27 @@ def _began(items: dict) -> dict[str, list[tuple[str, str, str]]]:
     return {rid: [(p["rank"], p["gpu"], p["host"]) for p in item["began"]] for rid, item in items.items()}
 
 
+_BEGAN_ROWS = """
+SELECT RequestId, (BeganRank, BeganGpu, BeganHost, HostName) FROM {db:Identifier}.stagetrace_divergences FINAL"""
+
+
+def _began_rows(store) -> dict[str, tuple[str, str, str, str]]:
+    return dict(store.client.query(_BEGAN_ROWS, parameters={"db": store.database}).result_rows)
+
+
+def _stored_as_expected(store, expected: dict) -> None:
+    """Each stored row carries the rank, GPU and host that began it; its HostName stays the request's host (the
+    root's: rank 0's, or hand-b0 for group b), which the rank that began it does not share unless it is rank 0."""
+    rows = _began_rows(store)
+    assert {rid: rows[rid][:3] for rid in expected} == {rid: e[0] for rid, e in expected.items()}
+    for rid, [(rank, _, host)] in expected.items():
+        assert (rows[rid][3] == host) == (rank == "0"), (rid, rows[rid])
+
+
+def _service(rid: str) -> str:
+    return "hand-tp2" if rid in BY_HAND else rid.rsplit("-", 2)[0]
+
+
 def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recorded):
     store, _ = recorded
     expected = {}
@@ -262,6 +286,9 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
     rows = dict(store.client.query("SELECT RequestId, Devices FROM {db:Identifier}.stagetrace_divergences FINAL",
                                    parameters={"db": store.database}).result_rows)  # fmt: skip
     assert {rid: rows[rid] for rid in expected} == {rid: e[0][1] for rid, e in expected.items()}
+    _stored_as_expected(store, expected)
+    assert all(row[:3] == ("", "", "") for rid, row in _began_rows(store).items() if rid not in expected)
+    _the_dashboard_shows_each_gpu_that_began_differences(store, expected)
 
     store.client.command("TRUNCATE TABLE {db:Identifier}.stagetrace_divergences", parameters={"db": store.database})
     analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600),
@@ -271,9 +298,32 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
         "SELECT RequestId, Summary FROM {db:Identifier}.stagetrace_divergences FINAL",
         parameters={"db": store.database}).result_rows)  # fmt: skip
     assert sorted(summaries) == sorted(expected)
+    _stored_as_expected(store, expected)
+    # /metrics: one series per (service, stage, rank, GPU, its host), counting the requests that rank began
+    assert analyser.stats.began == Counter((_service(rid), "allreduce", *e[0]) for rid, e in expected.items())
+    families = {f.name: f for f in analyser.stats.families("analyser-host")}
+    began = {tuple(s.labels[k] for k in ("rank", "gpu", "gpu_host")): s.value
+             for s in families["stagetrace_deviations_began"].samples if s.name.endswith("_total")}  # fmt: skip
+    assert began == dict(Counter(e[0] for e in expected.values())), began
     for rid, [(rank, gpu, host)] in expected.items():
         assert f"rank {rank}'s contribution to the all-reduce differs" in summaries[rid] and gpu in summaries[rid]
         assert host in summaries[rid], summaries[rid]
+
+
+def _the_dashboard_shows_each_gpu_that_began_differences(store, expected: dict) -> None:
+    """The divergence explorer's "GPUs that began differences today", after the data source's rewrites: each GPU
+    that began differences, with its host (not the request's) and the requests it touched."""
+    now = datetime.now(timezone.utc) + timedelta(minutes=1)
+    everything = {name: Variable((ALL,)) for name in ("service", "host", "stage")}
+    sql = expand(explorer.BEGAN_TODAY_SQL, QueryContext(now - timedelta(hours=1), now), everything)
+    store.client.database = store.database  # as the data source connects: its default database
+    result = json.loads(store.client.raw_query(sql, fmt="JSONCompact"))
+    names = [c["name"] for c in result["meta"]]
+    shown = {(row["gpu"], row["host"]): (row["ranks"], int(row["requests"]))
+             for row in (dict(zip(names, r)) for r in result["data"])}  # fmt: skip
+    touched = Counter(e[0] for e in expected.values())
+    assert shown == {(gpu, host): (rank, n) for (rank, gpu, host), n in touched.items()}, shown
+    assert shown[("GPU-lm-tp2-1", "lm-tp2-node-1")] == ("1", 4)
 
 
 def test_the_tallys_sql_finds_the_same_rank_gpu_and_host(recorded):

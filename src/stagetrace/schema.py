@@ -30,8 +30,10 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # 14: vLLM's start-up roots known by their code.namespace, a request's model read from its resource where its
 # span names none (vLLM's llm_request), and a stage's rank on a pipeline stage other than 0 named with it (issue 53);
 # 15: the views read the Collector's JSON attribute layout as its Map layout, and stagetrace_spans / stagetrace_logs,
-# the span and log tables with Map attributes whatever the layout, for lookups and dashboards (issue 55)
-SCHEMA_VERSION = 15
+# the span and log tables with Map attributes whatever the layout, for lookups and dashboards (issue 55);
+# 16: the TP ranks that began each divergence, their GPUs and hosts, in stagetrace_divergences.BeganRank, BeganGpu
+# and BeganHost (one entry per rank, in the same order), for /metrics, the alerts and the dashboards (issue 52)
+SCHEMA_VERSION = 16
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -355,7 +357,10 @@ SETTINGS index_granularity = {_LOOKUP_GRANULARITY}, {_DEDUP}""",
     TopCauseScore Float64 CODEC(ZSTD(1)),
     Causes String CODEC(ZSTD(3)),
     Summary String CODEC(ZSTD(1)),
-    Devices String CODEC(ZSTD(1))""",
+    Devices String CODEC(ZSTD(1)),
+    BeganRank String CODEC(ZSTD(1)),
+    BeganGpu String CODEC(ZSTD(1)),
+    BeganHost String CODEC(ZSTD(1))""",
         "ReplacingMergeTree(DetectedAt)",
         """PARTITION BY toYYYYMM(RequestStart)
 ORDER BY (RequestId)""",
@@ -449,6 +454,9 @@ NEW_COLUMNS = {
         ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))")),
     7: (("stagetrace_divergences", "Devices String CODEC(ZSTD(1))"),),
     12: (("stagetrace_requests", "Model LowCardinality(String) CODEC(ZSTD(1)) AFTER Nondeterministic"),),
+    16: (("stagetrace_divergences", "BeganRank String CODEC(ZSTD(1))"),
+         ("stagetrace_divergences", "BeganGpu String CODEC(ZSTD(1))"),
+         ("stagetrace_divergences", "BeganHost String CODEC(ZSTD(1))")),
 }  # fmt: skip
 
 # Projections a version added to tables created before it, built from the rows they hold: {version: ((table,

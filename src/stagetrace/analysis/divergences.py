@@ -33,7 +33,7 @@ MARGIN_NS = 60 * 1_000_000_000
 COLUMNS = (
     "DetectedAt", "RequestId", "TraceId", "RequestStart", "ServiceName", "HostName", "InputDigest",
     "BaselineRequestId", "BaselineHow", "FirstDivergentStage", "TopCauseKind", "TopCauseName", "TopCauseValue",
-    "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary", "Devices",
+    "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary", "Devices", "BeganRank", "BeganGpu", "BeganHost",
 )  # fmt: skip
 KEPT_CAUSES = 5
 SAMPLED = 100  # deviations across the window whose differing settings are checked for rollouts
@@ -230,10 +230,12 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks, origin)
         service = d.service
         device = ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks))
+        began_rank, began_gpu, began_host = began_columns(origin)
         group["deviating"].append({
             "request_id": d.request_id, "trace_id": d.trace_id, "service": service,
             "baseline_request_id": baseline.request_id, "start": lookup.iso_ns(d.start_ns), "host": d.host,
             "device": device, "began": origin.places if origin else [],
+            "began_rank": began_rank, "began_gpu": began_gpu, "began_host": began_host,
             "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
             "seed_unknown": unknown_seed(traces.get(d.trace_id)) or None,
         })  # fmt: skip
@@ -241,7 +243,7 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
             detected, d.request_id, d.trace_id, d.start_ns, service, d.host, d.input_digest, baseline.request_id,
             baseline.how, stage or "", top.kind if top else "", top.name if top else "", top.value if top else "",
             top.baseline_value if top else "", top.score if top else 0.0,
-            json.dumps([c.to_json() for c in found[:KEPT_CAUSES]]), line, device,
+            json.dumps([c.to_json() for c in found[:KEPT_CAUSES]]), line, device, began_rank, began_gpu, began_host,
         ))  # fmt: skip
     if rows and not store.read_only:  # through a running agent's read-only endpoint, report without persisting
         store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
@@ -269,6 +271,16 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
         "tally_covers": "all" if tally_all else "analysed",
         "groups": list(groups.values()),
     }
+
+
+def began_columns(origin: ranks.Origin | None) -> tuple[str, str, str]:
+    """``BeganRank``, ``BeganGpu`` and ``BeganHost`` of a stored divergence: the TP ranks that began it by their
+    contribution or inside the stage, with each one's GPU and host, comma-separated in the same order (so that the
+    dashboards pair them); empty where no rank began it (a stage without ranks, or a difference from upstream). The
+    request's own host stays in ``HostName``."""
+    if origin is None or origin.how == ranks.UPSTREAM or not origin.places:
+        return "", "", ""
+    return tuple(",".join(place[key] for place in origin.places) for key in ("rank", "gpu", "host"))
 
 
 def stage_devices(trace: lookup.Trace | None, stage: str | None, began) -> list[str]:

@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stagetrace.metrics import COUNTER, GAUGE, MetricSpec, Samples
 from stagetrace.store import Store
@@ -70,12 +70,20 @@ class Pass:
     analysed: int  # deviating requests analysed (new and re-checked)
     new: dict[tuple[str, str, str], int]  # (service, stage, top cause) -> deviating requests recorded for the first time
     duration_s: float
+    # (service, stage, rank, GPU, its host) -> of those, the requests whose difference that TP rank began
+    began: dict[tuple[str, str, str, str, str], int] = field(default_factory=dict)
 
 
 # what the analyser exposes on /metrics (the agent's, or `stagetrace analyse --listen`), described as data
 DEVIATING = MetricSpec("stagetrace_deviating_requests_total", COUNTER,
                        "Deviating requests the live analyser recorded, by service, first divergent stage and top "
                        "cause (its name: values stay out of labels).", ("service", "stage", "cause"))  # fmt: skip
+# One series per GPU that began differences (a TP rank's contribution, or inside the stage on it), never per request:
+# as many as the GPUs that went wrong. Its host is ``gpu_host``: ``host`` is the analyser's own, on every series.
+BEGAN = MetricSpec("stagetrace_deviations_began_total", COUNTER,
+                   "Deviating requests the live analyser recorded whose difference a TP rank began, by service, "
+                   "first divergent stage, that rank, its GPU and the GPU's host (gpu_host).",
+                   ("service", "stage", "rank", "gpu", "gpu_host"))  # fmt: skip
 ANALYSED = MetricSpec("stagetrace_analysed_requests_total", COUNTER,
                       "Deviating requests the live analyser analysed, re-checks included.")
 PASSES = MetricSpec("stagetrace_analysis_passes_total", COUNTER, "Analysis passes that completed.")
@@ -95,6 +103,7 @@ class Stats:
     def __init__(self):
         self._lock = threading.Lock()
         self.deviating: dict[tuple[str, str, str], int] = {}
+        self.began: dict[tuple[str, str, str, str, str], int] = {}
         self.analysed = self.passes = self.failures = 0
         self.duration_s = self.lag_s = 0.0
         self.holding = False
@@ -103,6 +112,8 @@ class Stats:
         with self._lock:
             for key, n in done.new.items():
                 self.deviating[key] = self.deviating.get(key, 0) + n
+            for key, n in done.began.items():
+                self.began[key] = self.began.get(key, 0) + n
             self.analysed += done.analysed
             self.passes += 1
             self.duration_s = done.duration_s
@@ -118,6 +129,8 @@ class Stats:
         with self._lock:
             for key, n in sorted(self.deviating.items()):
                 out.add_series(DEVIATING, key, n)
+            for key, n in sorted(self.began.items()):
+                out.add_series(BEGAN, key, n)
             for spec, value in ((ANALYSED, self.analysed), (PASSES, self.passes), (FAILURES, self.failures),
                                 (DURATION, self.duration_s), (LAG, self.lag_s), (HOLDING, float(self.holding))):
                 out.add_series(spec, (), value)
@@ -187,7 +200,7 @@ class Analyser:
         """Analyse the requests that started in [start_ns - recheck, now - settle) and record how far it got."""
         from stagetrace.analysis import divergences
 
-        began = time.monotonic()
+        started = time.monotonic()
         schedule = self.schedule
         # after an outage or a takeover, a backlog is caught up a bounded span a pass (the lookback, or ten periods)
         span_ns = int(max(MAX_SPAN_PERIODS * schedule.every_s, schedule.lookback_s) * S)
@@ -202,6 +215,7 @@ class Analyser:
                                  limit=None, analyse_from_ns=analyse_from, analyse=changed,
                                  inputs_from_ns=start_ns, tally_all=False)  # fmt: skip
         new: dict[tuple[str, str, str], int] = {}
+        began: dict[tuple[str, str, str, str, str], int] = {}
         analysed = 0
         for group in found["groups"]:
             for item in group["deviating"]:
@@ -213,6 +227,9 @@ class Analyser:
                 key = (item.get("service", ""), item["first_divergent_stage"] or "",
                        (item["top_cause"] or {}).get("name", ""))  # fmt: skip
                 new[key] = new.get(key, 0) + 1
+                if item.get("began_rank"):  # as stored: one entry per beginning rank, in the same order
+                    for place in zip(*(item[k].split(",") for k in ("began_rank", "began_gpu", "began_host"))):
+                        began[key[:2] + place] = began.get(key[:2] + place, 0) + 1
         horizon = analyse_from - int(schedule.recheck_s * S)  # forget what can no longer be re-checked
         self._counted = {k: v for k, v in self._counted.items() if v >= horizon}
         self._groups = {k: v for k, v in self._groups.items() if k in self._counted}
@@ -222,7 +239,7 @@ class Analyser:
         with self._cursor_lock:
             self._cursor = until_ns
             self.lease.claim(until_ns)
-        return Pass(until_ns, analysed, new, time.monotonic() - began)
+        return Pass(until_ns, analysed, new, time.monotonic() - started, began)
 
     def lag_s(self, reached_ns: int) -> float:
         """Seconds between the newest request (a host's clock ahead of ours counts as now) and where the analysis
