@@ -25,17 +25,19 @@ PROMPT, AGREED, OTHER = "1f" * 16, "aa" * 16, "bb" * 16
 ROOT = " Req "
 
 
-def sglang_request(receiver, n: int, cached: float, output: str, host: str = "node-a", driver: str = "575.57") -> str:
+def sglang_request(receiver, n: int, cached: float | None, output: str, host: str = "node-a", driver: str = "575.57",
+                   configuration: dict | None = None) -> str:  # fmt: skip
     """The recorded request again as request ``sgl-<n>``, ``n`` seconds later, on ``host`` with GPU driver ``driver``
-    on its processes' resources (as the configuration detector records it of the host), its root recording
-    ``cached`` prefix-cache tokens; above it an application's request (the prompt's and ``output``'s digests) and the
+    and ``configuration`` on its processes' resources (as the configuration detector records them), its root
+    recording ``cached`` prefix-cache tokens (None: no count, as an engine that records none); above it an application's request (the prompt's and ``output``'s digests) and the
     decode stage that called the engine (its output's digest). Returns the request ID."""
     message = json_format.ParseDict(json.loads(EXPORT.read_text())[0], ExportTraceServiceRequest())
     trace_id, shift = bytes([0x53, n]) * 8, n * 10**9
     spans = [s for r in message.resource_spans for ss in r.scope_spans for s in ss.spans]
     root = next(s for s in spans if ROOT in s.name)
     for resource in list(message.resource_spans):
-        resource.resource.attributes.add(key=conventions.CONFIGURATION_DRIVER, value={"string_value": driver})
+        for key, value in {conventions.CONFIGURATION_DRIVER: driver, **(configuration or {})}.items():
+            resource.resource.attributes.add(key=key, value={"string_value": value})
         resource.resource.attributes.add(key="host.name", value={"string_value": host})
     for span in spans:
         span.trace_id = trace_id
@@ -48,8 +50,12 @@ def sglang_request(receiver, n: int, cached: float, output: str, host: str = "no
     for attribute in root.attributes:
         if attribute.key in ("rid", "gen_ai.request.id"):
             attribute.value.string_value = request_id
-        if attribute.key == "gen_ai.usage.cached_tokens":
+        if attribute.key == "gen_ai.usage.cached_tokens" and cached is not None:
             attribute.value.double_value = cached
+    if cached is None:
+        kept = [a for a in root.attributes if a.key != "gen_ai.usage.cached_tokens"]
+        del root.attributes[:]
+        root.attributes.extend(kept)
     app = message.resource_spans.add()
     for key, value in (("service.name", "rag-app"), ("host.name", host), (conventions.CONFIGURATION_DRIVER, driver)):
         app.resource.attributes.add(key=key, value={"string_value": value})
@@ -122,3 +128,30 @@ def test_a_request_whose_prefix_cache_hit_differs_from_its_baseline_s_is_explain
     assert deviating[warm]["top_cause"]["kind"] == "prefix_cache"
     assert deviating[other_host]["top_cause"]["name"] == conventions.CONFIGURATION_DRIVER
     assert unharmed not in deviating
+
+
+def test_a_differing_hit_is_named_not_blamed_under_batch_invariance_and_an_unrecorded_hit_is_no_difference(
+        store, receiver):  # fmt: skip
+    """SGLang run with --enable-deterministic-inference (batch invariance: a hit is bit-exact with a miss): a warm
+    request that answers otherwise is not explained by its hit, which is named as weak evidence only. Beside it, on
+    another service's engine that records no cached-token count, a request that answers otherwise: its hit is
+    unknown, not a miss, so no prefix-cache cause is proposed against its cold baseline."""
+    deterministic = {"engine.deterministic_inference": "true"}
+    ids = [sglang_request(receiver, n, 0, AGREED, configuration=deterministic) for n in range(1, 5)]
+    warm = sglang_request(receiver, 5, 96, OTHER, configuration=deterministic)
+    unrecorded = sglang_request(receiver, 6, None, OTHER, configuration=deterministic)
+    receiver.writer.flush()
+
+    report = Explainer(store).explain(warm, against=ids[-1])
+    assert report["diverged"], report["summary"]
+    named = [c for c in report["causes"] if c["kind"] == "prefix_cache"]
+    assert len(named) == 1 and named[0]["weak"] and "batch invariance" in named[0]["neutral"], report["causes"]
+    assert not any(c["kind"] == "prefix_cache" and not c["weak"] for c in report["causes"])
+    assert conventions.PREFIX_CACHE_HIT not in report["summary"]
+
+    report = Explainer(store).explain(unrecorded, against=ids[-1])
+    assert report["diverged"] and not any(c["kind"] == "prefix_cache" for c in report["causes"]), report["causes"]
+    # the detector's reading of the root as stored: SGLang's double, and no count at all
+    assert prefix_cache.hit([("x", {"gen_ai.usage.cached_tokens": "96.0"}, {})])[:2] == (
+        "gen_ai.usage.cached_tokens", 96)
+    assert prefix_cache.hit([("x", {"gen_ai.usage.prompt_tokens": "17"}, {})]) is None
