@@ -29,7 +29,7 @@ def sglang_request(receiver, n: int, cached: float | None, output: str, host: st
                    configuration: dict | None = None) -> str:  # fmt: skip
     """The recorded request again as request ``sgl-<n>``, ``n`` seconds later, on ``host`` with GPU driver ``driver``
     and ``configuration`` on its processes' resources (as the configuration detector records them), its root
-    recording ``cached`` prefix-cache tokens (None: no count, as an engine that records none); above it an application's request (the prompt's and ``output``'s digests) and the
+    recording ``cached`` prefix-cache tokens (None: no count, as an engine that records none) and sent after the rest; above it an application's request (the prompt's and ``output``'s digests) and the
     decode stage that called the engine (its output's digest). Returns the request ID."""
     message = json_format.ParseDict(json.loads(EXPORT.read_text())[0], ExportTraceServiceRequest())
     trace_id, shift = bytes([0x53, n]) * 8, n * 10**9
@@ -72,7 +72,17 @@ def sglang_request(receiver, n: int, cached: float | None, output: str, host: st
                                        conventions.STAGE_OUTPUT_DIGEST: output})):  # fmt: skip
         for key, value in attributes.items():
             span.attributes.add(key=key, value={"string_value": value})
+    # the root ends last, and SGLang's batch exporter sends it after its stage spans: an export of its own
+    alone = ExportTraceServiceRequest()
+    holder = next(r for r in message.resource_spans for ss in r.scope_spans if root in ss.spans)
+    moved = alone.resource_spans.add(resource=holder.resource).scope_spans.add().spans.add()
+    moved.CopyFrom(root)
+    for scope_spans in holder.scope_spans:
+        kept = [s for s in scope_spans.spans if s.span_id != root.span_id]
+        del scope_spans.spans[:]
+        scope_spans.spans.extend(kept)
     post(receiver, message)
+    post(receiver, alone)
     return request_id
 
 
