@@ -29,8 +29,9 @@ def sglang_request(receiver, n: int, cached: float | None, output: str, host: st
                    configuration: dict | None = None) -> str:  # fmt: skip
     """The recorded request again as request ``sgl-<n>``, ``n`` seconds later, on ``host`` with GPU driver ``driver``
     and ``configuration`` on its processes' resources (as the configuration detector records them), its root
-    recording ``cached`` prefix-cache tokens (None: no count, as an engine that records none) and sent after the rest; above it an application's request (the prompt's and ``output``'s digests) and the
-    decode stage that called the engine (its output's digest). Returns the request ID."""
+    recording ``cached`` prefix-cache tokens (None: no count, as an engine that records none) and sent after the
+    rest; above it an application's request (the prompt's and ``output``'s digests) and the decode stage that called
+    the engine (its output's digest). Returns the request ID."""
     message = json_format.ParseDict(json.loads(EXPORT.read_text())[0], ExportTraceServiceRequest())
     trace_id, shift = bytes([0x53, n]) * 8, n * 10**9
     spans = [s for r in message.resource_spans for ss in r.scope_spans for s in ss.spans]

@@ -154,15 +154,14 @@ INVENTORY_METRIC = "gpu_info"
 INVENTORY_LABELS = {CONFIGURATION_GPU_MODEL: "model", CONFIGURATION_DRIVER: "driver_version",
                     CONFIGURATION_CUDA: "cuda_version"}  # fmt: skip
 
-# -- the prefix cache: how many of a request's prompt tokens the engine's prefix (KV) cache supplied instead of computing
-# them. A hit computes the prompt on another kernel path than a miss, and a longer hit computes fewer of its tokens
-# (docs/design.md#settings-that-change-numerics), so a request whose hit differs from its baseline's may deviate for
-# that alone. The count is what the engine measured, not a setting, and it sits on the request's root (SGLang), not on
-# the stage spans the attribute contrast compares: the ``prefix_cache`` detector reads it from the whole request.
-# Where each producer records it (/work/shared/reference/instrumentation_conventions.md, engine_traces.md), first
-# found wins: SGLang's root (vLLM declares the name and never sets it), the GenAI conventions and OpenLLMetry (and
-# OpenLLMetry's spelling before its v0.5), OpenInference. The last three are a provider's prompt cache: the same
-# mechanism, run by the provider.
+# -- the prefix cache: how many of a request's prompt tokens the engine's prefix (KV) cache supplied instead of
+# computing them. A hit computes the prompt on another kernel path than a miss, and a longer hit computes fewer of
+# its tokens (docs/design.md#settings-that-change-numerics), so a request whose hit differs from its baseline's may
+# deviate for that alone. The count is what the engine measured, not a setting, and it sits on the request's root
+# (SGLang), not on the stage spans the attribute contrast compares: the ``prefix_cache`` detector reads it from the
+# whole request. Where each producer records it (docs/instrumented.md), first found wins: SGLang's root (vLLM
+# declares the name and never sets it), the GenAI conventions and OpenLLMetry (and OpenLLMetry's spelling before its
+# v0.5), OpenInference. The last three are a provider's prompt cache: the same mechanism, run by the provider.
 CACHED_TOKENS_KEYS = ("gen_ai.usage.cached_tokens", "gen_ai.usage.cache_read.input_tokens",
                       "gen_ai.usage.cache_read_input_tokens", "llm.token_count.prompt_details.cache_read")  # fmt: skip
 # Batch invariance makes a hit bit-exact with a miss (vLLM pull 52701; SGLang's deterministic inference): with it on
