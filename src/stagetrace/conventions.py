@@ -154,6 +154,42 @@ INVENTORY_METRIC = "gpu_info"
 INVENTORY_LABELS = {CONFIGURATION_GPU_MODEL: "model", CONFIGURATION_DRIVER: "driver_version",
                     CONFIGURATION_CUDA: "cuda_version"}  # fmt: skip
 
+# -- the prefix cache: how many of a request's prompt tokens the engine's prefix (KV) cache supplied instead of
+# computing them. A hit computes the prompt on another kernel path than a miss, and a longer hit computes fewer of
+# its tokens (docs/design.md#settings-that-change-numerics), so a request whose hit differs from its baseline's may
+# deviate for that alone. The count is what the engine measured, not a setting, and it sits on the request's root
+# (SGLang), not on the stage spans the attribute contrast compares: the ``prefix_cache`` detector reads it from the
+# whole request. Where each producer records it (docs/instrumented.md), first found wins: SGLang's root (vLLM
+# declares the name and never sets it), the GenAI conventions and OpenLLMetry (and OpenLLMetry's spelling before its
+# v0.5), OpenInference. The last three are a provider's prompt cache: the same mechanism, run by the provider.
+CACHED_TOKENS_KEYS = ("gen_ai.usage.cached_tokens", "gen_ai.usage.cache_read.input_tokens",
+                      "gen_ai.usage.cache_read_input_tokens", "llm.token_count.prompt_details.cache_read")  # fmt: skip
+# Batch invariance makes a hit bit-exact with a miss (vLLM pull 52701; SGLang's deterministic inference): with it on
+# for both requests a differing hit is named, never blamed. Configuration keys (``configuration``) and their "on".
+BATCH_INVARIANT = {f"{CONFIGURATION_ENV_PREFIX}VLLM_BATCH_INVARIANT": "1",
+                   f"{CONFIGURATION_ENV_PREFIX}SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1",
+                   f"{CONFIGURATION_ENGINE}.deterministic_inference": "true"}  # fmt: skip
+PREFIX_CACHE_HIT = ("a prefix-cache hit computes the prompt on another kernel path than a miss, and a longer hit "
+                    "computes fewer of its tokens; bit-exact only with batch invariance")
+KNOWN_CAUSES.update(dict.fromkeys(CACHED_TOKENS_KEYS, PREFIX_CACHE_HIT))
+
+
+def cached_tokens(attributes: dict[str, str]) -> tuple[str, int] | None:
+    """``(key, count)`` of the span's prefix-cache hit by ``CACHED_TOKENS_KEYS``, None where it records none (an
+    unknown hit, not a miss); SGLang exports the count as a double (``0.0``)."""
+    for key in CACHED_TOKENS_KEYS:
+        try:
+            return key, int(float(attributes[key]))
+        except (KeyError, ValueError, OverflowError):
+            continue
+    return None
+
+
+def batch_invariant(attributes: dict[str, str]) -> bool:
+    """Whether a span's configuration (attributes or resource) turns batch invariance on (``BATCH_INVARIANT``)."""
+    return any(str(attributes.get(key, "")).lower() == on for key, on in BATCH_INVARIANT.items())
+
+
 # -- weight transfer (RL: after each training step the trainer pushes the new weights into the inference GPUs).
 # One span per sync, the root of its own trace, carrying the step, the bytes and how many ranks send and receive;
 # below it one span per link (a source NIC writing to a destination NIC), or per destination. A sync span is not

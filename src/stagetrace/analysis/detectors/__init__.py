@@ -19,7 +19,7 @@ from stagetrace.analysis.tenants import Tenancy
 from stagetrace.store import Store
 
 # Module names, which are the detectors' names, in the order they run.
-MODULES = ("attributes", "hardware", "cotenants", "rollout", "nondeterminism", "weights")
+MODULES = ("attributes", "hardware", "cotenants", "rollout", "nondeterminism", "weights", "prefix_cache")
 
 
 @dataclass
