@@ -1,6 +1,8 @@
 """A few requests through a five-stage pipeline, recorded with the stage-span API into the store.
 
-    python examples/quickstart.py            # then: stagetrace trace quickstart-0001
+    .venv/bin/python examples/quickstart.py      # then: .venv/bin/stagetrace trace quickstart-0001
+
+(from the checkout's root; with the venv active, ``python`` and ``stagetrace`` alone do).
 
 The allreduce stage runs on two TP ranks in worker threads that join the request through a
 ``traceparent`` carrier, as ranks in other processes would.

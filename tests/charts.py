@@ -61,6 +61,14 @@ class Chart:
         x, w = float(rect.get("x")), float(rect.get("width"))
         return self.time(x), self.time(x + w)
 
+    def drawn(self, name: str) -> tuple[float, float]:
+        """The left and right x a band's ink reaches, its outline included (a stroke straddles the rect's edge)."""
+        rect = self.root.find(f"{SVG}rect[@class='{name}']")
+        assert rect is not None, name
+        x, w = float(rect.get("x")), float(rect.get("width"))
+        half = float(rect.get("stroke-width", "1")) / 2 if rect.get("stroke") else 0.0
+        return x - half, x + w + half
+
     def points(self) -> list[tuple[float, float]]:
         line = self.root.find(f"{SVG}polyline[@class='series']")
         return [tuple(map(float, p.split(","))) for p in line.get("points").split()]

@@ -139,3 +139,27 @@ def test_a_word_close_to_nothing_gets_no_guess():
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
         "stagetrace trace: error: unrecognized argument: --zzzzzz")
+
+
+def test_store_before_the_command_is_taken_and_the_commands_own_wins(tmp_path):
+    """The README says every command takes ``--store DSN``; an operator writes it before the command as often as
+    after. Before it, it is the store; given in both places, the one after the command wins. Two real stores, the
+    request in one only, so a store taken from the wrong place is a clean not-found."""
+    holding, other = f"chdb://{tmp_path / 'holding'}", f"chdb://{tmp_path / 'other'}"
+    with open_store(holding) as store:
+        write_requests(store, "r1")
+    with open_store(other) as store:
+        write_requests(store, "r2")
+
+    def stagetrace(*argv):
+        return subprocess.run([sys.executable, "-m", "stagetrace", *argv], capture_output=True, text=True, timeout=120)
+
+    before = stagetrace("--store", holding, "trace", "r1", "--json")
+    assert before.returncode == 0 and '"request_id": "r1"' in before.stdout, before.stderr
+    both = stagetrace("--store", other, "trace", "r1", "--json", "--store", holding)
+    assert both.returncode == 0 and '"request_id": "r1"' in both.stdout, both.stderr
+    missing = stagetrace(f"--store={holding}", "trace", "r2")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "no request with id" in missing.stderr
+    assert "unknown command" not in missing.stderr
+    nowhere = stagetrace("--store", f"chdb://{tmp_path / 'nope'}", "trace", "r1")
+    assert nowhere.returncode == 2 and nowhere.stderr.count("\n") == 1 and "no store at" in nowhere.stderr

@@ -29,7 +29,7 @@ from stagetrace.analysis.explain import Explainer
 from stagetrace.exporters.clickhouse import METRIC_COLUMNS
 from stagetrace.report import MIN_SHADE_PX, incident_html
 from tests import fleet as fl
-from tests.charts import Chart, figures, interval
+from tests.charts import SVG, Chart, figures, interval
 
 EVERY = 2 * fl.SECOND  # the scrape grid
 MINUTES = 12  # of scrapes, from the fleet's start
@@ -149,9 +149,13 @@ def test_the_sentence_and_the_chart_cite_the_same_window_and_rise(store, case):
     drawn = chart.band("window")
     assert abs(drawn[0] - first) <= px and abs(drawn[1] - last) <= px, (drawn, (first, last))
 
-    # the stage, outlined where it ran (widened about its middle when narrower than MIN_SHADE_PX)
+    # the stage, outlined where it ran (widened when narrower than MIN_SHADE_PX), its outline inside the shaded
+    # window: widened about its middle, a stage near the window's end stuck out past it
     stage = chart.band("stage")
-    assert abs((stage[0] + stage[1]) / 2 - (start + end) / 2) <= px
+    assert stage[0] <= start + px and end - px <= stage[1], (stage, (start, end))
+    (window_left, window_right), (stage_left, stage_right) = chart.drawn("window"), chart.drawn("stage")
+    assert window_left <= stage_left and stage_right <= window_right, ((window_left, window_right),
+                                                                       (stage_left, stage_right))  # fmt: skip
     # the marked rise starts and ends where the sentence's numbers put it
     rise = chart.band("rise")
     widened = MIN_SHADE_PX * px / 2
@@ -177,3 +181,32 @@ def test_the_sentence_and_the_chart_cite_the_same_window_and_rise(store, case):
         assert any(rise[0] - widened - px <= t <= rise[1] + widened + px and v == pytest.approx(cited, rel=0.02)
                    for t, v in at), at  # fmt: skip
         assert any(v == pytest.approx(cited, rel=0.02) and not drawn[0] - px <= t <= drawn[1] + px for t, v in at)
+
+
+@pytest.mark.parametrize("window_s", [0.004, 2.0, 6.0])  # narrower than MIN_SHADE_PX, a scrape, three scrapes
+@pytest.mark.parametrize("where", ["at the start", "in the middle", "at the end"])
+def test_the_stage_outline_stays_inside_the_shaded_window(window_s, where):
+    """A 30 ms stage in a two-minute chart is widened to MIN_SHADE_PX about its middle; at the window's edge (the
+    stage ends at the scrape that closes the window) half of it, and its outline, stuck out past the shading. Drawn
+    inside the window wherever the stage lies in it, and still over the stage's times; the window weighed drawn
+    where it is."""
+    from stagetrace.report import series_svg
+
+    second = 10**9
+    frame = (0, 120 * second)
+    window = (60 * second, 60 * second + round(window_s * second))
+    stage_ns = min(30 * 10**6, window[1] - window[0])
+    begins = {"at the start": window[0], "in the middle": (window[0] + window[1] - stage_ns) // 2,
+              "at the end": window[1] - stage_ns}[where]  # fmt: skip
+    stage = (begins, begins + stage_ns)
+    times = list(range(0, frame[1] + 1, 2 * second))
+    chart = Chart(series_svg(times, [float(t >= 61 * second) for t in times], window, "gpu_xid_errors_total",
+                             frame=frame, counter=True, stage=stage))  # fmt: skip
+    px = chart.ns_per_px
+    (window_left, window_right), (stage_left, stage_right) = chart.drawn("window"), chart.drawn("stage")
+    assert window_left <= stage_left and stage_right <= window_right, ((window_left, window_right),
+                                                                       (stage_left, stage_right))  # fmt: skip
+    assert float(chart.root.find(f"{SVG}rect[@class='stage']").get("width")) >= MIN_SHADE_PX
+    drawn, outlined = chart.band("window"), chart.band("stage")
+    assert drawn[0] - px <= window[0] and window[1] <= drawn[1] + px
+    assert outlined[0] <= stage[0] + px and stage[1] - px <= outlined[1], (outlined, stage)

@@ -92,7 +92,7 @@ def test_the_reports_charts_share_one_span_show_the_rise_and_shade_the_stage_vis
     assert run.returncode == 0, run.stderr
     counters = page.read_text().split('id="counters"', 1)[1]
     charts = re.findall(r'<svg [^>]*data-t0="(\d+)" data-t1="(\d+)".*?</svg>', counters, flags=re.S)
-    assert len(charts) >= 2 and len(set(charts)) == 1, charts  # the cause's counter and the GPU's activity, one span
+    assert len(charts) >= 2 and len(set(charts)) == 1, charts  # the causes' counters (and any GPM activity), one span
     widths = re.findall(r'class="(?:window|stage|rise)" [^>]*?width="([\d.]+)"', counters)
     assert widths and all(float(width) >= MIN_SHADE_PX for width in widths), widths
     hardware = next(c for c in report["causes"] if c["kind"] == "hardware")
@@ -100,6 +100,30 @@ def test_the_reports_charts_share_one_span_show_the_rise_and_shade_the_stage_vis
     ys = [float(point.split(",")[1]) for point in re.search(r'class="series" points="([^"]+)"', chart)[1].split()]
     assert ys[0] > ys[-1]  # it rises within the chart (SVG y grows downwards)
     assert re.search(rf">\+{re.escape(hardware['value'].lstrip('+'))}<", chart), hardware["value"]  # the axis: +1
+
+
+def test_the_footer_is_a_sentence_saying_when_it_was_made_and_for_which_request(hardware_deviation, tmp_path):
+    """The footer read "stagetrace explain, 2026-12-07T12:30:43 UTC request": the request's start passed for when the
+    page was made, and the request unnamed. It says when the page was made, for which request, and when that
+    request started."""
+    from datetime import datetime, timedelta, timezone
+
+    dsn, report = hardware_deviation
+    page = tmp_path / "incident.html"
+    before = datetime.now(timezone.utc).replace(microsecond=0)
+    run = subprocess.run([*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    after = datetime.now(timezone.utc)
+    assert run.returncode == 0, run.stderr
+    found = re.search(r"<footer><p>Made by stagetrace explain at (\S+ \S+) UTC for request <code>(.+?)</code>, which "
+                      r"started at (\S+ \S+) UTC\.</p></footer>", page.read_text())  # fmt: skip
+    assert found, page.read_text()[-400:]
+    made = datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
+    assert before <= made <= after + timedelta(seconds=1)
+    assert found[2] == report["request_id"]
+    traced = subprocess.run([*STAGETRACE, "trace", report["request_id"], "--store", dsn, "--json"],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert json.loads(traced.stdout)["start"].replace("T", " ").startswith(found[3])
 
 
 def test_each_demo_hardware_cause_is_drawn_where_its_sentence_says(cli_demo, tmp_path):

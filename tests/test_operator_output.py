@@ -356,3 +356,35 @@ def test_a_request_with_nothing_to_compare_is_not_said_to_agree():
     buffer = io.StringIO()
     explanation(Output(Console(file=buffer, width=80)), report)
     assert "verdict: nothing to compare" in buffer.getvalue() and "agrees" not in buffer.getvalue()
+
+
+def test_a_long_value_at_80_columns_hangs_under_its_field_and_prose_breaks_between_words():
+    """At 80 columns a cause whose value is a list of GPU UUIDs (the all-reduce's ``gpu.uuids``) makes the table
+    print as blocks; the value's further lines were at column 0, where they read as another row. They hang under the
+    value, every UUID whole. The summary, wider than the line, is broken between words (docs/explain.md says so);
+    a neighbour cause with a short value keeps its fields on one line."""
+    from stagetrace.render import explanation
+
+    uuids = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(4)]
+    report = {"request_id": "req-0123456789ab", "trace_id": "ab" * 16, "diverged": True,
+              "baseline": {"request_id": "req-ba0123456789", "how": "majority", "support": 11, "group_size": 21},
+              "summary": "allreduce's output differs from the baseline's; its inputs are the same, so the change "
+                         "began in allreduce: the ranks ran another algorithm on other devices",
+              "stages": [], "causes": [
+                  {"name": "gpu.uuids", "kind": "attribute", "value": ",".join(uuids),
+                   "baseline_value": ",".join(reversed(uuids)), "score": 0.9, "device": ""},
+                  {"name": "allreduce.algorithm", "kind": "attribute", "value": "tree", "baseline_value": "ring",
+                   "score": 0.8, "device": ""}]}  # fmt: skip
+    buffer = io.StringIO()
+    explanation(Output(Console(file=buffer, width=80, force_terminal=True, color_system=None)), report)
+    lines = buffer.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80, lines
+    assert_ids_whole(buffer.getvalue(), set(uuids) | {"req-0123456789ab", "req-ba0123456789"})
+    for header in ("value: ", "baseline: "):
+        (at,) = [i for i, line in enumerate(lines) if line.startswith(f"  {header}{uuids[0][:4]}")]
+        column = len(f"  {header}")
+        further = lines[at + 1]
+        assert further.startswith(" " * column) and further[column:column + 4] == "GPU-", (header, lines)
+    (first,) = [i for i, line in enumerate(lines) if line.startswith("allreduce's output")]
+    assert " ".join(lines[first:first + 2]) == report["summary"], lines  # two lines, broken at a space
+    assert any(line.strip().startswith("kind: attribute") and "value: tree" in line for line in lines), lines

@@ -1,5 +1,6 @@
 """The README's first command: the quickstart pipeline into the embedded default store, then a lookup."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -26,3 +27,15 @@ def test_quickstart_records_requests_that_trace_finds(tmp_path):
     doc = json.loads(looked_up.stdout)
     stages = [s["stage"] for s in doc["spans"]]
     assert stages == [None, "retrieval", "cache", "context_assembly", "allreduce", "allreduce", "decode"]
+
+
+def test_the_example_says_how_to_run_it_without_an_active_venv():
+    """A fresh clone's shell has no ``python`` with stagetrace on it: the docstring's commands name the venv's, as the
+    recording page does."""
+    example = ast.get_docstring(ast.parse((ROOT / "examples" / "quickstart.py").read_text()))
+    (line,) = [ln.strip() for ln in example.splitlines() if "examples/quickstart.py" in ln]
+    run, _, then = line.partition("# then:")
+    recording = (ROOT / "docs" / "recording.md").read_text()
+    for command in (run.strip(), then.strip()):
+        assert command.startswith(".venv/bin/"), command
+        assert f"`{command}`" in recording, command

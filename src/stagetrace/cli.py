@@ -20,16 +20,17 @@ from stagetrace.config import DEFAULT_QUERY_LISTEN
 from stagetrace.errors import SchemaError, StoreError
 
 
+_STORE_HELP = (f"chdb:///path or http(s)://user@host:8123/db (env {config.ENV_STORE}; "
+               f"password from {config.ENV_STORE_PASSWORD} or {config.ENV_STORE_PASSWORD_FILE}); "
+               f"default chdb://{config.default_store_path()}")
+# ``stagetrace --store DSN trace ID``: the top level keeps its own destination, as the command's default (None) would
+# overwrite a shared one; after parsing, the command's own --store wins over this one.
+_STORE_BEFORE_COMMAND = "store_before_command"
+
+
 def _store_option() -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument(
-        "--store",
-        metavar="DSN",
-        default=None,
-        help=f"chdb:///path or http(s)://user@host:8123/db (env {config.ENV_STORE}; "
-        f"password from {config.ENV_STORE_PASSWORD} or {config.ENV_STORE_PASSWORD_FILE}); "
-        f"default chdb://{config.default_store_path()}",
-    )
+    parent.add_argument("--store", metavar="DSN", default=None, help=_STORE_HELP)
     return parent
 
 
@@ -61,6 +62,8 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     every collector to learn them), for a command line that runs neither ``collect`` nor ``agent``."""
     parser = argparse.ArgumentParser(prog="stagetrace", description="Tracing for stateless GPU inference pipelines.")
     parser.add_argument("--version", action="version", version=f"stagetrace {__version__}")
+    parser.add_argument("--store", metavar="DSN", dest=_STORE_BEFORE_COMMAND, default=None,
+                        help="the store of every command that reads or writes one, given before the command")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     store = _store_option()
 
@@ -540,7 +543,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None
         unknown = next((word for word in extra if word.startswith("-")), extra[0])
         hint = _did_you_mean(unknown.split("=", 1)[0], options) if unknown.startswith("-") else ""
         sub.error(f"unrecognized argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}{hint}")
+    before = getattr(args, _STORE_BEFORE_COMMAND)
+    if before is not None:
+        if not hasattr(args, "store"):
+            commands[args.command].error("this command uses no store: leave out --store")
+        if args.store is None:
+            args.store = before
     return args
+
+
+def _command_word(argv: list[str]) -> str | None:
+    """The command's name: the first word that is neither an option nor the value of a top-level ``--store``."""
+    words = iter(argv)
+    for word in words:
+        if word == "--store":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def _interrupt_once(signum, frame):
@@ -554,7 +574,7 @@ def _interrupt_once(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     argv = _joined_durations(sys.argv[1:] if argv is None else list(argv))
-    command = next((a for a in argv if not a.startswith("-")), None)
+    command = _command_word(argv)
     if command == "demo" and threading_is_main():
         import signal
 

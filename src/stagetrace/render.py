@@ -5,8 +5,9 @@ Two layouts of the same content, one for people and one for pipes:
 * **On a terminal** (rich): tables that fit its width. A column that holds IDs or names (``Column.keep``:
   request and trace IDs, GPU UUIDs, cause names) is never cut or wrapped; the other columns wrap. When the
   kept columns alone do not fit, each row becomes a block of lines, its first cell on a line of its own.
-  Lines of text are never wrapped by rich (a long line is one line: the terminal folds it, copy-paste
-  does not see a break).
+  Lines of text longer than the terminal are broken by stagetrace between words or after a list's comma
+  (``wrapped``), never inside an ID: left to the terminal, they were folded in the middle of a UUID. A block's
+  field that runs over goes on indented under its value.
 * **Piped** (stdout is no terminal, as in ``| less``, CI logs, ``| awk -F'\\t'``): plain text without box
   drawing or colour; a table is a ``# title`` line, a tab-separated header row and tab-separated rows,
   every value whole.
@@ -141,16 +142,20 @@ class Output:
             self.line(Text(title, style="bold"))
         for row in rows:
             self.line(row[0] if isinstance(row[0], Text) else Text(str(row[0]), style="bold"))
-            fields = [Text.assemble(f"{column.header}: ", cell) for column, cell in zip(columns[1:], row[1:])
+            fields = [(column, Text.assemble(f"{column.header}: ", cell)) for column, cell in zip(columns[1:], row[1:])
                       if _plain(cell).strip()]  # fmt: skip
-            line = Text("  ")
-            for field in fields:
+            # a field wider than the line is alone on it: its further lines hang under its value, not at column 0,
+            # where they read as the next row's first cell
+            line, hang = Text("  "), ""
+            for column, field in fields:
                 if line.plain.strip() and cell_len(line.plain) + 3 + cell_len(field.plain) > self.width:
-                    self.line(line)
+                    self.line(line, hang=hang)
                     line = Text("  ")
+                if not line.plain.strip():
+                    hang = " " * min(cell_len(f"  {column.header}: "), self.width // 2)
                 line = Text.assemble(line, "   " if line.plain.strip() else "", field)
             if line.plain.strip():
-                self.line(line)
+                self.line(line, hang=hang)
 
 
 def _least_widths(columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> list[int]:

@@ -5,7 +5,8 @@ side by side with the divergent stage marked, the stage-by-stage digest comparis
 their evidence, and for each hardware cause the counter's samples around the stage, drawn from the cause's
 ``Timing`` (the record the verdict's sentence reads too): the window its detector weighed shaded, the stage
 outlined, the rise marked (for a co-tenant, that tenant's use of the GPU, its stage shaded), beside the GPM
-activity of the divergent stage's GPU.
+activity of the divergent stage's GPU where the store holds GPM samples of it (a GPU without them, as the
+demo's, gets no activity chart).
 Everything is inline (CSS, SVG): the page fetches nothing, runs no script, and prints as it shows.
 IDs are in ``<code>`` elements that never wrap and select whole with one click.
 """
@@ -13,6 +14,7 @@ IDs are in ``<code>`` elements that never wrap and select whole with one click.
 from __future__ import annotations
 
 import re
+import time
 from html import escape
 
 from stagetrace import lookup
@@ -26,6 +28,7 @@ from stagetrace.store import Store
 CAUSES_SHOWN = 8
 FRAME_MARGIN_NS = 30 * 10**9  # every chart of a report spans the charted stages and this either side: a few scrapes
 MIN_SHADE_PX = 8.0  # a stage of milliseconds in a minute-wide chart is still seen
+STAGE_OUTLINE_PX = 1.0
 ACTIVITY_GPUS = 2  # a TP stage's GPUs beyond these add charts, not understanding
 _STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:24px;color:#1d232b;max-width:1400px}
@@ -87,7 +90,8 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     For a hardware cause ``window`` is the window its detector weighed, ``stage`` the stage's own span (outlined
     inside it) and ``rise`` when the change happened (``Timing``: a band from the scrape before the step to the
     step): the times the verdict's sentence cites, drawn where they are on the time axis. A band narrower than
-    ``MIN_SHADE_PX`` is widened about its middle (a stage of milliseconds in a minute-wide chart is still seen).
+    ``MIN_SHADE_PX`` is widened about its middle (a stage of milliseconds in a minute-wide chart is still seen);
+    the stage and the rise are kept inside the window as drawn (moved in, or cut to it), the stage's outline too.
     A ``counter`` is drawn as its increase since the frame's start, from 0 where its series begins inside the frame
     (born at its first event, as the hardware signals count it), so a rise of 1 on a counter of millions still
     shows. Every band carries its times (``data-from-ns``, ``data-to-ns``); ``data-t0``/``data-t1`` are the
@@ -107,27 +111,32 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     def y(v: float) -> float:
         return top + plot_h - (v - v0) / span_v * plot_h
 
-    def band(name: str, times: tuple[int, int], style: str, within: tuple[int, int] | None = None,
-             tall: float = 1.0) -> str:  # fmt: skip
-        lo, hi = (x(within[0]), x(within[1])) if within else (left, left + plot_w)
-        if hi - lo < MIN_SHADE_PX:
-            lo, hi = left, left + plot_w
-        w = max(MIN_SHADE_PX, x(times[1]) - x(times[0]))
-        bx = min(max((x(times[0]) + x(times[1]) - w) / 2, lo), hi - w)  # a widened band stays inside ``within``
+    def band(name: str, times: tuple[int, int], style: str, within: tuple[float, float] | None = None,
+             tall: float = 1.0, least: float = MIN_SHADE_PX) -> tuple[str, float, float]:  # fmt: skip
+        """The band's ``<rect>`` and its drawn left and right x, at least ``least`` wide; ``within`` (x, default
+        the plot) bounds it: a widened band is moved inside, and one wider than ``within`` is cut to it."""
+        lo, hi = within or (left, left + plot_w)
+        w = min(max(least, x(times[1]) - x(times[0])), hi - lo)
+        bx = min(max((x(times[0]) + x(times[1]) - w) / 2, lo), hi - w)
         return (f'<rect class="{name}" data-from-ns="{times[0]}" data-to-ns="{times[1]}" x="{bx:.1f}" y="{top}" '
-                f'width="{w:.1f}" height="{plot_h * tall:.1f}" {style}/>')  # fmt: skip
+                f'width="{w:.1f}" height="{plot_h * tall:.1f}" {style}/>', bx, bx + w)  # fmt: skip
 
     points = []
     for i, (t, v) in enumerate(zip(times, values)):
         if i:
             points.append(f"{x(t):.1f},{y(values[i - 1]):.1f}")  # a sample holds until the next scrape
         points.append(f"{x(t):.1f},{y(v):.1f}")
-    bands = band("window", window, 'fill="#ffe3e3"')
+    # room for a stage of the least width and its outline inside
+    bands, window_lo, window_hi = band("window", window, 'fill="#ffe3e3"', least=MIN_SHADE_PX + STAGE_OUTLINE_PX)
     if stage is not None:
-        bands += band("stage", stage, 'fill="#ffc9c9" stroke="#c92a2a" stroke-dasharray="3 2"')
+        # inside the shaded window as drawn, its 1 px outline included (a stroke straddles the rect's edge): a
+        # stage widened about its middle near the window's end stuck out past it
+        inset = STAGE_OUTLINE_PX / 2
+        bands += band("stage", stage, f'fill="#ffc9c9" stroke="#c92a2a" stroke-width="{STAGE_OUTLINE_PX:g}" '
+                      'stroke-dasharray="3 2"', within=(window_lo + inset, window_hi - inset))[0]  # fmt: skip
     if rise is not None:
         # a strip along the top: a rise that spans the window leaves the window's shading and the line in view
-        bands += band("rise", rise, 'fill="#f08c00" fill-opacity="0.8"', within=window, tall=0.12)
+        bands += band("rise", rise, 'fill="#f08c00" fill-opacity="0.8"', within=(window_lo, window_hi), tall=0.12)[0]
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
             f'height="{height}" role="img" aria-label="{escape(title)}" data-t0="{t0}" data-t1="{t1}">'
             f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>{bands}'
@@ -266,8 +275,9 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame
     return charts
 
 
-def incident_html(store: Store, report: dict) -> str:
-    """The page for ``report`` (``Explainer.explain``'s), reading the traces and counters it needs from ``store``."""
+def incident_html(store: Store, report: dict, made_ns: int | None = None) -> str:
+    """The page for ``report`` (``Explainer.explain``'s), reading the traces and counters it needs from ``store``;
+    ``made_ns``, the time its footer says it was made (default now)."""
     trace = lookup.by_trace_id(store, report["trace_id"])
     baseline = report.get("baseline")
     baseline_trace = lookup.by_request_id(store, baseline["request_id"]) if baseline else None
@@ -315,7 +325,10 @@ def incident_html(store: Store, report: dict) -> str:
     charts = _counter_charts(store, trace, causes, frame) + _activity_charts(store, trace, stage, frame)
     if charts:
         out.append('<section id="counters"><h2>Counters around the stage</h2>' + "".join(charts) + "</section>")
-    out.append(f"<footer><p>stagetrace explain, {escape(lookup.iso_ns(trace.start_ns)[:19])} UTC request</p></footer>")
+    made = lookup.iso_ns(time.time_ns() if made_ns is None else made_ns)[:19].replace("T", " ")
+    started = lookup.iso_ns(trace.start_ns)[:19].replace("T", " ")
+    out.append(f"<footer><p>Made by stagetrace explain at {made} UTC for request {_code(report['request_id'])}, "
+               f"which started at {started} UTC.</p></footer>")  # fmt: skip
     out.append("</body></html>")
     return "\n".join(out)
 
