@@ -21,6 +21,7 @@ from collections import Counter
 from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, ranks, rollouts, silent
 from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measurement, ranked
+from stagetrace.analysis.detectors import prefix_cache
 from stagetrace.analysis.explain import (REFERENCES, Baseline, Divergence, ambiguous, compare_stages, confirmed,
                                          contrast_window, diagnose, first_divergence, ranks_of, setting_keys,
                                          stage_differences, summary, unknown_seed)
@@ -201,13 +202,17 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     explained_ids: set[str] = set()
     detected = time.time_ns() // 1_000_000
     diagnosed = {}
+    # the prefix-cache hits the analysed requests and their baselines record, in one query, not one a request
+    cache_hits = prefix_cache.stored(store, [traces[t] for d in analysed if where[d.trace_id].stage
+                                             for t in (d.trace_id, d.baseline_trace_id) if t in traces])  # fmt: skip
     for d in analysed:
         stage = where[d.trace_id].stage
         if where[d.trace_id].origin is not None:
             ranks.at(where[d.trace_id].origin, traces[d.trace_id], stage)
         diagnosed[d.trace_id] = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
                                          contrasts.get((stage, d.peer)), samples, found_rollouts, tenancy=tenancy,
-                                         began=where[d.trace_id].ranks) if stage else []  # fmt: skip
+                                         began=where[d.trace_id].ranks,
+                                         cache_hits=cache_hits) if stage else []  # fmt: skip
     _suspect_silent_corruption(store, analysed, where, diagnosed, t0, until_ns)
     for d in analysed:
         baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)

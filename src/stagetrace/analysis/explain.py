@@ -250,10 +250,11 @@ def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str, bega
 
 def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
              samples: Samples | None, found_rollouts: list, reason: str = "", tenancy=None,
-             began: list[str] = ()) -> list[Cause]:  # fmt: skip
-    """Every detector's causes for one divergent stage, ranked (``tenancy``: the GPUs' tenants read once for many
-    requests; None reads this request's). ``began``: the ranks that began the difference (``ranks.locate``); the
-    detectors look at those ranks' spans alone (their GPU, host, counters and settings), not the lowest rank's."""
+             began: list[str] = (), cache_hits: dict | None = None) -> list[Cause]:  # fmt: skip
+    """Every detector's causes for one divergent stage, ranked (``tenancy``: the GPUs' tenants, ``cache_hits``: the
+    stored prefix-cache hits, each read once for many requests; None reads this request's). ``began``: the ranks
+    that began the difference (``ranks.locate``); the detectors look at those ranks' spans alone (their GPU, host,
+    counters and settings), not the lowest rank's."""
     mine, theirs = ranks_of(request, stage), ranks_of(baseline, stage)
     if any(r in mine for r in began):
         mine = {r: span for r, span in mine.items() if r in began}
@@ -263,7 +264,7 @@ def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.T
         lowest = theirs[min(theirs, key=rank_order)]
         theirs = {rank: theirs.get(rank, lowest) for rank in mine}
     case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason,
-                          tenancy)  # fmt: skip
+                          tenancy, cache_hits)  # fmt: skip
     return sourced(ranked(detectors.detect(case)), case.span, case.baseline_span)
 
 

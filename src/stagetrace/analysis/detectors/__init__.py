@@ -38,6 +38,9 @@ class Case:
     rollouts: list = field(default_factory=list)  # rollouts.Rollout around the request
     nondeterminism: str = ""  # the request's reason to differ by design, if any
     tenancy: Tenancy | None = None  # the tenants of the GPUs, read once for many cases (else each case reads its own)
+    # the stored spans that record a prefix-cache hit, by trace ID, read once for many cases (else each case reads
+    # its own: prefix_cache.stored)
+    cache_hits: dict[str, list[tuple]] | None = None
 
     @property
     def span(self) -> lookup.Span:

@@ -43,12 +43,15 @@ def hit(spans) -> tuple[str, int, str, dict] | None:
     return max(found, key=lambda f: f[1], default=None)
 
 
-def _stored(case: Case, traces: list[lookup.Trace]) -> dict[str, list[tuple]]:
-    """The spans of these traces in the store that record a hit, by trace ID."""
+def stored(store, traces: list[lookup.Trace]) -> dict[str, list[tuple]]:
+    """The spans of these traces in the store that record a hit, by trace ID: one query for them all (``divergences``
+    and the live analyser read them once for every request they analyse, as ``Case.cache_hits``)."""
+    if not traces:
+        return {}
     t0 = min(t.start_ns for t in traces) - MARGIN_NS
     t1 = max(t.start_ns + t.duration_ns for t in traces) + MARGIN_NS
-    rows = case.store.client.query(CACHED_TOKENS_SQL, parameters={
-        "db": case.store.database, "spans": case.store.readable("otel_traces"), "traces": [t.trace_id for t in traces],
+    rows = store.client.query(CACHED_TOKENS_SQL, parameters={
+        "db": store.database, "spans": store.readable("otel_traces"), "traces": sorted({t.trace_id for t in traces}),
         "t0": t0, "t1": t1, "keys": list(conventions.CACHED_TOKENS_KEYS)}).result_rows  # fmt: skip
     out: dict[str, list[tuple]] = {}
     for trace_id, *span in rows:
@@ -72,8 +75,8 @@ class PrefixCache:
         found = [hit((s.name, s.attributes, s.resource) for s in t.spans) for t in sides]
         missing = [t for t, h in zip(sides, found) if h is None]
         if missing:
-            stored = _stored(case, missing)
-            found = [h or hit(stored.get(t.trace_id, ())) for t, h in zip(sides, found)]
+            read = case.cache_hits if case.cache_hits is not None else stored(case.store, missing)
+            found = [h or hit(read.get(t.trace_id, ())) for t, h in zip(sides, found)]
         mine, theirs = found
         if mine is None or theirs is None or mine[1] == theirs[1]:
             return []
