@@ -26,10 +26,10 @@ INDEX, STEP = "retrieval.index.version", "model.weights.step"
 TALLY_KEYS = {"cause", "stage", "service", "requests", "analysed", "hosts", "first_seen", "last_seen"}
 
 
-def _two_faults(store):
-    """Hosts a..d, each prompt served three times a minute per host for eight minutes. Minutes 0-4: host a serves a
-    stale index (retrieval differs); minutes 5-7: host c serves other weights (decode differs). (the fleet, the
-    request IDs of each fault)."""
+def _older_and_newer(store, older: tuple[str, dict | None, dict], prefix: str = "r"):
+    """Hosts a..d, each prompt served three times a minute per host for eight minutes. Minutes 0-4: the ``older``
+    fault (host, settings, stages that differ); minutes 5-7: host c serves other weights (decode differs). (the
+    fleet, the request IDs of each fault)."""
     fl = fleet.Fleet(store)
     old, new = [], []
     n = 0
@@ -38,15 +38,20 @@ def _two_faults(store):
             for host in "abcd":
                 for prompt in range(2):
                     at = fl.at(minute, seconds=20 * k + n % 20)
-                    stale = host == "a" and minute < 5
+                    faulty = host == older[0] and minute < 5
                     other_weights = host == "c" and minute >= 5
-                    fl.request(f"r{n}", at, host, prompt=prompt,
-                               settings={INDEX: "v40"} if stale else {STEP: 1100} if other_weights else None,
-                               differs={"retrieval": "stale"} if stale else {"decode": "w"} if other_weights else None)  # fmt: skip
-                    (old if stale else new if other_weights else []).append(f"r{n}")
+                    fl.request(f"{prefix}{n}", at, host, prompt=prompt,
+                               settings=older[1] if faulty else {STEP: 1100} if other_weights else None,
+                               differs=older[2] if faulty else {"decode": "w"} if other_weights else None)  # fmt: skip
+                    (old if faulty else new if other_weights else []).append(f"{prefix}{n}")
                     n += 1
     fl.flush()
     return fl, old, new
+
+
+def _two_faults(store):
+    """The older fault a stale index on host a (retrieval differs)."""
+    return _older_and_newer(store, ("a", {INDEX: "v40"}, {"retrieval": "stale"}))
 
 
 def _find(store, fl, limit):
@@ -121,21 +126,7 @@ def test_a_fault_no_setting_explains_is_tallied_without_naming_an_identity(store
     lists the host; the neighbour keeps its setting."""
     from stagetrace import conventions
 
-    fl = fleet.Fleet(store)
-    silent, weights = [], []
-    n = 0
-    for minute in range(8):
-        for k in range(3):
-            for host in "abcd":
-                for prompt in range(2):
-                    at = fl.at(minute, seconds=20 * k + n % 20)
-                    faulty = host == "b" and minute < 5
-                    other_weights = host == "c" and minute >= 5
-                    fl.request(f"s{n}", at, host, prompt=prompt, settings={STEP: 1100} if other_weights else None,
-                               differs={"decode": "bad-gpu"} if faulty else {"decode": "w"} if other_weights else None)  # fmt: skip
-                    (silent if faulty else weights if other_weights else []).append(f"s{n}")
-                    n += 1
-    fl.flush()
+    fl, silent, weights = _older_and_newer(store, ("b", None, {"decode": "bad-gpu"}), prefix="s")
     result = _find(store, fl, 5)
     by_host = {tuple(t["hosts"]): t for t in result["tally"]}
     unexplained = by_host[("b",)]
