@@ -80,6 +80,22 @@ def share(carrier: dict | None) -> dict:
     return box[0]
 
 
+def serve(model: TinyLM, request: dict, rank: int) -> list[int] | None:
+    """One request on every rank: rank 0 opens it and shares its context, each rank generates under it; rank 0's
+    output (the others': None)."""
+    if rank != 0:
+        with stagetrace_torch.serving(share(None)):
+            generate(model, request["prompt"], request["tokens"])
+        return None
+    content = {"prompt": request["prompt"], "tokens": request["tokens"]}
+    with stagetrace.request(request["id"], input=content) as req:
+        share(req.carrier())
+        with stagetrace_torch.serving(req):
+            output = generate(model, request["prompt"], request["tokens"])
+        req.set_output(output)
+    return output
+
+
 def main(rank: int, world: int, port: int, otlp_url: str, plan: dict) -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": "tiny-lm", "host.name": f"node-{rank}"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
@@ -96,16 +112,7 @@ def main(rank: int, world: int, port: int, otlp_url: str, plan: dict) -> None:
             perturbed = request.get("perturb_rank") == rank
             if perturbed:
                 model.layers[0].down[1, 0] *= 256.0  # one exponent bit of one weight: a classic silent corruption
-            if rank == 0:
-                content = {"prompt": request["prompt"], "tokens": request["tokens"]}
-                with stagetrace.request(request["id"], input=content) as req:
-                    share(req.carrier())
-                    with stagetrace_torch.serving(req):
-                        outputs[request["id"]] = generate(model, request["prompt"], request["tokens"])
-                    req.set_output(outputs[request["id"]])
-            else:
-                with stagetrace_torch.serving(share(None)):
-                    generate(model, request["prompt"], request["tokens"])
+            outputs[request["id"]] = serve(model, request, rank)
             if perturbed:
                 model.layers[0].down[1, 0] /= 256.0
     dist.barrier()

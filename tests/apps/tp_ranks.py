@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_model import TinyLM, generate, share  # noqa: E402
+from tp_model import TinyLM, serve  # noqa: E402
 
 import stagetrace  # noqa: E402
 from stagetrace.integrations import pytorch as stagetrace_torch  # noqa: E402
@@ -54,16 +54,7 @@ def main(rank: int, world: int, port: int, otlp_url: str, job: dict) -> None:
             kept = weight[1, 0].clone()
             if corrupt.get("rank") == rank:
                 weight[1, 0] *= corrupt["scale"]
-            if rank == 0:
-                content = {"prompt": request["prompt"], "tokens": request["tokens"]}
-                with stagetrace.request(request["id"], input=content) as req:
-                    share(req.carrier())
-                    with stagetrace_torch.serving(req):
-                        outputs[request["id"]] = generate(model, request["prompt"], request["tokens"])
-                    req.set_output(outputs[request["id"]])
-            else:
-                with stagetrace_torch.serving(share(None)):
-                    generate(model, request["prompt"], request["tokens"])
+            outputs[request["id"]] = serve(model, request, rank)
             weight[1, 0] = kept
     dist.barrier()
     assert stagetrace.flush(30_000), "spans not exported"
