@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from stagetrace.exporters import spool
@@ -85,9 +85,12 @@ _ATTACH_SQL = """
 ALTER TABLE `{db}`.`{table}` ATTACH PARTITION ID {{partition:String}} FROM `{db}`.`{scratch}`"""
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
 def _ns(value) -> int:
-    if isinstance(value, datetime):
-        return int(value.timestamp() * 1_000_000_000)
+    if isinstance(value, datetime):  # in integers: a float of the seconds rounds the last digits either way
+        return (value.astimezone(timezone.utc) - _EPOCH) // timedelta(microseconds=1) * 1000
     return int(value)
 
 
@@ -333,8 +336,10 @@ class Restorer:
 
         db = self.store.database
         bounded = first is not None and last is not None
-        # a second's slack: a part's min-max index may be in whole seconds; the key check stores nothing twice
-        params = {"first": _ns(first), "last": _ns(last) + 1_000_000_000} if bounded else {}
+        # a second's slack either side: a part's min-max index may be in whole seconds, and its times read back
+        # rounded to the microsecond (a first row 0.5 µs before its part's "first" was left out); the key check
+        # stores nothing twice
+        params = {"first": _ns(first) - 1_000_000_000, "last": _ns(last) + 1_000_000_000} if bounded else {}
         # the spans as the views read them: a Collector's JSON attributes as Maps (stagetrace.attributes)
         spans = (_SPANS_IN_RANGE if bounded else _ALL_SPANS).format(db=db)
         source = read_sql(spans, "otel_traces", self.store.layouts())
