@@ -96,6 +96,16 @@ def serve(model: TinyLM, request: dict, rank: int) -> list[int] | None:
     return output
 
 
+def finish(provider: TracerProvider, rank: int, outputs: dict) -> None:
+    """Every rank done, its spans exported; rank 0 prints the outputs."""
+    dist.barrier()
+    assert stagetrace.flush(30_000), "spans not exported"
+    provider.shutdown()
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(outputs))
+
+
 def main(rank: int, world: int, port: int, otlp_url: str, plan: dict) -> None:
     provider = TracerProvider(resource=Resource.create({"service.name": "tiny-lm", "host.name": f"node-{rank}"}))
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
@@ -115,12 +125,7 @@ def main(rank: int, world: int, port: int, otlp_url: str, plan: dict) -> None:
             outputs[request["id"]] = serve(model, request, rank)
             if perturbed:
                 model.layers[0].down[1, 0] /= 256.0
-    dist.barrier()
-    assert stagetrace.flush(30_000), "spans not exported"
-    provider.shutdown()
-    dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps(outputs))
+    finish(provider, rank, outputs)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tp_model import TinyLM, serve  # noqa: E402
+from tp_model import TinyLM, finish, serve  # noqa: E402
 
 import stagetrace  # noqa: E402
 from stagetrace.integrations import pytorch as stagetrace_torch  # noqa: E402
@@ -56,12 +56,7 @@ def main(rank: int, world: int, port: int, otlp_url: str, job: dict) -> None:
                 weight[1, 0] *= corrupt["scale"]
             outputs[request["id"]] = serve(model, request, rank)
             weight[1, 0] = kept
-    dist.barrier()
-    assert stagetrace.flush(30_000), "spans not exported"
-    provider.shutdown()
-    dist.destroy_process_group()
-    if rank == 0:
-        print(json.dumps(outputs))
+    finish(provider, rank, outputs)
 
 
 if __name__ == "__main__":
