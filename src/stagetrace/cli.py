@@ -230,9 +230,7 @@ def _trace(args) -> int:
         pods = gpu_pods(store, found)
         logs = lookup.logs_of(store, found)
     if args.json:
-        from stagetrace.render import resources
-
-        json.dump({**found.to_json(), "resources": resources(found), "hardware": hardware, "activity": busy,
+        json.dump({**found.to_json(), "resources": lookup.resources(found), "hardware": hardware, "activity": busy,
                    "pods": pods, "logs": [line.to_json() for line in logs]},
                   sys.stdout, indent=2, ensure_ascii=False)  # fmt: skip
         sys.stdout.write("\n")

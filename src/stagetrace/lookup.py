@@ -346,3 +346,17 @@ def logs_of(store: Store, trace: Trace, limit: int = 10_000) -> list[LogLine]:
 
 def _spans(store: Store, trace_id: str, start_ns: int, end_ns: int) -> list[Span]:
     return spans_of(store, [trace_id], start_ns, end_ns).get(trace_id, [])
+
+
+def resources(trace: Trace) -> list[dict]:
+    """The resource attributes of the trace's processes that ``explain`` compares (``conventions.is_comparable``):
+    an engine's attention backend, a driver version, the GPUs a process sees. One entry per distinct resource, in
+    the order its spans come; host and service name it (they are not repeated among its attributes)."""
+    found: dict[tuple, dict] = {}
+    for span in trace.spans:
+        shown = {k: v for k, v in sorted(span.resource.items())
+                 if conventions.is_comparable(k) and k not in (conventions.HOST, conventions.PEER_SERVICE)}  # fmt: skip
+        key = (span.resource.get(conventions.HOST, ""), span.service, tuple(shown.items()))
+        if shown and key not in found:
+            found[key] = {"host": key[0], "service": span.service, "attributes": shown}
+    return list(found.values())

@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stagetrace import conventions
-from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace, iso_ns
+from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace, iso_ns, resources
 
 WIDE = 110  # columns from which a trace's attributes fit beside its waterfall
 _STATUS_TEXT = {"Unset": "", "Ok": "ok", "Error": "error"}
@@ -296,20 +296,6 @@ def waterfall(out: Output, trace: Trace) -> None:
     for span in trace.spans:  # engine timings below the table, so they show however narrow the terminal is
         if span.engine_ms:
             out.line(f"{span.name} ({span.service}): {engine_timings(span)}")
-
-
-def resources(trace: Trace) -> list[dict]:
-    """The resource attributes of the trace's processes that ``explain`` compares (``conventions.is_comparable``):
-    an engine's attention backend, a driver version, the GPUs a process sees. One entry per distinct resource, in
-    the order its spans come; host and service name it (they are not repeated among its attributes)."""
-    found: dict[tuple, dict] = {}
-    for span in trace.spans:
-        shown = {k: v for k, v in sorted(span.resource.items())
-                 if conventions.is_comparable(k) and k not in (conventions.HOST, conventions.PEER_SERVICE)}  # fmt: skip
-        key = (span.resource.get(conventions.HOST, ""), span.service, tuple(shown.items()))
-        if shown and key not in found:
-            found[key] = {"host": key[0], "service": span.service, "attributes": shown}
-    return list(found.values())
 
 
 def gpu_holders(out: Output, pods: list[dict]) -> None:
