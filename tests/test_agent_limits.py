@@ -185,8 +185,12 @@ def test_with_an_embedded_store_the_agent_and_its_engine_threads_run_at_low_prio
     pid = limited.process.pid
     nices = {}
     for task in os.listdir(f"/proc/{pid}/task"):
-        name = open(f"/proc/{pid}/task/{task}/comm").read().strip()
-        nices[f"{name}/{task}"] = int(open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()[16])
+        try:
+            name = open(f"/proc/{pid}/task/{task}/comm").read().strip()
+            stat = open(f"/proc/{pid}/task/{task}/stat").read()
+        except FileNotFoundError:  # the engine's short-lived worker threads may end between listing and reading
+            continue
+        nices[f"{name}/{task}"] = int(stat.rsplit(")", 1)[1].split()[16])
     # every thread, Python's and the engine's, but the engine's MemoryWorker: ClickHouse raises its priority
     # itself (as root it can), so that memory accounting stays current
     lowered = {thread: nice for thread, nice in nices.items() if not thread.startswith("MemoryWorker/")}
