@@ -390,8 +390,9 @@ def test_dynamo_system_roots_are_kept_as_spans_and_never_listed(store, receiver)
 def test_a_seeded_dynamo_request_is_not_called_nondeterministic_and_its_sampling_is_said_unknown(store, receiver):
     """Dynamo 1.6.1 records neither the temperature nor the seed: the request sent with seed 42 at temperature 0.7
     (the third) is not called nondeterministic, and explain says its sampling is unknown rather than excusing it.
-    The neighbour: another service's request at temperature 0.7 that records no seed where its producer would have is
-    sampling by design, and nothing is said of its seed."""
+    The request sent inside an app's trace whose span records the seed it asked for has a known seed, said of
+    nothing. The neighbour: another service's request at temperature 0.7 that records no seed where its producer
+    would have is sampling by design, and nothing is said of its seed."""
     from stagetrace.analysis.explain import Explainer
 
     send(receiver, "serve", DYNAMO)
@@ -399,9 +400,14 @@ def test_a_seeded_dynamo_request_is_not_called_nondeterministic_and_its_sampling
     start = dynamo_roots("serve")[2]["start"]
     app_roots(receiver, "chat-app", [(b"\xc0" * 16, b"\xc1" * 8, start, start + 10**6,
                                       {"stagetrace.request.id": "chat-1", "gen_ai.request.temperature": "0.7"})])
+    behind = dynamo_roots("serve")[3]  # the app's span record.py named in its traceparent, as the app records it
+    app_roots(receiver, "rag-app", [(bytes.fromhex(APP_TRACES[0]), (0xA4).to_bytes(8, "big"), behind["start"] - 10**6,
+                                     behind["start"] + 10**9, {"llm.invocation_parameters":
+                                                               '{"temperature": 0.7, "seed": 42}'})])  # fmt: skip
     marked = dict(store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows)
     assert marked.pop("chat-1") == "gen_ai.request.temperature 0.7 without a seed"
     assert set(marked.values()) == {""} and seeded in marked
+    assert Explainer(store).explain(UUID_IDS[0])["seed_unknown"] is None
     report = Explainer(store).explain(seeded)
     assert not report["nondeterministic"]
     assert report["seed_unknown"] == "Dynamo records neither the temperature nor the seed"

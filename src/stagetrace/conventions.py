@@ -580,6 +580,17 @@ def seed_unknown(attributes: dict[str, str]) -> bool:
     return any(attributes.get(k, "") != "" if v is None else attributes.get(k) == v for k, v in SEED_UNRECORDED)
 
 
+def records_seed(attributes: dict[str, str]) -> bool:
+    """The span records the request's seed: a seed attribute, or OpenInference's invocation parameters naming one."""
+    if any(attributes.get(k, "") != "" for k in SEED_KEYS):
+        return True
+    try:
+        parameters = json.loads(attributes.get(INVOCATION_PARAMETERS, "") or "{}")
+    except ValueError:
+        return False
+    return isinstance(parameters, dict) and parameters.get("seed") is not None
+
+
 def unknown_seed(attributes: dict[str, str], name: str = "") -> str:
     """Why a span's sampling has an unknown seed, in words, or ``''``: it samples (temperature > 0) and its producer
     never records the seed (``SEED_UNRECORDED``), so it may have been seeded; or it is Dynamo's request root (``name``),
