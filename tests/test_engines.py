@@ -343,6 +343,12 @@ def test_dynamo_requests_are_found_by_their_id_with_the_worker_s_decode_stage(st
     dynamo = sorted((r, m) for r, s, m in listed if s == "dynamo-frontend")
     assert dynamo == sorted(expected.items()) and len(dynamo) == 10, dynamo
     assert {m for _, m in dynamo} == {"tiny-chat", ""}
+    # the Python twin reads each stored Dynamo root's model as the view did
+    rows = store.client.query("SELECT SpanName, SpanAttributes, ResourceAttributes FROM stagetrace.otel_traces "
+                              "WHERE ServiceName = 'dynamo-frontend' AND ParentSpanId = ''").result_rows
+    assert {conventions.model_of(a, r, n) for n, a, r in rows} == {"tiny-chat", ""}
+    assert sorted(conventions.model_of(a, r, n) for n, a, r in rows if conventions.is_dynamo_request(n, a)) == sorted(
+        m for r, m in dynamo if r not in UUID_IDS)  # the roots below an app's span have a parent
 
     for scenario in DYNAMO_SCENARIOS:
         for root in dynamo_roots(scenario):

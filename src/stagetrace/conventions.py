@@ -572,7 +572,8 @@ _TRUE = ("true", "True", "1")
 # absent: temperature > 0 alone does not make the request nondeterministic, or a seeded request's real deviation
 # would be excused as sampling (issue 53). OpenInference's invocation parameters list what was sent, seed included.
 SEED_UNRECORDED = ((SGLANG_MODULE[0], SGLANG_MODULE[1]), ("gen_ai.latency.e2e", None))
-# Dynamo's request root records neither the temperature nor the seed (1.6.1): whether it sampled is unknown.
+# Dynamo is not among them: its request root records neither the temperature nor the seed (1.6.1), so whether it
+# sampled at all is unknown, which unknown_seed says of it.
 
 
 def seed_unknown(attributes: dict[str, str]) -> bool:
