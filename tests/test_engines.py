@@ -1,8 +1,9 @@
 """Engines' own traces, recorded from their released tracing code (tests/fixtures/sglang/README.md,
-tests/fixtures/vllm/README.md), sent over OTLP/HTTP into a running receiver and read from the real store (issue 53)."""
+tests/fixtures/vllm/README.md, tests/fixtures/dynamo/README.md), sent over OTLP/HTTP into a running receiver and read from the real store (issue 53)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import urllib.request
@@ -293,3 +294,128 @@ def test_sglang_pipeline_stages_keep_their_tp_ranks_apart_and_the_dp_replica_rea
     assert ranks == ["0", "1", "0@pp1", "1@pp1"]
     # the request is one request, its rank a stage's key and not a cause: dp rank names where it ran
     assert conventions.is_identity(conventions.DP_RANK) and not conventions.is_comparable(conventions.PP_RANK)
+
+
+# -- NVIDIA Dynamo 1.6.1 (tests/fixtures/dynamo/README.md): its real frontend in front of its mocker worker (a GPU is
+# what a real engine would need; the mocker is Dynamo's own GPU-less worker), at its default log level and at debug
+DYNAMO = Path(__file__).parent / "fixtures" / "dynamo"
+DYNAMO_SCENARIOS = ("serve", "serve-debug")
+# what record.py sent as headers, per scenario: the client's request IDs, and the app's trace of the fourth request
+CLIENT_IDS = ("client-53d1", "client-53d2")
+UUID_IDS = ("53d0e5a1-0000-4000-8000-000000000004", "53d0e5a1-0000-4000-8000-000000000005")
+APP_TRACES = ("53d00000000000000000000000005a04", "53d00000000000000000000000005a05")
+
+
+def dynamo_roots(scenario: str) -> list[dict]:
+    """The frontend's request roots as Dynamo recorded them, in the order record.py sent the requests."""
+    roots = []
+    for message in json.loads((DYNAMO / f"{scenario}.json").read_text()):
+        for resource in message["resourceSpans"]:
+            for span in (s for scope in resource["scopeSpans"] for s in scope["spans"]):
+                attributes = {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
+                if span["name"] == "http-request" and attributes.get("target") == "request_span":
+                    roots.append({"trace_id": base64.b64decode(span["traceId"]).hex(),
+                                  "start": int(span["startTimeUnixNano"]), **attributes})  # fmt: skip
+    return sorted(roots, key=lambda r: r["start"])
+
+
+def test_dynamo_requests_are_found_by_their_id_with_the_worker_s_decode_stage(store, receiver):
+    """Each request the frontend served is one request, found by the client's x-request-id where it sent one, else
+    by Dynamo's request_id, or by the response's ``chatcmpl-``/``cmpl-`` id: the frontend's http-request over its
+    router.route_request over the worker's handle_payload (another service, another process), whose handling is the
+    decode stage. At both log levels; beside them vLLM's requests in the same store, one of whose IDs starts with
+    ``chatcmpl-`` too, are found by their own IDs as before."""
+    from stagetrace import lookup
+
+    send(receiver, "serve", VLLM)
+    send(receiver, "offline", VLLM)
+    for scenario in DYNAMO_SCENARIOS:
+        send(receiver, scenario, DYNAMO)
+    listed = store.client.query("SELECT RequestId, ServiceName, Model FROM stagetrace.stagetrace_requests").result_rows
+    assert {r for r, s, _ in listed if s == "vllm"} == set(VLLM_REQUESTS)
+    expected = {}
+    for n, scenario in enumerate(DYNAMO_SCENARIOS):
+        roots = dynamo_roots(scenario)
+        assert len(roots) == 5, scenario  # record.py's five requests
+        assert roots[0]["x_request_id"] == CLIENT_IDS[n] and roots[3]["x_request_id"] == UUID_IDS[n]
+        # the model the client asked for, where Dynamo's root names it (1.6.1: chat completions, not completions)
+        expected |= {r.get("x_request_id") or r["request_id"]: r.get("model", "") for r in roots}
+    dynamo = sorted((r, m) for r, s, m in listed if s == "dynamo-frontend")
+    assert dynamo == sorted(expected.items()) and len(dynamo) == 10, dynamo
+    assert {m for _, m in dynamo} == {"tiny-chat", ""}
+    # the Python twin reads each stored Dynamo root's model as the view did
+    rows = store.client.query("SELECT SpanName, SpanAttributes, ResourceAttributes FROM stagetrace.otel_traces "
+                              "WHERE ServiceName = 'dynamo-frontend' AND ParentSpanId = ''").result_rows
+    assert {conventions.model_of(a, r, n) for n, a, r in rows} == {"tiny-chat", ""}
+    assert sorted(conventions.model_of(a, r, n) for n, a, r in rows if conventions.is_dynamo_request(n, a)) == sorted(
+        m for r, m in dynamo if r not in UUID_IDS)  # the roots below an app's span have a parent
+
+    for scenario in DYNAMO_SCENARIOS:
+        for root in dynamo_roots(scenario):
+            request_id = root.get("x_request_id") or root["request_id"]
+            trace = lookup.by_request_id(store, request_id)
+            assert trace.trace_id == root["trace_id"], request_id
+            names = [(s.name, s.service, s.stage) for s in trace.spans]
+            assert ("http-request", "dynamo-frontend", None) in names
+            assert ("router.route_request", "dynamo-frontend", None) in names
+            assert [n for n in names if n[2]] == [("handle_payload", "dynamo-worker", "decode")], names
+            # the worker's span hangs below the frontend's route span, in the trace's order
+            position = {s.span_id: n for n, s in enumerate(trace.spans)}
+            assert all(position[s.parent_span_id] < position[s.span_id] for s in trace.spans
+                       if s.parent_span_id in position)  # fmt: skip
+            # where the client named it, by that name only; else the response's id names it too, Dynamo's
+            # request_id behind its prefix
+            prefix = "cmpl-" if root["uri"] == "/v1/completions" else "chatcmpl-"
+            if "x_request_id" in root:
+                with pytest.raises(lookup.NotFound):
+                    lookup.by_request_id(store, prefix + root["request_id"])
+            else:
+                assert lookup.by_request_id(store, prefix + root["request_id"]).trace_id == root["trace_id"]
+    # the request sent inside an app's trace (traceparent) is found in that trace, its app span not stored
+    assert [lookup.by_request_id(store, r).trace_id for r in UUID_IDS] == list(APP_TRACES)
+    # vLLM's IDs that start with chatcmpl- are its own, found as they are
+    assert all(lookup.by_request_id(store, r).service == "vllm" for r in VLLM_REQUESTS)
+    with pytest.raises(lookup.NotFound):
+        lookup.by_request_id(store, "chatcmpl-" + "0" * 8)
+
+
+def test_dynamo_system_roots_are_kept_as_spans_and_never_listed(store, receiver):
+    """At DYN_LOG=debug Dynamo also traces its frontend's system endpoints (the ``GET /v1/models`` record.py polled
+    while the worker registered) as an ``http-request`` root with target ``system_span``: kept as a span, never a
+    request. The Python twin says the same of every stored span; the requests' roots are requests."""
+    send(receiver, "serve-debug", DYNAMO)
+    rows = store.client.query("SELECT SpanName, SpanAttributes, TraceId FROM stagetrace.otel_traces").result_rows
+    system = {t for n, a, t in rows if a.get("target") == "system_span"}
+    assert system and all(n == "http-request" for n, a, _ in rows if a.get("target") == "system_span")
+    listed = set(store.client.query("SELECT TraceId FROM stagetrace.stagetrace_requests").result_columns[0])
+    assert not system & listed and len(listed) == 5
+    assert all(conventions.is_not_request(n, a) for n, a, t in rows if t in system)
+    assert not any(conventions.is_not_request(n, a) for n, a, t in rows if t in listed)
+
+
+def test_a_seeded_dynamo_request_is_not_called_nondeterministic_and_its_sampling_is_said_unknown(store, receiver):
+    """Dynamo 1.6.1 records neither the temperature nor the seed: the request sent with seed 42 at temperature 0.7
+    (the third) is not called nondeterministic, and explain says its sampling is unknown rather than excusing it.
+    The request sent inside an app's trace whose span records the seed it asked for has a known seed, said of
+    nothing. The neighbour: another service's request at temperature 0.7 that records no seed where its producer
+    would have is sampling by design, and nothing is said of its seed."""
+    from stagetrace.analysis.explain import Explainer
+
+    send(receiver, "serve", DYNAMO)
+    seeded = dynamo_roots("serve")[2]["request_id"]
+    start = dynamo_roots("serve")[2]["start"]
+    app_roots(receiver, "chat-app", [(b"\xc0" * 16, b"\xc1" * 8, start, start + 10**6,
+                                      {"stagetrace.request.id": "chat-1", "gen_ai.request.temperature": "0.7"})])
+    behind = dynamo_roots("serve")[3]  # the app's span record.py named in its traceparent, as the app records it
+    app_roots(receiver, "rag-app", [(bytes.fromhex(APP_TRACES[0]), (0xA4).to_bytes(8, "big"), behind["start"] - 10**6,
+                                     behind["start"] + 10**9, {"llm.invocation_parameters":
+                                                               '{"temperature": 0.7, "seed": 42}'})])  # fmt: skip
+    marked = dict(store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows)
+    assert marked.pop("chat-1") == "gen_ai.request.temperature 0.7 without a seed"
+    assert set(marked.values()) == {""} and seeded in marked
+    assert Explainer(store).explain(UUID_IDS[0])["seed_unknown"] is None
+    report = Explainer(store).explain(seeded)
+    assert not report["nondeterministic"]
+    assert report["seed_unknown"] == "Dynamo records neither the temperature nor the seed"
+    neighbour = Explainer(store).explain("chat-1")
+    assert neighbour["nondeterministic"] and neighbour["seed_unknown"] is None

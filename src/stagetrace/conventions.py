@@ -237,6 +237,18 @@ PIPELINE_STAGES = ("retrieval", "cache", "context_assembly", "allreduce", "decod
 REQUEST_ID_ALIASES = (REQUEST_ID, "gen_ai.request.id")
 SGLANG_RID = "rid"
 SGLANG_MODULE = ("module", "sglang::request")
+# NVIDIA Dynamo (its Rust runtime's spans, tests/fixtures/dynamo/README.md): the frontend's root ``http-request`` over
+# ``router.route_request`` over the worker's ``handle_payload``, each with Dynamo's tracing target ``request_span``.
+# The request's ID on its root: the client's ``x-request-id`` where one was sent (a gateway's or an app's name for
+# the request), else Dynamo's own ``request_id`` (the response's ``id`` without its ``chatcmpl-`` / ``cmpl-``).
+# Both names are too generic to trust on any span but Dynamo's root. Its ``system_span`` roots (``GET /v1/models``,
+# health checks) are no request.
+DYNAMO_ROOT = "http-request"
+DYNAMO_TARGET = "target"
+DYNAMO_REQUEST_SPAN = "request_span"
+DYNAMO_SYSTEM_SPAN = "system_span"
+DYNAMO_REQUEST_IDS = ("x_request_id", "request_id")
+DYNAMO_RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 # Roots that are no request (engine_traces.md): an engine's start-up and model loading, and SGLang's other modules'
 # roots, e.g. the KV sender's ``Sender Req 0x...`` (module sglang::mooncake), a transfer worker's view of a request
 # whose own root is ``... Req <rid8>``. They stay in otel_traces as spans, but a request listed, analysed or counted
@@ -265,7 +277,25 @@ def is_not_request(name: str, attributes: dict[str, str]) -> bool:
     """A span that is never a request, even as a trace's root (same rule as ``IS_NOT_REQUEST_SQL``)."""
     module = attributes.get(SGLANG_MODULE[0], "")
     return (name in NOT_REQUEST_ROOT_NAMES or str(attributes.get(VLLM_CODE_NAMESPACE[0], "")).startswith(
-        VLLM_CODE_NAMESPACE[1]) or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1]))
+        VLLM_CODE_NAMESPACE[1]) or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
+        or attributes.get(DYNAMO_TARGET) == DYNAMO_SYSTEM_SPAN)
+
+
+def is_dynamo_request(name: str, attributes: dict[str, str]) -> bool:
+    """Dynamo's frontend root of a request a client sent (same rule as ``IS_DYNAMO_REQUEST_SQL``)."""
+    return name == DYNAMO_ROOT and attributes.get(DYNAMO_TARGET) == DYNAMO_REQUEST_SPAN
+
+
+IS_DYNAMO_REQUEST_SQL = (
+    f"SpanName = {_quote(DYNAMO_ROOT)} AND SpanAttributes[{_quote(DYNAMO_TARGET)}] = {_quote(DYNAMO_REQUEST_SPAN)}"
+)
+
+
+def request_id_candidates(request_id: str) -> tuple[str, ...]:
+    """The IDs a request may be stored under, given the one a person holds: Dynamo's response ``id`` is its
+    ``request_id`` behind ``chatcmpl-`` or ``cmpl-``, which its spans record bare."""
+    bare = next((request_id[len(p):] for p in DYNAMO_RESPONSE_ID_PREFIXES if request_id.startswith(p)), "")
+    return (request_id, bare) if bare else (request_id,)
 
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
@@ -333,6 +363,9 @@ STAGE_RULES = (
     Rule("retrieval", (Attr("db.system.name", _VECTOR_STORES),), "vector stores, DB semantic conventions"),
     Rule("retrieval", (Attr("db.system", _VECTOR_STORES),), "vector stores, OpenLLMetry"),
     Rule("decode", (Name(exact=("llm_request",)), Attr("gen_ai.request.id")), "vLLM"),
+    # the worker's handling of the request Dynamo's router sent it: the engine's prefill and decode (the mocker,
+    # TensorRT-LLM, SGLang, vLLM); an engine span traced below it is part of that pass (stage_passes)
+    Rule("decode", (Name(exact=("handle_payload",)), Attr(DYNAMO_TARGET, (DYNAMO_REQUEST_SPAN,))), "NVIDIA Dynamo"),
     Rule("context_assembly", (Name(exact=("tokenize",)),), "SGLang"),
     Rule("decode", (Name(exact=("prefill_forward", "decode_forward", "chunked_prefill", "decode_loop")),), "SGLang"),
     # prefill/decode disaggregation moves the prompt's KV cache from the prefill server's GPUs to the decode
@@ -423,11 +456,15 @@ IDENTIFIER_KEYS = frozenset({
     *REQUEST_ID_ALIASES, SGLANG_RID, "gen_ai.response.id", "gen_ai.task.id", "gen_ai.task.parent.id",
     "gen_ai.agent.id", "gen_ai.conversation.id", "session.id", "user.id", "bid", "vllm.process_id", "process.pid",
     "pid", "bootstrap_room",  # SGLang's thread span and request root
+    *DYNAMO_REQUEST_IDS, "trace_id", "parent_id", "trace_flags", "thread.id",  # Dynamo copies its context onto spans
 })  # fmt: skip
 MEASUREMENT_KEYS = frozenset({
     "cache.hit", "cache.hits", "cache.misses", "cache.entry.age_s", "context.tokens", "context.truncated",
     "allreduce.time_ms", "allreduce.max_ms", "allreduce.count", "allreduce.bytes", "decode.tokens", "decode.ttft_ms",
     "gen_ai.task.status",
+    # Dynamo: what its spans measured (tracing's busy and idle time, tokens) and how the request ended
+    "busy_ns", "idle_ns", "input_tokens", "output_tokens", "request.outcome", "request.attempt", "migration.is_retry",
+    "migration.tokens_completed",
 })  # fmt: skip
 MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", "llm.token_count.", "llm.cost.")
 MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
@@ -448,6 +485,7 @@ IDENTITY_KEYS = frozenset({
     "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
     CONFIGURATION_GPU_UUIDS, "cloud.resource_id", "host_id",  # SGLang's machine ID, on its thread spans
     DP_RANK,  # the data-parallel replica that served the request
+    "instance_id", "worker_id", "prefill_worker_id", "decode_worker_id",  # Dynamo's worker that served it
 })  # fmt: skip
 
 
@@ -478,16 +516,21 @@ DEFAULT_PEER_KEY = PEER_KEY_PARTS
 # served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names; then the
 # same keys on the span's resource: vLLM's llm_request names no model (0.33.0), and an operator declares the model a
 # server serves there (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer
-# providers read), a span's own naming winning over it.
+# providers read), a span's own naming winning over it. Dynamo's root names the model a client asked for as ``model``
+# (too generic a name for any other span); Dynamo's tracer reads no OTEL_RESOURCE_ATTRIBUTES (1.6.1).
 MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
               "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
-MODEL_SQL = "multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in ("SpanAttributes",
-                                   "ResourceAttributes") for k in MODEL_KEYS) + ", '')"  # fmt: skip
+DYNAMO_MODEL = "model"
+MODEL_SQL = ("multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in ("SpanAttributes",
+                                    "ResourceAttributes") for k in MODEL_KEYS)
+             + f", {IS_DYNAMO_REQUEST_SQL}, SpanAttributes[{_quote(DYNAMO_MODEL)}], '')")  # fmt: skip
 
 
-def model_of(attributes: dict[str, str], resource: dict[str, str] | None = None) -> str:
-    """A root span's model by ``MODEL_KEYS``, on the span, then on its resource; the Python twin of ``MODEL_SQL``."""
-    return next((str(m[k]) for m in (attributes, resource or {}) for k in MODEL_KEYS if m.get(k, "") != ""), "")
+def model_of(attributes: dict[str, str], resource: dict[str, str] | None = None, name: str = "") -> str:
+    """A root span's model by ``MODEL_KEYS``, on the span, then on its resource, then Dynamo's (``name``: the
+    span's); the Python twin of ``MODEL_SQL``."""
+    found = next((str(m[k]) for m in (attributes, resource or {}) for k in MODEL_KEYS if m.get(k, "") != ""), "")
+    return found or (str(attributes.get(DYNAMO_MODEL, "")) if is_dynamo_request(name, attributes) else "")
 
 
 def peer_sql(service: str = "ServiceName", model: str = "Model") -> str:
@@ -529,6 +572,8 @@ _TRUE = ("true", "True", "1")
 # absent: temperature > 0 alone does not make the request nondeterministic, or a seeded request's real deviation
 # would be excused as sampling (issue 53). OpenInference's invocation parameters list what was sent, seed included.
 SEED_UNRECORDED = ((SGLANG_MODULE[0], SGLANG_MODULE[1]), ("gen_ai.latency.e2e", None))
+# Dynamo is not among them: its request root records neither the temperature nor the seed (1.6.1), so whether it
+# sampled at all is unknown, which unknown_seed says of it.
 
 
 def seed_unknown(attributes: dict[str, str]) -> bool:
@@ -536,11 +581,28 @@ def seed_unknown(attributes: dict[str, str]) -> bool:
     return any(attributes.get(k, "") != "" if v is None else attributes.get(k) == v for k, v in SEED_UNRECORDED)
 
 
-def unknown_seed(attributes: dict[str, str]) -> str:
+def records_seed(attributes: dict[str, str]) -> bool:
+    """The span records the request's seed: a seed attribute, or OpenInference's invocation parameters naming one."""
+    if any(attributes.get(k, "") != "" for k in SEED_KEYS):
+        return True
+    try:
+        parameters = json.loads(attributes.get(INVOCATION_PARAMETERS, "") or "{}")
+    except ValueError:
+        return False
+    return isinstance(parameters, dict) and parameters.get("seed") is not None
+
+
+def unknown_seed(attributes: dict[str, str], name: str = "") -> str:
     """Why a span's sampling has an unknown seed, in words, or ``''``: it samples (temperature > 0) and its producer
-    never records the seed (``SEED_UNRECORDED``), so it may have been seeded. ``explain`` and ``divergences`` say so
-    where they would otherwise have called it sampling nondeterminism (issue 53)."""
-    if not seed_unknown(attributes) or any(attributes.get(k, "") != "" for k in SEED_KEYS):
+    never records the seed (``SEED_UNRECORDED``), so it may have been seeded; or it is Dynamo's request root (``name``),
+    which records neither. ``explain`` and ``divergences`` say so where they would otherwise have called it sampling
+    nondeterminism (issue 53)."""
+    if any(attributes.get(k, "") != "" for k in SEED_KEYS):
+        return ""
+    if is_dynamo_request(name, attributes) and not any(
+            attributes.get(k, "") != "" for k in TEMPERATURE_KEYS):  # fmt: skip
+        return "Dynamo records neither the temperature nor the seed"
+    if not seed_unknown(attributes):
         return ""
     producer = "SGLang" if attributes.get(SGLANG_MODULE[0]) == SGLANG_MODULE[1] else "the engine"
     return next((f"{k} {attributes[k]}, and {producer} does not record the seed" for k in TEMPERATURE_KEYS
@@ -701,7 +763,10 @@ IS_SGLANG_REQUEST_SQL = (
 ATTRIBUTE_REQUEST_ID_SQL = (
     "multiIf("
     + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]" for k in REQUEST_ID_ALIASES)
-    + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}], '')"
+    + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}]"
+    + "".join(f", {IS_DYNAMO_REQUEST_SQL} AND SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
+              for k in DYNAMO_REQUEST_IDS)
+    + ", '')"
 )
 # A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync, nor a
 # root that is no request: is_not_request), or
@@ -712,7 +777,8 @@ IS_NOT_REQUEST_SQL = (
     f"(SpanName IN ({', '.join(_quote(n) for n in NOT_REQUEST_ROOT_NAMES)}) OR "
     f"startsWith(SpanAttributes[{_quote(VLLM_CODE_NAMESPACE[0])}], {_quote(VLLM_CODE_NAMESPACE[1])}) OR "
     f"(startsWith(SpanAttributes[{_quote(SGLANG_MODULE[0])}], {_quote(SGLANG_MODULE_PREFIX)}) "
-    f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}))"
+    f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}) OR "
+    f"SpanAttributes[{_quote(DYNAMO_TARGET)}] = {_quote(DYNAMO_SYSTEM_SPAN)})"
 )
 IS_REQUEST_ROOT_SQL = (
     f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND NOT {IS_NOT_REQUEST_SQL} "

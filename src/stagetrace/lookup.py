@@ -165,7 +165,11 @@ def _request(store: Store, trace_id: str) -> tuple[str | None, str, str, str]:
 
 
 def by_request_id(store: Store, request_id: str) -> Trace:
-    rows = store.client.query(TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": request_id}).result_rows
+    # the ID as given first; Dynamo's response ID ``chatcmpl-<id>`` then as the bare ID its spans record
+    for candidate in conventions.request_id_candidates(request_id):
+        rows = store.client.query(TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": candidate}).result_rows
+        if rows:
+            break
     if not rows:
         hint = ""
         if re.fullmatch(r"[0-9a-fA-F]{32}", request_id.strip()) and _extent(store, request_id.strip().lower())[1]:

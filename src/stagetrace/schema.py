@@ -32,8 +32,10 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # 15: the views read the Collector's JSON attribute layout as its Map layout, and stagetrace_spans / stagetrace_logs,
 # the span and log tables with Map attributes whatever the layout, for lookups and dashboards (issue 55);
 # 16: the TP ranks that began each divergence, their GPUs and hosts, in stagetrace_divergences.BeganRank, BeganGpu
-# and BeganHost (one entry per rank, in the same order), for /metrics, the alerts and the dashboards (issue 52)
-SCHEMA_VERSION = 16
+# and BeganHost (one entry per rank, in the same order), for /metrics, the alerts and the dashboards (issue 52);
+# 17: NVIDIA Dynamo's spans: its frontend root a request by its x_request_id or request_id, its system roots no
+# request, its worker's handle_payload the decode stage (issue 53)
+SCHEMA_VERSION = 17
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -442,6 +444,8 @@ REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetra
             13: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
                  "stagetrace_stages_content_mv"),
             14: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
+                 "stagetrace_stages_content_mv"),
+            17: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
                  "stagetrace_stages_content_mv")}  # fmt: skip
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}

@@ -207,9 +207,12 @@ def nondeterminism(trace: lookup.Trace) -> str:
 
 
 def unknown_seed(trace: lookup.Trace | None) -> str:
-    """Why the request samples with a seed nobody recorded (an engine that never exports it), or ``''``: compared as
-    if seeded, and said, never excused as sampling (``conventions.unknown_seed``)."""
-    return next((r for r in (conventions.unknown_seed(s.attributes) for s in trace.spans) if r), "") if trace else ""
+    """Why the request samples with a seed nobody recorded (an engine that never exports it, and no span of the
+    request that does), or ``''``: compared as if seeded, and said, never excused as sampling
+    (``conventions.unknown_seed``)."""
+    if not trace or any(conventions.records_seed(s.attributes) for s in trace.spans):
+        return ""  # the seed is known where the request records it: an app's span above the engine's
+    return next((r for r in (conventions.unknown_seed(s.attributes, s.name) for s in trace.spans) if r), "")
 
 
 def contrast_window(store: Store, lo_ns: int, hi_ns: int, half_ns: int = CONTRAST_WINDOW_NS) -> tuple[int, int]:
@@ -383,7 +386,7 @@ class Explainer:
             baseline = Baseline(against, "explicit", 1, 1, other)
         peers, peer = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
         if peer is None:  # no input digest to find its row by: its own root span's service and model
-            model = conventions.model_of(trace.root.attributes) if trace.spans else ""
+            model = conventions.model_of(trace.root.attributes, name=trace.root.name) if trace.spans else ""
             peer = conventions.peer_of(trace.service, model, config.peer_key())
         found_rollouts = self._rollouts(trace, peers)
         epochs = population.epochs_of(found_rollouts)
