@@ -30,7 +30,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind
-from stagetrace.exporters.clickhouse import COLUMNS, ClickHouseSpanExporter, _Resources, span_row
+from stagetrace.exporters.clickhouse import ClickHouseSpanExporter
+from stagetrace.exporters.rows import COLUMNS, Resources, span_row
 
 import stagetrace.tracing as st
 from benchmarks import Figure, benchmark
@@ -104,7 +105,7 @@ def export(quick: bool) -> list[Figure]:
     requests, rounds = (3_000, 1) if quick else (20_000, 5)
     spans = make_spans(requests)
     n = len(spans)
-    resources = _Resources()
+    resources = Resources()
     rows = [span_row(span, resources) for span in spans]
     big, small = _columnar(rows, BATCH_ROWS), _columnar(rows, 512)
     runs: dict[str, list[float]] = {"exporter": [], "raw": [], "raw512": []}

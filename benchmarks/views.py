@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanKind
 from benchmarks import Figure, benchmark
 from benchmarks.export import BATCH_ROWS, _columnar, _Keep, make_spans
 from stagetrace import schema
-from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
+from stagetrace.exporters.rows import COLUMNS, Resources, span_row
 from stagetrace.store import open_store
 
 BEFORE_SQL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "views" / "schema10.sql"
@@ -131,7 +131,7 @@ def measure(corpora: dict[str, list], rounds: int, per_view: bool = True,
         databases |= by_table(list(schema.VIEWS))
         databases |= {f"before {table}": views for table, views in by_table(before_views()).items()}
     out = {}
-    resources = _Resources()
+    resources = Resources()
     with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
             open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
         names = {}
@@ -217,7 +217,7 @@ def profile(spans: list, large: int, rounds: int) -> dict:
     span (an insert of ``large`` spans less the one of six just before it, so that the host's slower moments cancel),
     with the background merges stopped so that an insert's figure is its own; then what each view's query takes to
     plan. Medians of ``rounds`` rounds, the databases taking turns, in milliseconds (a span's: microseconds)."""
-    resources = _Resources()
+    resources = Resources()
     rows = [span_row(s, resources) for s in spans]
     small, big = _columnar(rows[:6], 6)[0], _columnar(rows[:large], large)[0]
     with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
@@ -347,7 +347,7 @@ def by_writer(spans: list, sizes=WRITER_SIZES, rates=WRITER_RATES, rounds: int =
     At a rate, the CPU the idle process spends in the same time (the engine's own threads) is measured in each round
     too and taken off. ``refresh``: the bare table's inserts, then one insert-select a view over what they stored
     (the round's spans: 24,000 at the sizes, ``period_s`` of spans at a rate), as refreshable views would do it."""
-    resources = _Resources()
+    resources = Resources()
     rows = [span_row(s, resources) for s in spans]
     databases = ["bare", "views", "refresh"] + (["json_bare", "json_views"] if json_layout else [])
     out: dict = {}

@@ -1,7 +1,7 @@
 """The agent's own log lines into the store's ``otel_logs``, beside the engines' (``stagetrace agent --agent-logs
 store``): a disk that filled, a broken part, a refused sender, seen in Grafana where the traces are.
 
-A ``logging.Handler`` keeps each record as an ``otel_logs`` row (the Collector's columns, ``otlp.LOG_COLUMNS``:
+A ``logging.Handler`` keeps each record as an ``otel_logs`` row (the Collector's columns, ``rows.LOG_COLUMNS``:
 service ``stagetrace-agent``, the host, severity by OpenTelemetry's numbers, the logger and code location as the
 OpenTelemetry SDK's logging handler names them) and a thread writes them every ``every_s`` through the durable write
 path (``DurableWriter``: in the store or the fsynced spool). The lines are few (one per state change), so a bounded
@@ -16,9 +16,8 @@ import threading
 from collections import deque
 
 from stagetrace import __version__
-from stagetrace.exporters.clickhouse import AGENT_SERVICE
 from stagetrace.exporters.durable import DurableWriter
-from stagetrace.exporters.otlp import LOG_COLUMNS, LOGS_TABLE
+from stagetrace.exporters.rows import AGENT_SERVICE, LOG_COLUMNS, LOGS_TABLE
 
 MAX_PENDING = 10_000
 SCOPE = "stagetrace.agent"

@@ -10,8 +10,8 @@ SGLang, a Collector's ``otlphttp`` exporter. Binary protobuf (``application/x-pr
 official ``opentelemetry-proto`` messages; ``Content-Encoding: gzip`` or ``deflate`` bodies are inflated
 within the size limit.
 
-Each OTLP span is read through a view that ``span_row`` takes like an SDK span, so it gets exactly the
-columns the in-process ``ClickHouseSpanExporter`` writes. Gauge and sum points go to
+Each OTLP span is read through a view (``rows.span_views``) that ``span_row`` takes like an SDK span, so it gets
+exactly the columns the in-process ``ClickHouseSpanExporter`` writes. Gauge and sum points go to
 ``otel_metrics_gauge``/``otel_metrics_sum`` in the Collector's layout. A request is answered only once it is
 durable: written ahead as it arrived and fsynced into the spool (``exporters.durable``), whose replay thread
 stores the rows of many requests in one insert; without a spool, once its rows are inserted. Each request has
@@ -36,7 +36,6 @@ import hashlib
 import json
 import logging
 import time
-from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 from google.protobuf import any_pb2, descriptor_pb2, descriptor_pool, json_format, message_factory
@@ -47,25 +46,35 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
-from opentelemetry.trace import SpanKind, StatusCode
 
-from stagetrace import conventions, httpd
-from stagetrace.exporters.clickhouse import (
-    COLUMNS,
-    GAUGE_TABLE,
-    METRIC_COLUMNS,
-    SUM_COLUMNS,
-    SUM_TABLE,
-    _Resources,
-    attribute_map,
-    span_row,
-)
+from stagetrace import httpd
 from stagetrace.exporters.durable import DurableWriter, NoRoom
 from stagetrace.exporters.records import RecordKind, register
+
+# The rows are built in ``rows``; the names the receivers' callers import from here stay importable.
+from stagetrace.exporters.rows import (
+    COLUMNS,
+    GAUGE_COLUMNS,
+    GAUGE_TABLE,
+    LOG_COLUMNS,
+    LOGS_TABLE,
+    OTLP_SUM_COLUMNS,
+    SUM_TABLE,
+    Resources,
+    log_counts,
+    log_rows,
+    metric_counts,
+    otlp_metric_rows,
+    span_counts,
+    span_row,
+    span_views,
+)
 from stagetrace.exporters.spool import new_token
 from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
+
+metric_rows = otlp_metric_rows  # its name before it moved to ``rows``
 
 DEFAULT_LISTEN = "127.0.0.1:4318"
 MAX_BODY_BYTES = 20 * 1024 * 1024  # the Collector's otlp receiver default (confighttp max_request_body_size)
@@ -74,11 +83,6 @@ MAX_IN_FLIGHT = 8  # HTTP requests served at once (bodies in memory: at most 8 x
 RETRY_AFTER_S = 2
 CLOSE_FLUSH_S = 10.0  # on close, how long the receiver goes on storing what it wrote ahead
 PROTOBUF, JSON = "application/x-protobuf", "application/json"
-
-# Columns the Collector writes that client_python samples have no value for.
-_METRIC_EXTRA = ("ResourceSchemaUrl", "ScopeAttributes", "ScopeDroppedAttrCount", "ScopeSchemaUrl", "Flags")
-GAUGE_COLUMNS = (*METRIC_COLUMNS, *_METRIC_EXTRA)
-OTLP_SUM_COLUMNS = (*SUM_COLUMNS, *_METRIC_EXTRA)
 
 
 class OtlpError(httpd.HttpError):
@@ -163,108 +167,19 @@ def encode(message, media: str) -> bytes:
     return message.SerializeToString()
 
 
-# --- spans ------------------------------------------------------------------------------------------------
-
-
-class _TraceState(str):
-    """OTLP carries the W3C tracestate header text; span_row asks the SDK's TraceState for ``to_header()``."""
-
-    def to_header(self) -> str:
-        return str(self)
-
-
-def _value(any_value):
-    """An OTLP AnyValue as the Python value the SDK would hold; what the SDK cannot hold as the Collector writes it."""
-    kind = any_value.WhichOneof("value")
-    if kind is None:
-        return ""
-    if kind == "array_value":
-        return tuple(_value(v) for v in any_value.array_value.values)
-    if kind == "kvlist_value":
-        return json.dumps({kv.key: _value(kv.value) for kv in any_value.kvlist_value.values}, separators=(",", ":"))
-    if kind == "bytes_value":
-        return base64.b64encode(any_value.bytes_value).decode()
-    return getattr(any_value, kind)
-
-
-def _attributes(key_values) -> dict:
-    return {kv.key: _value(kv.value) for kv in key_values}
-
-
-def _context(trace_id: bytes, span_id: bytes, trace_state: str) -> SimpleNamespace:
-    return SimpleNamespace(trace_id=int.from_bytes(trace_id, "big"), span_id=int.from_bytes(span_id, "big"),
-                           trace_state=_TraceState(trace_state))  # fmt: skip
-
-
-def _valid_ids(trace_id: bytes, span_id: bytes) -> bool:
-    return len(trace_id) == 16 and len(span_id) == 8 and any(trace_id) and any(span_id)
-
-
-# The spec lets a receiver read SPAN_KIND_UNSPECIFIED (0) as INTERNAL; OTLP kinds are the SDK's plus one.
-_KINDS = {0: SpanKind.INTERNAL, **{kind.value + 1: kind for kind in SpanKind}}
-_STATUS_CODES = {code.value: code for code in StatusCode}
-
-
-def span_views(request: ExportTraceServiceRequest) -> tuple[list[SimpleNamespace], int]:
-    """What ``span_row`` reads of each span, and how many spans were rejected for invalid IDs."""
-    views, rejected = [], 0
-    for resource_spans in request.resource_spans:
-        # one object per resource: span_row caches the resource's attribute map by identity
-        resource = SimpleNamespace(attributes=_attributes(resource_spans.resource.attributes))
-        for scope_spans in resource_spans.scope_spans:
-            scope = SimpleNamespace(name=scope_spans.scope.name, version=scope_spans.scope.version)
-            for span in scope_spans.spans:
-                parent = span.parent_span_id
-                if not _valid_ids(span.trace_id, span.span_id) or len(parent) not in (0, 8):
-                    rejected += 1
-                    continue
-                views.append(SimpleNamespace(
-                    name=span.name,
-                    context=_context(span.trace_id, span.span_id, span.trace_state),
-                    parent=SimpleNamespace(span_id=int.from_bytes(parent, "big")) if any(parent) else None,
-                    resource=resource,
-                    instrumentation_scope=scope,
-                    start_time=span.start_time_unix_nano,
-                    end_time=span.end_time_unix_nano,
-                    kind=_KINDS.get(span.kind, SpanKind.INTERNAL),
-                    status=SimpleNamespace(status_code=_STATUS_CODES.get(span.status.code, StatusCode.UNSET),
-                                           description=span.status.message),
-                    attributes=_attributes(span.attributes),
-                    events=[SimpleNamespace(timestamp=e.time_unix_nano, name=e.name, attributes=_attributes(e.attributes))
-                            for e in span.events],
-                    links=[SimpleNamespace(context=_context(link.trace_id, link.span_id, link.trace_state),
-                                           attributes=_attributes(link.attributes))
-                           for link in span.links if _valid_ids(link.trace_id, link.span_id)],
-                ))  # fmt: skip
-    # ranks an engine records on an enclosing span (SGLang's thread span) reach the stage spans below it here, in the
-    # one place every OTLP span passes with its neighbours of the same export (conventions.ENCLOSING_RANKS)
-    conventions.inherit_ranks(views)
-    return views, rejected
-
-
-def span_counts(request: ExportTraceServiceRequest) -> tuple[int, int]:
-    """How many spans ``span_views`` takes and how many it rejects, without making the views."""
-    valid = rejected = 0
-    for resource_spans in request.resource_spans:
-        for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                if _valid_ids(span.trace_id, span.span_id) and len(span.parent_span_id) in (0, 8):
-                    valid += 1
-                else:
-                    rejected += 1
-    return valid, rejected
+# --- write-ahead records: their rows, built by ``rows`` --------------------------------------------------
 
 
 def trace_tables(payload: bytes) -> dict[str, tuple]:
     """A write-ahead record of an ``ExportTraceServiceRequest`` as rows (``records``)."""
     views, _ = span_views(ExportTraceServiceRequest.FromString(payload))
-    resources = _Resources()
+    resources = Resources()
     return {"otel_traces": (COLUMNS, [span_row(view, resources) for view in views])}
 
 
 def metric_tables(payload: bytes) -> dict[str, tuple]:
     """A write-ahead record of an ``ExportMetricsServiceRequest`` as rows (``records``)."""
-    tables = metric_rows(ExportMetricsServiceRequest.FromString(payload))
+    tables = otlp_metric_rows(ExportMetricsServiceRequest.FromString(payload))
     return {GAUGE_TABLE: (GAUGE_COLUMNS, tables[GAUGE_TABLE]), SUM_TABLE: (OTLP_SUM_COLUMNS, tables[SUM_TABLE])}
 
 
@@ -272,94 +187,6 @@ def request_token(body: bytes, media: str) -> str:
     """The deduplication token of one request: the same body sent again (a retry) in the same encoding or over
     the same front-end (``media``: a content type, or ``grpc``) is the same batch."""
     return hashlib.blake2b(media.encode() + b"\0" + body, digest_size=16).hexdigest()
-
-
-# --- metrics ----------------------------------------------------------------------------------------------
-
-
-def metric_counts(request: ExportMetricsServiceRequest) -> tuple[int, int, str]:
-    """How many points ``metric_rows`` stores, how many others were rejected, and why."""
-    stored, rejected, kinds = 0, 0, set()
-    for resource_metrics in request.resource_metrics:
-        for scope_metrics in resource_metrics.scope_metrics:
-            for metric in scope_metrics.metrics:
-                kind = metric.WhichOneof("data")
-                points = len(getattr(metric, kind).data_points) if kind else 0
-                if kind in ("gauge", "sum"):
-                    stored += points
-                else:
-                    rejected += points
-                    kinds.add(kind or "empty")
-    why = f"{', '.join(sorted(kinds))} points are not stored: stagetrace keeps gauges and sums" if rejected else ""
-    return stored, rejected, why
-
-
-def metric_rows(request: ExportMetricsServiceRequest) -> dict[str, list[tuple]]:
-    """``{table: rows}`` for the gauge and sum points (the other kinds: see ``metric_counts``)."""
-    tables: dict[str, list[tuple]] = {GAUGE_TABLE: [], SUM_TABLE: []}
-    for resource_metrics in request.resource_metrics:
-        resource = attribute_map(_attributes(resource_metrics.resource.attributes))
-        service = resource.get("service.name", "")
-        for scope_metrics in resource_metrics.scope_metrics:
-            scope = scope_metrics.scope
-            extra = (resource_metrics.schema_url, attribute_map(_attributes(scope.attributes)),
-                     scope.dropped_attributes_count, scope_metrics.schema_url)  # fmt: skip
-            for metric in scope_metrics.metrics:
-                kind = metric.WhichOneof("data")
-                if kind not in ("gauge", "sum"):
-                    continue
-                data = getattr(metric, kind)
-                head = (resource, service, scope.name, scope.version, metric.name, metric.description, metric.unit)
-                for point in data.data_points:
-                    value = float(getattr(point, point.WhichOneof("value") or "as_double"))
-                    row = (*head, attribute_map(_attributes(point.attributes)), point.start_time_unix_nano,
-                           point.time_unix_nano, value)  # fmt: skip
-                    if kind == "sum":
-                        row = (*row, int(data.aggregation_temporality), data.is_monotonic)
-                    tables[GAUGE_TABLE if kind == "gauge" else SUM_TABLE].append((*row, *extra, point.flags))
-    return tables
-
-
-# --- logs -------------------------------------------------------------------------------------------------
-
-LOGS_TABLE = "otel_logs"
-LOG_COLUMNS = (
-    "Timestamp", "TraceId", "SpanId", "TraceFlags", "SeverityText", "SeverityNumber", "ServiceName", "Body",
-    "ResourceSchemaUrl", "ResourceAttributes", "ScopeSchemaUrl", "ScopeName", "ScopeVersion", "ScopeAttributes",
-    "LogAttributes",
-)  # fmt: skip
-
-
-def _body(any_value) -> str:
-    """A log record's body as the Collector stores it: a string as it is, anything else as JSON."""
-    value = _value(any_value)
-    if isinstance(value, str):
-        return value
-    return json.dumps(list(value) if isinstance(value, tuple) else value, separators=(",", ":"))
-
-
-def log_rows(request: ExportLogsServiceRequest) -> list[tuple]:
-    """One ``otel_logs`` row per log record, in the Collector's columns (``LOG_COLUMNS``): a record without a time
-    takes the time it was observed; trace and span IDs as hex, empty when the record belongs to no span."""
-    rows = []
-    for resource_logs in request.resource_logs:
-        resource = attribute_map(_attributes(resource_logs.resource.attributes))
-        service = resource.get("service.name", "")
-        for scope_logs in resource_logs.scope_logs:
-            scope = scope_logs.scope
-            scope_head = (scope_logs.schema_url, scope.name, scope.version, attribute_map(_attributes(scope.attributes)))
-            for record in scope_logs.log_records:
-                rows.append((
-                    record.time_unix_nano or record.observed_time_unix_nano, record.trace_id.hex(),
-                    record.span_id.hex(), record.flags & 0xFF, record.severity_text, int(record.severity_number),
-                    service, _body(record.body), resource_logs.schema_url, resource, *scope_head,
-                    attribute_map(_attributes(record.attributes)),
-                ))  # fmt: skip
-    return rows
-
-
-def log_counts(request: ExportLogsServiceRequest) -> int:
-    return sum(len(s.log_records) for r in request.resource_logs for s in r.scope_logs)
 
 
 def log_tables(payload: bytes) -> dict[str, tuple]:

@@ -16,9 +16,6 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 SOURCE = ("src/stagetrace", "collectors", "exporters", "dashboards")
 PAGE = REPOSITORY / "docs" / "configuration.md"
 NAME = re.compile(r"\bSTAGETRACE_[A-Z0-9_]+")
-# Modules that still read a variable through a string of their own (their owners move them to the registry's
-# constants); the names themselves are registered, which the first test checks.
-STRING_READERS = {"src/stagetrace/cli.py", "src/stagetrace/web_config.py", "dashboards/provisioning.py"}
 
 
 def _source_files():
@@ -87,7 +84,7 @@ def test_the_reading_sites_name_variables_through_the_registry_s_constants():
     literal = set()
     for path in _source_files():
         relative = str(path.relative_to(REPOSITORY))
-        if path.suffix != ".py" or relative in STRING_READERS or path.name == "environment_variables.py":
+        if path.suffix != ".py" or path.name == "environment_variables.py":
             continue
         for node in ast.walk(ast.parse(path.read_text(), relative)):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in ev.VARIABLES:

@@ -145,7 +145,7 @@ def test_rows_from_sdk_spans_and_from_plain_readable_spans_agree():
     """The exporter reads the SDK's containers directly when it can; a bare ReadableSpan takes the public path."""
     from opentelemetry.sdk.trace import Event, ReadableSpan
 
-    from stagetrace.exporters.clickhouse import _Resources, span_row
+    from stagetrace.exporters.rows import Resources, span_row
 
     provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
     live = provider.get_tracer("t").start_span("s", attributes={"a": 1, "b": ["x"]})
@@ -156,7 +156,7 @@ def test_rows_from_sdk_spans_and_from_plain_readable_spans_agree():
         events=(Event("ev", {"k": True}, timestamp=5),), start_time=live.start_time, end_time=live.end_time,
         instrumentation_scope=live.instrumentation_scope, kind=live.kind, status=live.status,
     )  # fmt: skip
-    assert span_row(live, _Resources()) == span_row(plain, _Resources())
+    assert span_row(live, Resources()) == span_row(plain, Resources())
 
     class PublicOnly:  # another SDK's span: only ReadableSpan's public properties
         def __init__(self, span):
@@ -167,21 +167,21 @@ def test_rows_from_sdk_spans_and_from_plain_readable_spans_agree():
                 raise AttributeError(name)
             return getattr(self._span, name)
 
-    assert span_row(PublicOnly(live), _Resources()) == span_row(live, _Resources())
+    assert span_row(PublicOnly(live), Resources()) == span_row(live, Resources())
 
 
 def test_rows_keep_links_trace_state_and_parent_on_both_paths():
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import Link, SpanContext, TraceFlags, TraceState
 
-    from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
+    from stagetrace.exporters.rows import COLUMNS, Resources, span_row
 
     state = TraceState([("vendor", "v1")])
     parent = SpanContext(0xAB, 0xCD, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     own = SpanContext(0xAB, 0xEF, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
     span = ReadableSpan("s", context=own, parent=parent, links=(Link(parent, {"why": "retry"}),),
                         start_time=100, end_time=90)  # fmt: skip
-    row = dict(zip(COLUMNS, span_row(span, _Resources())))
+    row = dict(zip(COLUMNS, span_row(span, Resources())))
     assert (row["TraceId"], row["SpanId"], row["ParentSpanId"]) == (f"{0xAB:032x}", f"{0xEF:016x}", f"{0xCD:016x}")
     assert row["TraceState"] == "vendor=v1" and row["Links.TraceState"] == ["vendor=v1"]
     assert row["Links.SpanId"] == [f"{0xCD:016x}"] and row["Links.Attributes"] == [{"why": "retry"}]

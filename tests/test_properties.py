@@ -18,8 +18,8 @@ from prometheus_client import generate_latest
 from stagetrace.collectors import ethtool, mps, rdma
 from stagetrace.collectors.base import Options, Samples
 from stagetrace.exporters import otlp
-from stagetrace.exporters.clickhouse import _Resources, span_row
 from stagetrace.exporters.prometheus import exposition
+from stagetrace.exporters.rows import Resources, span_row
 
 PROPS = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
@@ -186,7 +186,7 @@ def decode_and_read(body: bytes, media: str):
             continue
         if message_class is ExportTraceServiceRequest:
             views, rejected = otlp.span_views(message)
-            resources = _Resources()
+            resources = Resources()
             rows = [span_row(v, resources) for v in views]
             assert len(rows) + rejected == sum(len(s.spans) for r in message.resource_spans for s in r.scope_spans)
             assert otlp.span_counts(message) == (len(rows), rejected)  # what the receiver writes ahead

@@ -168,7 +168,7 @@ def sdk_rows() -> list[tuple]:
     """The rows of a real SDK request: a root span with a request ID and one stage span."""
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-    from stagetrace.exporters.clickhouse import _Resources, span_row
+    from stagetrace.exporters.rows import Resources, span_row
 
     spans = []
     capture = type("Capture", (), {"export": lambda self, batch: spans.extend(batch), "shutdown": lambda self: None})
@@ -178,7 +178,7 @@ def sdk_rows() -> list[tuple]:
     with tracer.start_as_current_span("root", attributes={"stagetrace.request.id": "r1"}):
         with tracer.start_as_current_span("decode", attributes={"stagetrace.stage": "decode"}):
             pass
-    return [span_row(s, _Resources()) for s in spans]
+    return [span_row(s, Resources()) for s in spans]
 
 
 def test_the_same_batch_under_the_same_token_is_stored_once_in_the_table_and_its_views(store):

@@ -18,9 +18,8 @@ from pathlib import Path
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from tests.agents import Agent
 
-from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
 from stagetrace.exporters.durable import DurableWriter
-from stagetrace.exporters.otlp import span_views
+from stagetrace.exporters.rows import COLUMNS, Resources, span_row, span_views
 from stagetrace.store import open_store
 from stagetrace.store_health import BROKEN_PARTS, StoreHealth
 
@@ -185,7 +184,7 @@ def test_a_broken_part_of_a_table_the_views_fill_is_rebuilt_from_the_spans_each_
 def test_a_part_the_engine_detaches_as_broken_while_running_is_found_by_the_next_check_and_named_once(store, caplog):
     writer = DurableWriter(store, "spans", spool_dir=False)
     for n in range(2):
-        rows = [span_row(view, _Resources()) for view in span_views(request(n))[0]]
+        rows = [span_row(view, Resources()) for view in span_views(request(n))[0]]
         assert writer.insert("otel_traces", COLUMNS, rows, f"health-{n}")
     writer.close()
     health = StoreHealth(store)

@@ -11,12 +11,12 @@ from benchmarks import synthetic
 from benchmarks.export import make_spans
 from benchmarks.views import openinference_spans
 from stagetrace import conventions, schema
-from stagetrace.exporters.clickhouse import COLUMNS, _Resources, span_row
+from stagetrace.exporters.rows import COLUMNS, Resources, span_row
 from tests.views_reference import assert_same_rows
 
 
 def _insert(store, spans) -> None:
-    resources = _Resources()
+    resources = Resources()
     store.client.insert("otel_traces", [span_row(s, resources) for s in spans], column_names=COLUMNS,
                         database=store.database)  # fmt: skip
 

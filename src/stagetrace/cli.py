@@ -17,6 +17,21 @@ from pathlib import Path
 # agent load neither the embedded engine nor the OpenTelemetry SDK.
 from stagetrace import __version__, config
 from stagetrace.config import DEFAULT_QUERY_LISTEN
+from stagetrace.environment_variables import (
+    STAGETRACE_AGENT_LOGS,
+    STAGETRACE_AGENT_TOKEN,
+    STAGETRACE_AGENT_TOKEN_FILE,
+    STAGETRACE_ANALYSE_EVERY,
+    STAGETRACE_ANALYSE_LISTEN,
+    STAGETRACE_ANALYSE_LOOKBACK,
+    STAGETRACE_ANALYSE_SETTLE,
+    STAGETRACE_HOST,
+    STAGETRACE_INSERT_EVERY,
+    STAGETRACE_MIN_FREE_SPACE,
+    STAGETRACE_OTLP_LOGS,
+    STAGETRACE_QUERY_TIMEOUT,
+    STAGETRACE_WEB_CONFIG_FILE,
+)
 from stagetrace.errors import SchemaError, StoreError
 
 
@@ -122,9 +137,9 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p = commands.add_parser("agent", parents=[store, collectors], help="serve /metrics, receive OTLP, write to ClickHouse, share an embedded store read-only")
     p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:9464", help="where /metrics is served (default 127.0.0.1:9464)")
     p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are taken, e.g. 500ms, 5s, 1m (default 5s)")
-    p.add_argument("--insert-every", metavar="DURATION", default=os.environ.get("STAGETRACE_INSERT_EVERY", "10s"),
+    p.add_argument("--insert-every", metavar="DURATION", default=os.environ.get(STAGETRACE_INSERT_EVERY, "10s"),
                    help="how often samples are inserted into the store, at least every interval "
-                        "(default 10s, env STAGETRACE_INSERT_EVERY)")
+                        f"(default 10s, env {STAGETRACE_INSERT_EVERY})")
     p.add_argument("--otlp", metavar="HOST:PORT", default="127.0.0.1:4318",
                    help="OTLP/HTTP receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4318)")
     p.add_argument("--otlp-grpc", metavar="HOST:PORT", default="127.0.0.1:4317",
@@ -134,7 +149,7 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
                         f"Grafana, or 'none' (default {DEFAULT_QUERY_LISTEN})")
     limits = p.add_argument_group(
         "query endpoint limits", "Applied to every query; no client can raise them. Each has an environment variable: "
-        "STAGETRACE_QUERY_TIMEOUT, _MAX_MEMORY, _MAX_THREADS, _MAX_RESULT_ROWS, _MAX_RESULT_BYTES, _MAX_CONCURRENT.")  # fmt: skip
+        f"{STAGETRACE_QUERY_TIMEOUT}, _MAX_MEMORY, _MAX_THREADS, _MAX_RESULT_ROWS, _MAX_RESULT_BYTES, _MAX_CONCURRENT.")  # fmt: skip
     limits.add_argument("--query-timeout", metavar="DURATION", help="per query (default 30s)")
     limits.add_argument("--query-max-memory", metavar="SIZE", help="per query, e.g. 512MiB (default 1GiB)")
     limits.add_argument("--query-max-threads", metavar="N", help="engine threads per query (default 2)")
@@ -147,37 +162,37 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
                         "embedded store)")
     p.add_argument("--token-file", metavar="FILE",
                    help="bearer token required by the OTLP receiver and the query endpoint "
-                        "(default: $STAGETRACE_AGENT_TOKEN_FILE, else $STAGETRACE_AGENT_TOKEN; neither: no token required)")
+                        f"(default: ${STAGETRACE_AGENT_TOKEN_FILE}, else ${STAGETRACE_AGENT_TOKEN}; neither: no token required)")
     p.add_argument("--query-open", action="store_true",
                    help="let the query endpoint listen off loopback without a token or client certificates (it "
                         "refuses to otherwise)")
     p.add_argument("--web-config-file", metavar="FILE",
                    help="TLS and basic auth for every listener, in Prometheus' web configuration format "
-                        "(tls_server_config, basic_auth_users; env STAGETRACE_WEB_CONFIG_FILE)")
-    p.add_argument("--otlp-logs", choices=("store", "none"), default=os.environ.get("STAGETRACE_OTLP_LOGS", "store"),
+                        f"(tls_server_config, basic_auth_users; env {STAGETRACE_WEB_CONFIG_FILE})")
+    p.add_argument("--otlp-logs", choices=("store", "none"), default=os.environ.get(STAGETRACE_OTLP_LOGS, "store"),
                    help="OTLP log records (/v1/logs, LogsService) into otel_logs, bodies as sent, or none: refused "
-                        "(default store; env STAGETRACE_OTLP_LOGS)")
-    p.add_argument("--agent-logs", choices=("store", "none"), default=os.environ.get("STAGETRACE_AGENT_LOGS", "none"),
+                        f"(default store; env {STAGETRACE_OTLP_LOGS})")
+    p.add_argument("--agent-logs", choices=("store", "none"), default=os.environ.get(STAGETRACE_AGENT_LOGS, "none"),
                    help="the agent's own log lines (INFO and above) into otel_logs too, service stagetrace-agent "
-                        "(default none; env STAGETRACE_AGENT_LOGS)")
+                        f"(default none; env {STAGETRACE_AGENT_LOGS})")
     p.add_argument("--min-free-space", metavar="SIZE|PCT",
                    help="refuse new writes (503 / UNAVAILABLE, the senders retry) while free space on the store's or "
                         "the spool's filesystem is below this, e.g. 2GiB or 5%%, 0 for never (default 1GiB, at most 5%% "
-                        "of the filesystem; env STAGETRACE_MIN_FREE_SPACE)")
-    p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY"),
+                        f"of the filesystem; env {STAGETRACE_MIN_FREE_SPACE})")
+    p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get(STAGETRACE_ANALYSE_EVERY),
                    help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
-                        "0 with a server store, where `stagetrace analyse` runs it; env STAGETRACE_ANALYSE_EVERY)")
+                        f"0 with a server store, where `stagetrace analyse` runs it; env {STAGETRACE_ANALYSE_EVERY})")
     p.set_defaults(run=_agent)
 
     p = commands.add_parser("analyse", parents=[store], help="the live divergence analysis as a loop, one per store")
-    p.add_argument("--every", metavar="DURATION", default=os.environ.get("STAGETRACE_ANALYSE_EVERY", "1m"),
-                   help="how often a pass runs (default 1m, env STAGETRACE_ANALYSE_EVERY)")
+    p.add_argument("--every", metavar="DURATION", default=os.environ.get(STAGETRACE_ANALYSE_EVERY, "1m"),
+                   help=f"how often a pass runs (default 1m, env {STAGETRACE_ANALYSE_EVERY})")
     p.add_argument("--settle", metavar="DURATION",
                    help="leave out requests this recent, whose spans may still arrive (default 10s, env "
-                        "STAGETRACE_ANALYSE_SETTLE; the agent's analyser reads the same variables)")
+                        f"{STAGETRACE_ANALYSE_SETTLE}; the agent's analyser reads the same variables)")
     p.add_argument("--lookback", metavar="DURATION",
-                   help="same-input peers: requests this long before (default 1h, env STAGETRACE_ANALYSE_LOOKBACK)")
-    p.add_argument("--listen", metavar="HOST:PORT", default=os.environ.get("STAGETRACE_ANALYSE_LISTEN", "127.0.0.1:9465"),
+                   help=f"same-input peers: requests this long before (default 1h, env {STAGETRACE_ANALYSE_LOOKBACK})")
+    p.add_argument("--listen", metavar="HOST:PORT", default=os.environ.get(STAGETRACE_ANALYSE_LISTEN, "127.0.0.1:9465"),
                    help="where the analyser's /metrics is served, or 'none' (default 127.0.0.1:9465)")
     p.add_argument("--once", action="store_true", help="one pass, then exit (if this process gets the lease)")
     p.set_defaults(run=_analyse)
@@ -483,7 +498,7 @@ def _analyse(args) -> int:
 
             class Metrics:
                 def collect(self):
-                    return analyser.stats.families(os.environ.get("STAGETRACE_HOST") or socket.gethostname())
+                    return analyser.stats.families(os.environ.get(STAGETRACE_HOST) or socket.gethostname())
 
             try:
                 server = serve(Metrics(), listen)

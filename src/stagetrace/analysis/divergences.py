@@ -10,11 +10,13 @@ deviating. Requests that sample without a seed are not compared at all, only cou
 written to ``stagetrace_divergences`` (one row per deviating request; re-runs replace earlier rows)
 for the dashboards and alert rules. The GPU inventory (``analysis.inventory``) is read once per run and filled into
 every trace read, as ``explain`` fills it, and the contrasts count spans with it too.
+
+``compute`` finds them as data (``analysis.results``: a ``DivergenceReport``), ``record`` stores its rows, and ``find``
+does both and returns the report's JSON, what ``stagetrace divergences --json`` prints.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 
@@ -26,17 +28,14 @@ from stagetrace.analysis.explain import (REFERENCES, Baseline, Divergence, ambig
                                          contrast_window, diagnose, first_divergence, ranks_of, setting_keys,
                                          stage_differences, summary, unknown_seed)
 from stagetrace.analysis.hardware import Samples, devices
+# COLUMNS, KEPT_CAUSES and began_columns are read from here too, where they were first
+from stagetrace.analysis.results import (COLUMNS, KEPT_CAUSES, DeviatingRequest, DivergenceReport, InputGroup,
+                                         began_columns)
 from stagetrace.analysis.tenants import Tenancy, gpus_of
 from stagetrace.store import Store
 
 MARGIN_NS = 60 * 1_000_000_000
 
-COLUMNS = (
-    "DetectedAt", "RequestId", "TraceId", "RequestStart", "ServiceName", "HostName", "InputDigest",
-    "BaselineRequestId", "BaselineHow", "FirstDivergentStage", "TopCauseKind", "TopCauseName", "TopCauseValue",
-    "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary", "Devices", "BeganRank", "BeganGpu", "BeganHost",
-)  # fmt: skip
-KEPT_CAUSES = 5
 SAMPLED = 100  # deviations across the window whose differing settings are checked for rollouts
 # The tally of every deviating request reads each one's stages and its baseline's: 5.3 s against 2.3 s without it
 # for 100,000 requests (5,000 deviating), several times the analysis at a million. Beyond this many deviating
@@ -111,6 +110,24 @@ def _located(deviations: list[population.Deviation], where: dict[str, Divergence
 
 def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
          analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0, tally_all: bool | None = None) -> dict:
+    """:func:`compute` (the same arguments), its rows stored (:func:`record`), as JSON: what ``stagetrace
+    divergences --json`` prints."""
+    report = compute(store, since_ns, until_ns, limit, analyse_from_ns, analyse, inputs_from_ns, tally_all)
+    record(store, report)
+    return report.to_json()
+
+
+def record(store: Store, report: DivergenceReport) -> None:
+    """Store one ``stagetrace_divergences`` row per analysed request (re-runs replace earlier rows); through a running
+    agent's read-only endpoint, nothing (the report stands without being persisted)."""
+    rows = report.rows()
+    if rows and not store.read_only:
+        store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
+
+
+def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
+            analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0,
+            tally_all: bool | None = None) -> DivergenceReport:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
     started at ``analyse_from_ns`` or later and, when ``analyse`` is given, for which ``analyse(deviation)`` is
     true: the live analyser's new ones), grouped by input; with ``inputs_from_ns``, only the groups of the inputs
@@ -196,8 +213,8 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
     tenancy = Tenancy(store, gpus_of(s for t in read for s in t.spans), min((t.start_ns for t in read), default=t0),
                       max((t.start_ns + t.duration_ns for t in read), default=t0))  # fmt: skip
 
-    groups: dict[str, dict] = {}
-    rows = []
+    groups: dict[str, InputGroup] = {}
+    items: list[DeviatingRequest] = []
     expected: dict[int, int] = {}  # rollout index → requests its wave explains
     explained_ids: set[str] = set()
     detected = time.time_ns() // 1_000_000
@@ -228,64 +245,37 @@ def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | 
             continue
         if d.trace_id not in latest:
             continue
-        group = groups.setdefault(d.input_digest, {"input_digest": d.input_digest, "requests": d.group_size,
-                                                   "majority_output": d.majority_output, "support": d.support,
-                                                   "deviating": []})  # fmt: skip
+        group = groups.setdefault(d.input_digest,
+                                  InputGroup(d.input_digest, d.group_size, d.majority_output, d.support))
         origin = where[d.trace_id].origin
-        line = summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks, origin)
-        service = d.service
-        device = ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks))
-        began_rank, began_gpu, began_host = began_columns(origin)
-        group["deviating"].append({
-            "request_id": d.request_id, "trace_id": d.trace_id, "service": service,
-            "baseline_request_id": baseline.request_id, "start": lookup.iso_ns(d.start_ns), "host": d.host,
-            "device": device, "began": origin.places if origin else [],
-            "began_rank": began_rank, "began_gpu": began_gpu, "began_host": began_host,
-            "first_divergent_stage": stage, "top_cause": top.to_json() if top else None, "summary": line,
-            "seed_unknown": unknown_seed(traces.get(d.trace_id)) or None,
-        })  # fmt: skip
-        rows.append((
-            detected, d.request_id, d.trace_id, d.start_ns, service, d.host, d.input_digest, baseline.request_id,
-            baseline.how, stage or "", top.kind if top else "", top.name if top else "", top.value if top else "",
-            top.baseline_value if top else "", top.score if top else 0.0,
-            json.dumps([c.to_json() for c in found[:KEPT_CAUSES]]), line, device, began_rank, began_gpu, began_host,
-        ))  # fmt: skip
-    if rows and not store.read_only:  # through a running agent's read-only endpoint, report without persisting
-        store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
+        item = DeviatingRequest(
+            d.request_id, d.trace_id, d.service, d.host, d.start_ns, d.input_digest, baseline, stage, origin, found,
+            summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks, origin),
+            ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks)),
+            unknown_seed(traces.get(d.trace_id)),
+        )
+        group.deviating.append(item)
+        items.append(item)
     explained = sum(expected.values())
-    tops = {item["trace_id"]: (item["top_cause"] or {}).get("name", "") for g in groups.values() for item in g["deviating"]}
+    tops = {item.trace_id: item.top.name if item.top else "" for g in groups.values() for item in g.deviating}
     if tally_all:
         remaining = [d for d in deviations if d.trace_id not in explained_ids]
         by_request = _tally_causes(store, remaining, differences, tops, t0, until_ns, found_rollouts, gpus)
     else:  # the analysed requests' own
         remaining = [d for d in deviations if d.trace_id in tops]
         by_request = {d.trace_id: (where[d.trace_id].stage or "", tops[d.trace_id]) for d in remaining}
-    unseeded = population.nondeterministic_by_service(store, t0, until_ns)
-    return {
-        "since_ns": since_ns,
-        "deviating": len(deviations) - explained,
-        "analysed": len(rows),
-        # of the latest analysed in full, those a rollout's wave explains: expected, so not among the deviating
-        "analysed_expected": len(latest & explained_ids),
-        "nondeterministic": sum(unseeded.values()),
-        "nondeterministic_by_service": unseeded,
-        # deviating requests that sample with a seed their engine does not record: compared, and said
-        "seed_unknown": sum(1 for g in groups.values() for item in g["deviating"] if item["seed_unknown"]),
-        "rollouts": [{**r.to_json(), "requests": expected.get(i, 0)} for i, r in enumerate(found_rollouts)],
-        "tally": tally(remaining, by_request, set(tops), _began_on(remaining, where, differences)),
-        "tally_covers": "all" if tally_all else "analysed",
-        "groups": list(groups.values()),
-    }
-
-
-def began_columns(origin: ranks.Origin | None) -> tuple[str, str, str]:
-    """``BeganRank``, ``BeganGpu`` and ``BeganHost`` of a stored divergence: the TP ranks that began it by their
-    contribution or inside the stage, with each one's GPU and host, comma-separated in the same order (so that the
-    dashboards pair them); empty where no rank began it (a stage without ranks, or a difference from upstream). The
-    request's own host stays in ``HostName``."""
-    if origin is None or origin.how == ranks.UPSTREAM or not origin.places:
-        return "", "", ""
-    return tuple(",".join(place[key] for place in origin.places) for key in ("rank", "gpu", "host"))
+    return DivergenceReport(
+        since_ns=since_ns,
+        deviating=len(deviations) - explained,
+        analysed_expected=len(latest & explained_ids),
+        nondeterministic_by_service=population.nondeterministic_by_service(store, t0, until_ns),
+        rollouts=[(r, expected.get(i, 0)) for i, r in enumerate(found_rollouts)],
+        tally=tally(remaining, by_request, set(tops), _began_on(remaining, where, differences)),
+        tally_covers="all" if tally_all else "analysed",
+        groups=list(groups.values()),
+        requests=items,
+        detected_ms=detected,
+    )
 
 
 def stage_devices(trace: lookup.Trace | None, stage: str | None, began) -> list[str]:

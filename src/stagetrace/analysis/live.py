@@ -1,13 +1,14 @@
 """The live analyser: divergence analysis as a loop, so the first divergent stage and the cause reach Grafana,
 ``/metrics`` and the pager without anyone running a command.
 
-Each pass analyses the requests that started since the last pass ended, up to ``settle`` before now (late spans
-of a request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.find``). Only the
-groups of the inputs that arrived since the last pass are formed, each from the ``lookback`` window before it, in
-ClickHouse: a pass groups what the new traffic's inputs were asked in that window, not the whole window, whatever
-the store's history. Requests of the last ``recheck`` (two periods) are looked at again each pass, and one whose
-group's majority changed as more peers arrived (its input arrived again) is analysed again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by request ID): analysed twice, it
-is one row.
+Each pass analyses the requests that started since the last pass ended, up to ``settle`` before now (late spans of a
+request arrive within it), with the same code as ``stagetrace divergences`` (``divergences.compute``, whose report
+it reads by field, and ``divergences.record``). Only the groups of the inputs that arrived since the last pass are
+formed, each from the ``lookback`` window before it, in ClickHouse: a pass groups what the new traffic's inputs were
+asked in that window, not the whole window, whatever the store's history. Requests of the last ``recheck`` (two
+periods) are looked at again each pass, and one whose group's majority changed as more peers arrived (its input
+arrived again) is analysed again. ``stagetrace_divergences`` keeps one row per request (ReplacingMergeTree by
+request ID): analysed twice, it is one row.
 
 One analyser per store: a lease in ``stagetrace_analyser``, renewed every period by a heartbeat, held for two. A second
 analyser waits; it takes over within two periods after the first stops renewing, from where the first's last pass
@@ -211,25 +212,24 @@ class Analyser:
         def changed(d) -> bool:  # a request analysed before is analysed again only if its group's majority changed
             return self._groups.get(d.request_id) != d.majority_output
 
-        found = divergences.find(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
-                                 limit=None, analyse_from_ns=analyse_from, analyse=changed,
-                                 inputs_from_ns=start_ns, tally_all=False)  # fmt: skip
+        report = divergences.compute(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
+                                     limit=None, analyse_from_ns=analyse_from, analyse=changed,
+                                     inputs_from_ns=start_ns, tally_all=False)  # fmt: skip
+        divergences.record(self.store, report)
         new: dict[tuple[str, str, str], int] = {}
         began: dict[tuple[str, str, str, str, str], int] = {}
         analysed = 0
-        for group in found["groups"]:
-            for item in group["deviating"]:
+        for group in report.groups:
+            for item in group.deviating:
                 analysed += 1
-                self._groups[item["request_id"]] = group["majority_output"]
-                if item["request_id"] in self._counted:
+                self._groups[item.request_id] = group.majority_output
+                if item.request_id in self._counted:
                     continue
-                self._counted[item["request_id"]] = until_ns
-                key = (item.get("service", ""), item["first_divergent_stage"] or "",
-                       (item["top_cause"] or {}).get("name", ""))  # fmt: skip
+                self._counted[item.request_id] = until_ns
+                key = (item.service, item.stage or "", item.top.name if item.top else "")
                 new[key] = new.get(key, 0) + 1
-                if item.get("began_rank"):  # as stored: one entry per beginning rank, in the same order
-                    for place in zip(*(item[k].split(",") for k in ("began_rank", "began_gpu", "began_host"))):
-                        began[key[:2] + place] = began.get(key[:2] + place, 0) + 1
+                for place in item.began():  # as stored: one entry per beginning rank
+                    began[key[:2] + place] = began.get(key[:2] + place, 0) + 1
         horizon = analyse_from - int(schedule.recheck_s * S)  # forget what can no longer be re-checked
         self._counted = {k: v for k, v in self._counted.items() if v >= horizon}
         self._groups = {k: v for k, v in self._groups.items() if k in self._counted}

@@ -33,8 +33,8 @@ import numpy as np
 from stagetrace.demo import fabric, faults, world
 from stagetrace.demo.pipeline import SERVICE_NAME, STEP_NS, RequestSpec, Result, node_main
 from stagetrace.digest import digest
-from stagetrace.exporters.clickhouse import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
 from stagetrace.exporters.inserts import insert_rows
+from stagetrace.exporters.rows import COLUMNS, METRIC_COLUMNS, SUM_COLUMNS, SUM_TABLE
 from stagetrace.store import Store
 
 TRUTH_TABLE = "stagetrace_demo_truth"

@@ -41,7 +41,7 @@ from stagetrace.collectors import build_node
 from stagetrace.collectors.base import Options
 from stagetrace.demo.hardware import port_files
 from stagetrace.digest import digest
-from stagetrace.exporters.clickhouse import _Resources, metric_rows, span_row
+from stagetrace.exporters.rows import Resources, node_metric_rows, span_row
 
 TRUTH_TABLE = "stagetrace_demo_fabric"
 DURATION_S = 1800
@@ -126,7 +126,7 @@ class Host:
 
     def sample(self, at_ns: int, start_ns: int) -> dict[str, list[tuple]]:
         self._write()
-        return metric_rows(self._node.collect(), self.name, at_ns, start_ns=start_ns)
+        return node_metric_rows(self._node.collect(), self.name, at_ns, start_ns=start_ns)
 
     def _write(self) -> None:
         """The files whose text changed since the last scrape (a write costs more than the collector's read)."""
@@ -155,7 +155,7 @@ class Host:
 class _Rows(SpanExporter):
     def __init__(self):
         self.rows: list[tuple] = []
-        self._resources = _Resources()
+        self._resources = Resources()
 
     def export(self, spans) -> SpanExportResult:
         self.rows.extend(span_row(s, self._resources) for s in spans)

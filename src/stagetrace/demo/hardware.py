@@ -30,7 +30,7 @@ from stagetrace.nvml import H200_MEMORY_BYTES, gpu_snapshot, process_info, write
 from stagetrace.collectors.podresources import RecordedKubelet, write_answers
 from stagetrace.demo.faults import OTHER_GPU_MODEL, REFERENCE_GPU_MODEL
 from stagetrace.digest import digest
-from stagetrace.exporters.clickhouse import metric_rows
+from stagetrace.exporters.rows import node_metric_rows
 
 GPUS = 4
 MTU = 4096
@@ -148,7 +148,7 @@ class NodeHardware:
     def sample_rows(self, at_ns: int, nic_only: bool = False) -> dict[str, list[tuple]]:
         """One scrape (``scrape``) as metric rows at ``at_ns`` (the node's simulated clock, as its spans)."""
         families = self.scrape(nic_only)
-        return metric_rows(families, self.host, at_ns, start_ns=self._started_ns)
+        return node_metric_rows(families, self.host, at_ns, start_ns=self._started_ns)
 
     def close(self) -> None:
         self._collectors.close()

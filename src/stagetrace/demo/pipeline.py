@@ -39,7 +39,7 @@ from stagetrace.demo.hardware import NodeHardware
 from stagetrace.demo.tp import TPGroup
 from stagetrace.digest import digest
 from stagetrace.environment_variables import STAGETRACE_NVML_FIXTURE
-from stagetrace.exporters.clickhouse import _Resources, span_row
+from stagetrace.exporters.rows import Resources, span_row
 
 SIM_SECONDS_PER_REQUEST = 0.25  # the simulated clock: requests arrive this far apart (cache ages, TTLs, timestamps)
 STEP_NS = int(SIM_SECONDS_PER_REQUEST * 1e9)
@@ -186,7 +186,7 @@ class _QueueSpanExporter(SpanExporter):
 
     def __init__(self, queue):
         self._queue = queue
-        self._resources = _Resources()
+        self._resources = Resources()
 
     def export(self, spans) -> SpanExportResult:
         self._queue.put(("spans", [span_row(s, self._resources) for s in spans]))
