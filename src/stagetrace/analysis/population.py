@@ -535,3 +535,75 @@ def majority_members(store: Store, keys, t0_ns: int, t1_ns: int, n: int) -> dict
         "db": store.database, "t0": t0_ns, "t1": t1_ns, "n": n, "inputs": sorted({i for _, i, _ in keys}),
         "outputs": sorted({o for _, _, o in keys})}).result_rows  # fmt: skip
     return {(s, i, o): list(tids) for s, i, o, tids in rows if (s, i, o) in keys}
+
+
+# The rank that began a TP difference has an input of its own (its partial product differs), so the stage contrast,
+# which judges a span among spans with the same stage input, never counts its settings as diverged. Per (stage, rank,
+# service): each request's first pass of that rank, judged among the requests with the same request input: it began a
+# difference when its first contribution (its first step's input where it records its steps, else its stage input)
+# differs from the majority's of the same rank there. The first step, because later steps take in the sums of every
+# rank: another rank's fault reaches them too (a setting that changes numerics changes the first one already).
+# Counted per (key, value) of the weighed settings (``rank_contrasts``). Nondeterministic spans are no evidence.
+RANK_CONTRAST_SQL = f"""
+WITH spans AS (
+    SELECT Stage, Rank, ServiceName, TraceId,
+           argMin(if(Attributes['{conventions.STAGE_STEP_INPUT_DIGESTS}'] != '',
+                     splitByChar(',', Attributes['{conventions.STAGE_STEP_INPUT_DIGESTS}'])[1], InputDigest),
+                  Start) AS Input,
+           argMin(Attributes, Start) AS Attrs, argMin(ResourceAttributes, Start) AS Resource
+    FROM {{db:Identifier}}.stagetrace_stages
+    WHERE Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
+      AND (Stage, Rank, ServiceName) IN {{wanted:Array(Tuple(String, String, String))}}
+      AND InputDigest != '' AND Nondeterministic = ''
+    GROUP BY Stage, Rank, ServiceName, TraceId),
+requests AS (
+    SELECT TraceId, any(InputDigest) AS RequestInput FROM {{db:Identifier}}.stagetrace_requests
+    WHERE Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
+      AND InputDigest != '' AND TraceId IN (SELECT TraceId FROM spans)
+    GROUP BY TraceId),
+judged AS (
+    SELECT s.Stage AS Stage, s.Rank AS Rank, s.ServiceName AS ServiceName, s.Input AS Input,
+           r.RequestInput AS RequestInput, s.Attrs AS Attrs, s.Resource AS Resource
+    FROM spans AS s INNER JOIN requests AS r ON s.TraceId = r.TraceId),
+majority AS (
+    SELECT Stage, Rank, ServiceName, RequestInput, inputs[indexOf(counts, top)] AS Majority
+    FROM (SELECT Stage, Rank, ServiceName, RequestInput, groupArray(Input) AS ins, arrayDistinct(ins) AS inputs,
+                 arrayMap(i -> countEqual(ins, i), inputs) AS counts, arrayMax(counts) AS top
+          FROM judged GROUP BY Stage, Rank, ServiceName, RequestInput)
+    WHERE top >= 2 AND countEqual(counts, top) = 1)
+SELECT j.Stage, j.Rank, j.ServiceName, k,
+       if(startsWith(k, {{resource:String}}), j.Resource[substring(k, length({{resource:String}}) + 1)],
+          j.Attrs[k]) AS Value, count(), countIf(j.Input != m.Majority)
+FROM judged AS j
+INNER JOIN majority AS m ON j.Stage = m.Stage AND j.Rank = m.Rank AND j.ServiceName = m.ServiceName
+                            AND j.RequestInput = m.RequestInput
+ARRAY JOIN {{keys:Array(String)}} AS k
+GROUP BY j.Stage, j.Rank, j.ServiceName, k, Value"""
+
+
+def rank_contrasts(store: Store, wanted: dict[tuple[str, str, str], list[str]], t0_ns: int, t1_ns: int) -> dict:
+    """(stage, rank, service) → a :class:`~stagetrace.analysis.causes.Contrast` of that rank's settings (``wanted``:
+    their contrast keys) over its spans in [t0, t1]: a span counts as diverged when its rank began a difference
+    (``RANK_CONTRAST_SQL``). One query for all of them."""
+    from stagetrace.analysis.causes import RESOURCE, Contrast
+
+    wanted = {at: sorted(set(keys)) for at, keys in wanted.items() if keys}
+    if not wanted:
+        return {}
+    rows = store.client.query(RANK_CONTRAST_SQL, parameters={
+        "db": store.database, "t0": t0_ns, "t1": t1_ns, "wanted": sorted(wanted), "resource": RESOURCE,
+        "keys": sorted({k for keys in wanted.values() for k in keys})}).result_rows  # fmt: skip
+    counts: dict[tuple, dict[tuple[str, str], tuple[int, int]]] = {}
+    for stage, rank, service, key, value, n, d in rows:
+        if key in wanted.get((stage, rank, service), ()):
+            counts.setdefault((stage, rank, service), {})[(key, value)] = (int(n), int(d))
+    out = {}
+    for at, found in counts.items():
+        # every span counts once for each key: the rank's spans and those that began a difference, from any key
+        per_key: dict[str, tuple[int, int]] = {}
+        for (key, _), (n, d) in found.items():
+            s = per_key.get(key, (0, 0))
+            per_key[key] = (s[0] + n, s[1] + d)
+        spans, diverged = next(iter(per_key.values()))
+        out[at] = Contrast(found, spans, diverged)
+    return out
