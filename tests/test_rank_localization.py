@@ -9,7 +9,8 @@ stagetrace's PyTorch integration, send their spans with the official OTLP export
 
 - ``lm-tp2``: TP = 2; rank 1 corrupts some requests (always the same weight: a faulty GPU).
 - ``lm-tp4``: TP = 4, the other's neighbour in the store; rank 2 corrupts some requests and, at the same time,
-  rank 0 (the rank that carries the request) others.
+  rank 0 (the rank that carries the request) others; a masked corruption on rank 1 just before one of rank 2's
+  makes that request's baseline carry a difference of its own (against it alone, ranks 1 and 2 began it).
 
 - ``lm-prec``: TP = 2 on two groups of hosts, outputs with their logprobs; rank 1 of group b runs with float32
   matmuls at "medium" precision (bfloat16 inside, done by hand: on a CPU the setting does not change the kernels),
@@ -40,7 +41,8 @@ from pathlib import Path
 import pytest
 
 from stagetrace.analysis import divergences, live, population
-from stagetrace.analysis.explain import Explainer
+from stagetrace import lookup
+from stagetrace.analysis.explain import Explainer, compare_stages, first_divergence
 from stagetrace.dashboards import divergences as explorer
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.store import open_store
@@ -73,7 +75,9 @@ def _plan(service: str, faults: dict[str, tuple[int, float]]) -> dict:
 
 JOBS = {
     "lm-tp2": (2, _plan("lm-tp2", {"r1": (1, FLIP), "r1again": (1, FLIP), "masked": (1, ULP)})),
-    "lm-tp4": (4, _plan("lm-tp4", {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (3, ULP)})),
+    # the masked corruption (rank 1) just before r2late: that request's nearest agreeing baseline carries it
+    "lm-tp4": (4, _plan("lm-tp4", {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (1, ULP),
+                                   "r2late": (2, FLIP)})),  # fmt: skip
 }
 
 # ``lm-prec``: TP = 2 on two groups of hosts, every request with its logprobs (so that any difference in the last bit
@@ -206,7 +210,7 @@ def _ids(service: str, kind: str) -> list[str]:
 def test_the_premise_comes_from_the_models_own_outputs(recorded):
     """Not an analysis test: the corruptions changed the generated tokens, the masked ones and controls did not."""
     _, outputs = recorded
-    for service, kinds in (("lm-tp2", ("r1", "r1again")), ("lm-tp4", ("r2", "r2again", "r0"))):
+    for service, kinds in (("lm-tp2", ("r1", "r1again")), ("lm-tp4", ("r2", "r2again", "r0", "r2late"))):
         for p in PROMPTS:
             control = outputs[f"{service}-{p}-ok0"]
             assert outputs[f"{service}-{p}-ok1"] == outputs[f"{service}-{p}-ok2"] == control
@@ -217,7 +221,7 @@ def test_the_premise_comes_from_the_models_own_outputs(recorded):
 
 @pytest.mark.parametrize("service, kinds, rank", [
     ("lm-tp2", ("r1", "r1again"), "1"),
-    ("lm-tp4", ("r2", "r2again"), "2"),
+    ("lm-tp4", ("r2", "r2again", "r2late"), "2"),
     ("lm-tp4", ("r0",), "0"),  # the rank that carries the request, named only when it is the one that began it
 ])  # fmt: skip
 def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorded, service, kinds, rank):
@@ -337,7 +341,8 @@ def test_a_rank_launched_with_another_numerics_setting_is_named_with_that_settin
 def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recorded):
     store, outputs = recorded
     expected = {}
-    for service, kinds, rank in (("lm-tp2", ("r1", "r1again"), "1"), ("lm-tp4", ("r2", "r2again", "r0"), None)):
+    for service, kinds, rank in (("lm-tp2", ("r1", "r1again"), "1"),
+                                 ("lm-tp4", ("r2", "r2again", "r0", "r2late"), None)):  # fmt: skip
         for kind in kinds:
             r = rank or kind[1]
             for rid in _ids(service, kind):
@@ -407,24 +412,27 @@ def _the_dashboard_shows_each_gpu_that_began_differences(store, expected: dict) 
 
 def test_the_tallys_sql_finds_the_same_rank_gpu_and_host(recorded):
     """``population.first_differences`` (what the tally reads for requests not analysed in full) applies the same
-    rule in SQL, without the confirmation against other majority requests: the requests whose baseline carries no
-    masked difference of its own get the same rank, GPU and host as ``explain``."""
+    rule in SQL, with the confirmation against other majority requests: every deviation gets the rank, GPU and host
+    ``explain`` names, those whose baseline carries a masked difference of its own on another rank (several ranks
+    began it against the baseline alone) too."""
     store, _ = recorded
     until = time.time_ns() + 10**9
     t0 = until - 3600 * 10**9
     found = population.first_differences(store, t0, until, (t0 - 60 * 10**9, until + 60 * 10**9))
     deviations = {d.request_id: d for d in population.deviations(store, t0, until)}
-    checked = 0
+    checked = confirmed = 0
     for rid, d in deviations.items():
         report = Explainer(store).explain(rid)
-        if report["divergent_ranks"] != report["origin"]["ranks"] or len(report["origin"]["ranks"]) != 1:
+        if len(report["origin"]["ranks"]) != 1:
             continue
-        against = Explainer(store).explain(rid, against=d.baseline_request_id)
-        if against["divergent_ranks"] != report["divergent_ranks"]:
-            continue  # its baseline carries a masked difference: only the confirmed analysis tells them apart
         place = report["origin"]["places"][0]
+        # against its baseline alone (before the confirmation), several ranks began it, the lowest not the one
+        # explain names: a masked difference on a lower rank of the baseline
+        alone = first_divergence(compare_stages(lookup.by_request_id(store, rid),
+                                                lookup.by_request_id(store, d.baseline_request_id)))  # fmt: skip
+        confirmed += len(alone.ranks) > 1 and min(alone.ranks, key=int) != place["rank"]
         difference = found[d.trace_id]
         assert (difference.stage, difference.rank, difference.gpu, difference.host) == (
-            "allreduce", place["rank"], place["gpu"], place["host"]), rid
+            "allreduce", place["rank"], place["gpu"], place["host"]), (rid, alone.ranks)
         checked += 1
-    assert checked >= len(deviations) // 2, (checked, len(deviations))
+    assert checked == len(deviations) and confirmed >= 1, (checked, confirmed, len(deviations))

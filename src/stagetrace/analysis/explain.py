@@ -36,7 +36,7 @@ CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute d
 CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
 WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
 SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout
-REFERENCES = 2  # other requests with the majority output that TP ranks are checked against (``confirmed``)
+REFERENCES = population.REFERENCES  # other requests with the majority output TP ranks are checked against
 
 
 @dataclass
