@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "startup", "footprint",
            "storage", "soak", "durability", "live", "tensors", "generations", "views", "replay", "ingest",
-           "neighbours", "contrast_cost")
+           "neighbours", "contrast_cost", "tally_cost")
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,8 @@ def test_every_rule_has_a_firing_and_a_non_firing_case():
              "StagetraceCollectorFailing", "StagetraceRdmaRailsUnbalanced", "StagetraceRdmaLinkBelowPeers",
              "StagetraceRdmaLinkRenegotiatedDown", "StagetraceNodeDown", "StagetraceGpuAllocatedBeyondSharing",
              "StagetraceGpuDevicesDoubleCounted", "StagetraceDeviatingOutputs", "StagetraceAnalysisLagging",
-             "StagetraceStoreBrokenParts", "StagetraceStoreRowsLost", "StagetraceGpuHung"}  # fmt: skip
+             "StagetraceStoreBrokenParts", "StagetraceStoreRowsLost", "StagetraceGpuHung",
+             "StagetraceGpuBeganDifferences"}  # fmt: skip
     assert set(_alerts()) == asked
     cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
     for alert in asked:
@@ -93,6 +94,23 @@ def test_the_xid_case_fails_with_a_rule_that_only_uses_increase(component, tmp_p
                           timeout=120)  # fmt: skip
     assert done.returncode != 0
     assert "alertname: StagetraceGpuXidError, time: 20m" in done.stdout + done.stderr
+
+
+def test_the_began_differences_case_fails_with_a_rule_that_only_uses_increase(component, tmp_path):
+    """A GPU's stagetrace_deviations_began_total series appears with its first requests already counted: increase()
+    alone undercounts the hour that begins with it (GPU-b1's 4 requests read as 2)."""
+    promtool = component("promtool", package="prometheus")
+    shutil.copy(RULE_TESTS, tmp_path)
+    rules = yaml.safe_load(RULES.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "StagetraceGpuBeganDifferences":
+                rule["expr"] = "sum by (gpu, gpu_host) (increase(stagetrace_deviations_began_total[1h])) >= 3"
+    (tmp_path / RULES.name).write_text(yaml.safe_dump(rules))
+    done = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode != 0
+    assert "alertname: StagetraceGpuBeganDifferences, time: 21m" in done.stdout + done.stderr
 
 
 # ---------------------------------------------------------------------------------------------

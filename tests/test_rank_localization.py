@@ -9,7 +9,12 @@ stagetrace's PyTorch integration, send their spans with the official OTLP export
 
 - ``lm-tp2``: TP = 2; rank 1 corrupts some requests (always the same weight: a faulty GPU).
 - ``lm-tp4``: TP = 4, the other's neighbour in the store; rank 2 corrupts some requests and, at the same time,
-  rank 0 (the rank that carries the request) others.
+  rank 0 (the rank that carries the request) others; a masked corruption on rank 1 just before one of rank 2's
+  makes that request's baseline carry a difference of its own (against it alone, ranks 1 and 2 began it).
+
+- ``lm-prec``: TP = 2 on two groups of hosts, outputs with their logprobs; rank 1 of group b runs with float32
+  matmuls at "medium" precision (bfloat16 inside, done by hand: on a CPU the setting does not change the kernels),
+  recorded on its resource as ``torch.float32_matmul_precision``; beside it group a's rank 0 corrupts a shard.
 
 - ``hand-tp2``: TP = 2 recorded by hand with the span API (one input and output digest per rank, no step digests),
   two groups of two hosts; rank 1 of group b corrupts two requests, and during one of them its host's NIC counts
@@ -36,7 +41,8 @@ from pathlib import Path
 import pytest
 
 from stagetrace.analysis import divergences, live, population
-from stagetrace.analysis.explain import Explainer
+from stagetrace import lookup
+from stagetrace.analysis.explain import Explainer, compare_stages, first_divergence
 from stagetrace.dashboards import divergences as explorer
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.store import open_store
@@ -69,8 +75,27 @@ def _plan(service: str, faults: dict[str, tuple[int, float]]) -> dict:
 
 JOBS = {
     "lm-tp2": (2, _plan("lm-tp2", {"r1": (1, FLIP), "r1again": (1, FLIP), "masked": (1, ULP)})),
-    "lm-tp4": (4, _plan("lm-tp4", {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (3, ULP)})),
+    # the masked corruption (rank 1) just before r2late: that request's nearest agreeing baseline carries it
+    "lm-tp4": (4, _plan("lm-tp4", {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (1, ULP),
+                                   "r2late": (2, FLIP)})),  # fmt: skip
 }
+
+# ``lm-prec``: TP = 2 on two groups of hosts, every request with its logprobs (so that any difference in the last bit
+# shows in the output). Group a serves each prompt three times and, beside them, once with a corrupted shard on rank 0
+# (another fault at the same time, in the same service); group b twice, its rank 1's process launched with float32
+# matmuls at "medium" precision (bfloat16 inside), the setting recorded on its resource.
+NUMERICS = "lm-prec"
+PRECISION = "torch.float32_matmul_precision"
+NUMERICS_PROMPTS = {"a": [5, 17, 42], "b": [1, 2, 3], "c": [9, 30, 60]}
+NUMERICS_JOBS = [
+    {"service": NUMERICS, "hosts": f"{NUMERICS}-a", "requests": [
+        {"id": f"{NUMERICS}-{p}-{kind}", "prompt": prompt, "tokens": TOKENS, "logprobs": True,
+         **({"corrupt": {"rank": 0, "scale": FLIP}} if kind == "r0" else {})}
+        for p, prompt in NUMERICS_PROMPTS.items() for kind in ("ok0", "ok1", "ok2", "r0")]},
+    {"service": NUMERICS, "hosts": f"{NUMERICS}-b", "precision": {"1": "medium"}, "requests": [
+        {"id": f"{NUMERICS}-{p}-medium{i}", "prompt": prompt, "tokens": TOKENS, "logprobs": True}
+        for p, prompt in NUMERICS_PROMPTS.items() for i in range(2)]},
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +105,16 @@ def recorded(tmp_path_factory):
         receiver = OtlpReceiver(store, "127.0.0.1:0")
         try:
             processes = {}
-            for service, (world, plan) in JOBS.items():
+            jobs = [(service, world, plan) for service, (world, plan) in JOBS.items()]
+            jobs += [(plan["hosts"], 2, plan) for plan in NUMERICS_JOBS]
+            for name, world, plan in jobs:
                 port = _free_port()
-                processes[service] = [subprocess.Popen(
+                processes[name] = [subprocess.Popen(
                     [sys.executable, str(APP), str(rank), str(world), str(port), f"{receiver.url}/v1/traces",
                      json.dumps(plan)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                     for rank in range(world)]  # fmt: skip
             outputs = {}
-            for service, ranks in processes.items():
+            for name, ranks in processes.items():
                 results = [p.communicate(timeout=300) for p in ranks]
                 for p, (_, err) in zip(ranks, results):
                     assert p.returncode == 0, err
@@ -183,7 +210,7 @@ def _ids(service: str, kind: str) -> list[str]:
 def test_the_premise_comes_from_the_models_own_outputs(recorded):
     """Not an analysis test: the corruptions changed the generated tokens, the masked ones and controls did not."""
     _, outputs = recorded
-    for service, kinds in (("lm-tp2", ("r1", "r1again")), ("lm-tp4", ("r2", "r2again", "r0"))):
+    for service, kinds in (("lm-tp2", ("r1", "r1again")), ("lm-tp4", ("r2", "r2again", "r0", "r2late"))):
         for p in PROMPTS:
             control = outputs[f"{service}-{p}-ok0"]
             assert outputs[f"{service}-{p}-ok1"] == outputs[f"{service}-{p}-ok2"] == control
@@ -194,7 +221,7 @@ def test_the_premise_comes_from_the_models_own_outputs(recorded):
 
 @pytest.mark.parametrize("service, kinds, rank", [
     ("lm-tp2", ("r1", "r1again"), "1"),
-    ("lm-tp4", ("r2", "r2again"), "2"),
+    ("lm-tp4", ("r2", "r2again", "r2late"), "2"),
     ("lm-tp4", ("r0",), "0"),  # the rank that carries the request, named only when it is the one that began it
 ])  # fmt: skip
 def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorded, service, kinds, rank):
@@ -268,20 +295,70 @@ def _service(rid: str) -> str:
     return "hand-tp2" if rid in BY_HAND else rid.rsplit("-", 2)[0]
 
 
+def _numerics(outputs: dict, kind: str) -> list[str]:
+    """``lm-prec``'s requests of a kind (``medium0``...) whose output differs from their prompt's controls'."""
+    return [rid for p in NUMERICS_PROMPTS for rid in [f"{NUMERICS}-{p}-{kind}"]
+            if outputs[rid] != outputs[f"{NUMERICS}-{p}-ok0"]]  # fmt: skip
+
+
+def _names_the_setting_on_its_host(cause: dict, summary: str) -> bool:
+    host = f"{NUMERICS}-b-node-1"
+    return ((cause["kind"], cause["name"], cause["value"], cause["baseline_value"]) == (
+        "attribute", PRECISION, "medium", "highest") and cause.get("where", {}).get("host.name") == host
+        and f"{host} runs {PRECISION} medium where its peers run highest" in summary)  # fmt: skip
+
+
+def test_a_rank_launched_with_another_numerics_setting_is_named_with_that_setting_on_its_host(recorded):
+    """Rank 1 of group b computes its partial products at "medium" float32 matmul precision: its contribution is
+    unique to it, so the stage's contrast never counts its setting; weighed on rank 1's own spans (those that began a
+    difference against the same rank of their peers), the setting separates them as well as the host and GPU do and
+    is named first, on rank 1's host. The corrupted shard beside it (rank 0 of group a) is not blamed on it."""
+    store, outputs = recorded
+    for p in NUMERICS_PROMPTS:  # the premise, from the model's own outputs
+        assert outputs[f"{NUMERICS}-{p}-ok1"] == outputs[f"{NUMERICS}-{p}-ok2"] == outputs[f"{NUMERICS}-{p}-ok0"]
+    deviating = _numerics(outputs, "medium0") + _numerics(outputs, "medium1")
+    assert len(deviating) >= 4, deviating
+    named = 0
+    for rid in deviating:
+        report = Explainer(store).explain(rid)
+        assert report["first_divergent_stage"] == "allreduce" and report["divergent_ranks"] == ["1"], report["summary"]
+        place = {"rank": "1", "gpu": f"GPU-{NUMERICS}-b-1", "host": f"{NUMERICS}-b-node-1"}
+        assert report["origin"]["places"] == [place], report["origin"]
+        strong = [c for c in report["causes"] if not c["weak"]]
+        named += bool(strong) and _names_the_setting_on_its_host(strong[0], report["summary"])
+        # the identities that separate the same requests come after the setting, never before it
+        identities = [i for i, c in enumerate(strong) if c["name"] in ("host.name", "gpu.uuid")]
+        assert all(i > 0 for i in identities), strong
+    assert named >= 0.95 * len(deviating), (named, len(deviating))
+    for rid in _numerics(outputs, "r0"):  # the neighbour: rank 0's corrupted shard, not the setting of another rank
+        report = Explainer(store).explain(rid)
+        assert report["divergent_ranks"] == ["0"], report["summary"]
+        assert PRECISION not in report["summary"] and not any(c["name"] == PRECISION for c in report["causes"])
+    for rid in [f"{NUMERICS}-{p}-ok1" for p in NUMERICS_PROMPTS]:
+        assert not Explainer(store).explain(rid)["diverged"]
+
+
 def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recorded):
-    store, _ = recorded
+    store, outputs = recorded
     expected = {}
-    for service, kinds, rank in (("lm-tp2", ("r1", "r1again"), "1"), ("lm-tp4", ("r2", "r2again", "r0"), None)):
+    for service, kinds, rank in (("lm-tp2", ("r1", "r1again"), "1"),
+                                 ("lm-tp4", ("r2", "r2again", "r0", "r2late"), None)):  # fmt: skip
         for kind in kinds:
             r = rank or kind[1]
             for rid in _ids(service, kind):
                 expected[rid] = [(r, f"GPU-{service}-{r}", f"{service}-node-{r}")]
     expected |= {rid: [("1", "GPU-hand-b1", "hand-b1")] for rid in BY_HAND}
+    medium = _numerics(outputs, "medium0") + _numerics(outputs, "medium1")
+    expected |= {rid: [("1", f"GPU-{NUMERICS}-b-1", f"{NUMERICS}-b-node-1")] for rid in medium}
+    expected |= {rid: [("0", f"GPU-{NUMERICS}-a-0", f"{NUMERICS}-a-node-0")] for rid in _numerics(outputs, "r0")}
     found = divergences.find(store, 3600 * 10**9, time.time_ns() + 10**9, limit=None)
     items = {item["request_id"]: item for group in found["groups"] for item in group["deviating"]}
     assert _began(items) == expected
     for rid, item in items.items():  # the stored row carries the GPU (Devices) and the verdict names rank and host
         assert item["device"] == expected[rid][0][1] and expected[rid][0][2] in item["summary"], item
+    # the rank launched with another numerics setting: that setting first, on its host, as explain names it
+    named = [rid for rid in medium if _names_the_setting_on_its_host(items[rid]["top_cause"], items[rid]["summary"])]
+    assert len(named) >= 0.95 * len(medium), [items[rid]["summary"] for rid in medium]
     on = Counter()  # the tally counts each line's requests by the GPU and host that began them
     for line in found["tally"]:
         on.update(line.get("began_on", {}))
@@ -302,6 +379,10 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
         parameters={"db": store.database}).result_rows)  # fmt: skip
     assert sorted(summaries) == sorted(expected)
     _stored_as_expected(store, expected)
+    tops = dict(store.client.query(
+        "SELECT RequestId, (FirstDivergentStage, TopCauseName) FROM {db:Identifier}.stagetrace_divergences FINAL",
+        parameters={"db": store.database}).result_rows)  # fmt: skip
+    assert [rid for rid in medium if tops[rid] == ("allreduce", PRECISION)] == [rid for rid in named]
     # /metrics: one series per (service, stage, rank, GPU, its host), counting the requests that rank began
     assert analyser.stats.began == Counter((_service(rid), "allreduce", *e[0]) for rid, e in expected.items())
     families = {f.name: f for f in analyser.stats.families("analyser-host")}
@@ -331,24 +412,27 @@ def _the_dashboard_shows_each_gpu_that_began_differences(store, expected: dict) 
 
 def test_the_tallys_sql_finds_the_same_rank_gpu_and_host(recorded):
     """``population.first_differences`` (what the tally reads for requests not analysed in full) applies the same
-    rule in SQL, without the confirmation against other majority requests: the requests whose baseline carries no
-    masked difference of its own get the same rank, GPU and host as ``explain``."""
+    rule in SQL, with the confirmation against other majority requests: every deviation gets the rank, GPU and host
+    ``explain`` names, those whose baseline carries a masked difference of its own on another rank (several ranks
+    began it against the baseline alone) too."""
     store, _ = recorded
     until = time.time_ns() + 10**9
     t0 = until - 3600 * 10**9
     found = population.first_differences(store, t0, until, (t0 - 60 * 10**9, until + 60 * 10**9))
     deviations = {d.request_id: d for d in population.deviations(store, t0, until)}
-    checked = 0
+    checked = confirmed = 0
     for rid, d in deviations.items():
         report = Explainer(store).explain(rid)
-        if report["divergent_ranks"] != report["origin"]["ranks"] or len(report["origin"]["ranks"]) != 1:
+        if len(report["origin"]["ranks"]) != 1:
             continue
-        against = Explainer(store).explain(rid, against=d.baseline_request_id)
-        if against["divergent_ranks"] != report["divergent_ranks"]:
-            continue  # its baseline carries a masked difference: only the confirmed analysis tells them apart
         place = report["origin"]["places"][0]
+        # against its baseline alone (before the confirmation), several ranks began it, the lowest not the one
+        # explain names: a masked difference on a lower rank of the baseline
+        alone = first_divergence(compare_stages(lookup.by_request_id(store, rid),
+                                                lookup.by_request_id(store, d.baseline_request_id)))  # fmt: skip
+        confirmed += len(alone.ranks) > 1 and min(alone.ranks, key=int) != place["rank"]
         difference = found[d.trace_id]
         assert (difference.stage, difference.rank, difference.gpu, difference.host) == (
-            "allreduce", place["rank"], place["gpu"], place["host"]), rid
+            "allreduce", place["rank"], place["gpu"], place["host"]), (rid, alone.ranks)
         checked += 1
-    assert checked >= len(deviations) // 2, (checked, len(deviations))
+    assert checked == len(deviations) and confirmed >= 1, (checked, confirmed, len(deviations))

@@ -37,7 +37,13 @@ class ShardedMLP(torch.nn.Module):
         self.up, self.down = torch.nn.Parameter(up), torch.nn.Parameter(down)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        partial = torch.nn.functional.gelu(hidden @ self.up) @ self.down
+        if torch.get_float32_matmul_precision() == "medium":
+            # what "medium" lets a GPU's float32 matmuls do (compute in bfloat16), done here by hand: on a CPU the
+            # setting does not change the kernels
+            low = torch.nn.functional.gelu((hidden.bfloat16() @ self.up.bfloat16()).float())
+            partial = (low.bfloat16() @ self.down.bfloat16()).float()
+        else:
+            partial = torch.nn.functional.gelu(hidden @ self.up) @ self.down
         dist.all_reduce(partial)  # looked up at call time: stagetrace's recording wrapper when turned on
         return hidden + partial
 
@@ -65,12 +71,16 @@ class TinyLM(torch.nn.Module):
         return self.lm_head(hidden)
 
 
-def generate(model: TinyLM, prompt: list[int], tokens: int) -> list[int]:
-    sequence = list(prompt)
+def generate(model: TinyLM, prompt: list[int], tokens: int, logprobs: bool = False) -> list:
+    """The greedy continuation's token IDs; with ``logprobs``, each as [token, its log-probability] (what an API's
+    ``logprobs`` returns: a difference in the last bit shows)."""
+    sequence, scores = list(prompt), []
     for _ in range(tokens):
         logits = model(torch.tensor(sequence))
         sequence.append(int(logits[-1].argmax()))
-    return sequence[len(prompt):]
+        scores.append(float(torch.log_softmax(logits[-1], -1)[sequence[-1]]))
+    generated = sequence[len(prompt):]
+    return [[t, s] for t, s in zip(generated, scores)] if logprobs else generated
 
 
 def share(carrier: dict | None) -> dict:
@@ -85,13 +95,13 @@ def serve(model: TinyLM, request: dict, rank: int) -> list[int] | None:
     output (the others': None)."""
     if rank != 0:
         with stagetrace_torch.serving(share(None)):
-            generate(model, request["prompt"], request["tokens"])
+            generate(model, request["prompt"], request["tokens"], request.get("logprobs", False))
         return None
     content = {"prompt": request["prompt"], "tokens": request["tokens"]}
     with stagetrace.request(request["id"], input=content) as req:
         share(req.carrier())
         with stagetrace_torch.serving(req):
-            output = generate(model, request["prompt"], request["tokens"])
+            output = generate(model, request["prompt"], request["tokens"], request.get("logprobs", False))
         req.set_output(output)
     return output
 

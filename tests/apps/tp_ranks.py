@@ -5,12 +5,14 @@ request corrupts a shard.
 
     python tp_ranks.py RANK WORLD_SIZE MASTER_PORT OTLP_TRACES_URL JOB_JSON
 
-JOB_JSON: ``{"service": ..., "hosts": "prefix", "requests": [{"id", "prompt", "tokens",
-"corrupt": {"rank": R, "scale": S} or absent}, ...]}``. Rank R's process has resource ``host.name``
-``{prefix}-node-R`` and ``gpu.uuid`` ``GPU-{prefix}-R``. On the request's corrupted rank one weight of its shard is
-multiplied by ``scale`` for that request only (256: one exponent bit, a silent corruption that changes the output;
-a factor a few ulps from 1: one that changes the contribution's bits and, after argmax, usually not the output).
-Rank 0 prints ``{request ID: generated token IDs}`` as JSON.
+JOB_JSON: ``{"service": ..., "hosts": "prefix", "precision": {"R": "medium"} or absent, "requests": [{"id",
+"prompt", "tokens", "logprobs": bool or absent, "corrupt": {"rank": R, "scale": S} or absent}, ...]}``. Rank R's
+process has resource ``host.name`` ``{prefix}-node-R`` and ``gpu.uuid`` ``GPU-{prefix}-R``, and records its
+``torch.float32_matmul_precision``: ``precision`` sets it per rank (a process launched with another numerics
+setting; ``tp_model`` then computes that rank's partial products in bfloat16, as "medium" lets a GPU do). On the
+request's corrupted rank one weight of its shard is multiplied by ``scale`` for that request only (256: one exponent
+bit, a silent corruption that changes the output; a factor a few ulps from 1: one that changes the contribution's
+bits and, after argmax, usually not the output). Rank 0 prints ``{request ID: generated token IDs}`` as JSON.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ from tp_model import TinyLM, finish, serve  # noqa: E402
 import stagetrace  # noqa: E402
 from stagetrace.integrations import pytorch as stagetrace_torch  # noqa: E402
 
+PRECISION = "torch.float32_matmul_precision"  # the process's setting, as ``torch.get_float32_matmul_precision`` says
+
 
 def main(rank: int, world: int, port: int, otlp_url: str, job: dict) -> None:
     prefix = job["hosts"]
+    torch.set_float32_matmul_precision(job.get("precision", {}).get(str(rank), "highest"))
     resource = Resource.create({"service.name": job["service"], "host.name": f"{prefix}-node-{rank}",
-                                "gpu.uuid": f"GPU-{prefix}-{rank}"})  # fmt: skip
+                                "gpu.uuid": f"GPU-{prefix}-{rank}",
+                                PRECISION: torch.get_float32_matmul_precision()})  # fmt: skip
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
     stagetrace.configure(tracer_provider=provider)

@@ -131,8 +131,32 @@ class Contrast:
         return (d + SMOOTHING * self.prior) / (n + SMOOTHING), n, d
 
 
-def attribute_causes(stage: str, request: Span, baseline: Span | None, contrast: Contrast | None) -> list[Cause]:
-    """Every setting (and, as weak evidence, measurement) of the span that differs from the baseline's."""
+class OnRank:
+    """The contrast of a stage whose difference a TP rank began by its contribution (``analysis.ranks``): that rank's
+    settings weighed on its own spans (``rank``: ``population.rank_contrasts``, a span diverged where its rank began a
+    difference), everything else (identities, measurements) by the ``stage``'s contrast as before. The stage's alone
+    cannot weigh them: it judges a span among spans with the same stage input, and the beginning rank's input is its
+    own."""
+
+    def __init__(self, stage: Contrast | None, rank: Contrast, name: str):
+        self.stage, self.rank, self.name = stage or Contrast({}, 0, 0), rank, name
+        self.counts = self.stage.counts or rank.counts
+        self.identifiers = self.stage.identifiers
+
+    def weighs(self, key: str) -> bool:
+        """Whether the key is weighed on the rank's own spans."""
+        return any(k == key for k, _ in self.rank.counts)
+
+    def rate(self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False,
+             explaining_away: bool = False) -> tuple[float, int, int]:  # fmt: skip
+        return (self.rank if self.weighs(key) else self.stage).rate(key, value, counted_as_diverged, by_bucket,
+                                                                    explaining_away)  # fmt: skip
+
+
+def attribute_causes(stage: str, request: Span, baseline: Span | None,
+                     contrast: Contrast | OnRank | None) -> list[Cause]:  # fmt: skip
+    """Every setting (and, as weak evidence, measurement) of the span that differs from the baseline's. A setting
+    weighed on the rank that began the difference (``OnRank``) says so, with that rank's host as where it ran."""
     causes = []
     for key, value, baseline_value in differences(request, baseline):
         if contrast is not None and key in contrast.identifiers:
@@ -159,6 +183,10 @@ def attribute_causes(stage: str, request: Span, baseline: Span | None, contrast:
                              "diverged_with_baseline_value": bd, "requests_with_baseline_value": bn})  # fmt: skip
         if key.startswith(RESOURCE):
             evidence["resource"] = True
+        if isinstance(contrast, OnRank) and contrast.weighs(key):
+            evidence["weighed_on_rank"] = contrast.name
+            if request.resource.get(conventions.HOST):
+                evidence["where"] = {conventions.HOST: request.resource[conventions.HOST]}
         neutral = conventions.NUMERICS_NEUTRAL.get(name)
         if neutral:  # documented not to change what is computed: named, never blamed
             evidence["neutral"] = neutral

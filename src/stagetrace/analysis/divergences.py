@@ -22,11 +22,11 @@ from collections import Counter
 
 from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, ranks, rollouts, silent
-from stagetrace.analysis.causes import RESOURCE, attribute_causes, is_measurement, ranked
+from stagetrace.analysis.causes import RESOURCE, OnRank, attribute_causes, is_measurement, ranked
 from stagetrace.analysis.detectors import prefix_cache
 from stagetrace.analysis.explain import (REFERENCES, Baseline, Divergence, ambiguous, compare_stages, confirmed,
-                                         contrast_window, diagnose, first_divergence, ranks_of, setting_keys,
-                                         stage_differences, summary, unknown_seed)
+                                         contrast_window, diagnose, first_divergence, rank_settings, ranks_of,
+                                         setting_keys, stage_differences, summary, unknown_seed)
 from stagetrace.analysis.hardware import Samples, devices
 # COLUMNS, KEPT_CAUSES and began_columns are read from here too, where they were first
 from stagetrace.analysis.results import (COLUMNS, KEPT_CAUSES, DeviatingRequest, DivergenceReport, InputGroup,
@@ -207,6 +207,22 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, *around, found_rollouts,
                                      around if inputs_from_ns else (t0, until_ns), inventory=gpus,
                                      sample=sample)  # fmt: skip
+    # the settings of the ranks that began TP differences by their contribution, weighed on those ranks' own spans
+    on_rank: dict[str, tuple[str, str, str]] = {}
+    wanted: dict[tuple[str, str, str], set[str]] = {}
+    for d, at in _located(analysed, where):
+        found = rank_settings(traces[d.trace_id], traces[d.baseline_trace_id], at)
+        if found is not None:
+            on_rank[d.trace_id] = (at.stage, found[0], ranks_of(traces[d.trace_id], at.stage)[found[0]].service)
+            wanted.setdefault(on_rank[d.trace_id], set()).update(found[1])
+    rank_contrasts = population.rank_contrasts(store, {k: sorted(v) for k, v in wanted.items()}, *around)
+
+    def contrast_of(d: population.Deviation, stage: str):
+        at = on_rank.get(d.trace_id)
+        by_rank = rank_contrasts.get(at) if at else None
+        stage_contrast = contrasts.get((stage, d.peer))
+        return OnRank(stage_contrast, by_rank, at[1]) if by_rank is not None else stage_contrast
+
     hosts = sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans})
     samples = Samples(store, hosts, t0, until_ns)
     read = [t for t in traces.values() if t.spans]
@@ -227,7 +243,7 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
         if where[d.trace_id].origin is not None:
             ranks.at(where[d.trace_id].origin, traces[d.trace_id], stage)
         diagnosed[d.trace_id] = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
-                                         contrasts.get((stage, d.peer)), samples, found_rollouts, tenancy=tenancy,
+                                         contrast_of(d, stage), samples, found_rollouts, tenancy=tenancy,
                                          began=where[d.trace_id].ranks,
                                          cache_hits=cache_hits) if stage else []  # fmt: skip
     _suspect_silent_corruption(store, analysed, where, diagnosed, t0, until_ns)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from stagetrace import config, conventions, lookup
 from stagetrace.analysis import detectors, inventory, population, rollouts, silent, tenants
 from stagetrace.analysis import ranks as _ranks
-from stagetrace.analysis.causes import RESOURCE, Cause, differences, is_measurement, ranked
+from stagetrace.analysis.causes import RESOURCE, Cause, OnRank, differences, is_measurement, ranked
 from stagetrace.analysis.hardware import Samples, Timing
 from stagetrace.store import Store
 
@@ -36,7 +36,7 @@ CONTRAST_WINDOW_NS = HOUR_NS  # the requests whose divergences weigh attribute d
 CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this many fall in it
 WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
 SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout
-REFERENCES = 2  # other requests with the majority output that TP ranks are checked against (``confirmed``)
+REFERENCES = population.REFERENCES  # other requests with the majority output TP ranks are checked against
 
 
 @dataclass
@@ -246,6 +246,21 @@ def stage_differences(request: lookup.Trace, baseline: lookup.Trace, stage: str,
     return [key for key, _, _ in differences(mine[first], ranks_of(baseline, stage).get(first))]
 
 
+def rank_settings(request: lookup.Trace, baseline: lookup.Trace, first: Divergence) -> tuple[str, list[str]] | None:
+    """(rank, contrast keys) of the settings, not identities, of the rank that began a TP difference by its
+    contribution that differ from the baseline's same rank: weighed on that rank's own spans (``causes.OnRank``);
+    None where no rank began it so."""
+    if first.origin is None or first.origin.how != _ranks.INPUT or not first.stage:
+        return None
+    mine = ranks_of(request, first.stage)
+    began = [r for r in first.ranks if r in mine]
+    if not began:
+        return None
+    keys = [k for k in stage_differences(request, baseline, first.stage, began) or ()
+            if not is_measurement(k) and not conventions.is_identity(k.removeprefix(RESOURCE))]  # fmt: skip
+    return (min(began, key=rank_order), keys) if keys else None
+
+
 def setting_keys(request: lookup.Trace, baseline: lookup.Trace, stage: str, began: list[str] = ()) -> list[str]:
     """The stage's settings whose values differ between the two requests: what a rollout may have changed."""
     return [key for key in stage_differences(request, baseline, stage, began) or () if not is_measurement(key)]
@@ -415,7 +430,8 @@ class Explainer:
             _ranks.at(first.origin, trace, stage)
         found: list[Cause] = []
         if stage is not None:
-            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus, peer, first.ranks)
+            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus, peer, first.ranks,
+                                      rank_settings(trace, baseline.trace, first))  # fmt: skip
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
@@ -505,11 +521,18 @@ class Explainer:
 
     def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list,
                   gpus: inventory.Inventory | None = None, peer: tuple[str, str] = ("", ""),
-                  began: list[str] = ()):  # fmt: skip
+                  began: list[str] = (), on_rank: tuple[str, list[str]] | None = None):  # fmt: skip
+        """The stage's contrast; ``on_rank``: (rank, keys) of the beginning rank's settings, weighed on its own spans
+        too (``rank_settings``: one more query)."""
         keys = stage_differences(trace, baseline, stage, began)
         if keys is None:
             return None
         t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)
-        return population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
-                                   (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), inventory=gpus,
-                                   peer=peer)  # fmt: skip
+        found = population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
+                                    (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), inventory=gpus,
+                                    peer=peer)  # fmt: skip
+        if on_rank is None:
+            return found
+        at = (stage, on_rank[0], ranks_of(trace, stage)[on_rank[0]].service)
+        by_rank = population.rank_contrasts(self.store, {at: on_rank[1]}, t0, t1).get(at)
+        return OnRank(found, by_rank, on_rank[0]) if by_rank is not None else found

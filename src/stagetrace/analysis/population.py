@@ -55,13 +55,20 @@ SELECT ServiceName, count() FROM (
 GROUP BY ServiceName ORDER BY count() DESC, ServiceName"""
 
 
-def _pairs(requests: str) -> str:
+REFERENCES = 2  # other requests with the majority output that a TP stage's ranks are checked against (``confirmed``)
+
+
+def _pairs(requests: str, references: int = 0) -> str:
     """Each deviating request with its baseline, in one pass over ``requests``: the members of an input group are
-    gathered into an array, and its majority and the baselines found with array functions."""
+    gathered into an array, and its majority and the baselines found with array functions. ``references``: a 14th
+    column, the trace IDs of that many other agreeing members nearest the request in time (``explain.confirmed``'s)."""
+    refs = ("" if not references else f""", arraySlice(arrayMap(a -> tupleElement(a, 2), arraySort(
+           a -> (abs(tupleElement(a, 4) - tupleElement(d, 4)), tupleElement(a, 1)),
+           arrayFilter(a -> tupleElement(a, 1) != tupleElement(b, 1), agreeing))), 1, {int(references)})""")
     return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
        tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(d, 6),
-       tupleElement(d, 7)
+       tupleElement(d, 7){refs}
 FROM (
     SELECT InputDigest, members, Majority, Support,
            arrayFilter(m -> tupleElement(m, 3) = Majority, members) AS agreeing,
@@ -419,10 +426,12 @@ CONTRAST_SQLS = {(waves, inventory, models): _contrast_sql(waves, inventory, mod
 # stages go in pipeline order, then by start. Its attributes are those of the first pass of the rank that began the
 # difference (``ranks.locate``'s rule: the ranks whose input, or step input where both record them, first differs
 # from the baseline's same rank while other ranks' match; else the lowest rank), against the baseline's same rank;
-# only those that differ come back (with the request's and the baseline's values), so the rows stay small. Without
-# the confirmation against other majority requests (``explain.confirmed``), which the analysed requests get.
-# ``pairs``: the deviations (``_pairs``), read in the same query rather than sent as parameters (100,000 trace IDs
-# bound as an array took 43 s to parse in chdb, far more than grouping again).
+# only those that differ come back (with the request's and the baseline's values), so the rows stay small. Where
+# several ranks began it against the baseline, they are checked against ``REFERENCES`` other requests with the
+# majority output, nearest in time, as ``explain.confirmed`` checks them: a rank is kept when it began the difference
+# against most of the baseline and those (the baseline may carry a masked difference of its own on a rank).
+# ``pairs``: the deviations (``_pairs``, with their references), read in the same query rather than sent as
+# parameters (100,000 trace IDs bound as an array took 43 s to parse in chdb, far more than grouping again).
 def _first_differences(pairs: str) -> str:
     stages = "[" + ", ".join(f"'{s}'" for s in conventions.PIPELINE_STAGES) + "]"
     differing = """arrayMap(k -> (k, mine[k], theirs[k]), arrayFilter(k -> mine[k] != theirs[k],
@@ -431,15 +440,28 @@ def _first_differences(pairs: str) -> str:
     gpus = conventions.CONFIGURATION_GPU_UUIDS  # the one GPU a rank process could see (``ranks.gpu_of``)
     # per rank of the request's stage: where its input first differs from the baseline's same rank (1-based step,
     # 1 for the input as a whole, 0 nowhere); with steps only where every rank on both sides records them
-    theirs_at = "indexOf(t.Ranks, r)"
-    step_at = (f"arrayFirstIndex(k -> splitByChar(',', s)[k] != splitByChar(',', t.Steps[{theirs_at}])[k], "
-               f"range(1, greatest(length(splitByChar(',', s)), length(splitByChar(',', t.Steps[{theirs_at}]))) + 1))")
-    where = (f"if(arrayAll(x -> x != '', arrayConcat(m.Steps, t.Steps)), arrayMap((r, s) -> {step_at}, m.Ranks, "
-             f"m.Steps), arrayMap((r, i) -> toUInt64(i != t.Inputs[{theirs_at}]), m.Ranks, m.Inputs))")
+    def where(ranks: str, steps: str, inputs: str) -> str:
+        """Per rank of the request's stage against another's (the baseline's, or a reference's): its ``ranks``,
+        their ``steps`` and ``inputs`` (expressions)."""
+        theirs_at = f"indexOf({ranks}, r)"
+        step_at = (f"arrayFirstIndex(k -> splitByChar(',', s)[k] != splitByChar(',', {steps}[{theirs_at}])[k], "
+                   f"range(1, greatest(length(splitByChar(',', s)), "
+                   f"length(splitByChar(',', {steps}[{theirs_at}]))) + 1))")
+        return (f"if(arrayAll(x -> x != '', arrayConcat(m.Steps, {steps})), arrayMap((r, s) -> {step_at}, m.Ranks, "
+                f"m.Steps), arrayMap((r, i) -> toUInt64(i != {inputs}[{theirs_at}]), m.Ranks, m.Inputs))")
+
+    def began(ranks: str, at: str) -> str:
+        """The ranks that began it against another stage of ``ranks`` by their contribution (only some ranks' inputs
+        differ at the earliest place, ``at`` per rank; both ran the same ranks), else []: ``ranks.locate``'s INPUT."""
+        first = f"arrayMin(arrayFilter(a -> a > 0, {at}))"
+        return (f"if(arrayExists(a -> a > 0, {at}) AND countEqual({at}, {first}) < length({at}) "
+                f"AND arrayAll(r -> has({ranks}, r), m.Ranks) AND length(m.Ranks) = length({ranks}), "
+                f"arrayFilter((r, a) -> a = {first}, m.Ranks, {at}), [])")
+
     lowest = "arraySort(x -> (toUInt64OrZero(x), x), {r})[1]"
     return f"""
-WITH pairs AS (SELECT c2 AS Dev, c11 AS Base
-               FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13)),
+WITH pairs AS (SELECT c2 AS Dev, c11 AS Base, c14 AS Refs
+               FROM ({pairs}) AS p(c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14)),
 rank_passes AS (
     SELECT TraceId, Stage, Rank, min(Start) AS First, groupUniqArray(OutputDigest) AS Outputs,
            argMin(InputDigest, Start) AS Input, argMin(Attributes['{steps}'], Start) AS Steps,
@@ -448,15 +470,31 @@ rank_passes AS (
     WHERE Start >= fromUnixTimestamp64Nano({{s0:Int64}}) AND Start < fromUnixTimestamp64Nano({{s1:Int64}})
       AND TraceId IN (SELECT Dev FROM pairs UNION ALL SELECT Base FROM pairs)
     GROUP BY TraceId, Stage, Rank),
+-- the references' ranked stages only (a stage without ranks has no rank to confirm): where no stage records ranks,
+-- they cost a scan of the Rank column
+ref_passes AS (
+    SELECT TraceId, Stage, groupArray(Rank) AS Ranks, groupArray(Input) AS Inputs, groupArray(Steps) AS Steps
+    FROM (SELECT TraceId, Stage, Rank, argMin(InputDigest, Start) AS Input,
+                 argMin(Attributes['{steps}'], Start) AS Steps
+          FROM {{db:Identifier}}.stagetrace_stages
+          WHERE Start >= fromUnixTimestamp64Nano({{s0:Int64}}) AND Start < fromUnixTimestamp64Nano({{s1:Int64}})
+            AND Rank != '' AND TraceId IN (SELECT arrayJoin(Refs) FROM pairs)
+          GROUP BY TraceId, Stage, Rank)
+    GROUP BY TraceId, Stage),
 passes AS (
     SELECT TraceId, Stage, min(First) AS First, arraySort(arrayDistinct(arrayFlatten(groupArray(Outputs)))) AS Outputs,
            groupArray(Rank) AS Ranks, groupArray(Input) AS Inputs, groupArray(Steps) AS Steps,
            groupArray(Attrs) AS Attrs, groupArray(Resource) AS Resources
     FROM rank_passes GROUP BY TraceId, Stage),
-mine AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources
+mine AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources, length(Refs) AS References
          FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Dev),
 theirs AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources
-           FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base)
+           FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base),
+-- per request and stage, the references' ranks, inputs and steps (a reference without the stage: none)
+refs AS (
+    SELECT Dev, Stage, groupArray(Ranks) AS RefRanks, groupArray(Inputs) AS RefInputs, groupArray(Steps) AS RefSteps
+    FROM (SELECT Dev, arrayJoin(Refs) AS Ref FROM pairs) AS r INNER JOIN ref_passes ON ref_passes.TraceId = r.Ref
+    GROUP BY Dev, Stage)
 SELECT Dev, argMin((Stage, Attributes, ResourceAttributes, Began, BeganGpu, BeganHost), Place)
 FROM (
     SELECT Dev, Stage, Place, Began,
@@ -468,23 +506,28 @@ FROM (
     FROM (
         SELECT Dev, Stage, (if(indexOf({stages}, Stage) = 0, {len(conventions.PIPELINE_STAGES) + 1},
                                 indexOf({stages}, Stage)), if(empty(t.Outputs), m.First, t.First)) AS Place,
-               {where} AS At, arrayFilter(x -> x > 0, At) AS Differing,
-               -- the ranks that began it, when only some ranks' inputs differ at the earliest place; else the lowest
-               if(notEmpty(Differing) AND countEqual(At, arrayMin(Differing)) < length(At)
-                    AND arrayAll(r -> has(t.Ranks, r), m.Ranks) AND length(m.Ranks) = length(t.Ranks),
-                  {lowest.format(r="arrayFilter((r, a) -> a = arrayMin(Differing), m.Ranks, At)")},
+               {where("t.Ranks", "t.Steps", "t.Inputs")} AS At,
+               -- the ranks that began it, when only some ranks' inputs differ at the earliest place; else the lowest.
+               -- Several: those that began it against most of the baseline and the references, where any did
+               {began("t.Ranks", "At")} AS Against,
+               arrayFlatten(arrayMap((rr, rs, ri) -> {began("rr", where("rr", "rs", "ri"))}, v.RefRanks, v.RefSteps,
+                                     v.RefInputs)) AS Voted,
+               arrayFilter(r -> 2 * (has(Against, r) + countEqual(Voted, r)) > 1 + m.References,
+                           arrayDistinct(arrayConcat(Against, Voted))) AS Kept,
+               if(notEmpty(Against),
+                  {lowest.format(r="if(length(Against) > 1 AND notEmpty(Kept), Kept, Against)")},
                   {lowest.format(r="m.Ranks")}) AS Began,
                m.Attrs[indexOf(m.Ranks, Began)] AS MineAttrs, m.Resources[indexOf(m.Ranks, Began)] AS MineResource,
                if(has(t.Ranks, Began), indexOf(t.Ranks, Began),
                   indexOf(t.Ranks, {lowest.format(r="t.Ranks")})) AS TheirIndex,
                t.Attrs[TheirIndex] AS TheirAttrs, t.Resources[TheirIndex] AS TheirResource
-        FROM mine AS m FULL OUTER JOIN theirs AS t USING (Dev, Stage)
+        FROM mine AS m FULL OUTER JOIN theirs AS t USING (Dev, Stage) LEFT JOIN refs AS v USING (Dev, Stage)
         WHERE m.Outputs != t.Outputs))
 GROUP BY Dev"""
 
 
-FIRST_DIFFERENCES_SQL = _first_differences(PAIRS_SQL)
-FIRST_DIFFERENCES_OF_NEW_INPUTS_SQL = _first_differences(PAIRS_OF_NEW_INPUTS_SQL)
+FIRST_DIFFERENCES_SQL = _first_differences(_pairs(_requests(), REFERENCES))
+FIRST_DIFFERENCES_OF_NEW_INPUTS_SQL = _first_differences(_pairs(_requests(_NEW_INPUTS), REFERENCES))
 
 
 @dataclass
@@ -535,3 +578,75 @@ def majority_members(store: Store, keys, t0_ns: int, t1_ns: int, n: int) -> dict
         "db": store.database, "t0": t0_ns, "t1": t1_ns, "n": n, "inputs": sorted({i for _, i, _ in keys}),
         "outputs": sorted({o for _, _, o in keys})}).result_rows  # fmt: skip
     return {(s, i, o): list(tids) for s, i, o, tids in rows if (s, i, o) in keys}
+
+
+# The rank that began a TP difference has an input of its own (its partial product differs), so the stage contrast,
+# which judges a span among spans with the same stage input, never counts its settings as diverged. Per (stage, rank,
+# service): each request's first pass of that rank, judged among the requests with the same request input: it began a
+# difference when its first contribution (its first step's input where it records its steps, else its stage input)
+# differs from the majority's of the same rank there. The first step, because later steps take in the sums of every
+# rank: another rank's fault reaches them too (a setting that changes numerics changes the first one already).
+# Counted per (key, value) of the weighed settings (``rank_contrasts``). Nondeterministic spans are no evidence.
+RANK_CONTRAST_SQL = f"""
+WITH spans AS (
+    SELECT Stage, Rank, ServiceName, TraceId,
+           argMin(if(Attributes['{conventions.STAGE_STEP_INPUT_DIGESTS}'] != '',
+                     splitByChar(',', Attributes['{conventions.STAGE_STEP_INPUT_DIGESTS}'])[1], InputDigest),
+                  Start) AS Input,
+           argMin(Attributes, Start) AS Attrs, argMin(ResourceAttributes, Start) AS Resource
+    FROM {{db:Identifier}}.stagetrace_stages
+    WHERE Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
+      AND (Stage, Rank, ServiceName) IN {{wanted:Array(Tuple(String, String, String))}}
+      AND InputDigest != '' AND Nondeterministic = ''
+    GROUP BY Stage, Rank, ServiceName, TraceId),
+requests AS (
+    SELECT TraceId, any(InputDigest) AS RequestInput FROM {{db:Identifier}}.stagetrace_requests
+    WHERE Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
+      AND InputDigest != '' AND TraceId IN (SELECT TraceId FROM spans)
+    GROUP BY TraceId),
+judged AS (
+    SELECT s.Stage AS Stage, s.Rank AS Rank, s.ServiceName AS ServiceName, s.Input AS Input,
+           r.RequestInput AS RequestInput, s.Attrs AS Attrs, s.Resource AS Resource
+    FROM spans AS s INNER JOIN requests AS r ON s.TraceId = r.TraceId),
+majority AS (
+    SELECT Stage, Rank, ServiceName, RequestInput, inputs[indexOf(counts, top)] AS Majority
+    FROM (SELECT Stage, Rank, ServiceName, RequestInput, groupArray(Input) AS ins, arrayDistinct(ins) AS inputs,
+                 arrayMap(i -> countEqual(ins, i), inputs) AS counts, arrayMax(counts) AS top
+          FROM judged GROUP BY Stage, Rank, ServiceName, RequestInput)
+    WHERE top >= 2 AND countEqual(counts, top) = 1)
+SELECT j.Stage, j.Rank, j.ServiceName, k,
+       if(startsWith(k, {{resource:String}}), j.Resource[substring(k, length({{resource:String}}) + 1)],
+          j.Attrs[k]) AS Value, count(), countIf(j.Input != m.Majority)
+FROM judged AS j
+INNER JOIN majority AS m ON j.Stage = m.Stage AND j.Rank = m.Rank AND j.ServiceName = m.ServiceName
+                            AND j.RequestInput = m.RequestInput
+ARRAY JOIN {{keys:Array(String)}} AS k
+GROUP BY j.Stage, j.Rank, j.ServiceName, k, Value"""
+
+
+def rank_contrasts(store: Store, wanted: dict[tuple[str, str, str], list[str]], t0_ns: int, t1_ns: int) -> dict:
+    """(stage, rank, service) → a :class:`~stagetrace.analysis.causes.Contrast` of that rank's settings (``wanted``:
+    their contrast keys) over its spans in [t0, t1]: a span counts as diverged when its rank began a difference
+    (``RANK_CONTRAST_SQL``). One query for all of them."""
+    from stagetrace.analysis.causes import RESOURCE, Contrast
+
+    wanted = {at: sorted(set(keys)) for at, keys in wanted.items() if keys}
+    if not wanted:
+        return {}
+    rows = store.client.query(RANK_CONTRAST_SQL, parameters={
+        "db": store.database, "t0": t0_ns, "t1": t1_ns, "wanted": sorted(wanted), "resource": RESOURCE,
+        "keys": sorted({k for keys in wanted.values() for k in keys})}).result_rows  # fmt: skip
+    counts: dict[tuple, dict[tuple[str, str], tuple[int, int]]] = {}
+    for stage, rank, service, key, value, n, d in rows:
+        if key in wanted.get((stage, rank, service), ()):
+            counts.setdefault((stage, rank, service), {})[(key, value)] = (int(n), int(d))
+    out = {}
+    for at, found in counts.items():
+        # every span counts once for each key: the rank's spans and those that began a difference, from any key
+        per_key: dict[str, tuple[int, int]] = {}
+        for (key, _), (n, d) in found.items():
+            s = per_key.get(key, (0, 0))
+            per_key[key] = (s[0] + n, s[1] + d)
+        spans, diverged = next(iter(per_key.values()))
+        out[at] = Contrast(found, spans, diverged)
+    return out

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stagetrace import conventions, lookup
-from stagetrace.analysis.causes import Cause, Contrast
+from stagetrace.analysis.causes import Cause, Contrast, OnRank
 from stagetrace.analysis.hardware import Samples
 from stagetrace.analysis.tenants import Tenancy
 from stagetrace.store import Store
@@ -33,7 +33,7 @@ class Case:
     stage: str
     spans: dict[str, lookup.Span]
     baseline_spans: dict[str, lookup.Span]
-    contrast: Contrast | None = None
+    contrast: Contrast | OnRank | None = None
     samples: Samples | None = None
     rollouts: list = field(default_factory=list)  # rollouts.Rollout around the request
     nondeterminism: str = ""  # the request's reason to differ by design, if any
