@@ -42,7 +42,8 @@ import pytest
 
 from stagetrace.analysis import divergences, live, population
 from stagetrace import lookup
-from stagetrace.analysis.explain import Explainer, compare_stages, first_divergence
+from stagetrace.analysis.comparison import compare_stages, first_divergence
+from stagetrace.analysis.explain import Explainer
 from stagetrace.dashboards import divergences as explorer
 from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.store import open_store

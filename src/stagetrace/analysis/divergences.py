@@ -23,10 +23,10 @@ from collections import Counter
 from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, ranks, rollouts, silent
 from stagetrace.analysis.causes import RESOURCE, OnRank, attribute_causes, is_measurement, ranked
+from stagetrace.analysis.comparison import (Divergence, ambiguous, compare_stages, confirmed, first_divergence,
+                                           rank_settings, ranks_of, setting_keys, stage_differences)
 from stagetrace.analysis.detectors import prefix_cache
-from stagetrace.analysis.explain import (REFERENCES, Baseline, Divergence, ambiguous, compare_stages, confirmed,
-                                         contrast_window, diagnose, first_divergence, rank_settings, ranks_of,
-                                         setting_keys, stage_differences, summary, unknown_seed)
+from stagetrace.analysis.explain import REFERENCES, Baseline, contrast_window, diagnose, summary, unknown_seed
 from stagetrace.analysis.hardware import Samples, devices
 # COLUMNS, KEPT_CAUSES and began_columns are read from here too, where they were first
 from stagetrace.analysis.results import (COLUMNS, KEPT_CAUSES, DeviatingRequest, DivergenceReport, InputGroup,
@@ -70,7 +70,7 @@ def _divergences(deviations: list[population.Deviation], traces: dict[str, looku
 def _confirm(store: Store, deviations: list[population.Deviation], where: dict[str, Divergence],
              traces: dict[str, lookup.Trace], window: tuple[int, int]) -> None:
     """Where several TP ranks began a deviation's difference against its baseline, the ranks confirmed against other
-    requests with the majority output (``explain.confirmed``): their members read in one query, their stages in
+    requests with the majority output (``comparison.confirmed``): their members read in one query, their stages in
     another."""
     unsure = [d for d in deviations if ambiguous(where[d.trace_id])]
     if not unsure:

@@ -5,7 +5,7 @@ at least two requests share it and no other output is as common. A request devia
 output differs from its group's majority. Its baseline is the agreeing request of its group nearest
 in time, on another host when there is one (so that the hardware differs). Grouping, majorities and
 baselines run as SQL; only deviating requests come back, and the callers compare the stages of those
-they analyse (``explain.compare_stages``). The stage contrasts that weigh attribute differences run
+they analyse (``comparison.compare_stages``). The stage contrasts that weigh attribute differences run
 here too.
 """
 
@@ -61,7 +61,7 @@ REFERENCES = 2  # other requests with the majority output that a TP stage's rank
 def _pairs(requests: str, references: int = 0) -> str:
     """Each deviating request with its baseline, in one pass over ``requests``: the members of an input group are
     gathered into an array, and its majority and the baselines found with array functions. ``references``: a 14th
-    column, the trace IDs of that many other agreeing members nearest the request in time (``explain.confirmed``'s)."""
+    column, the trace IDs of that many other agreeing members nearest the request in time (``comparison.confirmed``)."""
     refs = ("" if not references else f""", arraySlice(arrayMap(a -> tupleElement(a, 2), arraySort(
            a -> (abs(tupleElement(a, 4) - tupleElement(d, 4)), tupleElement(a, 1)),
            arrayFilter(a -> tupleElement(a, 1) != tupleElement(b, 1), agreeing))), 1, {int(references)})""")
@@ -420,7 +420,7 @@ CONTRAST_SQLS = {(waves, inventory, models): _contrast_sql(waves, inventory, mod
 
 
 # Where every deviating request first differs from its baseline, for the tally of ``divergences`` (which covers all
-# of them, not only those analysed in full). The SQL twin of ``explain.compare_stages`` and ``first_divergence`` at
+# of them, not only those analysed in full). The SQL twin of ``comparison.compare_stages`` and ``first_divergence`` at
 # the level of whole stages: a stage's output is the set of its spans' outputs (every rank and pass: a TP group on
 # several hosts compares with an engine's one span by its outputs, as there), a stage one side lacks differs, and
 # stages go in pipeline order, then by start. Its attributes are those of the first pass of the rank that began the
@@ -428,7 +428,7 @@ CONTRAST_SQLS = {(waves, inventory, models): _contrast_sql(waves, inventory, mod
 # from the baseline's same rank while other ranks' match; else the lowest rank), against the baseline's same rank;
 # only those that differ come back (with the request's and the baseline's values), so the rows stay small. Where
 # several ranks began it against the baseline, they are checked against ``REFERENCES`` other requests with the
-# majority output, nearest in time, as ``explain.confirmed`` checks them: a rank is kept when it began the difference
+# majority output, nearest in time, as ``comparison.confirmed`` checks them: a rank is kept when it began the difference
 # against most of the baseline and those (the baseline may carry a masked difference of its own on a rank).
 # ``pairs``: the deviations (``_pairs``, with their references), read in the same query rather than sent as
 # parameters (100,000 trace IDs bound as an array took 43 s to parse in chdb, far more than grouping again).
@@ -556,7 +556,7 @@ def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, i
 
 
 # Other requests of a deviation's service with its input and its group's majority output, the earliest few of each:
-# the references ``explain.confirmed`` checks a TP stage's ranks against when several began the difference against
+# the references ``comparison.confirmed`` checks a TP stage's ranks against when several began the difference against
 # the baseline (which agrees in output but may carry a masked difference of its own on a rank).
 MAJORITY_MEMBERS_SQL = f"""
 SELECT ServiceName, InputDigest, OutputDigest, groupArray({{n:UInt32}})(TraceId)

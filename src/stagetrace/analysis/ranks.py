@@ -30,7 +30,7 @@ UPSTREAM = "upstream"  # every rank's input differed from the first step on
 
 @dataclass
 class RankComparison:
-    """One rank of a stage against the baseline's same rank (what ``explain.compare_stages`` finds)."""
+    """One rank of a stage against the baseline's same rank (what ``comparison.compare_stages`` finds)."""
 
     rank: str
     input_matches: bool
