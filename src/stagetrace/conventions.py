@@ -474,20 +474,42 @@ PEER_SERVICE = "service.name"
 PEER_MODEL = "gen_ai.request.model"
 PEER_KEY_PARTS = (PEER_SERVICE, PEER_MODEL)
 DEFAULT_PEER_KEY = PEER_KEY_PARTS
-# Where a request root names its model, first non-empty wins: the GenAI conventions (what was asked for, then what
-# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names; then the
-# same keys on the span's resource: vLLM's llm_request names no model (0.33.0), and an operator declares the model a
-# server serves there (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer
-# providers read), a span's own naming winning over it.
+# Where a span names its model, first non-empty wins: the GenAI conventions (what was asked for, then what served),
+# OpenInference's LLM span, OpenLLMetry's older names; then the same keys on the span's resource: vLLM's llm_request
+# names no model (0.33.0), and an operator declares the model a server serves there
+# (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer providers read), a span's
+# own naming winning over it. A *request's* model is its root rows' (the first that names one), else that of a span
+# below them (``stagetrace_models``: ``requests_sql``, ``request_model``): an application's root often names none above
+# the engine's or framework's span that does (OpenInference's LLM span under a chain, a decode span under an app's
+# request). The decode span's first, then the earliest: the model that generates the answer tells deployments apart,
+# not an embedding model its retrieval names.
 MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
               "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
-MODEL_SQL = "multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in ("SpanAttributes",
-                                   "ResourceAttributes") for k in MODEL_KEYS) + ", '')"  # fmt: skip
+
+
+def _model_sql(maps: tuple[str, ...]) -> str:
+    return "multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in maps for k in MODEL_KEYS) + ", '')"
+
+
+MODEL_SQL = _model_sql(("SpanAttributes", "ResourceAttributes"))
+OWN_MODEL_SQL = _model_sql(("SpanAttributes",))  # the span's own naming, not its resource's
+MODEL_STAGE = "decode"  # the stage whose span's model is a request's before any other span's
 
 
 def model_of(attributes: dict[str, str], resource: dict[str, str] | None = None) -> str:
-    """A root span's model by ``MODEL_KEYS``, on the span, then on its resource; the Python twin of ``MODEL_SQL``."""
+    """A span's model by ``MODEL_KEYS``, on the span, then on its resource; the Python twin of ``MODEL_SQL``."""
     return next((str(m[k]) for m in (attributes, resource or {}) for k in MODEL_KEYS if m.get(k, "") != ""), "")
+
+
+def request_model(roots, below=()) -> str:
+    """A request's model: the first of its root rows' (``roots``: (attributes, resource) in ``requests_sql``'s order)
+    that names one, else the ``MODEL_STAGE`` span's among the spans ``below`` them ((stage, start ns, attributes,
+    resource)) that names one on its own attributes (``stagetrace_models``' rule: a resource names the model of
+    every span of its process, which would add a row per span), else the earliest's, ties to the smaller name; the
+    Python twin of ``requests_sql(model=True)``."""
+    named = next((m for m in (model_of(a, r) for a, r in roots) if m), "")
+    spans = ((stage != MODEL_STAGE, t, model_of(a)) for stage, t, a, _ in below)
+    return named or min((s for s in spans if s[2]), default=(0, 0, ""))[2]
 
 
 def peer_sql(service: str = "ServiceName", model: str = "Model") -> str:
@@ -757,19 +779,33 @@ def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bo
 
     A trace may hold several root rows: an app's root span without a request ID above an engine's span with one
     (vLLM's llm_request, reached through ``traceparent``), or stagetrace's root above it. ``model``: also the
-    request's model, from the first root row that names one (the engine's span, below an app's root, often does).
+    request's model, from the first root row that names one (the engine's span, below an app's root, often does),
+    else from a span below them (``request_model``'s rule), in ``stagetrace_models`` beside ``table``.
     """
     # rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the earliest:
     # (Source = 'trace', RowStart) packed into one UInt64, which argMin compares three times faster than a tuple
     order = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano(RowStart)))"
-    return f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
+    columns = ("RequestId", "TraceId", "SpanId", "Start", "End", "ServiceName", "HostName", "SpanName", "InputDigest",
+               "OutputDigest", "StatusCode")  # fmt: skip
+    roots = f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
        min(RowStart) AS Start, max(RowEnd) AS End,
        argMin(ServiceName, {order}) AS ServiceName, argMin(HostName, {order}) AS HostName,
        argMin(SpanName, {order}) AS SpanName, argMinIf(InputDigest, {order}, InputDigest != '') AS InputDigest,
        argMinIf(OutputDigest, {order}, OutputDigest != '') AS OutputDigest, argMin(StatusCode, {order}) AS StatusCode{
-           f", argMinIf(Model, {order}, Model != '') AS Model" if model else ""}
+           f", argMinIf(Model, {order}, Model != '') AS RootModel" if model else ""}
 FROM (SELECT RequestId, TraceId, SpanId, Start AS RowStart, End AS RowEnd, ServiceName, HostName, SpanName,
              InputDigest AS InputDigest, OutputDigest AS OutputDigest, StatusCode, Source{", Model" if model else ""}
       FROM {table}
       WHERE {where})
 GROUP BY TraceId"""
+    if not model:
+        return roots
+    # only the traces whose root rows name no model, found by the models table's key (its trace ID): none read where
+    # every root names one, and a few granules for one request's
+    models = table.replace("stagetrace_requests", "stagetrace_models")
+    return f"""SELECT {", ".join(f"r.{c} AS {c}" for c in columns)},
+       if(r.RootModel != '', r.RootModel, s.BelowModel) AS Model
+FROM ({roots}) AS r
+LEFT JOIN (SELECT TraceId, argMin(Model, (Stage != '{MODEL_STAGE}', Start, Model)) AS BelowModel FROM {models}
+           WHERE TraceId IN (SELECT TraceId FROM {table} WHERE ({where}) AND Model = '')
+           GROUP BY TraceId) AS s ON r.TraceId = s.TraceId"""
