@@ -488,7 +488,8 @@ MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name",
 
 
 def _model_sql(maps: tuple[str, ...]) -> str:
-    return "multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in maps for k in MODEL_KEYS) + ", '')"
+    named = ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in maps for k in MODEL_KEYS)
+    return f"multiIf({named}, '')"
 
 
 MODEL_SQL = _model_sql(("SpanAttributes", "ResourceAttributes"))
