@@ -132,6 +132,13 @@ def test_the_sql_rule_is_the_python_twin(store):
     sql = conventions.requests_sql("1", "{db:Identifier}.stagetrace_requests", model=True)
     found = dict(store.client.query(f"SELECT RequestId, Model FROM ({sql})",
                                     parameters={"db": store.database}).result_rows)  # fmt: skip
+    # the same rule for a set of traces, as the contrast reads it
+    traces = "SELECT TraceId FROM {db:Identifier}.stagetrace_requests"
+    by_trace = dict(store.client.query(
+        f"SELECT r.RequestId, m.Model FROM ({sql}) AS r LEFT JOIN ("
+        f"{conventions.trace_models_sql(traces, '1', '{db:Identifier}.stagetrace_requests')}) AS m USING (TraceId)",
+        parameters={"db": store.database}).result_rows)  # fmt: skip
+    assert by_trace == found
     for rid, (root, extra) in cases.items():
         recorded = fl.requests[rid]
         stages = [(s["stage"], recorded["start_ns"] + k, {str(a): str(v) for a, v in s["attributes"].items()}, {})

@@ -774,6 +774,11 @@ STAGE_ATTRIBUTES_SQL = (
 
 
 # -- SQL over stagetrace_requests: one row per request
+# A trace's root rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the
+# earliest: (Source = 'trace', start) packed into one UInt64, which argMin compares three times faster than a tuple
+_ROOT_ORDER = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano({start})))"
+
+
 def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bool = False) -> str:
     """One row per trace among the root rows matching ``where``: the request's ID from its first span carrying one
     (else the trace ID), digests from the first root row that has them, the trace's start and end.
@@ -783,9 +788,7 @@ def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bo
     request's model, from the first root row that names one (the engine's span, below an app's root, often does),
     else from a span below them (``request_model``'s rule), in ``stagetrace_models`` beside ``table``.
     """
-    # rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the earliest:
-    # (Source = 'trace', RowStart) packed into one UInt64, which argMin compares three times faster than a tuple
-    order = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano(RowStart)))"
+    order = _ROOT_ORDER.format(start="RowStart")
     columns = ("RequestId", "TraceId", "SpanId", "Start", "End", "ServiceName", "HostName", "SpanName", "InputDigest",
                "OutputDigest", "StatusCode")  # fmt: skip
     roots = f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
@@ -810,3 +813,19 @@ FROM ({roots}) AS r
 LEFT JOIN (SELECT TraceId, argMin(Model, (Stage != '{MODEL_STAGE}', Start, Model)) AS BelowModel FROM {models}
            WHERE TraceId IN (SELECT TraceId FROM {table} WHERE ({where}) AND Model = '')
            GROUP BY TraceId) AS s ON r.TraceId = s.TraceId"""
+
+
+def trace_models_sql(traces: str, where: str = "1", table: str = "stagetrace_requests") -> str:
+    """(TraceId, Model) of the traces in ``traces`` (a subquery of trace IDs) that have a model, by the rule of
+    ``requests_sql(where, table, model=True)``, in one pass over the rows that name one (root rows of ``table``
+    matching ``where`` first, then the ``MODEL_STAGE`` span below them, then the earliest): what a query that needs
+    only the model reads, without grouping every root row of the traces."""
+    models = table.replace("stagetrace_requests", "stagetrace_models")
+    return f"""SELECT TraceId, argMin(Model, (Tier, Key, Model)) AS Model FROM (
+    SELECT TraceId, toUInt8(0) AS Tier, {_ROOT_ORDER.format(start="Start")} AS Key, Model FROM {table}
+    WHERE ({where}) AND Model != '' AND TraceId IN ({traces})
+    UNION ALL
+    SELECT TraceId, toUInt8(1 + (Stage != '{MODEL_STAGE}')) AS Tier, toUInt64(toUnixTimestamp64Nano(Start)) AS Key,
+           Model
+    FROM {models} WHERE TraceId IN ({traces}))
+GROUP BY TraceId"""

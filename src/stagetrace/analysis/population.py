@@ -343,12 +343,10 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
             return f"SELECT *, '' AS Model FROM ({spans})"
         window = (f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) "
                   f"AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})")
-        requests = conventions.requests_sql(
-            f"{window} AND TraceId IN (SELECT TraceId FROM ({spans}))", "{db:Identifier}.stagetrace_requests",
-            model=True)
+        named = conventions.trace_models_sql(f"SELECT TraceId FROM ({spans})", window,
+                                             "{db:Identifier}.stagetrace_requests")
         return f"""SELECT s.*, m.RequestModel AS Model FROM ({spans}) AS s
-            LEFT JOIN (SELECT TraceId, Model AS RequestModel FROM ({requests}) WHERE Model != '') AS m
-                 ON s.TraceId = m.TraceId"""
+            LEFT JOIN (SELECT TraceId, Model AS RequestModel FROM ({named})) AS m ON s.TraceId = m.TraceId"""
 
     epoch = EPOCH_SQL.format(service="ServiceName", ts=ts)
     peer = conventions.peer_sql("ServiceName", "Model")
