@@ -44,6 +44,7 @@ SOURCES = {"otel_traces": "otlp_traces"}
 # whose rows a second insert leaves as they are (the trace index keeps each trace's min and max)
 DERIVED = {"stagetrace_requests": ("Start", ("TraceId", "SpanId")),
            "stagetrace_stages": ("Start", ("TraceId", "SpanId")),
+           "stagetrace_models": ("Start", ("TraceId", "SpanId")),
            "otel_traces_trace_id_ts": None}  # fmt: skip
 _SPANS_IN_RANGE = """(SELECT * FROM `{db}`.`otel_traces`
  WHERE Timestamp BETWEEN fromUnixTimestamp64Nano({{first:Int64}}) AND fromUnixTimestamp64Nano({{last:Int64}}))"""

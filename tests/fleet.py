@@ -72,11 +72,15 @@ class Rank:
 
 class Fleet:
     def __init__(self, store, start_ns: int | None = None, service: str = SERVICE,
-                 resources: dict[str, dict] | None = None, model: str = MODEL):  # fmt: skip
+                 resources: dict[str, dict] | None = None, model: str = MODEL,
+                 model_on: str | None = None):  # fmt: skip
         self.store = store
         # the model the root span names; the input digest covers MODEL whatever it is, as a producer's that leaves
         # the model out of it (a shadow deployment of another model then shares the first one's input digests)
         self.model = model
+        # the span that names it: the root span (None), or only the span of this stage (an application's root above
+        # an engine's or framework's span, such as OpenInference's LLM span under a chain)
+        self.model_on = model_on
         self.resources = resources or {}  # host -> resource attributes besides service.name and host.name
         # two hours ago, on a minute: inside every default analysis window, and never in the future
         self.t0 = start_ns if start_ns is not None else (time.time_ns() // MINUTE) * MINUTE - 120 * MINUTE
@@ -149,7 +153,8 @@ class Fleet:
 
         tracer = self._tracer(host)
         root_attrs = {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(request_input),
-                      "gen_ai.request.model": self.model, **(sampling if sampling_on == "request" else {}),
+                      **({"gen_ai.request.model": self.model} if self.model_on is None else {}),
+                      **(sampling if sampling_on == "request" else {}),
                       **(root or {})}  # fmt: skip
         root_span = tracer.start_span("inference.request", kind=SpanKind.SERVER, attributes=root_attrs, start_time=at_ns)
         parent = trace.set_span_in_context(root_span)
@@ -170,6 +175,8 @@ class Fleet:
                     attrs |= sampling
             if name == "allreduce":
                 attrs["parallel.tp_size"] = len(tp) if tp else 1
+            if name == self.model_on:
+                attrs["gen_ai.request.model"] = self.model
             attrs |= extra.get(name, {})
             out = f"{name}({data})" + (f"~{differs[name]}" if name in differs else "")
             end = t + STAGE_MS[name] * MS

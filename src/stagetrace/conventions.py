@@ -512,25 +512,48 @@ PEER_SERVICE = "service.name"
 PEER_MODEL = "gen_ai.request.model"
 PEER_KEY_PARTS = (PEER_SERVICE, PEER_MODEL)
 DEFAULT_PEER_KEY = PEER_KEY_PARTS
-# Where a request root names its model, first non-empty wins: the GenAI conventions (what was asked for, then what
-# served), OpenInference's LLM span (a root where an app has no span above it), OpenLLMetry's older names; then the
-# same keys on the span's resource: vLLM's llm_request names no model (0.33.0), and an operator declares the model a
-# server serves there (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer
-# providers read), a span's own naming winning over it. Dynamo's root names the model a client asked for as ``model``
-# (too generic a name for any other span); Dynamo's tracer reads no OTEL_RESOURCE_ATTRIBUTES (1.6.1).
+# Where a span names its model, first non-empty wins: the GenAI conventions (what was asked for, then what served),
+# OpenInference's LLM span, OpenLLMetry's older names; then the same keys on the span's resource: vLLM's llm_request
+# names no model (0.33.0), and an operator declares the model a server serves there
+# (``OTEL_RESOURCE_ATTRIBUTES=gen_ai.request.model=...``, which vLLM's and SGLang's tracer providers read), a span's
+# own naming winning over it. Dynamo's root names the model a client asked for as ``model`` (too generic a name for
+# any other span); Dynamo's tracer reads no OTEL_RESOURCE_ATTRIBUTES (1.6.1). A *request's* model is its root rows'
+# (the first that names one), else that of a span below them (``stagetrace_models``: ``requests_sql``,
+# ``request_model``): an application's root often names none above the engine's or framework's span that does
+# (OpenInference's LLM span under a chain, a decode span under an app's request). The decode span's first, then the
+# earliest: the model that generates the answer tells deployments apart, not an embedding model its retrieval names.
 MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
               "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
 DYNAMO_MODEL = "model"
-MODEL_SQL = ("multiIf(" + ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in ("SpanAttributes",
-                                    "ResourceAttributes") for k in MODEL_KEYS)
-             + f", {IS_DYNAMO_REQUEST_SQL}, SpanAttributes[{_quote(DYNAMO_MODEL)}], '')")  # fmt: skip
+
+
+def _model_sql(maps: tuple[str, ...], dynamo: bool) -> str:
+    named = ", ".join(f"{m}[{_quote(k)}] != '', {m}[{_quote(k)}]" for m in maps for k in MODEL_KEYS)
+    root = f", {IS_DYNAMO_REQUEST_SQL}, SpanAttributes[{_quote(DYNAMO_MODEL)}]" if dynamo else ""
+    return f"multiIf({named}{root}, '')"
+
+
+MODEL_SQL = _model_sql(("SpanAttributes", "ResourceAttributes"), dynamo=True)
+OWN_MODEL_SQL = _model_sql(("SpanAttributes",), dynamo=False)  # the span's own naming, not its resource's
+MODEL_STAGE = "decode"  # the stage whose span's model is a request's before any other span's
 
 
 def model_of(attributes: dict[str, str], resource: dict[str, str] | None = None, name: str = "") -> str:
-    """A root span's model by ``MODEL_KEYS``, on the span, then on its resource, then Dynamo's (``name``: the
-    span's); the Python twin of ``MODEL_SQL``."""
+    """A span's model by ``MODEL_KEYS``, on the span, then on its resource, then Dynamo's (``name``: the span's);
+    the Python twin of ``MODEL_SQL``."""
     found = next((str(m[k]) for m in (attributes, resource or {}) for k in MODEL_KEYS if m.get(k, "") != ""), "")
     return found or (str(attributes.get(DYNAMO_MODEL, "")) if is_dynamo_request(name, attributes) else "")
+
+
+def request_model(roots, below=()) -> str:
+    """A request's model: the first of its root rows' (``roots``: (attributes, resource[, name]) in
+    ``requests_sql``'s order) that names one, else the ``MODEL_STAGE`` span's among the spans ``below`` them
+    ((stage, start ns, attributes, resource)) that names one on its own attributes (``stagetrace_models``' rule: a
+    resource names the model of every span of its process, which would add a row per span), else the earliest's,
+    ties to the smaller name; the Python twin of ``requests_sql(model=True)``."""
+    named = next((m for m in (model_of(*root) for root in roots) if m), "")
+    spans = ((stage != MODEL_STAGE, t, model_of(a)) for stage, t, a, _ in below)
+    return named or min((s for s in spans if s[2]), default=(0, 0, ""))[2]
 
 
 def peer_sql(service: str = "ServiceName", model: str = "Model") -> str:
@@ -817,25 +840,58 @@ STAGE_ATTRIBUTES_SQL = (
 
 
 # -- SQL over stagetrace_requests: one row per request
+# A trace's root rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the
+# earliest: (Source = 'trace', start) packed into one UInt64, which argMin compares three times faster than a tuple
+_ROOT_ORDER = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano({start})))"
+
+
 def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bool = False) -> str:
     """One row per trace among the root rows matching ``where``: the request's ID from its first span carrying one
     (else the trace ID), digests from the first root row that has them, the trace's start and end.
 
     A trace may hold several root rows: an app's root span without a request ID above an engine's span with one
     (vLLM's llm_request, reached through ``traceparent``), or stagetrace's root above it. ``model``: also the
-    request's model, from the first root row that names one (the engine's span, below an app's root, often does).
+    request's model, from the first root row that names one (the engine's span, below an app's root, often does),
+    else from a span below them (``request_model``'s rule), in ``stagetrace_models`` beside ``table``.
     """
-    # rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the earliest:
-    # (Source = 'trace', RowStart) packed into one UInt64, which argMin compares three times faster than a tuple
-    order = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano(RowStart)))"
-    return f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
+    order = _ROOT_ORDER.format(start="RowStart")
+    columns = ("RequestId", "TraceId", "SpanId", "Start", "End", "ServiceName", "HostName", "SpanName", "InputDigest",
+               "OutputDigest", "StatusCode")  # fmt: skip
+    roots = f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
        min(RowStart) AS Start, max(RowEnd) AS End,
        argMin(ServiceName, {order}) AS ServiceName, argMin(HostName, {order}) AS HostName,
        argMin(SpanName, {order}) AS SpanName, argMinIf(InputDigest, {order}, InputDigest != '') AS InputDigest,
        argMinIf(OutputDigest, {order}, OutputDigest != '') AS OutputDigest, argMin(StatusCode, {order}) AS StatusCode{
-           f", argMinIf(Model, {order}, Model != '') AS Model" if model else ""}
+           f", argMinIf(Model, {order}, Model != '') AS RootModel" if model else ""}
 FROM (SELECT RequestId, TraceId, SpanId, Start AS RowStart, End AS RowEnd, ServiceName, HostName, SpanName,
              InputDigest AS InputDigest, OutputDigest AS OutputDigest, StatusCode, Source{", Model" if model else ""}
       FROM {table}
       WHERE {where})
+GROUP BY TraceId"""
+    if not model:
+        return roots
+    # only the traces whose root rows name no model, found by the models table's key (its trace ID): none read where
+    # every root names one, and a few granules for one request's
+    models = table.replace("stagetrace_requests", "stagetrace_models")
+    return f"""SELECT {", ".join(f"r.{c} AS {c}" for c in columns)},
+       if(r.RootModel != '', r.RootModel, s.BelowModel) AS Model
+FROM ({roots}) AS r
+LEFT JOIN (SELECT TraceId, argMin(Model, (Stage != '{MODEL_STAGE}', Start, Model)) AS BelowModel FROM {models}
+           WHERE TraceId IN (SELECT TraceId FROM {table} WHERE ({where}) AND Model = '')
+           GROUP BY TraceId) AS s ON r.TraceId = s.TraceId"""
+
+
+def trace_models_sql(traces: str, where: str = "1", table: str = "stagetrace_requests") -> str:
+    """(TraceId, Model) of the traces in ``traces`` (a subquery of trace IDs) that have a model, by the rule of
+    ``requests_sql(where, table, model=True)``, in one pass over the rows that name one (root rows of ``table``
+    matching ``where`` first, then the ``MODEL_STAGE`` span below them, then the earliest): what a query that needs
+    only the model reads, without grouping every root row of the traces."""
+    models = table.replace("stagetrace_requests", "stagetrace_models")
+    return f"""SELECT TraceId, argMin(Model, (Tier, Key, Model)) AS Model FROM (
+    SELECT TraceId, toUInt8(0) AS Tier, {_ROOT_ORDER.format(start="Start")} AS Key, Model FROM {table}
+    WHERE ({where}) AND Model != '' AND TraceId IN ({traces})
+    UNION ALL
+    SELECT TraceId, toUInt8(1 + (Stage != '{MODEL_STAGE}')) AS Tier, toUInt64(toUnixTimestamp64Nano(Start)) AS Key,
+           Model
+    FROM {models} WHERE TraceId IN ({traces}))
 GROUP BY TraceId"""

@@ -35,7 +35,9 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # and BeganHost (one entry per rank, in the same order), for /metrics, the alerts and the dashboards (issue 52);
 # 17: NVIDIA Dynamo's spans: its frontend root a request by its x_request_id or request_id, its system roots no
 # request, its worker's handle_payload the decode stage (issue 53)
-SCHEMA_VERSION = 17
+# 18: stagetrace_models, the models spans below a request's roots name (conventions.OWN_MODEL_SQL), its model where
+# its root rows name none (conventions.requests_sql), as an application's root above an engine's span (issue 51)
+SCHEMA_VERSION = 18
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -339,6 +341,24 @@ ORDER BY (Stage, Start)
 SETTINGS index_granularity = {_LOOKUP_GRANULARITY}, {_DEDUP}""",
         "cityHash64(TraceId)",
     ),
+    # One row per span below a request's root rows that names a model on its own attributes (few: most requests'
+    # roots name it), by trace ID: a request's model where its roots name none (conventions.requests_sql), found by
+    # the key for the traces that need it.
+    Table(
+        "stagetrace_models",
+        """
+    TraceId String CODEC(ZSTD(1)),
+    SpanId String CODEC(ZSTD(1)),
+    Start DateTime64(9) CODEC(Delta, ZSTD(1)),
+    ServiceName LowCardinality(String) CODEC(ZSTD(1)),
+    Stage LowCardinality(String) CODEC(ZSTD(1)),
+    Model LowCardinality(String) CODEC(ZSTD(1))""",
+        "MergeTree()",
+        f"""PARTITION BY toDate(Start)
+ORDER BY (TraceId, Start)
+SETTINGS index_granularity = {_LOOKUP_GRANULARITY}, {_DEDUP}""",
+        "cityHash64(TraceId)",
+    ),
     Table(
         "stagetrace_divergences",
         """
@@ -428,6 +448,16 @@ GROUP BY TraceId""",
          _requests_select(cv.REQUEST_INPUT_DIGEST_SQL, cv.REQUEST_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
     View("stagetrace_stages_content_mv", "stagetrace_stages",
          _stages_select(cv.STAGE_INPUT_DIGEST_SQL, cv.STAGE_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
+    # the stage rule runs only on the spans that name a model, which the filter keeps
+    View("stagetrace_models_mv", "stagetrace_models", f"""SELECT
+    TraceId,
+    SpanId,
+    Timestamp AS Start,
+    ServiceName,
+    {cv.STAGE_SQL} AS Stage,
+    {cv.OWN_MODEL_SQL} AS Model
+FROM {{source}}
+WHERE Model != '' AND NOT ({cv.IS_REQUEST_ROOT_SQL})"""),
 )
 
 # The Collector's span and log tables as stagetrace reads them, with Map attributes in either of the Collector's
@@ -436,7 +466,7 @@ GROUP BY TraceId""",
 READ_VIEWS = {"stagetrace_spans": "otel_traces", "stagetrace_logs": "otel_logs"}
 
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
-BACKFILLS = {2: ("stagetrace_stages_mv",)}
+BACKFILLS = {2: ("stagetrace_stages_mv",), 18: ("stagetrace_models_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
 REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
             6: ("stagetrace_requests_mv",),
@@ -585,7 +615,8 @@ def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
 # undone from them (schema 12). A server store keeps the engine's settings: its operator decides (replicas, its
 # own fsync).
 DURABLE_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "otel_logs",
-                  "stagetrace_requests", "stagetrace_stages", "stagetrace_divergences", "stagetrace_analyser")
+                  "stagetrace_requests", "stagetrace_stages", "stagetrace_models", "stagetrace_divergences",
+                  "stagetrace_analyser")
 DURABLE_SETTINGS = ("fsync_after_insert = 1, fsync_part_directory = 1, min_compressed_bytes_to_fsync_after_merge = 1, "
                     f"old_parts_lifetime = {SOURCES_KEPT_S}")
 _NOT_DURABLE_SQL = """

@@ -241,8 +241,10 @@ class Explainer:
                 raise lookup.NotFound(f"no request with id {against!r} (--against)") from None
             baseline = Baseline(against, "explicit", 1, 1, other)
         peers, peer = self._peers(request_id, trace.start_ns, trace.input_digest, bool(reason))
-        if peer is None:  # no input digest to find its row by: its own root span's service and model
-            model = conventions.model_of(trace.root.attributes, name=trace.root.name) if trace.spans else ""
+        if peer is None:  # no input digest to find its row by: its own root span's service, and its model
+            model = conventions.request_model(
+                [(trace.root.attributes, trace.root.resource, trace.root.name)] if trace.spans else [],
+                [(s.stage_name, s.start_ns, s.attributes, s.resource) for s in trace.spans if s is not trace.root])
             peer = conventions.peer_of(trace.service, model, config.peer_key())
         found_rollouts = self._rollouts(trace, peers)
         epochs = population.epochs_of(found_rollouts)

@@ -118,7 +118,7 @@ class Deviation:
     baseline_request_id: str
     baseline_trace_id: str
     service: str = ""  # the service of the request's root span
-    model: str = ""  # the model its root span names (``conventions.MODEL_KEYS``)
+    model: str = ""  # the model it names: on its root rows, else a span below (``conventions.request_model``)
 
     @property
     def peer(self) -> tuple[str, str]:
@@ -300,10 +300,15 @@ def _weighed(rows) -> dict:
     return out
 
 
-# the models each service's requests named in a window (``contrasts``)
+# the models each service's requests named in a window (``contrasts``), on their root rows or on a span below them (a
+# request's model where its roots name none: ``conventions.requests_sql``)
 MODELS_BY_SERVICE_SQL = """
-SELECT ServiceName, groupUniqArray(2)(Model) FROM {db:Identifier}.stagetrace_requests
-WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
+SELECT ServiceName, groupUniqArray(2)(Model) FROM (
+    SELECT ServiceName, Model FROM {db:Identifier}.stagetrace_requests
+    WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
+    UNION ALL
+    SELECT ServiceName, Model FROM {db:Identifier}.stagetrace_models
+    WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64}))
 GROUP BY ServiceName"""
 
 
@@ -345,10 +350,10 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
             return f"SELECT *, '' AS Model FROM ({spans})"
         window = (f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) "
                   f"AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})")
+        named = conventions.trace_models_sql(f"SELECT TraceId FROM ({spans})", window,
+                                             "{db:Identifier}.stagetrace_requests")
         return f"""SELECT s.*, m.RequestModel AS Model FROM ({spans}) AS s
-            LEFT JOIN (SELECT TraceId, any(Model) AS RequestModel FROM {{db:Identifier}}.stagetrace_requests
-                       WHERE {window} AND Model != '' AND TraceId IN (SELECT TraceId FROM ({spans}))
-                       GROUP BY TraceId) AS m ON s.TraceId = m.TraceId"""
+            LEFT JOIN (SELECT TraceId, Model AS RequestModel FROM ({named})) AS m ON s.TraceId = m.TraceId"""
 
     epoch = EPOCH_SQL.format(service="ServiceName", ts=ts)
     peer = conventions.peer_sql("ServiceName", "Model")

@@ -1,0 +1,148 @@
+"""A request's model named only on a child span, not on its root (issue 51).
+
+An application's root span often names no model, and the engine's or framework's span below it does (OpenInference's
+LLM span under a chain, a decode span under an app's request). The model is part of a request's peer key, so it is
+read from the root rows, else from the decode span, else the earliest stage span naming one
+(``conventions.requests_sql``). Built from the class of case: one service serving two models on the same prompts
+(a shadow deployment: the same input digests), each model named only on its decode span; the second is busier and
+answers differently by design. No request takes its baseline from the other model, and every answer for the first
+equals its answer with the store holding it alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import fleet
+
+from stagetrace import conventions
+from stagetrace.analysis import divergences, live, population
+from stagetrace.analysis.explain import Explainer
+from stagetrace.store import open_store
+
+SECOND = fleet.SECOND
+SINCE_NS = 24 * 3600 * SECOND
+SERVICE, LARGE, SMALL = "gen", "acme-70b", "acme-8b"
+HOSTS, STALE, INDEX = ["h1", "h2", "h3", "h4"], "h3", "retrieval.index.version"
+
+
+def _top(causes: list[dict]) -> tuple | None:
+    top = next((c for c in causes if not c["weak"]), None)
+    return (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) if top else None
+
+
+def answers(store, requests: list[str], of: set[str]) -> dict:
+    """explain's answer for ``requests`` and divergences' entries for the requests in ``of``."""
+    explainer = Explainer(store)
+    explained = {}
+    for rid in requests:
+        report = explainer.explain(rid)
+        explained[rid] = (report["diverged"], report["first_divergent_stage"],
+                          (report["baseline"] or {}).get("request_id"), _top(report["causes"]))  # fmt: skip
+    found = divergences.find(store, SINCE_NS, limit=None)
+    entries = {d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"],
+                                 _top([d["top_cause"]]) if d["top_cause"] else None)
+               for g in found["groups"] for d in g["deviating"] if d["request_id"] in of}  # fmt: skip
+    baselines = {d["request_id"]: d["baseline_request_id"] for g in found["groups"] for d in g["deviating"]}
+    return {"explain": explained, "divergences": entries, "baselines": baselines}
+
+
+@pytest.fixture(scope="module")
+def shadowed(tmp_path_factory):
+    """(the large model's answers alone, with the shadow, the live analyser's rows, both fleets)."""
+    with open_store(f"chdb://{tmp_path_factory.mktemp('child-model') / 'store'}") as store:
+        large = fleet.Fleet(store, service=SERVICE, model=LARGE, model_on="decode")
+        for i, t, host in fleet.timeline(large.at(0), large.at(40), 15 * SECOND, HOSTS):
+            stale = {INDEX: "v40"} if host == STALE else {}
+            large.request(f"large-{i:04d}", t, host, prompt=(i // len(HOSTS)) % 4, settings=stale,
+                          differs={"retrieval": "v40"} if stale else {})  # fmt: skip
+        large.flush()
+        mine = set(large.requests)
+        sample = sorted(mine)[::3]
+        alone = answers(store, sample, mine)
+        # the shadow: the same service, the same prompts (the input digest leaves the model out), another model
+        # named on its decode span only, three times as busy and answering otherwise at decode
+        small = fleet.Fleet(store, large.t0, service=SERVICE, model=SMALL, model_on="decode")
+        for i, t, host in fleet.timeline(small.at(0), small.at(40), 5 * SECOND, ["s1", "s2", "s3"]):
+            small.request(f"small-{i:04d}", t, host, prompt=i % 4, differs={"decode": "8b"})
+        small.flush()
+        live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()
+        rows = dict(store.client.query(
+            "SELECT RequestId, BaselineRequestId FROM {db:Identifier}.stagetrace_divergences FINAL",
+            parameters={"db": store.database}).result_rows)  # fmt: skip
+        models = {d.request_id: d.model for d in population.deviations(store, large.at(-60), large.at(60))}
+        together = answers(store, sample, mine)
+    return alone, together, rows, models, large, small
+
+
+def test_the_model_alone_is_answered_right(shadowed):
+    """The premise: alone, the stale host's requests deviate at retrieval, named by their index."""
+    alone, _, _, _, large, _ = shadowed
+    stale = [rid for rid in alone["explain"] if large.requests[rid]["host"] == STALE]
+    assert stale
+    for rid in stale:
+        diverged, stage, _, top = alone["explain"][rid]
+        assert diverged and (stage, top[2], top[3]) == ("retrieval", INDEX, "v40"), (rid, stage, top)
+
+
+def test_the_model_is_read_from_the_child_span(shadowed):
+    _, _, _, models, large, small = shadowed
+    assert models, "no deviation found"
+    for rid, model in models.items():
+        assert model == (LARGE if rid in large.requests else SMALL), (rid, model)
+
+
+@pytest.mark.parametrize("view", ["explain", "divergences"])
+def test_the_shadow_model_never_moves_an_answer(shadowed, view):
+    alone, together, _, _, _, _ = shadowed
+    moved = {rid: (alone[view].get(rid), together[view].get(rid))
+             for rid in set(alone[view]) | set(together[view]) if alone[view].get(rid) != together[view].get(rid)}
+    assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
+
+
+def test_no_baseline_is_the_other_models(shadowed):
+    """divergences', explain's and the live analyser's baselines are all of the request's own model."""
+    _, together, rows, _, large, _ = shadowed
+
+    def same_model(rid: str, baseline: str | None) -> bool:
+        return not baseline or (rid in large.requests) == (baseline in large.requests)
+
+    pairs = [*together["baselines"].items(), *rows.items(),
+             *((rid, e[2]) for rid, e in together["explain"].items())]  # fmt: skip
+    assert len(pairs) > 20
+    crossed = [(rid, base) for rid, base in pairs if not same_model(rid, base)]
+    assert not crossed, crossed[:5]
+
+
+def test_the_sql_rule_is_the_python_twin(store):
+    """The root's model wins over a child span's; without one, the decode span's wins over an earlier span's, else
+    the earliest: ``request_model`` and ``requests_sql(model=True)`` agree."""
+    cases = {  # request ID -> (model on the root, extra attributes of stage spans)
+        "root-wins": ("on-root", {"decode": {"gen_ai.request.model": "on-decode"}}),
+        "decode-wins": (None, {"retrieval": {"llm.model_name": "embedder"},
+                               "decode": {"gen_ai.response.model": "on-decode"}}),
+        "earliest-else": (None, {"cache": {"llm.model_name": "second"},
+                                 "retrieval": {"llm.model_name": "first"}}),
+        "none": (None, {}),
+    }  # fmt: skip
+    fl = fleet.Fleet(store, model_on="none-of-its-stages")
+    for i, (rid, (root, extra)) in enumerate(cases.items()):
+        fl.request(rid, fl.at(i), "h1", root={"gen_ai.request.model": root} if root else None, extra=extra)
+    fl.flush()
+    sql = conventions.requests_sql("1", "{db:Identifier}.stagetrace_requests", model=True)
+    found = dict(store.client.query(f"SELECT RequestId, Model FROM ({sql})",
+                                    parameters={"db": store.database}).result_rows)  # fmt: skip
+    # the same rule for a set of traces, as the contrast reads it
+    traces = "SELECT TraceId FROM {db:Identifier}.stagetrace_requests"
+    by_trace = dict(store.client.query(
+        f"SELECT r.RequestId, m.Model FROM ({sql}) AS r LEFT JOIN ("
+        f"{conventions.trace_models_sql(traces, '1', '{db:Identifier}.stagetrace_requests')}) AS m USING (TraceId)",
+        parameters={"db": store.database}).result_rows)  # fmt: skip
+    assert by_trace == found
+    for rid, (root, extra) in cases.items():
+        recorded = fl.requests[rid]
+        stages = [(s["stage"], recorded["start_ns"] + k, {str(a): str(v) for a, v in s["attributes"].items()}, {})
+                  for k, s in enumerate(recorded["stages"])]  # fmt: skip
+        twin = conventions.request_model([({"gen_ai.request.model": root} if root else {}, {})], stages)
+        assert found[rid] == twin, (rid, found[rid], twin)
+    assert [found[r] for r in cases] == ["on-root", "on-decode", "first", ""]
