@@ -104,12 +104,16 @@ def _application(message, root, host: str, driver: str, output: str) -> None:
             span.attributes.add(key=key, value={"string_value": value})
 
 
-def _transfer_end(store, request_id: str) -> int:
-    """When the request's decode half received the KV cache (``decode_transferred`` ended), in ns."""
+# each end of the transfer: its span, and the host and NIC that count errors there in the test
+ENDS = {"decode": ("decode_transferred", "dc-a", "mlx5_1"), "prefill": ("prefill_transfer_kv_cache", "pf-a", "mlx5_0")}
+
+
+def _transfer_end(store, request_id: str, span: str) -> int:
+    """When the request's ``span`` (one end's transfer) ended, in ns."""
     (end,), = store.client.query(
-        "SELECT toUnixTimestamp64Nano(Timestamp) + Duration FROM stagetrace.otel_traces WHERE SpanName = "
-        "'decode_transferred' AND TraceId IN (SELECT TraceId FROM stagetrace.otel_traces WHERE "
-        "SpanAttributes['rid'] = {rid:String})", parameters={"rid": request_id}).result_rows  # fmt: skip
+        "SELECT toUnixTimestamp64Nano(Timestamp) + Duration FROM stagetrace.otel_traces WHERE SpanName = {span:String}"
+        " AND TraceId IN (SELECT TraceId FROM stagetrace.otel_traces WHERE SpanAttributes['rid'] = {rid:String})",
+        parameters={"rid": request_id, "span": span}).result_rows  # fmt: skip
     return end
 
 
@@ -122,13 +126,16 @@ def receiver(store):
     r.close()
 
 
-def test_a_kv_transfer_whose_decode_host_nic_counted_sequence_errors_is_explained_by_that_nic(store, receiver):
-    """Five disaggregated requests with one prompt (prefill on pf-a, decode on dc-a) agree. A sixth on the same hosts
-    received another KV cache and answered otherwise, while the second NIC of its decode host (mlx5_1) counted
-    out-of-sequence packets and packet sequence errors: that NIC's counter on dc-a, at the decode end of the KV
-    transfer (the cache stage), is its cause, and neither the prefill host's NICs nor the decode host's quiet one.
-    The neighbour: in the same minute another request of the prompt, on pf-b and dc-b with another GPU driver,
-    received yet another KV cache: its NICs were quiet, so it is explained by its driver, never by dc-a's NIC."""
+@pytest.mark.parametrize("end", sorted(ENDS))
+def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained_by_that_nic(store, receiver, end):
+    """Five disaggregated requests with one prompt (prefill on pf-a, decode on dc-a, two NICs each) agree. A sixth on
+    the same hosts received another KV cache and answered otherwise, while one NIC of one end's host (the decode
+    host's second NIC, mlx5_1; or the prefill host's first, mlx5_0) counted out-of-sequence packets and packet
+    sequence errors during that end's transfer: that NIC's counters on that host, at that end of the KV transfer (the
+    cache stage), are its cause, and no other NIC. The neighbour: in the same minute another request of the prompt,
+    on pf-b and dc-b with another GPU driver, received yet another KV cache: its NICs were quiet, so it is explained
+    by its driver, never by the erring NIC."""
+    span, host, nic = ENDS[end]
     t0 = time.time_ns() - 30 * 60 * 10**9
     agreeing = [disaggregated_request(receiver, n, t0 + n * EVERY_NS, ("pf-a", "dc-a"), KV_SENT, AGREED)
                 for n in range(1, 6)]  # fmt: skip
@@ -136,15 +143,15 @@ def test_a_kv_transfer_whose_decode_host_nic_counted_sequence_errors_is_explaine
     neighbour = disaggregated_request(receiver, 7, t0 + 6 * EVERY_NS + 10**9, ("pf-b", "dc-b"), KV_RECEIVED_OTHER,
                                       OTHER, driver="580.82")  # fmt: skip
     receiver.writer.flush()
-    # the agent's NIC counters, scraped every 15 s all along: dc-a's mlx5_1 counts errors in the scrape after the
-    # sixth request's transfer ended, every other NIC stays where it was
-    errored = _transfer_end(store, broken) + 2 * 10**9
-    fleet, start, end = Fleet(store), t0 - 5 * 60 * 10**9, t0 + 15 * 60 * 10**9
-    for host, device in (("pf-a", "mlx5_0"), ("pf-a", "mlx5_1"), ("dc-a", "mlx5_0"), ("dc-a", "mlx5_1"),
+    # the agent's NIC counters, scraped every 15 s all along: one NIC counts errors in the scrape after the sixth
+    # request's transfer at its end ended, every other NIC stays where it was
+    errored = _transfer_end(store, broken, span) + 2 * 10**9
+    fleet, first, last = Fleet(store), t0 - 5 * 60 * 10**9, t0 + 15 * 60 * 10**9
+    for where, device in (("pf-a", "mlx5_0"), ("pf-a", "mlx5_1"), ("dc-a", "mlx5_0"), ("dc-a", "mlx5_1"),
                          ("pf-b", "mlx5_0"), ("dc-b", "mlx5_0")):  # fmt: skip
-        rises = ((errored, 7.0),) if (host, device) == ("dc-a", "mlx5_1") else ()
+        rises = ((errored, 7.0),) if (where, device) == (host, nic) else ()
         for metric in ("rdma_out_of_sequence_total", "rdma_packet_seq_err_total"):
-            fleet.counter(host, metric, {"device": device, "port": "1"}, start, end, every_ns=SCRAPE_NS, value=12,
+            fleet.counter(where, metric, {"device": device, "port": "1"}, first, last, every_ns=SCRAPE_NS, value=12,
                           rises=rises)  # fmt: skip
 
     report = Explainer(store).explain(broken)
@@ -152,15 +159,15 @@ def test_a_kv_transfer_whose_decode_host_nic_counted_sequence_errors_is_explaine
     assert report["baseline"]["request_id"] in agreeing
     top = report["causes"][0]
     assert (top["kind"], top["stage"], top["host"], top["device"], top["half"]) == (
-        "hardware", "cache", "dc-a", "mlx5_1", "decode"), report["causes"][:3]
+        "hardware", "cache", host, nic, end), report["causes"][:3]
     assert top["name"] in ("rdma_out_of_sequence_total", "rdma_packet_seq_err_total") and top["value"] == "+7"
     hardware = [c for c in report["causes"] if c["kind"] == "hardware"]
-    assert {(c["host"], c["device"]) for c in hardware} == {("dc-a", "mlx5_1")}, hardware
-    assert re.search(r"rose by 7 .*cache.* mlx5_1 \(dc-a, the decode end of the KV transfer\)", report["summary"]), (
+    assert {(c["host"], c["device"], c["half"]) for c in hardware} == {(host, nic, end)}, hardware
+    assert re.search(rf"rose by 7 .*cache.* {nic} \({host}, the {end} end of the KV transfer\)", report["summary"]), (
         report["summary"])
     # stagetrace trace's hardware table beside the waterfall: the same NIC, at the KV transfer
     shown = hardware_context(store, lookup.by_request_id(store, broken))
-    assert {(c["stage"], c["host"], c["device"]) for c in shown} == {("cache", "dc-a", "mlx5_1")}, shown
+    assert {(c["stage"], c["host"], c["device"]) for c in shown} == {("cache", host, nic)}, shown
 
     other = Explainer(store).explain(neighbour)
     assert other["diverged"] and other["first_divergent_stage"] == "cache", other["summary"]
@@ -173,5 +180,5 @@ def test_a_kv_transfer_whose_decode_host_nic_counted_sequence_errors_is_explaine
     assert set(deviating) == {broken, neighbour}, deviating
     found = deviating[broken]["top_cause"]
     assert (found["kind"], found["name"], found["host"], found["device"]) == (
-        "hardware", top["name"], "dc-a", "mlx5_1"), found
+        "hardware", top["name"], host, nic), found
     assert deviating[neighbour]["top_cause"]["name"] == conventions.CONFIGURATION_DRIVER
