@@ -179,6 +179,6 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
     deviating = {i["request_id"]: i for g in result["groups"] for i in g["deviating"]}
     assert set(deviating) == {broken, neighbour}, deviating
     found = deviating[broken]["top_cause"]
-    assert (found["kind"], found["name"], found["host"], found["device"]) == (
-        "hardware", top["name"], host, nic), found
+    assert (found["kind"], found["name"], found["host"], found["device"], found.get("half")) == (
+        "hardware", top["name"], host, nic, end), found
     assert deviating[neighbour]["top_cause"]["name"] == conventions.CONFIGURATION_DRIVER

@@ -44,7 +44,7 @@ def watched(trace: lookup.Trace, stage: str, span: lookup.Span, samples: Samples
     halves = _halves(trace)
     ends: dict[tuple[str, str], list[lookup.Span]] = {}
     for s in passes:
-        ends.setdefault((halves.get(s.span_id, ""), s.resource.get("host.name", "")), []).append(s)
+        ends.setdefault((halves.get(s.span_id) or _named_half(s.name), s.resource.get("host.name", "")), []).append(s)
     out = []
     for (half, where), spans in sorted(ends.items()):
         gpus = dict.fromkeys(g for s in spans for g in devices(s.attributes)[0])
@@ -56,6 +56,13 @@ def watched(trace: lookup.Trace, stage: str, span: lookup.Span, samples: Samples
 
 def _unnamed_transfer(span: lookup.Span) -> bool:
     return conventions.moves_over_fabric(span.name) and not devices(span.attributes)[1]
+
+
+def _named_half(name: str) -> str:
+    """The half SGLang's transfer slice names itself for (``prefill_transfer_kv_cache``, ``decode_transferred``):
+    what tells the ends apart where the roots were not read (``divergences`` reads stage spans only)."""
+    role = name.partition("_")[0]
+    return role if role in conventions.DISAGGREGATED_ROLES else ""
 
 
 def _halves(trace: lookup.Trace) -> dict[str, str]:
