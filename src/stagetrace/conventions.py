@@ -330,6 +330,10 @@ class Name:
         tests += [f"position(SpanName, {_quote(p)}) > 0" for p in self.parts]
         return " OR ".join(tests)
 
+    def matches(self, name: str) -> bool:
+        """Whether ``name`` passes this condition (what ``sql`` tests in the store)."""
+        return name in self.exact or name.endswith(self.suffixes) or any(p in name for p in self.parts)
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -342,6 +346,10 @@ class Rule:
 
 
 _OI_KIND = "openinference.span.kind"
+# SGLang's prefill/decode disaggregation: the spans of the KV cache's move from the prefill server to the decode server
+# (its bootstrap and transfer slices, and mooncake's own), a stage and a fabric transfer at once (moves_over_fabric)
+KV_TRANSFER = Name(exact=("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap", "decode_transferred"),
+                   parts=("mooncake_",))  # fmt: skip
 _VECTOR_STORES = ("chroma", "Pinecone", "pinecone", "Qdrant", "qdrant", "milvus", "weaviate", "lancedb", "marqo")
 
 STAGE_RULES = (
@@ -371,9 +379,15 @@ STAGE_RULES = (
     # prefill/decode disaggregation moves the prompt's KV cache from the prefill server's GPUs to the decode
     # server's, over RDMA (mooncake): the decode's cache is filled by it, so it is the cache stage, where a cache
     # the decode did not compute itself belongs (docs/instrumented.md)
-    Rule("cache", (Name(exact=("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap",
-                               "decode_transferred"), parts=("mooncake_",)),), "SGLang (disaggregation)"),
+    Rule("cache", (KV_TRANSFER,), "SGLang (disaggregation)"),
 )
+
+
+def moves_over_fabric(name: str) -> bool:
+    """A span that moves data between hosts over the RDMA fabric without naming its NIC (``net.rdma.devices``): the
+    KV transfer of a disaggregated request (``KV_TRANSFER``). Its host's RDMA NICs, every one the agent collected
+    there, are weighed over its window as an all-reduce's named NICs are (analysis/fabric.py)."""
+    return KV_TRANSFER.matches(name)
 
 
 # -- digests: the first source with a value gives the digest; content is hashed in the store

@@ -149,6 +149,13 @@ FROM {db:Identifier}.stagetrace_requests
 WHERE RequestId = {rid:String}
 ORDER BY Start
 LIMIT 100"""
+# The traces of many request IDs with their root's name, by the table's key: the halves of disaggregated requests.
+HALVES_OF_REQUESTS_SQL = """
+SELECT RequestId, TraceId, SpanName
+FROM {db:Identifier}.stagetrace_requests
+WHERE RequestId IN {rids:Array(String)}
+ORDER BY Start
+LIMIT 100 BY RequestId"""
 # Traces' time spans, from the Collector's trace-ID table (ordered by trace ID): the first and after the last second
 # their spans started in.
 TRACE_SPANS_SQL = """
@@ -178,7 +185,7 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     # A retried request ID has several traces: show the latest. Within a trace the earliest row is the outermost span.
     # A request disaggregated over a prefill and a decode server is both halves, the latest of each (conventions).
     latest_trace = rows[-1][0]
-    halves = {conventions.disaggregated_role(r[4]): r[0] for r in rows if conventions.disaggregated_role(r[4])}
+    halves = _halves((r[0], r[4]) for r in rows)
     traces = [latest_trace, *(t for t in halves.values() if t != latest_trace)] if len(halves) > 1 else [latest_trace]
     trace_rows = [r for r in rows if r[0] == latest_trace]
     start = min(r[1] for r in rows if r[0] in traces)
@@ -198,6 +205,27 @@ def by_request_id(store: Store, request_id: str) -> Trace:
     end = max([end, *(s.start_ns + s.duration_ns for s in spans)])
     _, *request = _request(store, latest_trace)
     return Trace(request_id, latest_trace, trace_rows[0][3], start, end - start, spans, *request)
+
+
+def _halves(rows) -> dict[str, str]:
+    """Role -> the latest trace of that half of a disaggregated request, from its (trace ID, root name) rows in start
+    order (conventions.disaggregated_role); empty for a request that is not split."""
+    return {conventions.disaggregated_role(name): trace for trace, name in rows if conventions.disaggregated_role(name)}
+
+
+def halves_of(store: Store, request_ids) -> dict[str, list[str]]:
+    """Request ID -> the traces of its halves, for those of ``request_ids`` disaggregated over two servers (each
+    half's latest trace, as ``by_request_id`` shows them), in one query."""
+    rows: dict[str, list[tuple[str, str]]] = {}
+    params = {"db": store.database, "rids": sorted(set(request_ids))}
+    for request_id, trace_id, name in store.client.query(HALVES_OF_REQUESTS_SQL, parameters=params).result_rows:
+        rows.setdefault(request_id, []).append((trace_id, name))
+    out = {}
+    for request_id, found in rows.items():
+        halves = _halves(found)
+        if len(halves) > 1:
+            out[request_id] = sorted(set(halves.values()))
+    return out
 
 
 def _extents(store: Store, trace_ids) -> dict[str, tuple[int, int]]:

@@ -53,12 +53,34 @@ def _traces(store: Store, deviations: list[population.Deviation], window: tuple[
     reads (a third of the time of whole traces at 10,000 requests/s), or ``whole``."""
     out = {}
     trace_ids = {t for d in deviations for t in (d.trace_id, d.baseline_trace_id)}
-    for trace_id, members in lookup.spans_of_many(store, trace_ids, window, stages_only=not whole).items():
+    found = lookup.spans_of_many(store, trace_ids, window, stages_only=not whole)
+    _other_halves(store, deviations, found, window, whole)
+    for trace_id, members in found.items():
         start = min(s.start_ns for s in members)
         end = max(s.start_ns + s.duration_ns for s in members)
         out[trace_id] = inventory.filled(lookup.Trace(None, trace_id, members[0].service, start, end - start, members),
                                          gpus)  # fmt: skip
     return out
+
+
+def _other_halves(store: Store, deviations: list[population.Deviation], found: dict[str, list[lookup.Span]],
+                  window: tuple[int, int], whole: bool) -> None:  # fmt: skip
+    """Add to each read trace of a disaggregated request the spans of its other half (SGLang's prefill and decode
+    servers, each a trace of its own without a traced router), as ``explain`` reads the request: the other end of its
+    KV transfer. Asked only of traces whose spans show a transfer (``conventions.moves_over_fabric``): one query."""
+    request_of = {t: r for d in deviations for t, r in ((d.trace_id, d.request_id),
+                                                        (d.baseline_trace_id, d.baseline_request_id))}  # fmt: skip
+    split = {request_of[t] for t, members in found.items()
+             if t in request_of and any(conventions.moves_over_fabric(s.name) for s in members)}  # fmt: skip
+    halves = lookup.halves_of(store, split) if split else {}
+    if not halves:
+        return
+    wanted = {h for t in found if request_of.get(t) in halves for h in halves[request_of[t]] if h != t}
+    read = {**{t: list(m) for t, m in found.items()},
+            **lookup.spans_of_many(store, wanted - set(found), window, stages_only=not whole)}  # fmt: skip
+    for trace_id, members in found.items():
+        others = [h for h in halves.get(request_of.get(trace_id), []) if h != trace_id]
+        members += [s for h in others for s in read.get(h, [])]
 
 
 def _divergences(deviations: list[population.Deviation], traces: dict[str, lookup.Trace]) -> dict[str, Divergence]:

@@ -186,8 +186,9 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
         usual = f" (usually {top.evidence['typical']:g})" if "typical" in top.evidence else ""
         timing = Timing.of(top.evidence)  # the window the detector weighed, as the report draws it
         when = timing.words(stage) if timing else "while it ran"
+        half = f", the {top.evidence['half']} end of the KV transfer" if top.evidence.get("half") else ""
         return (f"{lead}{sep} {top.name} {change}{usual} {when} on{rank} {top.evidence['device']} "
-                f"({top.evidence['host']}), not for the baseline {tail}")  # fmt: skip
+                f"({top.evidence['host']}{half}), not for the baseline {tail}")  # fmt: skip
     value, usual = top.value or "(unset)", top.baseline_value or "(unset)"
     where = top.evidence.get("where") or {}
     host = where.get(conventions.HOST) or next(iter(where.values()), "")

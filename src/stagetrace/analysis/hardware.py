@@ -37,7 +37,9 @@ Joining. GPU series join spans' ``gpu.uuid`` on their ``uuid`` label (``nccl_*``
 join ``net.rdma.devices`` on ``device``. ``nic_*`` series (ethtool) are per netdev: the netdev is mapped
 to its RDMA device through the RDMA series of the same host that carry both ``device`` and ``netdev``
 (``rdma_port_info``), so a span naming ``mlx5_0`` gets the PFC counters of ``mlx5_0``'s ``eth0``; with no
-mapping known, the netdev's own name is matched against the span's devices.
+mapping known, the netdev's own name is matched against the span's devices. A span that moves data over the
+fabric and names no NIC (SGLang's KV transfer, ``conventions.moves_over_fabric``) gets every NIC read on its host
+(``weighed``).
 """
 
 from __future__ import annotations
@@ -307,6 +309,7 @@ class Samples:
                   "t1": t1_ns + LOOKAROUND_NS}  # fmt: skip
         self._scrape_times: dict[str, list[int]] = {}
         self._by_device: dict[tuple[str, str], list[tuple[str, Series]]] = defaultdict(list)
+        self._nics: dict[str, set[str]] = defaultdict(set)  # host -> the NICs (as spans name them) read there
         if not signals:
             return
         sql, extra = present_query(signals)
@@ -339,10 +342,16 @@ class Samples:
                 names = {series.device}
             for device in sorted(names):
                 self._by_device[(host, device)].append((name, series))
+                if series.signal.device == NIC:
+                    self._nics[host].add(device)
 
     def series(self, host: str, device: str) -> list[tuple[str, Series]]:
         """The (metric name, series) pairs read for ``device`` (as spans name it) on ``host``."""
         return list(self._by_device.get((host, device), ()))
+
+    def nics(self, host: str) -> list[str]:
+        """Every NIC of ``host`` that some signal's series were read for, as spans name them (RDMA devices)."""
+        return sorted(self._nics.get(host, ()))
 
     def window(self, host: str, start_ns: int, end_ns: int, lookback: int = 1) -> tuple[int, int] | None:
         """From ``lookback`` scrapes before the last one at or before ``start`` to the first at or after ``end``."""
@@ -449,6 +458,15 @@ def devices(attributes: dict[str, str]) -> tuple[list[str], list[str]]:
     return _names(attributes.get("gpu.uuid", "")), _names(attributes.get("net.rdma.devices", ""))
 
 
+def weighed(samples: Samples, span) -> tuple[list[str], list[str]]:
+    """The GPUs and NICs whose signals count for ``span``: those it names; for a span that moves data over the
+    fabric and names no NIC (``conventions.moves_over_fabric``: SGLang's KV transfer), every NIC read on its host."""
+    gpus, nics = devices(span.attributes)
+    if not nics and conventions.moves_over_fabric(span.name):
+        nics = samples.nics(span.resource.get("host.name", ""))
+    return gpus, nics
+
+
 def _names(text: str) -> list[str]:
     text = text.strip()
     if text.startswith("["):
@@ -466,7 +484,7 @@ def context(store: Store, trace) -> list[dict]:
     the series' typical level, ``typical``, for a relative signal), and where in the window it rose (``when``:
     ``Timing.words``, as ``explain`` says it, with the timing's times).
     """
-    spans = [s for s in trace.spans if any(devices(s.attributes))]
+    spans = [s for s in trace.spans if any(devices(s.attributes)) or conventions.moves_over_fabric(s.name)]
     if not spans:
         return []
     samples = Samples(store, sorted({s.resource.get("host.name", "") for s in spans}), trace.start_ns,
@@ -475,7 +493,7 @@ def context(store: Store, trace) -> list[dict]:
     severity: dict[tuple, float] = {}
     for span in spans:
         host = span.resource.get("host.name", "")
-        for rise in samples.rises(host, *devices(span.attributes), span.start_ns, span.start_ns + span.duration_ns):
+        for rise in samples.rises(host, *weighed(samples, span), span.start_ns, span.start_ns + span.duration_ns):
             key = (host, rise.device, rise.metric, tuple(sorted(rise.labels.items())))
             entry = found.setdefault(key, {"stage": span.stage, "host": host, "device": rise.device, "metric": rise.metric,
                                            "labels": rise.labels, "increase": 0.0})  # fmt: skip
