@@ -50,9 +50,6 @@ from stagetrace.store import Location, Store, open_store
 
 logger = logging.getLogger(__name__)
 
-# their names before they moved to ``rows``
-_Resources = Resources
-metric_rows = node_metric_rows
 
 
 def _store_arg(store: str | Location | Store | None, create_schema: bool) -> tuple[Store, bool]:
@@ -218,5 +215,5 @@ class ClickHouseMetricWriter:
 
 __all__ = [
     "ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map", "attribute_text", "AGENT_SERVICE", "METRIC_SCOPE",
-    "ClickHouseMetricWriter", "METRIC_COLUMNS", "SUM_COLUMNS", "GAUGE_TABLE", "SUM_TABLE", "metric_rows",
+    "ClickHouseMetricWriter", "METRIC_COLUMNS", "SUM_COLUMNS", "GAUGE_TABLE", "SUM_TABLE",
 ]  # fmt: skip

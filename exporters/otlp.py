@@ -74,7 +74,6 @@ from stagetrace.store import Store
 
 logger = logging.getLogger(__name__)
 
-metric_rows = otlp_metric_rows  # its name before it moved to ``rows``
 
 DEFAULT_LISTEN = "127.0.0.1:4318"
 MAX_BODY_BYTES = 20 * 1024 * 1024  # the Collector's otlp receiver default (confighttp max_request_body_size)
@@ -370,5 +369,5 @@ class _OtlpHandler(httpd.Handler):
 
 
 __all__ = ["DEFAULT_LISTEN", "GAUGE_COLUMNS", "MAX_BODY_BYTES", "MAX_SPANS", "OTLP_SUM_COLUMNS", "OtlpError", "OtlpReceiver",
-           "decode", "encode", "metric_counts", "metric_rows", "metric_tables", "request_token", "span_counts",
+           "decode", "encode", "metric_counts", "metric_tables", "request_token", "span_counts",
            "span_views", "trace_tables"]  # fmt: skip

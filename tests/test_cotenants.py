@@ -1,7 +1,7 @@
 """A co-tenant's burst on a shared GPU, named by ``explain`` for a deviating decode that ran beside it.
 
 The store is filled through the public writers: spans through the OTel SDK into ``ClickHouseSpanExporter`` (start
-and end times chosen on the scrape grid), the gpu collector's tenant series as ``metric_rows`` makes them from its own
+and end times chosen on the scrape grid), the gpu collector's tenant series as ``rows.node_metric_rows`` makes them from its own
 ``MetricSpec``s, on a regular grid of scrapes. Five requests with one input ran decode on the same GPU at different
 times; one deviates. The class of case is a co-tenant whose use rose at the scrape that covers the deviating
 request's decode and nowhere else near it: under time-slicing (SM utilization), under MPS (device memory; NVML
@@ -34,7 +34,8 @@ from stagetrace.collectors.gpm import GPM_METRICS
 from stagetrace.collectors.gpu_tenants import (
     MPS_SERVER, PROCESS, TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM,
 )  # fmt: skip
-from stagetrace.exporters.clickhouse import METRIC_COLUMNS, ClickHouseSpanExporter, metric_rows
+from stagetrace.exporters.clickhouse import METRIC_COLUMNS, ClickHouseSpanExporter
+from stagetrace.exporters.rows import node_metric_rows
 from stagetrace.render import Output, evidence, gpu_activity
 from stagetrace.report import incident_html
 
@@ -95,7 +96,7 @@ def scrapes(store, tenants: dict[tuple[str, str], dict], mps_server: tuple[str, 
         if mps_server is not None:
             out.add(PROCESS, {"namespace": mps_server[0], "pod": mps_server[1], "container": "", "role": MPS_SERVER},
                     **GPU_LABELS, pid="4242")  # fmt: skip
-        rows = metric_rows([out], HOST, at(i))["otel_metrics_gauge"]
+        rows = node_metric_rows([out], HOST, at(i))["otel_metrics_gauge"]
         store.client.insert("otel_metrics_gauge", rows, column_names=METRIC_COLUMNS, database=store.database)
 
 

@@ -7,7 +7,8 @@ from prometheus_client.core import CounterMetricFamily
 from stagetrace import schema
 from stagetrace.collectors.base import Node, Options
 from stagetrace.collectors.rdma import RdmaCollector
-from stagetrace.exporters.clickhouse import ClickHouseMetricWriter, metric_rows
+from stagetrace.exporters.clickhouse import ClickHouseMetricWriter
+from stagetrace.exporters.rows import node_metric_rows
 
 SYSFS = Path(__file__).parent / "fixtures" / "node" / "sys"
 T0 = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z in ns
@@ -52,7 +53,7 @@ def test_counters_are_cumulative_monotonic_sums_and_the_rest_gauges(store):
 def test_unit_is_taken_from_the_family_and_created_samples_are_left_out():
     family = CounterMetricFamily("nic_bytes_total", "Bytes.", labels=["host", "netdev"], unit="bytes", created=1.0)
     family.add_metric(["node-a", "eth0"], 10, created=1.0)
-    rows = metric_rows([family], "node-a", T0, start_ns=T0 - 5)
+    rows = node_metric_rows([family], "node-a", T0, start_ns=T0 - 5)
     (row,) = rows["otel_metrics_sum"]
     assert row[4:7] == ("nic_bytes_total", "Bytes.", "bytes")
     assert row[8:11] == (T0 - 5, T0, 10.0)
@@ -62,7 +63,7 @@ def test_unit_is_taken_from_the_family_and_created_samples_are_left_out():
 def test_rows_are_held_while_the_store_fails_and_written_when_it_works_again(store, caplog):
     writer = ClickHouseMetricWriter(store, host="node-a")
     families = rdma_families()
-    per_write = len(metric_rows(families, "node-a", T0)["otel_metrics_sum"])
+    per_write = len(node_metric_rows(families, "node-a", T0)["otel_metrics_sum"])
     (sum_ddl,) = [s for s in schema.statements() if "`otel_metrics_sum`" in s]
     store.client.command("DROP TABLE stagetrace.otel_metrics_sum")  # a real failure: the table is gone
     assert not writer.write(families, time_ns=T0)
@@ -82,7 +83,7 @@ def test_samples_are_inserted_on_their_own_cadence_and_close_inserts_what_is_hel
     """``insert_every_s``: the first sample at once, later ones held until an insert is due (or ``insert_rows``
     are held); while held, ``write`` answers with the last insert's outcome, and ``close`` inserts what is held."""
     families = rdma_families()
-    sums = len(metric_rows(families, "node-a", T0)["otel_metrics_sum"])
+    sums = len(node_metric_rows(families, "node-a", T0)["otel_metrics_sum"])
     count = "SELECT count() FROM stagetrace.otel_metrics_sum"
     writer = ClickHouseMetricWriter(store, host="node-a", insert_every_s=3600, insert_rows=2 * sums)
     assert writer.write(families, time_ns=T0)
@@ -105,7 +106,7 @@ def test_samples_are_inserted_on_their_own_cadence_and_close_inserts_what_is_hel
 
 def test_held_rows_are_bounded_by_dropping_the_oldest(store):
     families = rdma_families()
-    per_write = len(metric_rows(families, "node-a", T0)["otel_metrics_sum"])
+    per_write = len(node_metric_rows(families, "node-a", T0)["otel_metrics_sum"])
     # in memory, without a spool (with one, the spool's byte bound applies: tests/test_spool.py)
     writer = ClickHouseMetricWriter(store, host="node-a", max_held_rows=per_write + 10, spool_dir=False)
     store.client.command("DROP TABLE stagetrace.otel_metrics_sum")
@@ -139,7 +140,7 @@ def test_a_nodes_samples_make_the_same_rows_as_its_families(kubelet):
     scraped = node.collect_samples()
     node.close()
     families = [f for samples in scraped for f in samples.families("node-a")]
-    by_samples, by_families = metric_rows(scraped, "node-a", T0), metric_rows(families, "node-a", T0)
+    by_samples, by_families = node_metric_rows(scraped, "node-a", T0), node_metric_rows(families, "node-a", T0)
 
     def key(row):  # the rows' attributes are dicts: compare them as sorted items
         return tuple(sorted(v.items()) if isinstance(v, dict) else v for v in row)

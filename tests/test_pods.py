@@ -24,7 +24,8 @@ from stagetrace.analysis.detectors.hardware import HardwareSignals
 from stagetrace.analysis.hardware import Samples
 from stagetrace.analysis.pods import gpu_pods
 from stagetrace.collectors import Options, build_node
-from stagetrace.exporters.clickhouse import METRIC_COLUMNS, ClickHouseSpanExporter, metric_rows
+from stagetrace.exporters.clickhouse import METRIC_COLUMNS, ClickHouseSpanExporter
+from stagetrace.exporters.rows import node_metric_rows
 
 SHARED = Path(__file__).parent / "fixtures" / "kubelet" / "one-gpu-mps"
 GPU = "GPU-7e2b9d41-6a3c-4f18-8d05-b9c1e4a7f362"
@@ -35,7 +36,7 @@ def scrape_kubelet(store, socket: Path, host: str, times: list[int]) -> None:
     node = build_node(["kubernetes"], Options(host=host, kubelet_socket=socket))
     try:
         for at in times:
-            rows = metric_rows(node.collect(), host, at)
+            rows = node_metric_rows(node.collect(), host, at)
             if rows["otel_metrics_gauge"]:
                 store.client.insert("otel_metrics_gauge", rows["otel_metrics_gauge"], column_names=METRIC_COLUMNS,
                                     database=store.database)  # fmt: skip
