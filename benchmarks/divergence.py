@@ -49,7 +49,7 @@ def divergence(quick: bool) -> list[Figure]:
         some = found["result"]["groups"][0]["deviating"][0]["request_id"]
         explainer = Explainer(store)
         explain = median_seconds(lambda: explainer.explain(some), runs=3 if not quick else 1)
-        report = explainer.explain(some)
+        report = explainer.explain(some).to_json()
         assert report["diverged"] and report["causes"][0]["name"].startswith("setting."), report["summary"]
     return [
         Figure(f"generate {requests:,} requests ({requests * 6:,} spans) in-engine", generated, "s"),

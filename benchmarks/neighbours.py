@@ -100,7 +100,7 @@ def _answers(store, requests: list[str]) -> tuple[dict, dict]:
     explainer = Explainer(store)
     explained = {}
     for rid in requests:
-        r = explainer.explain(rid)
+        r = explainer.explain(rid).to_json()
         explained[rid] = (r["diverged"], r["first_divergent_stage"], (r["baseline"] or {}).get("request_id"),
                           _top(r["causes"]))  # fmt: skip
     found = divergences.find(store, SINCE_NS, limit=None)
@@ -197,7 +197,7 @@ def concurrent_faults(quick: bool) -> list[Figure]:
 
             explainer = Explainer(store)
             for rid in deviating[:: 8 if quick else 2]:
-                r = explainer.explain(rid)
+                r = explainer.explain(rid).to_json()
                 right["explain"][0] += named(rid, r["first_divergent_stage"], _top(r["causes"]))
                 right["explain"][1] += 1
             found = divergences.find(store, SINCE_NS, limit=None)

@@ -184,7 +184,7 @@ def _every_explanation_is_checked(monkeypatch):
 
     def checked(self, *args, **kwargs):
         report = explain(self, *args, **kwargs)
-        _check_verdict(report)
+        _check_verdict(report.to_json())
         return report
 
     monkeypatch.setattr(Explainer, "explain", checked)

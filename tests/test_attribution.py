@@ -79,7 +79,7 @@ def checked(report: dict) -> dict:
 def explain(store, request_id: str, against: str | None = None) -> dict:
     from stagetrace.analysis.explain import Explainer
 
-    return checked(Explainer(store).explain(request_id, against))
+    return checked(Explainer(store).explain(request_id, against).to_json())
 
 
 def find(store, fl) -> dict:
@@ -596,7 +596,7 @@ def _fleet_of_four(store, resources: dict[str, dict], deviating: str = "c") -> t
                 n += 1
     fleet_.flush()
     bad = [r for r, v in fleet_.requests.items() if v["host"] == deviating][3]
-    report = checked(Explainer(store).explain(bad))
+    report = checked(Explainer(store).explain(bad).to_json())
     found = divergences.find(store, 6 * 3600 * SECOND, limit=0)
     entry = next(item for group in found["groups"] for item in group["deviating"] if item["request_id"] == bad)
     live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()

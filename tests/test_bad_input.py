@@ -44,7 +44,7 @@ def test_hostile_request_ids_are_a_clean_not_found(store, request_id):
     with pytest.raises(lookup.NotFound, match="no request with id"):
         lookup.by_request_id(store, request_id)
     with pytest.raises(lookup.NotFound, match="no request with id"):
-        Explainer(store).explain(request_id)
+        Explainer(store).explain(request_id).to_json()
     with pytest.raises(lookup.NotFound):
         lookup.by_trace_id(store, request_id)
     # nothing was executed as SQL: the tables and the requests are all there

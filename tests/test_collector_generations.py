@@ -148,7 +148,7 @@ def test_trace_explain_and_divergences_read_each_generation(collector_store):
 
     trace = lookup.by_request_id(collector_store, "odd")
     assert len(trace.spans) == 6 and lookup.by_trace_id(collector_store, trace.trace_id).request_id == "odd"
-    report = Explainer(collector_store).explain("odd")
+    report = Explainer(collector_store).explain("odd").to_json()
     assert report["first_divergent_stage"] == "decode", report["summary"]
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["device"], top["value"]) == ("hardware", "gpu_xid_errors_total", "GPU-a", "+1")

@@ -202,7 +202,7 @@ def test_the_views_fill_the_request_index_and_stage_table(collector_written):
 
 def test_explain_and_divergences_name_the_deviating_stage(collector_written):
     store, _, requests = collector_written
-    report = Explainer(store).explain("odd")
+    report = Explainer(store).explain("odd").to_json()
     assert report["diverged"] and report["first_divergent_stage"] == DEVIATING_STAGE, report.get("summary")
     assert report["baseline"]["request_id"].startswith("ok-") and report["baseline"]["support"] == AGREEING
     names = [c["name"] for c in report["causes"]]

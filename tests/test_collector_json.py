@@ -207,7 +207,7 @@ def test_explain_divergences_and_live_analysis_agree_on_either_layout(both_layou
         step = live.Analyser(store, live.Schedule(settle_s=0, lookback_s=7200)).step()  # first: what it keeps is its own
         kept = store.client.query("SELECT RequestId, FirstDivergentStage FROM {db:Identifier}.stagetrace_divergences "
                                   "FINAL ORDER BY RequestId", parameters={"db": store.database}).result_rows
-        reports = {rid: Explainer(store).explain(rid) for rid in ("rag-odd", "chat-odd")}
+        reports = {rid: Explainer(store).explain(rid).to_json() for rid in ("rag-odd", "chat-odd")}
         found = divergences.find(store, 3600 * 10**9)
         answers[layout] = (
             {rid: (r["diverged"], r["first_divergent_stage"], r["baseline"]["request_id"][:-1],

@@ -69,7 +69,7 @@ def fleet_answers(tmp_path_factory):
         found = divergences.find(store, 24 * 3600 * SECOND, limit=None)
         deviating = [rid for rid, r in sorted(fl.requests.items()) if r["differs"]]
         explainer = Explainer(store)
-        explained = {rid: explainer.explain(rid) for rid in deviating[::2]}
+        explained = {rid: explainer.explain(rid).to_json() for rid in deviating[::2]}
     return fl, found, explained, {r[0]: r[1:] for r in rows}
 
 

@@ -146,7 +146,7 @@ def test_a_co_tenants_burst_during_the_decode_is_named(store, case):
     tenants, server, spec, sharing = POSITIVE[case]
     scrapes(store, tenants, server)
     population(store)
-    report = Explainer(store).explain("odd")
+    report = Explainer(store).explain("odd").to_json()
     assert report["first_divergent_stage"] == "decode"
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["tenant"], top["device"], top["sharing"], top["weak"]) == (
@@ -181,7 +181,7 @@ def test_no_co_tenant_is_named_without_a_burst_of_its_own_while_the_decode_ran(s
     tenants, server = NEGATIVE[case]
     scrapes(store, tenants, server)
     population(store)
-    report = Explainer(store).explain("odd")
+    report = Explainer(store).explain("odd").to_json()
     assert report["first_divergent_stage"] == "decode"
     assert [c for c in report["causes"] if c.get("tenant")] == []
     assert "worker-0" not in report["summary"] and "shared by" not in report["summary"]
@@ -197,7 +197,7 @@ def test_divergences_reads_the_tenants_once_for_its_pass_and_names_what_explain_
     tenants, server = EVERY_CASE[case]
     scrapes(store, tenants, server)
     population(store)
-    report = Explainer(store).explain("odd")
+    report = Explainer(store).explain("odd").to_json()
     found = divergences.find(store, 2 * 3600 * S, limit=None)
     [item] = [item for group in found["groups"] for item in group["deviating"]]
     assert (item["request_id"], item["first_divergent_stage"]) == ("odd", report["first_divergent_stage"])
@@ -211,7 +211,7 @@ def test_a_span_that_names_no_pod_gets_a_co_tenants_burst_as_weak_evidence_only(
     """Without k8s.pod.name the request's own pod is unknown: the tenant that rose may be the request itself."""
     scrapes(store, time_sliced(burst(0.05, 0.8, 0.02, 30)))
     population(store, pod=None)
-    report = Explainer(store).explain("odd")
+    report = Explainer(store).explain("odd").to_json()
     named = [c for c in report["causes"] if c.get("tenant")]
     assert named and all(c["weak"] and c["own_pod"].startswith("unknown") for c in named)
     assert "batch/worker-0" in {c["tenant"] for c in named}

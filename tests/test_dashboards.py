@@ -381,7 +381,7 @@ def test_compare_shows_the_stage_where_a_request_left_its_baseline(demo_store, w
     (the nearest request with the same input and the majority output, in the same rollout epoch): the first row whose output differs while its input is the same is the all-reduce, and the
     attribute that differs there is the algorithm."""
     request_id = truth_request(demo_store, "allreduce.algorithm")
-    baseline = Explainer(demo_store).explain(request_id)["baseline"]["request_id"]  # as explain chooses it
+    baseline = Explainer(demo_store).explain(request_id).to_json()["baseline"]["request_id"]  # as explain chooses it
     sql = expand(compare.STAGES_SQL, window, {"request_id": Variable(request_id), "other_request_id": Variable(baseline)})
     names, _, rows = run(demo_store, sql)
     stages = [dict(zip(names, row)) for row in rows]

@@ -26,7 +26,7 @@ def _answers(dsn: str, explained: list[str], service: str) -> dict:
     with open_store(dsn) as store:
         found = divergences.find(store, SINCE_NS, limit=None)
         explainer = Explainer(store)
-        reports = {rid: explainer.explain(rid) for rid in explained}
+        reports = {rid: explainer.explain(rid).to_json() for rid in explained}
     return {
         "deviating": sum(t["requests"] for t in found["tally"] if t["service"] == service),
         "entries": {d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"], _top(d["top_cause"]))

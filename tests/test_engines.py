@@ -247,17 +247,17 @@ def test_a_vllm_request_sampled_with_an_unknown_seed_is_compared_and_said_to_hav
          {"stagetrace.request.id": f"chat-{n}", "stagetrace.input.digest": digest, "gen_ai.request.temperature": "0.7",
           "stagetrace.output.digest": ("cc" if n < 2 else "dd") * 16}) for n in range(3)])  # fmt: skip
 
-    report = Explainer(store).explain("chatcmpl-53a3")
+    report = Explainer(store).explain("chatcmpl-53a3").to_json()
     assert report["diverged"] and not report["nondeterministic"], report["summary"]
     assert report["baseline"]["request_id"] in ("chatcmpl-53a1", "chatcmpl-53a2")
     assert report["seed_unknown"] == "gen_ai.request.temperature 0.7, and the engine does not record the seed"
     piped = io.StringIO()
     render.explanation(render.Output(Console(file=piped)), report)
     assert "seed unknown: gen_ai.request.temperature 0.7" in piped.getvalue()
-    neighbour = Explainer(store).explain("chat-2")
+    neighbour = Explainer(store).explain("chat-2").to_json()
     assert neighbour["nondeterministic"] and neighbour["seed_unknown"] is None
     # a greedy vLLM request has nothing a seed would change
-    assert Explainer(store).explain("chatcmpl-53b1")["seed_unknown"] is None
+    assert Explainer(store).explain("chatcmpl-53b1").to_json()["seed_unknown"] is None
 
     result = divergences.find(store, 3600 * 10**9, until_ns=start + 60 * 10**9)
     deviating = {i["request_id"]: i for g in result["groups"] for i in g["deviating"]}
@@ -413,9 +413,9 @@ def test_a_seeded_dynamo_request_is_not_called_nondeterministic_and_its_sampling
     marked = dict(store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows)
     assert marked.pop("chat-1") == "gen_ai.request.temperature 0.7 without a seed"
     assert set(marked.values()) == {""} and seeded in marked
-    assert Explainer(store).explain(UUID_IDS[0])["seed_unknown"] is None
-    report = Explainer(store).explain(seeded)
+    assert Explainer(store).explain(UUID_IDS[0]).to_json()["seed_unknown"] is None
+    report = Explainer(store).explain(seeded).to_json()
     assert not report["nondeterministic"]
     assert report["seed_unknown"] == "Dynamo records neither the temperature nor the seed"
-    neighbour = Explainer(store).explain("chat-1")
+    neighbour = Explainer(store).explain("chat-1").to_json()
     assert neighbour["nondeterministic"] and neighbour["seed_unknown"] is None

@@ -113,7 +113,7 @@ def report_for(store, case: str):
     span = next(s for s in lookup.by_request_id(store, "odd").spans if s.stage == stage_name)
     stage_at = (span.start_ns, span.start_ns + span.duration_ns)
     event, size = fault(fleet, stage_at)
-    report = Explainer(store).explain("odd")
+    report = Explainer(store).explain("odd").to_json()
     html = incident_html(store, report)
     return fleet, report, html, stage_at, event, size
 

@@ -52,7 +52,7 @@ def sample(store, host: str, name: str, labels: dict, value: float, t_ns: int | 
 
 
 def explain(store, request_id, against=None) -> dict:
-    return Explainer(store).explain(request_id, against)
+    return Explainer(store).explain(request_id, against).to_json()
 
 
 @pytest.mark.parametrize("stage", PIPELINE_STAGES)

@@ -117,7 +117,7 @@ def test_explain_agrees_with_divergences_on_one_request_of_each_cause(runs):
     with open_store(dsn) as store:
         explainer = Explainer(store)
         for cause, request_id in per_cause.items():
-            report = explainer.explain(request_id)
+            report = explainer.explain(request_id).to_json()
             assert report["diverged"] and report["first_divergent_stage"] == truth[request_id]["stage"]
             assert report["causes"][0]["name"] == cause, report["summary"]
 
@@ -128,8 +128,8 @@ def test_explain_calls_a_rollout_wave_expected_and_unseeded_sampling_nondetermin
     unseeded = next(rid for rid, t in truth.items() if t["nondeterministic"])
     with open_store(dsn) as store:
         explainer = Explainer(store)
-        report = explainer.explain(rollout)
+        report = explainer.explain(rollout).to_json()
         assert report["expected"] is True, report["summary"]
         assert (report["causes"][0]["kind"], report["causes"][0]["name"]) == ("rollout", "context.template.version")
-        report = explainer.explain(unseeded)
+        report = explainer.explain(unseeded).to_json()
         assert report["nondeterministic"] is True, report["summary"]

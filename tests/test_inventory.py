@@ -75,7 +75,7 @@ def serve(store, resources: dict[str, dict], inventories: dict[str, dict], devia
         labels = {**GPU_INFO, **inventories.get(host, {})}
         write_inventory(store, host, scrapes, {gpu(host, 0): labels, gpu(host, 1): labels})
     bad = [r for r, v in fl.requests.items() if v["host"] == deviating][3]
-    report = Explainer(store).explain(bad)
+    report = Explainer(store).explain(bad).to_json()
     found = divergences.find(store, 6 * 3600 * SECOND, limit=0)
     entry = next(item for group in found["groups"] for item in group["deviating"] if item["request_id"] == bad)
     return fl, bad, report, entry

@@ -45,13 +45,13 @@ def test_services_are_not_each_others_peers_unless_the_key_says_so(store, monkey
     search = _pool(store)
     rid = sorted(search.requests)[5]
     monkeypatch.delenv(config.ENV_PEER_KEY, raising=False)
-    report = Explainer(store).explain(rid)
+    report = Explainer(store).explain(rid).to_json()
     assert not report["diverged"] and report["baseline"]["request_id"].startswith("search-")
     found = divergences.find(store, 24 * 3600 * SECOND, limit=None)
     assert found["deviating"] == 0 and not found["tally"]
 
     monkeypatch.setenv(config.ENV_PEER_KEY, "gen_ai.request.model")  # one model pool: its services are peers
-    report = Explainer(store).explain(rid)
+    report = Explainer(store).explain(rid).to_json()
     top = report["causes"][0]
     assert report["diverged"] and report["baseline"]["request_id"].startswith("chat-")
     assert (report["first_divergent_stage"], top["name"], top["value"]) == ("retrieval", "retrieval.index.version",

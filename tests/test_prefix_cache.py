@@ -110,7 +110,7 @@ def test_a_request_whose_prefix_cache_hit_differs_from_its_baseline_s_is_explain
 
     cached = {**dict.fromkeys(ids, "0"), unharmed: "64"}  # the agreeing requests' hits: a miss, or a shorter prefix
 
-    report = Explainer(store).explain(warm)
+    report = Explainer(store).explain(warm).to_json()
     assert report["diverged"] and report["first_divergent_stage"] == "decode", report["summary"]
     baseline = report["baseline"]["request_id"]
     top = next(c for c in report["causes"] if not c["weak"])
@@ -120,12 +120,12 @@ def test_a_request_whose_prefix_cache_hit_differs_from_its_baseline_s_is_explain
     assert top["span"].startswith("Req ") and top["host"] == "node-a"
     assert f"gen_ai.usage.cached_tokens 96 vs {cached[baseline]}" in report["summary"]
     # against a cold baseline named explicitly: a hit against a miss
-    cold = Explainer(store).explain(warm, against=ids[-1])
+    cold = Explainer(store).explain(warm, against=ids[-1]).to_json()
     top = next(c for c in cold["causes"] if not c["weak"])
     assert (top["kind"], top["value"], top["baseline_value"], top["baseline_hit"]) == ("prefix_cache", "96", "0", False)
     assert conventions.PREFIX_CACHE_HIT in report["summary"]
 
-    neighbour = Explainer(store).explain(other_host)
+    neighbour = Explainer(store).explain(other_host).to_json()
     top = next(c for c in neighbour["causes"] if not c["weak"])
     assert top["name"] == conventions.CONFIGURATION_DRIVER, neighbour["causes"]
     assert not any(c["kind"] == "prefix_cache" for c in neighbour["causes"])
@@ -153,14 +153,14 @@ def test_a_differing_hit_is_named_not_blamed_under_batch_invariance_and_an_unrec
     unrecorded = sglang_request(receiver, 6, None, OTHER, configuration=deterministic)
     receiver.writer.flush()
 
-    report = Explainer(store).explain(warm, against=ids[-1])
+    report = Explainer(store).explain(warm, against=ids[-1]).to_json()
     assert report["diverged"], report["summary"]
     named = [c for c in report["causes"] if c["kind"] == "prefix_cache"]
     assert len(named) == 1 and named[0]["weak"] and "batch invariance" in named[0]["neutral"], report["causes"]
     assert not any(c["kind"] == "prefix_cache" and not c["weak"] for c in report["causes"])
     assert conventions.PREFIX_CACHE_HIT not in report["summary"]
 
-    report = Explainer(store).explain(unrecorded, against=ids[-1])
+    report = Explainer(store).explain(unrecorded, against=ids[-1]).to_json()
     assert report["diverged"] and not any(c["kind"] == "prefix_cache" for c in report["causes"]), report["causes"]
     # the detector's reading of the root as stored: SGLang's double, and no count at all
     assert prefix_cache.hit([("x", {"gen_ai.usage.cached_tokens": "96.0"}, {})])[:2] == (

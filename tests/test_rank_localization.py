@@ -189,7 +189,7 @@ def test_ranks_recorded_by_hand_name_the_host_whose_nic_counted_errors_during_th
     """With one input digest per rank and no steps, the rank whose contribution differs while the other's matches
     began it; its host's NIC counter is the evidence, never the summing rank's host (the root's)."""
     store, _ = recorded
-    report = Explainer(store).explain("hand-nic")
+    report = Explainer(store).explain("hand-nic").to_json()
     assert report["divergent_ranks"] == ["1"] and report["origin"]["how"] == "input", report["summary"]
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["host"], str(top["rank"])) == (
@@ -198,7 +198,7 @@ def test_ranks_recorded_by_hand_name_the_host_whose_nic_counted_errors_during_th
     assert re.search(r"rdma_packet_seq_err_total rose by 3 .*allreduce.* on rank 1, mlx5_0 \(hand-b1\)",
                      report["summary"]), report["summary"]  # fmt: skip
     assert not any(c.get("host") == "hand-b0" or "hand-b0" in str(c.get("value")) for c in report["causes"])
-    quiet = Explainer(store).explain("hand-quiet")
+    quiet = Explainer(store).explain("hand-quiet").to_json()
     assert quiet["divergent_ranks"] == ["1"], quiet["summary"]
     assert "rank 1 (GPU-hand-b1, hand-b1): rank 1's contribution to the all-reduce differs" in quiet["summary"]
     assert not any(c["kind"] == "hardware" for c in quiet["causes"]), quiet["causes"]
@@ -231,7 +231,7 @@ def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorde
     others = [str(r) for r in range(world) if str(r) != rank]
     for kind in kinds:
         for rid in _ids(service, kind):
-            report = Explainer(store).explain(rid)
+            report = Explainer(store).explain(rid).to_json()
             assert report["diverged"] and report["first_divergent_stage"] == "allreduce", report["summary"]
             assert report["divergent_ranks"] == [rank], report["summary"]
             origin = report["origin"]
@@ -253,7 +253,7 @@ def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorde
 def test_controls_and_masked_corruptions_agree(recorded, service):
     store, _ = recorded
     for rid in _ids(service, "ok1") + _ids(service, "masked"):
-        report = Explainer(store).explain(rid)
+        report = Explainer(store).explain(rid).to_json()
         assert not report["diverged"], report["summary"]
 
 
@@ -263,11 +263,11 @@ def test_the_same_gpu_beginning_differences_with_no_counter_is_suspected_silent_
     two: named, but not suspected of silent corruption on two requests' evidence."""
     store, _ = recorded
     divergences.find(store, 3600 * 10**9, time.time_ns() + 10**9, limit=None)  # the analyser's record
-    report = Explainer(store).explain("lm-tp2-a-r1")
+    report = Explainer(store).explain("lm-tp2-a-r1").to_json()
     assert "suspected silent data corruption: GPU-lm-tp2-1 (lm-tp2-node-1)" in report["summary"], report["summary"]
     top = report["causes"][0]
     assert (top["kind"], top["gpu"], top["host"], top["requests"]) == ("sdc", "GPU-lm-tp2-1", "lm-tp2-node-1", 4)
-    single = Explainer(store).explain("lm-tp4-a-r0")
+    single = Explainer(store).explain("lm-tp4-a-r0").to_json()
     assert "silent data corruption" not in single["summary"], single["summary"]
 
 
@@ -321,7 +321,7 @@ def test_a_rank_launched_with_another_numerics_setting_is_named_with_that_settin
     assert len(deviating) >= 4, deviating
     named = 0
     for rid in deviating:
-        report = Explainer(store).explain(rid)
+        report = Explainer(store).explain(rid).to_json()
         assert report["first_divergent_stage"] == "allreduce" and report["divergent_ranks"] == ["1"], report["summary"]
         place = {"rank": "1", "gpu": f"GPU-{NUMERICS}-b-1", "host": f"{NUMERICS}-b-node-1"}
         assert report["origin"]["places"] == [place], report["origin"]
@@ -332,11 +332,11 @@ def test_a_rank_launched_with_another_numerics_setting_is_named_with_that_settin
         assert all(i > 0 for i in identities), strong
     assert named >= 0.95 * len(deviating), (named, len(deviating))
     for rid in _numerics(outputs, "r0"):  # the neighbour: rank 0's corrupted shard, not the setting of another rank
-        report = Explainer(store).explain(rid)
+        report = Explainer(store).explain(rid).to_json()
         assert report["divergent_ranks"] == ["0"], report["summary"]
         assert PRECISION not in report["summary"] and not any(c["name"] == PRECISION for c in report["causes"])
     for rid in [f"{NUMERICS}-{p}-ok1" for p in NUMERICS_PROMPTS]:
-        assert not Explainer(store).explain(rid)["diverged"]
+        assert not Explainer(store).explain(rid).to_json()["diverged"]
 
 
 def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recorded):
@@ -423,7 +423,7 @@ def test_the_tallys_sql_finds_the_same_rank_gpu_and_host(recorded):
     deviations = {d.request_id: d for d in population.deviations(store, t0, until)}
     checked = confirmed = 0
     for rid, d in deviations.items():
-        report = Explainer(store).explain(rid)
+        report = Explainer(store).explain(rid).to_json()
         if len(report["origin"]["ranks"]) != 1:
             continue
         place = report["origin"]["places"][0]

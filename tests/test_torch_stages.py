@@ -74,8 +74,8 @@ def test_explain_names_the_allreduce_of_the_rank_whose_shard_was_perturbed(store
     assert allreduce["0"].output_digest == allreduce["1"].output_digest
     assert decode["0"].output_digest == decode["1"].output_digest and decode["0"].attributes["decode.batch_size"] == "3"
 
-    assert not Explainer(store).explain("tp-1")["diverged"]
-    report = Explainer(store).explain("tp-bad")
+    assert not Explainer(store).explain("tp-1").to_json()["diverged"]
+    report = Explainer(store).explain("tp-bad").to_json()
     assert report["diverged"] and report["first_divergent_stage"] == "allreduce", report["summary"]
     # after the first corrupted sum, rank 0's later contributions (the next layers, the next tokens) are computed
     # from it, so both ranks' folded contributions differ; the first collective at which a rank's differs names rank 1

@@ -95,7 +95,7 @@ def gpus_of(n: int) -> dict[str, str]:
 
 
 def explain(store, request_id: str) -> dict:
-    return Explainer(store).explain(request_id)
+    return Explainer(store).explain(request_id).to_json()
 
 
 def weights_causes(report: dict) -> list[dict]:

@@ -298,7 +298,7 @@ def _explain(args) -> int:
                 raise _UsageError(f"--html: cannot write {args.html}: {exc.strerror or exc}") from None
             print(f"wrote the incident report {args.html}", file=sys.stderr)
     if args.json:
-        json.dump(report, sys.stdout, indent=2, ensure_ascii=False)
+        json.dump(report.to_json(), sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         from stagetrace.render import Output, explanation

@@ -30,6 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stagetrace import conventions
+from stagetrace.analysis.results import Baseline, Explanation
 from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace, iso_ns, resources
 
 WIDE = 110  # columns from which a trace's attributes fit beside its waterfall
@@ -375,14 +376,16 @@ def evidence(cause: dict, text=str, device=str) -> str:
     return text(cause.get("device") or "")
 
 
-def baseline_words(baseline: dict) -> str:
+def baseline_words(baseline: Baseline | dict) -> str:
     """How the baseline was chosen, in words: a majority is more than half of the group, else it is only the most
     common output (a plurality)."""
-    if baseline["how"] == "majority":
-        support, size = baseline["support"], baseline["group_size"]
+    if isinstance(baseline, dict):
+        baseline = Baseline.from_json(baseline)
+    if baseline.how == "majority":
+        support, size = baseline.support, baseline.group_size
         which = "the majority output" if 2 * support > size else "the most common output"
         return f"{which}, {support} of {size} requests with this input"
-    return "given with --against" if baseline["how"] == "explicit" else "the nearest earlier request with this input"
+    return "given with --against" if baseline.how == "explicit" else "the nearest earlier request with this input"
 
 
 def cause_groups(causes: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -393,32 +396,36 @@ def cause_groups(causes: list[dict]) -> list[tuple[str, list[dict]]]:
     return [(title, sorted(group, key=lambda c: -c["score"])) for title, group in groups if group]
 
 
-def explanation(out: Output, report: dict, causes_shown: int = 8) -> None:
-    """``stagetrace explain``: the verdict, the baseline it was compared with, the stages, the ranked causes."""
+def explanation(out: Output, report: Explanation | dict, causes_shown: int = 8) -> None:
+    """``stagetrace explain``: the verdict, the baseline it was compared with, the stages, the ranked causes
+    (``report``: ``Explainer.explain``'s, or its JSON read back)."""
+    if isinstance(report, dict):
+        report = Explanation.from_json(report)
     # with no baseline there is nothing the request could agree with: saying "agrees" would vouch for it
-    verdict = (Text("diverged", style="bold red") if report["diverged"] else
-               Text("agrees", style="bold green") if report.get("baseline") else Text("nothing to compare", style="bold"))
-    out.line(f"request {report['request_id']}")
-    out.line(f"trace {report['trace_id']}")
+    verdict = (Text("diverged", style="bold red") if report.diverged else
+               Text("agrees", style="bold green") if report.baseline else Text("nothing to compare", style="bold"))
+    out.line(f"request {report.request_id}")
+    out.line(f"trace {report.trace_id}")
     out.line(Text.assemble("verdict: ", verdict))
-    baseline = report.get("baseline")
+    baseline = report.baseline
     if baseline:
-        out.line(f"baseline request {baseline['request_id']} ({baseline_words(baseline)})")
-    out.line(Text(report["summary"], style="bold"))
-    if report.get("seed_unknown"):
-        out.line(f"seed unknown: {report['seed_unknown']}; compared as if seeded, not excused as sampling")
+        out.line(f"baseline request {baseline.request_id} ({baseline_words(baseline)})")
+    out.line(Text(report.summary, style="bold"))
+    if report.seed_unknown:
+        out.line(f"seed unknown: {report.seed_unknown}; compared as if seeded, not excused as sampling")
     stages = []
-    for stage in report.get("stages") or ():
-        name = stage["stage"] + (f"[{stage['rank']}]" if stage["rank"] else "")
-        if not stage["present"]:
+    for stage in report.stages or ():
+        name = stage.stage + (f"[{stage.rank}]" if stage.rank else "")
+        if not stage.present:
             stages.append([name, Text("missing", style="red"), Text("missing", style="red")])
             continue
         stages.append([name, *(Text("same") if same else Text("differs", style="red")
-                               for same in (stage["input_matches"], stage["output_matches"]))])  # fmt: skip
+                               for same in (stage.input_matches, stage.output_matches))])  # fmt: skip
     out.table("stages against the baseline", [Column("stage", keep=True), Column("input"), Column("output")], stages)
     columns = [Column("cause", keep=True), Column("kind"), Column("value"), Column("baseline"),
                Column("score", right=True), Column("evidence")]  # fmt: skip
-    for title, group in cause_groups(list(report.get("causes") or ())[:causes_shown]):
+    # a cause's evidence is the detector's own, as its JSON has it: the groups and the evidence read that
+    for title, group in cause_groups([c.to_json() for c in report.causes[:causes_shown]]):
         rows = [[cause["name"], cause["kind"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
                  f"{cause['score']:.2f}", evidence(cause)] for cause in group]  # fmt: skip
         out.table(title, columns, rows)

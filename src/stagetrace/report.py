@@ -21,6 +21,7 @@ from stagetrace import lookup
 from stagetrace.analysis.activity import NAMES as ACTIVITY_NAMES
 from stagetrace.analysis.activity import Activity
 from stagetrace.analysis.hardware import Samples, Timing, devices
+from stagetrace.analysis.results import Explanation
 from stagetrace.analysis.tenants import Tenancy
 from stagetrace.render import cause_groups, evidence
 from stagetrace.store import Store
@@ -275,38 +276,41 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame
     return charts
 
 
-def incident_html(store: Store, report: dict, made_ns: int | None = None) -> str:
-    """The page for ``report`` (``Explainer.explain``'s), reading the traces and counters it needs from ``store``;
-    ``made_ns``, the time its footer says it was made (default now)."""
-    trace = lookup.by_trace_id(store, report["trace_id"])
-    baseline = report.get("baseline")
-    baseline_trace = lookup.by_request_id(store, baseline["request_id"]) if baseline else None
-    stage = report.get("first_divergent_stage")
-    causes = (report.get("causes") or [])[:CAUSES_SHOWN]
-    verdict = "diverged" if report["diverged"] else "agrees"
+def incident_html(store: Store, report: Explanation | dict, made_ns: int | None = None) -> str:
+    """The page for ``report`` (``Explainer.explain``'s, or its JSON read back), reading the traces and counters it
+    needs from ``store``; ``made_ns``, the time its footer says it was made (default now)."""
+    if isinstance(report, dict):
+        report = Explanation.from_json(report)
+    trace = lookup.by_trace_id(store, report.trace_id)
+    baseline = report.baseline
+    baseline_trace = lookup.by_request_id(store, baseline.request_id) if baseline else None
+    stage = report.first_divergent_stage
+    # a cause's evidence is the detector's own, as its JSON has it: the tables and the charts read that
+    causes = [c.to_json() for c in report.causes[:CAUSES_SHOWN]]
+    verdict = "diverged" if report.diverged else "agrees"
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           f"<title>stagetrace: request {escape(report['request_id'])} {verdict}</title>",
+           f"<title>stagetrace: request {escape(report.request_id)} {verdict}</title>",
            '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'; '
            'img-src data:">', f"<style>{_STYLE}</style></head><body>",
-           f'<h1>Request {_code(report["request_id"])} <span class="verdict {verdict}" id="verdict">{verdict}</span></h1>',
-           f"<div>trace {_code(report['trace_id'])}</div>"]  # fmt: skip
+           f'<h1>Request {_code(report.request_id)} <span class="verdict {verdict}" id="verdict">{verdict}</span></h1>',
+           f"<div>trace {_code(report.trace_id)}</div>"]  # fmt: skip
     if baseline:
-        out.append(f"<div>baseline request {_code(baseline['request_id'])} ({escape(baseline['how'])}, "
-                   f"{baseline['support']} of {baseline['group_size']} requests with this input)</div>")  # fmt: skip
-    out.append(f'<p class="summary" id="summary">{escape(report["summary"])}</p>')
+        out.append(f"<div>baseline request {_code(baseline.request_id)} ({escape(baseline.how)}, "
+                   f"{baseline.support} of {baseline.group_size} requests with this input)</div>")  # fmt: skip
+    out.append(f'<p class="summary" id="summary">{escape(report.summary)}</p>')
     out.append('<section><h2>Waterfalls</h2><div class="pair">')
     out.append(f'<div id="waterfall-request"><h3>this request</h3>{waterfall_svg(trace, stage)}</div>')
     if baseline_trace is not None:
         out.append(f'<div id="waterfall-baseline"><h3>baseline</h3>{waterfall_svg(baseline_trace, stage)}</div>')
     out.append("</div></section>")
-    if report.get("stages"):
+    if report.stages:
         out.append('<section><h2>Stages against the baseline</h2><table id="stages"><tr><th>stage</th><th>input</th>'
                    "<th>output</th></tr>")  # fmt: skip
-        for row in report["stages"]:
-            name = row["stage"] + (f"[{row['rank']}]" if row["rank"] else "")
-            cells = (("missing", "missing") if not row["present"] else
-                     tuple("same" if same else "differs" for same in (row["input_matches"], row["output_matches"])))  # fmt: skip
-            marked = ' class="marked"' if row["stage"] == stage else ""
+        for row in report.stages:
+            name = row.stage + (f"[{row.rank}]" if row.rank else "")
+            cells = (("missing", "missing") if not row.present else
+                     tuple("same" if same else "differs" for same in (row.input_matches, row.output_matches)))  # fmt: skip
+            marked = ' class="marked"' if row.stage == stage else ""
             out.append(f"<tr{marked}><td>{escape(name)}</td>"
                        + "".join(f'<td class="{c}">{c}</td>' for c in cells) + "</tr>")  # fmt: skip
         out.append("</table></section>")
@@ -327,7 +331,7 @@ def incident_html(store: Store, report: dict, made_ns: int | None = None) -> str
         out.append('<section id="counters"><h2>Counters around the stage</h2>' + "".join(charts) + "</section>")
     made = lookup.iso_ns(time.time_ns() if made_ns is None else made_ns)[:19].replace("T", " ")
     started = lookup.iso_ns(trace.start_ns)[:19].replace("T", " ")
-    out.append(f"<footer><p>Made by stagetrace explain at {made} UTC for request {_code(report['request_id'])}, "
+    out.append(f"<footer><p>Made by stagetrace explain at {made} UTC for request {_code(report.request_id)}, "
                f"which started at {started} UTC.</p></footer>")  # fmt: skip
     out.append("</body></html>")
     return "\n".join(out)

@@ -21,7 +21,6 @@ once per explanation, before the request and its baseline are compared.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from stagetrace import config, conventions, lookup
 from stagetrace.analysis import detectors, inventory, population, rollouts, silent, tenants
@@ -30,6 +29,7 @@ from stagetrace.analysis.causes import RESOURCE, Cause, OnRank, differences, is_
 from stagetrace.analysis.comparison import (ambiguous, compare_stages, confirmed, first_divergence, rank_settings,
                                            ranks_of, stage_differences, stage_spans)
 from stagetrace.analysis.hardware import Samples, Timing
+from stagetrace.analysis.results import Baseline, Explanation
 from stagetrace.store import Store
 
 HOUR_NS = 3600 * 1_000_000_000
@@ -39,25 +39,6 @@ CONTRAST_REQUESTS = 20_000  # ...narrowed around the request when more than this
 WEAK_NAMED = 3  # weak candidates named in a verdict that found nothing strong
 SUSPECT_PEERS = 64  # the peers nearest in time whose settings hint at a rollout
 REFERENCES = population.REFERENCES  # other requests with the majority output TP ranks are checked against
-
-
-@dataclass
-class Baseline:
-    request_id: str
-    how: str  # "explicit" | "majority" | "nearest_earlier"
-    support: int  # requests with the baseline's output
-    group_size: int  # requests with the request's input
-    trace: lookup.Trace | None = None
-
-    def describe(self) -> str:
-        if self.how == "majority":
-            return f"baseline: request {self.request_id}, {self.support} of {self.group_size} requests"
-        if self.how == "explicit":
-            return f"baseline: request {self.request_id}"
-        return f"baseline: the nearest earlier request {self.request_id}"
-
-    def to_json(self) -> dict:
-        return {"request_id": self.request_id, "how": self.how, "support": self.support, "group_size": self.group_size}
 
 
 def _trace_of(trace_id: str, spans: list[lookup.Span]) -> lookup.Trace:
@@ -228,13 +209,11 @@ class Explainer:
         self.window_ns = window_ns
         self.contrast_window_ns = contrast_window_ns
 
-    def explain(self, request_id: str, against: str | None = None) -> dict:
+    def explain(self, request_id: str, against: str | None = None) -> Explanation:
         trace = lookup.by_request_id(self.store, request_id)
         reason = nondeterminism(trace)
-        report = {"request_id": request_id, "trace_id": trace.trace_id, "input_digest": trace.input_digest,
-                  "output_digest": trace.output_digest, "nondeterministic": bool(reason),
-                  "nondeterminism": reason or None, "seed_unknown": unknown_seed(trace) or None, "expected": False,
-                  "rollouts": [], "divergent_ranks": []}  # fmt: skip
+        report = Explanation(request_id, trace.trace_id, trace.input_digest, trace.output_digest, bool(reason),
+                             reason or None, unknown_seed(trace) or None)  # fmt: skip
         if against is not None:
             try:
                 other = lookup.by_request_id(self.store, against)
@@ -254,13 +233,12 @@ class Explainer:
             baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or self._baseline(
                 request_id, trace.start_ns, peers, [])
         if baseline is None:
-            return {**report, "baseline": None, "diverged": False, "first_divergent_stage": None, "causes": [],
-                    "summary": "no other request with the same input in the window: nothing to compare against"}  # fmt: skip
-        report["baseline"] = baseline.to_json()
-        report["rollouts"] = [r.to_json() for r in found_rollouts]
+            report.summary = "no other request with the same input in the window: nothing to compare against"
+            return report
+        report.baseline, report.rollouts = baseline, found_rollouts
         if baseline.trace.output_digest == trace.output_digest:
-            return {**report, "diverged": False, "first_divergent_stage": None, "causes": [],
-                    "summary": f"the output agrees with the baseline ({baseline.describe()})"}  # fmt: skip
+            report.summary = f"the output agrees with the baseline ({baseline.describe()})"
+            return report
         # what the processes did not record of their GPUs, from the inventory: for the spans compared here and
         # for those the contrast counts
         gpus = inventory.read(self.store, trace.start_ns)
@@ -290,18 +268,12 @@ class Explainer:
         elif reason:
             found = diagnose(self.store, "", trace, baseline.trace, None, None, [], reason)
         top = next((c for c in found if not c.weak), None)
-        return {
-            **report,
-            "diverged": True,
-            "expected": bool(top and top.kind == "rollout" and top.evidence.get("expected")),
-            "first_divergent_stage": stage,
-            "divergent_ranks": first.ranks,
-            "origin": first.origin.to_json() if first.origin else None,
-            "stage_input_differed": first.input_differed,
-            "stages": [c.to_json() for c in comparisons],
-            "causes": [c.to_json() for c in found],
-            "summary": summary(stage, found, baseline, first.input_differed, first.ranks, first.origin),
-        }
+        report.diverged = True
+        report.expected = bool(top and top.kind == "rollout" and top.evidence.get("expected"))
+        report.first_divergent_stage, report.divergent_ranks, report.origin = stage, first.ranks, first.origin
+        report.stage_input_differed, report.stages, report.causes = first.input_differed, comparisons, found
+        report.summary = summary(stage, found, baseline, first.input_differed, first.ranks, first.origin)
+        return report
 
     def _peers(self, request_id: str, start_ns: int, input_digest: str,
                nondeterministic: bool) -> tuple[list[tuple], tuple[str, str] | None]:  # fmt: skip

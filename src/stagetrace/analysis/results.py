@@ -5,6 +5,10 @@
 take fields, never keys: the live analyser counts the requests by their stage, top cause and the ranks that began
 them; ``divergences.record`` stores one ``stagetrace_divergences`` row per request (:meth:`DeviatingRequest.row`);
 ``stagetrace divergences --json`` prints :meth:`DivergenceReport.to_json`.
+
+``Explainer.explain`` returns an :class:`Explanation`: one request against its :class:`Baseline`, its stages and ranked
+causes. ``render`` and ``report`` read its fields; ``stagetrace explain --json`` prints :meth:`Explanation.to_json`,
+and :meth:`Explanation.from_json` reads such a report back for showing it.
 """
 
 from __future__ import annotations
@@ -15,10 +19,10 @@ from typing import TYPE_CHECKING
 
 from stagetrace import lookup
 from stagetrace.analysis import ranks
+from stagetrace.analysis.causes import Cause
+from stagetrace.analysis.comparison import StageComparison
 
 if TYPE_CHECKING:
-    from stagetrace.analysis.causes import Cause
-    from stagetrace.analysis.explain import Baseline
     from stagetrace.analysis.rollouts import Rollout
 
 # stagetrace_divergences' columns, in the order of :meth:`DeviatingRequest.row`
@@ -28,6 +32,31 @@ COLUMNS = (
     "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary", "Devices", "BeganRank", "BeganGpu", "BeganHost",
 )  # fmt: skip
 KEPT_CAUSES = 5  # the causes a stored row keeps, strongest first
+
+
+@dataclass
+class Baseline:
+    """The request a request is compared with, and how it was chosen."""
+
+    request_id: str
+    how: str  # "explicit" | "majority" | "nearest_earlier"
+    support: int  # requests with the baseline's output
+    group_size: int  # requests with the request's input
+    trace: lookup.Trace | None = None
+
+    def describe(self) -> str:
+        if self.how == "majority":
+            return f"baseline: request {self.request_id}, {self.support} of {self.group_size} requests"
+        if self.how == "explicit":
+            return f"baseline: request {self.request_id}"
+        return f"baseline: the nearest earlier request {self.request_id}"
+
+    def to_json(self) -> dict:
+        return {"request_id": self.request_id, "how": self.how, "support": self.support, "group_size": self.group_size}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Baseline:
+        return cls(data.get("request_id", ""), data["how"], data.get("support", 1), data.get("group_size", 1))
 
 
 def began_places(origin: ranks.Origin | None) -> list[tuple[str, str, str]]:
@@ -163,6 +192,76 @@ class DivergenceReport:
         }
 
 
+@dataclass
+class Explanation:
+    """Why one request's output deviates (``Explainer.explain``): its baseline, first divergent stage and ranked
+    causes. ``stages``, ``origin`` and ``stage_input_differed`` are set only where the outputs differ and the stages
+    were compared (``stages`` is None elsewhere, and its JSON leaves the three out)."""
+
+    request_id: str
+    trace_id: str
+    input_digest: str = ""
+    output_digest: str = ""
+    nondeterministic: bool = False
+    nondeterminism: str | None = None  # why it may differ by design
+    seed_unknown: str | None = None  # why it samples with a seed nobody recorded
+    expected: bool = False  # a rollout explains the difference
+    rollouts: list[Rollout] = field(default_factory=list)
+    divergent_ranks: list[str] = field(default_factory=list)
+    baseline: Baseline | None = None  # None: no other request to compare with
+    diverged: bool = False
+    first_divergent_stage: str | None = None
+    causes: list[Cause] = field(default_factory=list)  # ranked, strongest first
+    summary: str = ""  # the verdict in one line
+    origin: ranks.Origin | None = None  # the TP ranks that began the difference
+    stage_input_differed: bool = False
+    stages: list[StageComparison] | None = None
+
+    def to_json(self) -> dict:
+        head = {"request_id": self.request_id, "trace_id": self.trace_id, "input_digest": self.input_digest,
+                "output_digest": self.output_digest, "nondeterministic": self.nondeterministic,
+                "nondeterminism": self.nondeterminism, "seed_unknown": self.seed_unknown, "expected": self.expected,
+                "rollouts": [r.to_json() for r in self.rollouts], "divergent_ranks": self.divergent_ranks,
+                "baseline": self.baseline.to_json() if self.baseline else None, "diverged": self.diverged,
+                "first_divergent_stage": self.first_divergent_stage}  # fmt: skip
+        if self.stages is not None:
+            head.update({"origin": self.origin.to_json() if self.origin else None,
+                         "stage_input_differed": self.stage_input_differed,
+                         "stages": [c.to_json() for c in self.stages]})  # fmt: skip
+        return {**head, "causes": [c.to_json() for c in self.causes], "summary": self.summary}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Explanation:
+        """An explanation read back from its JSON, for showing it. The rollouts are left out: their JSON does not
+        hold the hosts' switch times, and nothing shown reads them."""
+        stages = data.get("stages")
+        return cls(
+            data["request_id"], data["trace_id"], data.get("input_digest", ""), data.get("output_digest", ""),
+            data.get("nondeterministic", False), data.get("nondeterminism"), data.get("seed_unknown"),
+            data.get("expected", False), [], list(data.get("divergent_ranks") or []),
+            Baseline.from_json(data["baseline"]) if data.get("baseline") else None, data.get("diverged", False),
+            data.get("first_divergent_stage"), [_cause_of(c) for c in data.get("causes") or ()],
+            data.get("summary", ""), ranks.Origin(**data["origin"]) if data.get("origin") else None,
+            data.get("stage_input_differed", False), None if stages is None else [_stage_of(c) for c in stages],
+        )  # fmt: skip
+
+
+_CAUSE_FIELDS = ("kind", "stage", "name", "value", "baseline_value", "score", "weak")
+
+
+def _cause_of(data: dict) -> Cause:
+    """A cause from its JSON (``Cause.to_json``): its fields, and the rest its evidence."""
+    return Cause(data.get("kind", ""), data.get("stage", ""), data.get("name", ""), data.get("value", ""),
+                 data.get("baseline_value", ""), data.get("score", 0.0),
+                 {k: v for k, v in data.items() if k not in _CAUSE_FIELDS}, data.get("weak", False))  # fmt: skip
+
+
+def _stage_of(data: dict) -> StageComparison:
+    return StageComparison(data["stage"], data.get("rank") or "", data["input_matches"], data["output_matches"],
+                           data["present"])  # fmt: skip
+
+
 __all__ = [
-    "COLUMNS", "KEPT_CAUSES", "DeviatingRequest", "DivergenceReport", "InputGroup", "began_columns", "began_places",
+    "COLUMNS", "KEPT_CAUSES", "Baseline", "DeviatingRequest", "DivergenceReport", "Explanation", "InputGroup",
+    "began_columns", "began_places",
 ]
