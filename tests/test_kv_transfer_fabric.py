@@ -154,7 +154,7 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
             fleet.counter(where, metric, {"device": device, "port": "1"}, first, last, every_ns=SCRAPE_NS, value=12,
                           rises=rises)  # fmt: skip
 
-    report = Explainer(store).explain(broken)
+    report = Explainer(store).explain(broken).to_json()
     assert report["diverged"] and report["first_divergent_stage"] == "cache", report["summary"]
     assert report["baseline"]["request_id"] in agreeing
     top = report["causes"][0]
@@ -169,7 +169,7 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
     shown = hardware_context(store, lookup.by_request_id(store, broken))
     assert {(c["stage"], c["host"], c["device"]) for c in shown} == {("cache", host, nic)}, shown
 
-    other = Explainer(store).explain(neighbour)
+    other = Explainer(store).explain(neighbour).to_json()
     assert other["diverged"] and other["first_divergent_stage"] == "cache", other["summary"]
     assert not any(c["kind"] == "hardware" for c in other["causes"]), other["causes"]
     assert next(c for c in other["causes"] if not c["weak"])["name"] == conventions.CONFIGURATION_DRIVER

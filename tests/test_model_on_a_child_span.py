@@ -36,7 +36,7 @@ def answers(store, requests: list[str], of: set[str]) -> dict:
     explainer = Explainer(store)
     explained = {}
     for rid in requests:
-        report = explainer.explain(rid)
+        report = explainer.explain(rid).to_json()
         explained[rid] = (report["diverged"], report["first_divergent_stage"],
                           (report["baseline"] or {}).get("request_id"), _top(report["causes"]))  # fmt: skip
     found = divergences.find(store, SINCE_NS, limit=None)
