@@ -13,9 +13,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-MODULES = ("collection", "divergence", "instrumentation", "export", "otlp_ingest", "lookup", "startup", "footprint",
-           "storage", "soak", "durability", "live", "tensors", "generations", "views", "replay", "ingest",
-           "neighbours", "contrast_cost", "tally_cost")
+MODULES = (
+    "collection",
+    "divergence",
+    "instrumentation",
+    "export",
+    "otlp_ingest",
+    "lookup",
+    "startup",
+    "footprint",
+    "storage",
+    "soak",
+    "durability",
+    "live",
+    "tensors",
+    "generations",
+    "views",
+    "replay",
+    "ingest",
+    "neighbours",
+    "contrast_cost",
+    "tally_cost",
+)
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,9 @@ def table(results: dict[str, list[Figure]]) -> list[str]:
         for f in figures:
             ratio = "—" if f.ratio is None else f"{f.ratio:.2f}×"
             baseline_value = _number(f.baseline_value, f.unit)
-            lines.append(f"| {name} | {f.name} | {_number(f.value, f.unit)} | {f.baseline or '—'} | {baseline_value} | {ratio} |")
+            lines.append(
+                f"| {name} | {f.name} | {_number(f.value, f.unit)} | {f.baseline or '—'} | {baseline_value} | {ratio} |"
+            )
     return lines
 
 
@@ -58,8 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     known = load()
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run (default all: {', '.join(known)})")
-    parser.add_argument("--quick", action="store_true", help="few repetitions; does not write RESULTS.md unless --output")
-    parser.add_argument("--output", type=Path, help="where to write the results (default benchmarks/RESULTS.md on a full run)")
+    parser.add_argument(
+        "--quick", action="store_true", help="few repetitions; does not write RESULTS.md unless --output"
+    )
+    parser.add_argument(
+        "--output", type=Path, help="where to write the results (default benchmarks/RESULTS.md on a full run)"
+    )
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in known]
     if unknown:
@@ -79,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     if output is not None:
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         header = [
-            "# Benchmark results", "",
-            f"- date: {now}", f"- commit: {_commit()}", f"- machine: {_machine()}",
+            "# Benchmark results",
+            "",
+            f"- date: {now}",
+            f"- commit: {_commit()}",
+            f"- machine: {_machine()}",
             f"- mode: {'quick' if args.quick else 'full'} (`python -m benchmarks{' --quick' if args.quick else ''}`)",
-            "- ratio: value / baseline value (below 1: faster than the baseline)", "",
-        ]  # fmt: skip
+            "- ratio: value / baseline value (below 1: faster than the baseline)",
+            "",
+        ]
         output.write_text("\n".join(header + lines) + "\n")
         print(f"wrote {output}", file=sys.stderr)
     return 0

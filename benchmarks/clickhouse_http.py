@@ -27,8 +27,20 @@ from stagetrace.httpd import form_fields
 _FORMAT = re.compile(r"\bFORMAT\s+(\w+)\s*;?\s*$", re.I)
 _INSERT = re.compile(r"^\s*INSERT\s+INTO\s+(.+?)\s+FORMAT\s+Native\s*$", re.I | re.S)
 # what clickhouse-connect may put in the URL that is no engine setting
-_NOT_SETTINGS = {"query", "database", "session_id", "session_timeout", "compress", "decompress", "client_protocol_version",
-                 "default_format", "query_id", "wait_end_of_query", "send_progress_in_http_headers", "quota_key"}  # fmt: skip
+_NOT_SETTINGS = {
+    "query",
+    "database",
+    "session_id",
+    "session_timeout",
+    "compress",
+    "decompress",
+    "client_protocol_version",
+    "default_format",
+    "query_id",
+    "wait_end_of_query",
+    "send_progress_in_http_headers",
+    "quota_key",
+}
 
 
 def decompressed(body: bytes, encoding: str) -> bytes:

@@ -40,7 +40,12 @@ FIXTURE = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "node"
 KUBELET = FIXTURE.parent / "kubelet" / "h200-node"  # the same 8-GPU node's pods, served by a recorded kubelet
 SYSFS = FIXTURE / "sys"
 # collector option (and `collect` flag) -> the fixture node's recording, for the whole-node snapshot
-FIXTURE_OPTIONS = {"nvml_fixture": "nvml", "mps_fixture": "mps", "nccl_dir": "nccl", "ethtool_fixture": "ethtool/statistics.json"}
+FIXTURE_OPTIONS = {
+    "nvml_fixture": "nvml",
+    "mps_fixture": "mps",
+    "nccl_dir": "nccl",
+    "ethtool_fixture": "ethtool/statistics.json",
+}
 
 
 def _duration(families, collector: str) -> float:
@@ -61,10 +66,16 @@ def _node_exporter(binary: str):
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}/metrics"
     process = subprocess.Popen(
-        [binary, f"--path.sysfs={SYSFS}", "--collector.disable-defaults", "--collector.infiniband",
-         f"--web.listen-address={url.split('/')[2]}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            binary,
+            f"--path.sysfs={SYSFS}",
+            "--collector.disable-defaults",
+            "--collector.infiniband",
+            f"--web.listen-address={url.split('/')[2]}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def scrape() -> float:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -104,13 +115,22 @@ def _rdma_figures(scrapes: int) -> list[Figure]:
             if theirs:
                 runs["theirs"].append(theirs())
     ms = {name: statistics.median(values) * 1e3 if values else None for name, values in runs.items()}
-    baseline = f"node_exporter {_node_exporter_version(binary)} infiniband collector" if binary else "node_exporter (not installed)"
+    baseline = (
+        f"node_exporter {_node_exporter_version(binary)} infiniband collector"
+        if binary
+        else "node_exporter (not installed)"
+    )
     floor = _cat_floor(scrapes)
     return [
         Figure(f"RDMA collector, 8 mlx5 ports, median of {scrapes} scrapes", ms["ours"], "ms", baseline, ms["theirs"]),
         Figure("RDMA collector, same tree without hw_counters/", ms["same_files"], "ms", baseline, ms["theirs"]),
-        Figure(f"RDMA collector, 8 mlx5 ports, median of {scrapes} scrapes", ms["ours"], "ms",
-               "coreutils cat(1) opening and reading each of the same files, in one process, less its start-up", floor),
+        Figure(
+            f"RDMA collector, 8 mlx5 ports, median of {scrapes} scrapes",
+            ms["ours"],
+            "ms",
+            "coreutils cat(1) opening and reading each of the same files, in one process, less its start-up",
+            floor,
+        ),
     ]
 
 
@@ -120,7 +140,9 @@ def _cat_floor(runs: int) -> float:
     the collector holds its files open and reads each with one ``pread``). Not the same work: a scale, not a floor."""
     root = SYSFS / "class" / "infiniband"
     files = [str(f) for f in sorted(root.glob("*/ports/*/*counters/*")) if f.is_file()]
-    files += [str(f) for name in ("rate", "state", "phys_state", "link_layer") for f in sorted(root.glob(f"*/ports/*/{name}"))]
+    files += [
+        str(f) for name in ("rate", "state", "phys_state", "link_layer") for f in sorted(root.glob(f"*/ports/*/{name}"))
+    ]
     files += [str(f) for f in sorted(root.glob("*/ports/*/gid_attrs/ndevs/0"))]
     files += [str(f) for name in ("fw_ver", "hca_type") for f in sorted(root.glob(f"*/{name}"))]
 
@@ -185,8 +207,10 @@ def _gpm_node_fixture(directory: Path, gpus: int, gpm: bool) -> Path:
 
 def _gpu_scrape_ms(directory: Path, scrapes: int) -> float:
     clock = _SteppedClock(1.0)
-    collector = GpuCollector(Options(nvml_fixture=directory, procfs=FIXTURE / "proc", kubelet_log_dir=FIXTURE / "log",
-                                     host="bench"), clock=clock)  # fmt: skip
+    collector = GpuCollector(
+        Options(nvml_fixture=directory, procfs=FIXTURE / "proc", kubelet_log_dir=FIXTURE / "log", host="bench"),
+        clock=clock,
+    )
 
     def scrape() -> None:
         clock.step()
@@ -204,10 +228,18 @@ def _gpm_figures(scrapes: int) -> list[Figure]:
         on = _gpu_scrape_ms(_gpm_node_fixture(Path(tmp, "on"), gpus, gpm=True), scrapes)
         off = _gpu_scrape_ms(_gpm_node_fixture(Path(tmp, "off"), gpus, gpm=False), scrapes)
     return [
-        Figure(f"gpu collector scrape at 1 s, {gpus} H200s (recorded GPM series), GPM on", on, "ms",
-               "the same GPUs without GPM", off),
-        Figure("GPM's cost per GPU per scrape (nvmlGpmSampleGet, nvmlGpmMetricsGet, 12 metrics)",
-               (on - off) / gpus * 1e3, "µs"),
+        Figure(
+            f"gpu collector scrape at 1 s, {gpus} H200s (recorded GPM series), GPM on",
+            on,
+            "ms",
+            "the same GPUs without GPM",
+            off,
+        ),
+        Figure(
+            "GPM's cost per GPU per scrape (nvmlGpmSampleGet, nvmlGpmMetricsGet, 12 metrics)",
+            (on - off) / gpus * 1e3,
+            "µs",
+        ),
     ]
 
 
@@ -225,7 +257,16 @@ def collection(quick: bool) -> list[Figure]:
         node.close()
     figures.append(Figure(f"whole-node snapshot in-process ({', '.join(names)})", in_process, "ms"))
 
-    command = [sys.executable, "-m", "stagetrace", "collect", "--once", "--collectors", ",".join(names), *_flags(options)]
+    command = [
+        sys.executable,
+        "-m",
+        "stagetrace",
+        "collect",
+        "--once",
+        "--collectors",
+        ",".join(names),
+        *_flags(options),
+    ]
 
     def collect_once():
         result = subprocess.run(command, capture_output=True, text=True)

@@ -41,8 +41,9 @@ def _baseline():
     """(its name, the baseline tree's ``population`` module loaded beside this tree's, which it imports the rest
     from); without git or that commit, (a note, None): the figures then stand alone."""
     ref = os.environ.get("STAGETRACE_BASELINE", "main")
-    shown = subprocess.run(["git", "show", f"{ref}:src/stagetrace/analysis/population.py"], cwd=ROOT,
-                           capture_output=True, text=True)  # fmt: skip
+    shown = subprocess.run(
+        ["git", "show", f"{ref}:src/stagetrace/analysis/population.py"], cwd=ROOT, capture_output=True, text=True
+    )
     if shown.returncode != 0:
         return f"(no baseline: {ref} not found)", None
     source = shown.stdout
@@ -72,7 +73,10 @@ def contrast_cost(quick: bool) -> list[Figure]:
     requests = 20_000 if quick else 1_000_000
     ref, baseline = _baseline()
     figures = []
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         now = time.time_ns()
         t0 = now - 3600 * S
         synthetic.fill(store, requests, t0)
@@ -81,11 +85,16 @@ def contrast_cost(quick: bool) -> list[Figure]:
         stages = ("retrieval", "cache", "context_assembly", "allreduce", "decode")
         calls = {
             f"explain's contrast at {requests:,} requests (one stage, narrowed window)": (
-                {"allreduce": ["setting.allreduce"]}, contrast_window(store, middle, middle, CONTRAST_WINDOW_NS),
-                (middle - DEFAULT_WINDOW_NS, middle + DEFAULT_WINDOW_NS)),
+                {"allreduce": ["setting.allreduce"]},
+                contrast_window(store, middle, middle, CONTRAST_WINDOW_NS),
+                (middle - DEFAULT_WINDOW_NS, middle + DEFAULT_WINDOW_NS),
+            ),
             f"the tally's contrasts at {requests:,} requests (five stages, the whole window)": (
-                {stage: [f"setting.{stage}"] for stage in stages}, (t0, now), None),
-        }  # fmt: skip
+                {stage: [f"setting.{stage}"] for stage in stages},
+                (t0, now),
+                None,
+            ),
+        }
         for label, (keys, window, majority) in calls.items():
             timings: dict[str, list[tuple[float, float]]] = {"this": [], "baseline": []}
             answers = {}
@@ -96,9 +105,17 @@ def contrast_cost(quick: bool) -> list[Figure]:
                     wall, cpu, found = _timed(lambda m=module: m.contrasts(store, keys, *window, (), majority))
                     timings[which].append((wall, cpu))
                     answers[which] = _answers(found)
-            assert baseline is None or answers["this"] == answers["baseline"], f"{label}: the contrasts differ from {ref}'s"
+            assert baseline is None or answers["this"] == answers["baseline"], (
+                f"{label}: the contrasts differ from {ref}'s"
+            )
             for unit, i in (("s", 0), ("CPU s", 1)):
-                figures.append(Figure(f"{label}, {'wall' if i == 0 else 'CPU'}",
-                                      statistics.median(t[i] for t in timings["this"]), unit, ref,
-                                      statistics.median(t[i] for t in timings["baseline"]) if baseline else None))
+                figures.append(
+                    Figure(
+                        f"{label}, {'wall' if i == 0 else 'CPU'}",
+                        statistics.median(t[i] for t in timings["this"]),
+                        unit,
+                        ref,
+                        statistics.median(t[i] for t in timings["baseline"]) if baseline else None,
+                    )
+                )
     return figures

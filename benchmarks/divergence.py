@@ -23,8 +23,11 @@ def _merged(store, limit_s: float = 600.0) -> float:
     started = time.perf_counter()
     quiet = 0
     while quiet < 2 and time.perf_counter() - started < limit_s:
-        running = int(store.client.command("SELECT count() FROM system.merges WHERE database = {db:String}",
-                                           parameters={"db": store.database}))  # fmt: skip
+        running = int(
+            store.client.command(
+                "SELECT count() FROM system.merges WHERE database = {db:String}", parameters={"db": store.database}
+            )
+        )
         quiet = quiet + 1 if running == 0 else 0
         time.sleep(0.5)
     return time.perf_counter() - started
@@ -33,7 +36,10 @@ def _merged(store, limit_s: float = 600.0) -> float:
 @benchmark("divergence")
 def divergence(quick: bool) -> list[Figure]:
     requests = 20_000 if quick else 1_000_000
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         now = time.time_ns()
         started = time.perf_counter()
         synthetic.fill(store, requests, now - 3600 * 10**9)
@@ -54,10 +60,15 @@ def divergence(quick: bool) -> list[Figure]:
     return [
         Figure(f"generate {requests:,} requests ({requests * 6:,} spans) in-engine", generated, "s"),
         Figure("then wait for the engine's background merges to finish", settled, "s"),
-        Figure(f"`divergences` over {requests:,} requests ({deviating:,} deviating, latest 100 analysed)", scan, "s",
-               "aim", 10.0),
+        Figure(
+            f"`divergences` over {requests:,} requests ({deviating:,} deviating, latest 100 analysed)",
+            scan,
+            "s",
+            "aim",
+            10.0,
+        ),
         Figure("`explain` of one deviating request in that store", explain, "s", "aim", 1.0),
-    ]  # fmt: skip
+    ]
 
 
 @benchmark("conventions")
@@ -67,7 +78,10 @@ def conventions(quick: bool) -> list[Figure]:
     store, one window each; ingest and ``divergences`` side by side."""
     requests = 20_000 if quick else 1_000_000
     hour = 3600 * 10**9
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         now = time.time_ns()
         windows = {"stagetrace": now - 6 * hour, "openinference": now - 3 * hour}
         generated, scans, found = {}, {}, {}
@@ -76,16 +90,30 @@ def conventions(quick: bool) -> list[Figure]:
             synthetic.fill(store, requests, t0, offset=offset * requests, style=style)
             generated[style] = time.perf_counter() - started
         for style, t0 in windows.items():
+
             def run(style=style, t0=t0) -> None:
                 found[style] = divergences.find(store, hour, until_ns=t0 + hour + 10**9)
 
             scans[style] = median_seconds(run, runs=1 if quick else 3, warmup=1)
-        same = {style: (r["deviating"], {d["first_divergent_stage"] for g in r["groups"] for d in g["deviating"]})
-                for style, r in found.items()}  # fmt: skip
+        same = {
+            style: (r["deviating"], {d["first_divergent_stage"] for g in r["groups"] for d in g["deviating"]})
+            for style, r in found.items()
+        }
         assert same["stagetrace"][0] == same["openinference"][0] > 0, same
     return [
-        Figure(f"ingest {requests:,} requests as OpenInference spans (views included)", generated["openinference"],
-               "s", "as stagetrace-convention spans", generated["stagetrace"]),
-        Figure(f"`divergences` over {requests:,} OpenInference requests ({found['openinference']['deviating']:,} "
-               "deviating)", scans["openinference"], "s", "stagetrace-convention requests", scans["stagetrace"]),
-    ]  # fmt: skip
+        Figure(
+            f"ingest {requests:,} requests as OpenInference spans (views included)",
+            generated["openinference"],
+            "s",
+            "as stagetrace-convention spans",
+            generated["stagetrace"],
+        ),
+        Figure(
+            f"`divergences` over {requests:,} OpenInference requests ({found['openinference']['deviating']:,} "
+            "deviating)",
+            scans["openinference"],
+            "s",
+            "stagetrace-convention requests",
+            scans["stagetrace"],
+        ),
+    ]

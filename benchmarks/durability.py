@@ -60,12 +60,30 @@ class _Agent:
         self._last = {}
         log = self.directory / f"agent-{self.starts}.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--store", f"chdb://{self.store}", "--listen",
-             f"127.0.0.1:{self.metrics}", "--interval", "1s", "--otlp", f"127.0.0.1:{self.otlp}", "--otlp-grpc", "none",
-             "--query-listen", "none", "--collectors", ""],
-            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--store",
+                f"chdb://{self.store}",
+                "--listen",
+                f"127.0.0.1:{self.metrics}",
+                "--interval",
+                "1s",
+                "--otlp",
+                f"127.0.0.1:{self.otlp}",
+                "--otlp-grpc",
+                "none",
+                "--query-listen",
+                "none",
+                "--collectors",
+                "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
             env={**os.environ, "STAGETRACE_HOST": "bench", "STAGETRACE_SPOOL_DIR": str(self.spool)},
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while "receiving OTLP/HTTP" not in log.read_text():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -123,8 +141,9 @@ class _Sender(threading.Thread):
 def _mount_small_disk(path: Path) -> bool:
     path.mkdir(parents=True)
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)], check=True,
-                       capture_output=True, timeout=30)  # fmt: skip
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(path)], check=True, capture_output=True, timeout=30
+        )
     except (OSError, subprocess.SubprocessError):
         return False
     return True
@@ -190,9 +209,12 @@ def durability(quick: bool) -> list[Figure]:
             left = sum(1 for _ in (directory / "spool").rglob("*.seg"))
             failing = sum(log.read_text().count("will retry") for log in directory.glob("agent-*.log"))
             with open_store(f"chdb://{disk / 'store'}") as store:
-                counts = dict(store.client.query(
-                    "SELECT SpanAttributes['stagetrace.request.id'] AS id, count() FROM stagetrace.otel_traces "
-                    "WHERE ServiceName = 'soak' GROUP BY id").result_rows)  # fmt: skip
+                counts = dict(
+                    store.client.query(
+                        "SELECT SpanAttributes['stagetrace.request.id'] AS id, count() FROM stagetrace.otel_traces "
+                        "WHERE ServiceName = 'soak' GROUP BY id"
+                    ).result_rows
+                )
         finally:
             if agent.process is not None and agent.process.poll() is None:
                 agent.process.kill()
@@ -204,13 +226,15 @@ def durability(quick: bool) -> list[Figure]:
     duplicates = sum(n - 1 for n in counts.values() if n > 1)
     dropped = agent.totals()
     figures = [
-        Figure(f"spans acknowledged (200) over {duration_s:g} s at {spans_per_s} spans/s, {len(KILLS)} kill -9s, "
-               + (f"{outage_s:.0f} s disk-full outage" if mounted else "no outage (cannot mount a tmpfs here)"),
-               len(acknowledged), "spans"),  # fmt: skip
+        Figure(
+            f"spans acknowledged (200) over {duration_s:g} s at {spans_per_s} spans/s, {len(KILLS)} kill -9s, "
+            + (f"{outage_s:.0f} s disk-full outage" if mounted else "no outage (cannot mount a tmpfs here)"),
+            len(acknowledged),
+            "spans",
+        ),
         Figure("acknowledged spans missing from the store", missing, "spans"),
         Figure("spans stored more than once (extra copies)", duplicates, "spans"),
-        Figure("spans stored that were never acknowledged", sum(1 for rid in counts if rid not in taken),
-               "spans"),  # fmt: skip
+        Figure("spans stored that were never acknowledged", sum(1 for rid in counts if rid not in taken), "spans"),
         Figure("segments left in the spool after it drained", left, "segments"),
         Figure("times the agent found the store failing (its 'will retry' log lines)", failing, "lines"),
         Figure("requests sent again (no answer, or 503)", sender.retries, "requests"),
@@ -259,25 +283,31 @@ def reserve(quick: bool) -> list[Figure]:
 
     requests, rounds = (40, 1) if quick else (400, 4)
     spans = make_spans(requests * 512 // 6 + 1)
-    bodies = [encode_spans(spans[i:i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
+    bodies = [encode_spans(spans[i : i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
     names = ("shipped", "no reserve", "before")
     seconds: dict[str, list[float]] = {name: [] for name in names}
     kept_before = os.environ.pop(STAGETRACE_SPOOL_KEEP_BYTES, None)
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}/store") as store, \
-            open_store(f"chdb://{directory}/store?database=before") as before:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}/store") as store,
+        open_store(f"chdb://{directory}/store?database=before") as before,
+    ):
         for table in schema.DURABLE_TABLES:  # the tables as they were: the engine's defaults
-            before.client.command(f"ALTER TABLE before.`{table}` MODIFY SETTING fsync_after_insert = 0, "
-                                  "fsync_part_directory = 0, min_compressed_bytes_to_fsync_after_merge = 0")  # fmt: skip
+            before.client.command(
+                f"ALTER TABLE before.`{table}` MODIFY SETTING fsync_after_insert = 0, "
+                "fsync_part_directory = 0, min_compressed_bytes_to_fsync_after_merge = 0"
+            )
         headroom = Headroom({"store": store.location.path, "spool": directory}, DEFAULT)
-        receivers = {"shipped": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom, spool_dir=f"{directory}/a"),
-                     "no reserve": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b")}  # fmt: skip
+        receivers = {
+            "shipped": OtlpReceiver(store, "127.0.0.1:0", headroom=headroom, spool_dir=f"{directory}/a"),
+            "no reserve": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b"),
+        }
         os.environ[STAGETRACE_SPOOL_KEEP_BYTES] = "0"  # read as the spool opens: none kept
         receivers["before"] = OtlpReceiver(before, "127.0.0.1:0", spool_dir=f"{directory}/c")
         del os.environ[STAGETRACE_SPOOL_KEEP_BYTES]
         try:
             for round_ in range(rounds):
-                for name in names[round_ % 3:] + names[:round_ % 3]:  # each goes first in turn
+                for name in names[round_ % 3 :] + names[: round_ % 3]:  # each goes first in turn
                     seconds[name].append(_ingest(receivers[name], bodies))
                 for db in ("stagetrace", "before"):
                     store.client.command(f"TRUNCATE TABLE {db}.otel_traces")  # the next round's tokens are new
@@ -300,13 +330,24 @@ def reserve(quick: bool) -> list[Figure]:
     rate = {name: total / statistics.median(values) for name, values in seconds.items()}
     before_36 = "the write path before issue 36 (no reserve, no fsync settings, no records kept)"
     return [
-        Figure(f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, as shipped (reserve {DEFAULT}, fsync "
-               "settings, records kept)", rate["shipped"], "spans/s", before_36, rate["before"]),
-        Figure("the same without the reserve (fsync settings, records kept)", rate["no reserve"], "spans/s",
-               before_36, rate["before"]),
+        Figure(
+            f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, as shipped (reserve {DEFAULT}, fsync "
+            "settings, records kept)",
+            rate["shipped"],
+            "spans/s",
+            before_36,
+            rate["before"],
+        ),
+        Figure(
+            "the same without the reserve (fsync settings, records kept)",
+            rate["no reserve"],
+            "spans/s",
+            before_36,
+            rate["before"],
+        ),
         Figure("reserve check per request (statvfs cached for 0.25 s)", check_ns, "ns", "one statvfs", statvfs_ns),
         Figure("reserve check per span (512-span requests)", check_ns / 512, "ns"),
-    ]  # fmt: skip
+    ]
 
 
 @benchmark("part_guard")
@@ -325,18 +366,22 @@ def part_guard(quick: bool) -> list[Figure]:
 
     requests, rounds = (40, 1) if quick else (400, 4)
     spans = make_spans(requests * 512 // 6 + 1)
-    bodies = [encode_spans(spans[i:i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
+    bodies = [encode_spans(spans[i : i + 512]).SerializeToString() for i in range(0, requests * 512, 512)]
     names = ("guarded", "unguarded")
     seconds: dict[str, list[float]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}/store") as store:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}/store") as store,
+    ):
         guard = PartGuard(store)
         guard.check()  # what is there now: the parts made from here on are checked
-        receivers = {"guarded": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/a", part_guard=guard),
-                     "unguarded": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b")}  # fmt: skip
+        receivers = {
+            "guarded": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/a", part_guard=guard),
+            "unguarded": OtlpReceiver(store, "127.0.0.1:0", spool_dir=f"{directory}/b"),
+        }
         try:
             for round_ in range(rounds * 2):
-                for name in names[round_ % 2:] + names[:round_ % 2]:  # each goes first in turn
+                for name in names[round_ % 2 :] + names[: round_ % 2]:  # each goes first in turn
                     seconds[name].append(_ingest(receivers[name], bodies))
                     bodies = [body + b"\x0a\x00" for body in bodies]  # an empty ResourceSpans more: new requests
         finally:
@@ -349,7 +394,13 @@ def part_guard(quick: bool) -> list[Figure]:
     total = len(bodies) * 512
     rate = {name: total / statistics.median(values) for name, values in seconds.items()}
     return [
-        Figure(f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, each insert's parts checked before its "
-               "records are retired", rate["guarded"], "spans/s", "the same without the part guard", rate["unguarded"]),
+        Figure(
+            f"OTLP/HTTP ingest of {total:,} spans in 512-span requests, each insert's parts checked before its "
+            "records are retired",
+            rate["guarded"],
+            "spans/s",
+            "the same without the part guard",
+            rate["unguarded"],
+        ),
         Figure(f"one round of the part guard's check ({parts} active parts)", check_s * 1e3, "ms"),
-    ]  # fmt: skip
+    ]

@@ -56,14 +56,25 @@ def make_spans(requests: int) -> list:
     provider.add_span_processor(SimpleSpanProcessor(keep))
     tracer = provider.get_tracer("stagetrace")
     for i in range(requests):
-        with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER, attributes={
-            st.REQUEST_ID: f"req-{i}", st.INPUT_DIGEST: f"{i:032x}", "gen_ai.request.model": "m-7b",
-        }) as root:  # fmt: skip
+        with tracer.start_as_current_span(
+            "inference.request",
+            kind=SpanKind.SERVER,
+            attributes={
+                st.REQUEST_ID: f"req-{i}",
+                st.INPUT_DIGEST: f"{i:032x}",
+                "gen_ai.request.model": "m-7b",
+            },
+        ) as root:
             for k, stage in enumerate(st.PIPELINE_STAGES):
-                with tracer.start_as_current_span(f"stage.{stage}", attributes={
-                    st.STAGE: stage, st.STAGE_INPUT_DIGEST: f"{i:030x}{k:02x}", f"setting.{stage}": "a",
-                    "gpu.uuid": f"GPU-{i % 8}",
-                }) as span:  # fmt: skip
+                with tracer.start_as_current_span(
+                    f"stage.{stage}",
+                    attributes={
+                        st.STAGE: stage,
+                        st.STAGE_INPUT_DIGEST: f"{i:030x}{k:02x}",
+                        f"setting.{stage}": "a",
+                        "gpu.uuid": f"GPU-{i % 8}",
+                    },
+                ) as span:
                     span.set_attribute(st.STAGE_OUTPUT_DIGEST, f"{i:030x}{k + 1:02x}")
             root.set_attribute(st.OUTPUT_DIGEST, f"{i:032x}"[::-1])
     provider.shutdown()
@@ -91,8 +102,14 @@ def _raw_run(store, columns_by_batch) -> float:
     for columns in columns_by_batch:
         # a token of its own, as the exporter gives each insert: the schema's deduplication window would
         # otherwise drop a repeated block of the same rows without writing it
-        store.client.insert("otel_traces", columns, column_names=COLUMNS, database=store.database, column_oriented=True,
-                            settings={"insert_deduplication_token": uuid.uuid4().hex})  # fmt: skip
+        store.client.insert(
+            "otel_traces",
+            columns,
+            column_names=COLUMNS,
+            database=store.database,
+            column_oriented=True,
+            settings={"insert_deduplication_token": uuid.uuid4().hex},
+        )
     return time.perf_counter() - started
 
 
@@ -121,15 +138,27 @@ def export(quick: bool) -> list[Figure]:
             runs["raw"].append(n / _raw_run(store, big))
             if r < 2:
                 runs["raw512"].append(n / _raw_run(store, small))
-        written = store.client.query("SELECT count() FROM {db:Identifier}.otel_traces", parameters={"db": store.database})
+        written = store.client.query(
+            "SELECT count() FROM {db:Identifier}.otel_traces", parameters={"db": store.database}
+        )
         expected = n * (2 * rounds + min(rounds, 2)) + min(BATCH_ROWS, n)
         if written.result_rows[0][0] != expected:
             raise RuntimeError(f"otel_traces holds {written.result_rows[0][0]} rows, expected {expected}")
     exporter_rate, raw_rate = statistics.median(runs["exporter"]), statistics.median(runs["raw"])
     ceiling = f"raw columnar client.insert, same rows, {BATCH_ROWS:,}-row inserts"
     return [
-        Figure(f"BatchSpanProcessor + ClickHouseSpanExporter, {n:,} spans, median of {rounds}", exporter_rate, "spans/s",
-               ceiling, raw_rate),
-        Figure("raw columnar client.insert at the SDK's 512-span batches", statistics.median(runs["raw512"]), "spans/s",
-               ceiling, raw_rate),
-    ]  # fmt: skip
+        Figure(
+            f"BatchSpanProcessor + ClickHouseSpanExporter, {n:,} spans, median of {rounds}",
+            exporter_rate,
+            "spans/s",
+            ceiling,
+            raw_rate,
+        ),
+        Figure(
+            "raw columnar client.insert at the SDK's 512-span batches",
+            statistics.median(runs["raw512"]),
+            "spans/s",
+            ceiling,
+            raw_rate,
+        ),
+    ]

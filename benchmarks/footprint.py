@@ -52,16 +52,41 @@ def _measure(store: str, seconds: int, directory: str) -> dict:
     """Run the agent over the fixture node into ``store`` and measure it (see the module docstring)."""
     port = _free_port()
     command = [
-        sys.executable, "-m", "stagetrace", "agent", "--store", store,
-        "--collectors", "gpu,mps,rdma,ethtool", "--sysfs", str(FIXTURE / "sys"),
-        "--nvml-fixture", str(FIXTURE / "nvml"), "--mps-fixture", str(FIXTURE / "mps"),
-        "--ethtool-fixture", str(FIXTURE / "ethtool" / "statistics.json"),
-        "--interval", "1s", "--listen", f"127.0.0.1:{port}", "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "stagetrace",
+        "agent",
+        "--store",
+        store,
+        "--collectors",
+        "gpu,mps,rdma,ethtool",
+        "--sysfs",
+        str(FIXTURE / "sys"),
+        "--nvml-fixture",
+        str(FIXTURE / "nvml"),
+        "--mps-fixture",
+        str(FIXTURE / "mps"),
+        "--ethtool-fixture",
+        str(FIXTURE / "ethtool" / "statistics.json"),
+        "--interval",
+        "1s",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--otlp",
+        "none",
+        "--otlp-grpc",
+        "none",
+        "--query-listen",
+        "none",
+    ]
     log = Path(directory, "agent.log")
     with log.open("w") as stderr:
-        agent = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr,
-                                 env={**os.environ, "STAGETRACE_SPOOL_DIR": f"{directory}/spool"})  # fmt: skip
+        agent = subprocess.Popen(
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            env={**os.environ, "STAGETRACE_SPOOL_DIR": f"{directory}/spool"},
+        )
     try:
         started = time.monotonic()
         while True:
@@ -93,16 +118,23 @@ def _measure(store: str, seconds: int, directory: str) -> dict:
         except subprocess.TimeoutExpired:
             agent.kill()
             agent.wait()
-    return {"cpu": (cpu1 - cpu0) / (t1 - t0) * 100, "rss": max(rss), "anon": max(anon), "peak": peak, "ready": ready,
-            "window": seconds + ready + 2}  # fmt: skip
+    return {
+        "cpu": (cpu1 - cpu0) / (t1 - t0) * 100,
+        "rss": max(rss),
+        "anon": max(anon),
+        "peak": peak,
+        "ready": ready,
+        "window": seconds + ready + 2,
+    }
 
 
 def _written(store) -> tuple[int, int]:
     """Rows the agent wrote, and how many distinct sample times they have."""
     return store.client.query(
         "SELECT count(), uniqExact(TimeUnix) FROM (SELECT TimeUnix FROM {db:Identifier}.otel_metrics_gauge "
-        "UNION ALL SELECT TimeUnix FROM {db:Identifier}.otel_metrics_sum)", parameters={"db": store.database},
-    ).result_rows[0]  # fmt: skip
+        "UNION ALL SELECT TimeUnix FROM {db:Identifier}.otel_metrics_sum)",
+        parameters={"db": store.database},
+    ).result_rows[0]
 
 
 @benchmark("footprint")
@@ -116,8 +148,11 @@ def footprint(quick: bool) -> list[Figure]:
             raise RuntimeError(f"the agent wrote {intervals} samples in {embedded['window']:.0f} s")
         # a server store: ClickHouse's HTTP interface, answered by the engine in a process of its own
         port = _free_port()
-        server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", f"{directory}/server", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        server = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.clickhouse_http", f"{directory}/server", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             dsn = f"http://default:@127.0.0.1:{port}/stagetrace"
             _wait_for(f"http://127.0.0.1:{port}/ping", server)
@@ -128,22 +163,49 @@ def footprint(quick: bool) -> list[Figure]:
             server.terminate()
             server.wait(timeout=30)
         if remote_intervals < seconds:
-            raise RuntimeError(f"the agent wrote {remote_intervals} samples to the server store in {remote['window']:.0f} s")
+            raise RuntimeError(
+                f"the agent wrote {remote_intervals} samples to the server store in {remote['window']:.0f} s"
+            )
     return [
-        Figure(f"agent CPU, 1 s interval, 4 collectors, {seconds} s window, embedded store", embedded["cpu"],
-               "% of a core", "aim", 2.0),
-        Figure("agent resident memory (VmRSS), largest in the window, embedded store", embedded["rss"], "MB", "aim", 200.0),
+        Figure(
+            f"agent CPU, 1 s interval, 4 collectors, {seconds} s window, embedded store",
+            embedded["cpu"],
+            "% of a core",
+            "aim",
+            2.0,
+        ),
+        Figure(
+            "agent resident memory (VmRSS), largest in the window, embedded store", embedded["rss"], "MB", "aim", 200.0
+        ),
         Figure("agent peak resident memory since start (VmHWM), embedded store", embedded["peak"], "MB", "aim", 200.0),
-        Figure("agent private memory (RssAnon: VmRSS less the engine library's file-backed pages), embedded store",
-               embedded["anon"], "MB", "aim", 200.0),
-        Figure(f"agent CPU, 1 s interval, 4 collectors, {seconds} s window, server store (HTTP)", remote["cpu"],
-               "% of a core", "aim", 2.0),
-        Figure("agent resident memory (VmRSS), largest in the window, server store (HTTP)", remote["rss"], "MB", "aim", 60.0),
-        Figure("agent peak resident memory since start (VmHWM), server store (HTTP)", remote["peak"], "MB", "aim", 60.0),
+        Figure(
+            "agent private memory (RssAnon: VmRSS less the engine library's file-backed pages), embedded store",
+            embedded["anon"],
+            "MB",
+            "aim",
+            200.0,
+        ),
+        Figure(
+            f"agent CPU, 1 s interval, 4 collectors, {seconds} s window, server store (HTTP)",
+            remote["cpu"],
+            "% of a core",
+            "aim",
+            2.0,
+        ),
+        Figure(
+            "agent resident memory (VmRSS), largest in the window, server store (HTTP)",
+            remote["rss"],
+            "MB",
+            "aim",
+            60.0,
+        ),
+        Figure(
+            "agent peak resident memory since start (VmHWM), server store (HTTP)", remote["peak"], "MB", "aim", 60.0
+        ),
         Figure("agent start-up until /metrics answers, embedded store", embedded["ready"], "s"),
         Figure("agent start-up until /metrics answers, server store (HTTP)", remote["ready"], "s"),
         Figure("metric samples the agent wrote per interval", rows / intervals, "rows"),
-    ]  # fmt: skip
+    ]
 
 
 def _wait_for(url: str, process: subprocess.Popen, limit_s: float = 60.0) -> None:

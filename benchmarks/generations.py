@@ -34,7 +34,9 @@ def _previous_statements(database: str) -> list[str]:
     statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")) for chunk in chunks]
     # the layout alone differs: stagetrace's lookup granularity on both sides (the Collector's own is 8192)
     granularity = f"index_granularity = {schema._LOOKUP_GRANULARITY}"
-    return [s.replace("index_granularity = 8192", granularity) if "`otel_traces` (" in s else s for s in statements if s]
+    return [
+        s.replace("index_granularity = 8192", granularity) if "`otel_traces` (" in s else s for s in statements if s
+    ]
 
 
 @benchmark("generations")
@@ -52,10 +54,15 @@ def generations_benchmark(quick: bool) -> list[Figure]:
             filled = dict.fromkeys(stores, 0.0)
             per_chunk = requests // chunks
             for chunk in range(chunks):  # alternating, so that neither side has the quieter half of the run
-                for name in (("current", "previous") if chunk % 2 == 0 else ("previous", "current")):
+                for name in ("current", "previous") if chunk % 2 == 0 else ("previous", "current"):
                     started = time.perf_counter()
-                    synthetic.fill(stores[name], per_chunk, t0 + chunk * 3600 * 10**9 * 24, seconds=86400.0,
-                                   offset=chunk * per_chunk)  # fmt: skip
+                    synthetic.fill(
+                        stores[name],
+                        per_chunk,
+                        t0 + chunk * 3600 * 10**9 * 24,
+                        seconds=86400.0,
+                        offset=chunk * per_chunk,
+                    )
                     filled[name] += time.perf_counter() - started
             for store in stores.values():
                 _settle(store)
@@ -80,7 +87,9 @@ def generations_benchmark(quick: bool) -> list[Figure]:
             for name, store in stores.items():
                 for table in SPAN_TABLES:
                     store.client.command(f"OPTIMIZE TABLE {store.database}.`{table}` FINAL")
-                rows = store.client.query(PARTS_SQL, parameters={"db": store.database, "tables": SPAN_TABLES}).result_rows
+                rows = store.client.query(
+                    PARTS_SQL, parameters={"db": store.database, "tables": SPAN_TABLES}
+                ).result_rows
                 size[name] = sum(disk for _, disk, _, _ in rows) / (per_chunk * chunks * 6)
         finally:
             for store in stores.values():
@@ -88,12 +97,32 @@ def generations_benchmark(quick: bool) -> list[Figure]:
     spans = per_chunk * chunks * 6
     previous = "the Collector's previous layout, same granularity"
     return [
-        Figure(f"generate {spans:,} spans in-engine (insert, views, trace-ID table), current layout",
-               filled["current"], "s", previous, filled["previous"]),
-        Figure("bytes on disk per span, otel_traces + trace-ID table, after merges, current layout",
-               size["current"], "B", previous, size["previous"]),
-        Figure(f"lookup.by_request_id, median of {lookups} fresh IDs, current layout",
-               statistics.median(by_request["current"]), "ms", previous, statistics.median(by_request["previous"])),
-        Figure(f"lookup.by_trace_id, median of {lookups}, current layout",
-               statistics.median(by_trace["current"]), "ms", previous, statistics.median(by_trace["previous"])),
-    ]  # fmt: skip
+        Figure(
+            f"generate {spans:,} spans in-engine (insert, views, trace-ID table), current layout",
+            filled["current"],
+            "s",
+            previous,
+            filled["previous"],
+        ),
+        Figure(
+            "bytes on disk per span, otel_traces + trace-ID table, after merges, current layout",
+            size["current"],
+            "B",
+            previous,
+            size["previous"],
+        ),
+        Figure(
+            f"lookup.by_request_id, median of {lookups} fresh IDs, current layout",
+            statistics.median(by_request["current"]),
+            "ms",
+            previous,
+            statistics.median(by_request["previous"]),
+        ),
+        Figure(
+            f"lookup.by_trace_id, median of {lookups}, current layout",
+            statistics.median(by_trace["current"]),
+            "ms",
+            previous,
+            statistics.median(by_trace["previous"]),
+        ),
+    ]

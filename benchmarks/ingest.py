@@ -106,17 +106,43 @@ def _host_spans(host: int, batch: int, requests: int, resource, scope) -> list:
         start = now - 200_000_000 + r * 1000
         tag = f"{host:02x}{batch:08x}{r:04x}"
         for k, stage in enumerate(st.PIPELINE_STAGES):
-            spans.append(ReadableSpan(f"stage.{stage}", SpanContext(trace_id, root_id + k + 1, False, flags), root,
-                                      resource, {st.STAGE: stage, st.STAGE_INPUT_DIGEST: f"{tag}{k:02x}" * 2,
-                                                 st.STAGE_OUTPUT_DIGEST: f"{tag}{k + 1:02x}" * 2, f"setting.{stage}": "a",
-                                                 "gpu.uuid": f"GPU-{host:02d}-{r % 8}"},
-                                      kind=SpanKind.INTERNAL, start_time=start + k * 30_000_000,
-                                      end_time=start + (k + 1) * 30_000_000, instrumentation_scope=scope))  # fmt: skip
-        spans.append(ReadableSpan("inference.request", root, None, resource,
-                                  {st.REQUEST_ID: f"req-{tag}", st.INPUT_DIGEST: f"{tag}in" * 2,
-                                   st.OUTPUT_DIGEST: f"{tag}ou" * 2, "gen_ai.request.model": "m-70b"},
-                                  kind=SpanKind.SERVER, start_time=start, end_time=start + 150_000_000,
-                                  instrumentation_scope=scope))  # fmt: skip
+            spans.append(
+                ReadableSpan(
+                    f"stage.{stage}",
+                    SpanContext(trace_id, root_id + k + 1, False, flags),
+                    root,
+                    resource,
+                    {
+                        st.STAGE: stage,
+                        st.STAGE_INPUT_DIGEST: f"{tag}{k:02x}" * 2,
+                        st.STAGE_OUTPUT_DIGEST: f"{tag}{k + 1:02x}" * 2,
+                        f"setting.{stage}": "a",
+                        "gpu.uuid": f"GPU-{host:02d}-{r % 8}",
+                    },
+                    kind=SpanKind.INTERNAL,
+                    start_time=start + k * 30_000_000,
+                    end_time=start + (k + 1) * 30_000_000,
+                    instrumentation_scope=scope,
+                )
+            )
+        spans.append(
+            ReadableSpan(
+                "inference.request",
+                root,
+                None,
+                resource,
+                {
+                    st.REQUEST_ID: f"req-{tag}",
+                    st.INPUT_DIGEST: f"{tag}in" * 2,
+                    st.OUTPUT_DIGEST: f"{tag}ou" * 2,
+                    "gen_ai.request.model": "m-70b",
+                },
+                kind=SpanKind.SERVER,
+                start_time=start,
+                end_time=start + 150_000_000,
+                instrumentation_scope=scope,
+            )
+        )
     return spans
 
 
@@ -144,9 +170,17 @@ def _senders(protocol: str, endpoint: str, hosts: list[int], schedule_s: float, 
     logging.getLogger("opentelemetry.exporter").addHandler(retried)
 
     def host_loop(host: int) -> None:
-        resource = Resource.create({"service.name": SERVICE, "host.name": f"gpu-node-{host:02d}",
-                                    "host.id": f"{host:032x}", "gpu.model": "NVIDIA H200", "gpu.count": 8,
-                                    "engine": "vllm", "engine.tensor_parallel_size": "8"})  # fmt: skip
+        resource = Resource.create(
+            {
+                "service.name": SERVICE,
+                "host.name": f"gpu-node-{host:02d}",
+                "host.id": f"{host:032x}",
+                "gpu.model": "NVIDIA H200",
+                "gpu.count": 8,
+                "engine": "vllm",
+                "engine.tensor_parallel_size": "8",
+            }
+        )
         out, sender = records.setdefault(host, []), exporter()
         due = time.monotonic() + random.random() * min(schedule_s, BATCH_REQUESTS * SPANS_PER_REQUEST / rate.value)
         batch = 0
@@ -195,12 +229,31 @@ class _Agent:
         self.dsn, self.spool, self.log = dsn, directory / "spool", directory / "agent.log"
         self.http, self.grpc = _free_port(), _free_port()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--store", dsn, "--listen", "127.0.0.1:0",
-             "--otlp", f"127.0.0.1:{self.http}", "--otlp-grpc", f"127.0.0.1:{self.grpc}", "--query-listen", "none",
-             "--collectors", "", "--analyse-every", "0", "--no-low-priority"],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--store",
+                dsn,
+                "--listen",
+                "127.0.0.1:0",
+                "--otlp",
+                f"127.0.0.1:{self.http}",
+                "--otlp-grpc",
+                f"127.0.0.1:{self.grpc}",
+                "--query-listen",
+                "none",
+                "--collectors",
+                "",
+                "--analyse-every",
+                "0",
+                "--no-low-priority",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
             env={**os.environ, "STAGETRACE_HOST": "bench", "STAGETRACE_SPOOL_DIR": str(self.spool)},
-        )  # fmt: skip
+        )
         deadline = time.monotonic() + 60
         while "receiving OTLP/gRPC" not in self.log.read_text():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -262,7 +315,7 @@ def _slope(points: list[tuple[float, int]]) -> float:
 def _held(window: list[tuple[float, int, int, float, int]], offered: float) -> tuple[bool, float, float]:
     """Whether the agent kept up with ``offered`` spans/s over ``window`` (its first quarter skipped: the step's
     change settling); the backlog's growth and the acknowledged rate, both in spans/s."""
-    settled = window[len(window) // 4:]
+    settled = window[len(window) // 4 :]
     growth = _slope([(t, rows) for t, rows, *_ in settled])
     seconds = settled[-1][0] - settled[0][0]
     acked_rate = (settled[-1][4] - settled[0][4]) / seconds if seconds > 0 else 0.0
@@ -282,9 +335,12 @@ def _run(directory: Path, dsn: str, quick: bool, hold_s: float, store_pid: int |
     acked = [context.Value("q", 0) for _ in range(2)]
     halves = {"http": list(range(0, hosts, 2)), "grpc": list(range(1, hosts, 2))}
     endpoints = {"http": f"http://127.0.0.1:{agent.http}/v1/traces", "grpc": f"127.0.0.1:{agent.grpc}"}
-    processes = [context.Process(target=_senders, daemon=True,
-                                 args=(p, endpoints[p], halves[p], schedule_s, rate, stop, acked[i], results))
-                 for i, p in enumerate(("http", "grpc"))]  # fmt: skip
+    processes = [
+        context.Process(
+            target=_senders, daemon=True, args=(p, endpoints[p], halves[p], schedule_s, rate, stop, acked[i], results)
+        )
+        for i, p in enumerate(("http", "grpc"))
+    ]
     monitor = _Monitor(agent, _Sum(acked), 0.5)
     try:
         idle = monitor.run_for(1.0 if quick else 10.0)  # the agent with no sender: its fixed cost
@@ -357,10 +413,14 @@ def _run(directory: Path, dsn: str, quick: bool, hold_s: float, store_pid: int |
         if agent.process.poll() is None:
             agent.process.kill()
     with open_store(dsn, create_schema=False) as store:
-        stored = {key: (count, unique) for key, count, unique in store.client.query(
-            "SELECT substring(SpanId, 1, 10) AS batch, count(), uniqExact(SpanId) FROM {db:Identifier}.otel_traces "
-            "WHERE ServiceName = {service:String} GROUP BY batch",
-            parameters={"db": store.database, "service": SERVICE}).result_rows}  # fmt: skip
+        stored = {
+            key: (count, unique)
+            for key, count, unique in store.client.query(
+                "SELECT substring(SpanId, 1, 10) AS batch, count(), uniqExact(SpanId) FROM {db:Identifier}.otel_traces "
+                "WHERE ServiceName = {service:String} GROUP BY batch",
+                parameters={"db": store.database, "service": SERVICE},
+            ).result_rows
+        }
     # reconcile: every acknowledged span stored once, none twice
     missing = not_acked = 0
     acknowledged_keys = set()
@@ -376,8 +436,10 @@ def _run(directory: Path, dsn: str, quick: bool, hold_s: float, store_pid: int |
     doubled = sum(count - unique for count, unique in stored.values())
     foreign = sum(unique for key, (_, unique) in stored.items() if key not in acknowledged_keys) - not_acked
     if missing or doubled or foreign:
-        raise RuntimeError(f"{dsn}: acknowledged spans missing from the store: {missing}; stored more than once: "
-                           f"{doubled}; stored but never sent: {foreign}")  # fmt: skip
+        raise RuntimeError(
+            f"{dsn}: acknowledged spans missing from the store: {missing}; stored more than once: "
+            f"{doubled}; stored but never sent: {foreign}"
+        )
     in_hold = [r for sent in records.values() for r in sent if hold_start <= r[2] < hold_end]
     acked_hold = [n for _, n, _, _, ok in in_hold if ok]
     hold_seconds = hold_end - hold_start
@@ -385,19 +447,41 @@ def _run(directory: Path, dsn: str, quick: bool, hold_s: float, store_pid: int |
     late = [s for s in hold if s[0] >= hold_start + hold_seconds / 2]  # the second half: the controller settled
     stored_rate = (sum(acked_hold) - (hold[-1][1] - hold[0][1])) / hold_seconds
     return {
-        "hosts": hosts, "http": len(halves["http"]), "grpc": len(halves["grpc"]), "hold_s": hold_seconds,
-        "ramp": ", ".join(f"{o:,.0f}{'' if h else ' (grew)'}" for o, h, *_ in steps), "ramp_s": ramp_s,
+        "hosts": hosts,
+        "http": len(halves["http"]),
+        "grpc": len(halves["grpc"]),
+        "hold_s": hold_seconds,
+        "ramp": ", ".join(f"{o:,.0f}{'' if h else ' (grew)'}" for o, h, *_ in steps),
+        "ramp_s": ramp_s,
         "sustained": sum((b - a) * o for a, b, o in rates) / sum(b - a for a, b, _ in rates),
-        "first": sustained, "last": rates[-1][2], "late_growth": _slope([(t, rows) for t, rows, *_ in late]),
-        "retries": retries, "acked": sum(acked_hold) / hold_seconds, "stored": stored_rate,
+        "first": sustained,
+        "last": rates[-1][2],
+        "late_growth": _slope([(t, rows) for t, rows, *_ in late]),
+        "retries": retries,
+        "acked": sum(acked_hold) / hold_seconds,
+        "stored": stored_rate,
         "growth": _slope([(t, rows) for t, rows, *_ in hold]),
-        "high_bytes": max(s[2] for s in hold), "high_rows": max(s[1] for s in hold),
+        "high_bytes": max(s[2] for s in hold),
+        "high_rows": max(s[1] for s in hold),
         "batch": statistics.fmean(acked_hold) if acked_hold else 0.0,
         "latencies": sorted(r[3] for r in in_hold if r[4]),
-        "by_protocol": {p: sorted(r[3] for h, sent in records.items() if protocols[h] == p for r in sent
-                                  if hold_start <= r[2] < hold_end and r[4]) for p in ("http", "grpc")},  # fmt: skip
-        "agent_cores": agent_cores, "idle_cores": idle_cores, "store_cores": store_cores, "sender_cores": sender_cores, "peak_rss": peak_rss,
-        "drain_s": drain_s, "failed": sum(1 for sent in records.values() for r in sent if not r[4]),
+        "by_protocol": {
+            p: sorted(
+                r[3]
+                for h, sent in records.items()
+                if protocols[h] == p
+                for r in sent
+                if hold_start <= r[2] < hold_end and r[4]
+            )
+            for p in ("http", "grpc")
+        },
+        "agent_cores": agent_cores,
+        "idle_cores": idle_cores,
+        "store_cores": store_cores,
+        "sender_cores": sender_cores,
+        "peak_rss": peak_rss,
+        "drain_s": drain_s,
+        "failed": sum(1 for sent in records.values() for r in sent if not r[4]),
         "checked": sum(unique for unique in (u for _, u in stored.values())),
     }
 
@@ -408,24 +492,37 @@ def _ms(values: list[float], q: float) -> float:
 
 def _figures(r: dict, store: str) -> list[Figure]:
     figures = [
-        Figure(f"{store}: offered rate over the hold, {r['hosts']} hosts ({r['http']} OTLP/HTTP, {r['grpc']} OTLP/gRPC, "
-               f"official exporters), {r['hold_s']:.0f} s from {r['first']:,.0f} to {r['last']:,.0f} spans/s; ramp "
-               f"{r['ramp']} spans/s in {r['ramp_s']:.0f} s", r["sustained"], "spans/s"),
+        Figure(
+            f"{store}: offered rate over the hold, {r['hosts']} hosts ({r['http']} OTLP/HTTP, {r['grpc']} OTLP/gRPC, "
+            f"official exporters), {r['hold_s']:.0f} s from {r['first']:,.0f} to {r['last']:,.0f} spans/s; ramp "
+            f"{r['ramp']} spans/s in {r['ramp_s']:.0f} s",
+            r["sustained"],
+            "spans/s",
+        ),
         Figure(f"{store}: spans acknowledged over the hold", r["acked"], "spans/s"),
         Figure(f"{store}: spans stored over the hold (acknowledged less the backlog's growth)", r["stored"], "spans/s"),
-        Figure(f"{store}: acknowledged backlog's trend over the hold (spool rows, least squares)", r["growth"],
-               "spans/s"),
+        Figure(
+            f"{store}: acknowledged backlog's trend over the hold (spool rows, least squares)", r["growth"], "spans/s"
+        ),
         Figure(f"{store}: acknowledged backlog's trend over the hold's second half", r["late_growth"], "spans/s"),
-        Figure(f"{store}: spool high-water mark over the hold (acknowledged, not yet stored)", r["high_bytes"] / 2**20,
-               "MiB"),
+        Figure(
+            f"{store}: spool high-water mark over the hold (acknowledged, not yet stored)",
+            r["high_bytes"] / 2**20,
+            "MiB",
+        ),
         Figure(f"{store}: spool high-water mark over the hold, in spans", r["high_rows"], "spans"),
-        Figure(f"{store}: ack latency p50, one export of {r['batch']:.0f} spans on average", _ms(r["latencies"], 0.5),
-               "ms"),
+        Figure(
+            f"{store}: ack latency p50, one export of {r['batch']:.0f} spans on average", _ms(r["latencies"], 0.5), "ms"
+        ),
         Figure(f"{store}: ack latency p99", _ms(r["latencies"], 0.99), "ms"),
         Figure(f"{store}: ack latency p99, OTLP/HTTP hosts", _ms(r["by_protocol"]["http"], 0.99), "ms"),
         Figure(f"{store}: ack latency p99, OTLP/gRPC hosts", _ms(r["by_protocol"]["grpc"], 0.99), "ms"),
-        Figure(f"{store}: agent CPU over the hold (receivers, spool" + (", embedded store)" if r["store_cores"] is None
-               else "; the store is apart)"), r["agent_cores"], "cores"),
+        Figure(
+            f"{store}: agent CPU over the hold (receivers, spool"
+            + (", embedded store)" if r["store_cores"] is None else "; the store is apart)"),
+            r["agent_cores"],
+            "cores",
+        ),
     ]
     figures.append(Figure(f"{store}: agent CPU before any sender (its fixed cost)", r["idle_cores"], "cores"))
     if r["store_cores"] is not None:
@@ -434,14 +531,20 @@ def _figures(r: dict, store: str) -> list[Figure]:
     return figures + [
         Figure(f"{store}: agent peak RSS (VmHWM)", r["peak_rss"], "MiB"),
         Figure(f"{store}: senders' CPU over the hold (competing for the same cores)", r["sender_cores"], "cores"),
-        Figure(f"{store}: stored spans per core of the " + ("agent" if r["store_cores"] is None else "store process"),
-               r["stored"] / store_side if store_side else float("nan"), "spans/s"),
+        Figure(
+            f"{store}: stored spans per core of the " + ("agent" if r["store_cores"] is None else "store process"),
+            r["stored"] / store_side if store_side else float("nan"),
+            "spans/s",
+        ),
         Figure(f"{store}: spool drain after the senders stopped", r["drain_s"], "s"),
         Figure(f"{store}: exports that failed (not acknowledged)", r["failed"], "batches"),
-        Figure(f"{store}: exporter retries over the run (503, UNAVAILABLE: spool full or requests in flight)",
-               r["retries"], "retries"),
+        Figure(
+            f"{store}: exporter retries over the run (503, UNAVAILABLE: spool full or requests in flight)",
+            r["retries"],
+            "retries",
+        ),
         Figure(f"{store}: spans read back by span ID, every acknowledged one once", r["checked"], "spans"),
-    ]  # fmt: skip
+    ]
 
 
 @benchmark("ingest")
@@ -452,12 +555,16 @@ def ingest(quick: bool) -> list[Figure]:
         embedded = _run(Path(tmp) / "embedded", f"chdb://{tmp}/embedded/store", quick, hold_s)
         # a server store: ClickHouse's HTTP interface, answered by the engine in a process of its own
         port = _free_port()
-        server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", f"{tmp}/server", str(port)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        server = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.clickhouse_http", f"{tmp}/server", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             _wait_for(f"http://127.0.0.1:{port}/ping", server)
-            remote = _run(Path(tmp) / "remote", f"http://default:@127.0.0.1:{port}/stagetrace", quick, server_hold_s,
-                          server.pid)  # fmt: skip
+            remote = _run(
+                Path(tmp) / "remote", f"http://default:@127.0.0.1:{port}/stagetrace", quick, server_hold_s, server.pid
+            )
         finally:
             server.terminate()
             server.wait(timeout=30)

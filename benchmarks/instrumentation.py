@@ -72,17 +72,21 @@ def _bare(tracer, computed: bool):
         for i in range(n):
             in_digest = digest(INPUT) if computed else _INPUT_DIGEST
             with tracer.start_as_current_span(
-                "inference.request", kind=SpanKind.SERVER,
+                "inference.request",
+                kind=SpanKind.SERVER,
                 attributes={st.REQUEST_ID: f"req-{i}", st.INPUT_DIGEST: in_digest},
-            ) as root:  # fmt: skip
+            ) as root:
                 for stage in STAGES:
                     key, value = ATTRIBUTE[stage]
                     stage_in = digest(VALUES[stage][0]) if computed else _DIGESTS[stage][0]
                     with tracer.start_as_current_span(
-                        f"stage.{stage}", kind=SpanKind.INTERNAL,
+                        f"stage.{stage}",
+                        kind=SpanKind.INTERNAL,
                         attributes={key: value, st.STAGE: stage, st.STAGE_INPUT_DIGEST: stage_in},
-                    ) as span:  # fmt: skip
-                        span.set_attribute(st.STAGE_OUTPUT_DIGEST, digest(VALUES[stage][1]) if computed else _DIGESTS[stage][1])
+                    ) as span:
+                        span.set_attribute(
+                            st.STAGE_OUTPUT_DIGEST, digest(VALUES[stage][1]) if computed else _DIGESTS[stage][1]
+                        )
                 root.set_attribute(st.OUTPUT_DIGEST, digest(OUTPUT) if computed else _OUTPUT_DIGEST)
 
     return run
@@ -117,8 +121,18 @@ def instrumentation(quick: bool) -> list[Figure]:
         bare_provider.shutdown()
     baseline = "bare OpenTelemetry SDK, same 6 spans, no-op exporter"
     return [
-        Figure(f"5-stage request (6 spans), digests given, median of {rounds} blocks of {block}", given[0], "µs",
-               baseline, given[1]),
-        Figure("5-stage request (6 spans), digests computed from the values (both sides)", computed[0], "µs",
-               baseline, computed[1]),
-    ]  # fmt: skip
+        Figure(
+            f"5-stage request (6 spans), digests given, median of {rounds} blocks of {block}",
+            given[0],
+            "µs",
+            baseline,
+            given[1],
+        ),
+        Figure(
+            "5-stage request (6 spans), digests computed from the values (both sides)",
+            computed[0],
+            "µs",
+            baseline,
+            computed[1],
+        ),
+    ]

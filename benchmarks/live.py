@@ -52,20 +52,32 @@ def live_analysis(quick: bool) -> list[Figure]:
     figures = []
     for rate in (100,) if quick else (100, 1000, 10_000):
         history_s = 600 if quick else HISTORY_S[rate]
-        with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-                open_store(f"chdb://{directory}") as store:  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+            open_store(f"chdb://{directory}") as store,
+        ):
             now = time.time_ns()
             done, pass_s, pass_cpu = _timed_pass(store, rate, history_s, now)
             cpu, started = _cpu_s(), time.perf_counter()
             found = divergences.find(store, (history_s + 60) * S, until_ns=now, limit=100)
             scan_s, scan_cpu = time.perf_counter() - started, _cpu_s() - cpu
         figures += [
-            Figure(f"one pass over a minute at {rate:,}/s ({rate * 60:,} new requests, {done.analysed:,} deviating "
-                   f"analysed, {history_s // 60} min of history)", pass_s, "s",
-                   f"`divergences` over the window ({found['deviating']:,} deviating, latest 100)", scan_s),
-            Figure(f"its CPU, one pass a minute, at {rate:,}/s", 100 * pass_cpu / 60, "% of a core",
-                   "`divergences` once a minute", 100 * scan_cpu / 60),
-        ]  # fmt: skip
+            Figure(
+                f"one pass over a minute at {rate:,}/s ({rate * 60:,} new requests, {done.analysed:,} deviating "
+                f"analysed, {history_s // 60} min of history)",
+                pass_s,
+                "s",
+                f"`divergences` over the window ({found['deviating']:,} deviating, latest 100)",
+                scan_s,
+            ),
+            Figure(
+                f"its CPU, one pass a minute, at {rate:,}/s",
+                100 * pass_cpu / 60,
+                "% of a core",
+                "`divergences` once a minute",
+                100 * scan_cpu / 60,
+            ),
+        ]
     return figures
 
 
@@ -77,13 +89,22 @@ def live_window(quick: bool) -> list[Figure]:
     rate, windows = (100, (6_000, 60_000)) if quick else (1000, (1_000_000, 10_000_000))
     figures: list[Figure] = []
     for requests in windows:
-        with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-                open_store(f"chdb://{directory}") as store:  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+            open_store(f"chdb://{directory}") as store,
+        ):
             done, pass_s, _ = _timed_pass(store, rate, requests // rate, time.time_ns())
         smallest = figures[0].value if figures else None
-        figures.append(Figure(f"one pass over a minute at {rate:,}/s with {requests:,} requests in the lookback "
-                              f"({done.analysed:,} deviating analysed)", pass_s, "s",
-                              f"the same with {windows[0]:,}" if smallest else "", smallest))  # fmt: skip
+        figures.append(
+            Figure(
+                f"one pass over a minute at {rate:,}/s with {requests:,} requests in the lookback "
+                f"({done.analysed:,} deviating analysed)",
+                pass_s,
+                "s",
+                f"the same with {windows[0]:,}" if smallest else "",
+                smallest,
+            )
+        )
     return figures
 
 
@@ -93,8 +114,10 @@ def live_soak(quick: bool) -> list[Figure]:
     second by second into the same embedded store, over an hour of history: does the lag stay flat, and is every
     deviating request listed? Each second brings fresh inputs, 20 requests to each, 5% deviating."""
     rate, soak_s, every_s, settle_s, history_s = (100, 30, 5, 2, 120) if quick else (1000, 600, 60, 10, 3600)
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}") as store:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         began = time.time_ns()
         synthetic.fill(store, rate * history_s, began - history_s * S, seconds=history_s)
         _merged(store)
@@ -110,8 +133,14 @@ def live_soak(quick: bool) -> list[Figure]:
             if time.time_ns() < due:
                 time.sleep((due - time.time_ns()) / S)
             per_input = synthetic.GROUP
-            synthetic.fill(store, rate, due, seconds=1, offset=rate * history_s + sent,
-                           inputs_from=10_000_000 + second * max(1, rate // per_input))  # fmt: skip
+            synthetic.fill(
+                store,
+                rate,
+                due,
+                seconds=1,
+                offset=rate * history_s + sent,
+                inputs_from=10_000_000 + second * max(1, rate // per_input),
+            )
             sent += rate
             second += 1
             if stats.passes > passes:
@@ -121,18 +150,38 @@ def live_soak(quick: bool) -> list[Figure]:
         time.sleep(every_s + settle_s + 1)  # the last second's requests settle and are analysed
         stop.set()
         thread.join(timeout=600)
-        listed = int(store.client.command(
-            "SELECT count() FROM {db:Identifier}.stagetrace_divergences FINAL "
-            "WHERE RequestStart >= fromUnixTimestamp64Nano({t:Int64})", parameters={"db": store.database, "t": start}))
-        deviating = sum(1 for d in population.deviations(store, start - history_s * S, time.time_ns())
-                        if d.start_ns >= start)  # fmt: skip
+        listed = int(
+            store.client.command(
+                "SELECT count() FROM {db:Identifier}.stagetrace_divergences FINAL "
+                "WHERE RequestStart >= fromUnixTimestamp64Nano({t:Int64})",
+                parameters={"db": store.database, "t": start},
+            )
+        )
+        deviating = sum(
+            1 for d in population.deviations(store, start - history_s * S, time.time_ns()) if d.start_ns >= start
+        )
     half = len(lags) // 2
     return [
-        Figure(f"lag over the last half of a {soak_s / 60:g}-minute soak at {rate:,}/s (mean of {len(lags) - half} "
-               f"passes, {every_s:g} s period)", statistics.mean(lags[half:] or [0.0]), "s",
-               "the first half", statistics.mean(lags[:half] or [0.0])),
-        Figure(f"longest pass in the soak ({len(durations)} passes)", max(durations, default=0.0), "s",
-               "the period", every_s),
-        Figure("deviating requests of the soak listed in stagetrace_divergences", listed, "requests",
-               "deviating requests (grouping the whole window afterwards)", deviating),
-    ]  # fmt: skip
+        Figure(
+            f"lag over the last half of a {soak_s / 60:g}-minute soak at {rate:,}/s (mean of {len(lags) - half} "
+            f"passes, {every_s:g} s period)",
+            statistics.mean(lags[half:] or [0.0]),
+            "s",
+            "the first half",
+            statistics.mean(lags[:half] or [0.0]),
+        ),
+        Figure(
+            f"longest pass in the soak ({len(durations)} passes)",
+            max(durations, default=0.0),
+            "s",
+            "the period",
+            every_s,
+        ),
+        Figure(
+            "deviating requests of the soak listed in stagetrace_divergences",
+            listed,
+            "requests",
+            "deviating requests (grouping the whole window afterwards)",
+            deviating,
+        ),
+    ]

@@ -43,8 +43,9 @@ def _scan(store, request_id: str, skip_indexes: bool) -> int:
     With ``skip_indexes`` the filter uses the Collector schema's bloom filter on ``mapValues(SpanAttributes)``;
     without, it reads the column for every span (a true scan).
     """
-    rows = store.client.query(SCAN_SQL, parameters={"db": store.database, "rid": request_id},
-                              settings={"use_skip_indexes": int(skip_indexes)}).result_rows  # fmt: skip
+    rows = store.client.query(
+        SCAN_SQL, parameters={"db": store.database, "rid": request_id}, settings={"use_skip_indexes": int(skip_indexes)}
+    ).result_rows
     if not rows:
         raise lookup.NotFound(request_id)
     trace_id, start, end = rows[-1]
@@ -55,8 +56,9 @@ def _settle(store, limit_s: float = 180.0) -> None:
     """Wait until the merges the generation started are done: lookups are timed on a store at rest."""
     deadline = time.monotonic() + limit_s
     while time.monotonic() < deadline:
-        merges = store.client.query("SELECT count() FROM system.merges WHERE database = {db:String}",
-                                    parameters={"db": store.database}).result_rows[0][0]  # fmt: skip
+        merges = store.client.query(
+            "SELECT count() FROM system.merges WHERE database = {db:String}", parameters={"db": store.database}
+        ).result_rows[0][0]
         if not merges:
             return
         time.sleep(1)
@@ -75,7 +77,9 @@ def _p99(values: list[float]) -> float:
 
 @benchmark("lookup")
 def lookup_benchmark(quick: bool) -> list[Figure]:
-    requests, lookups, scans, processes, agent_processes = (20_000, 30, 3, 1, 1) if quick else (1_666_667, 500, 15, 5, 11)
+    requests, lookups, scans, processes, agent_processes = (
+        (20_000, 30, 3, 1, 1) if quick else (1_666_667, 500, 15, 5, 11)
+    )
     compile_sources()
     rng = random.Random(8)
     fresh = iter(rng.sample(range(requests), lookups + 2 * scans + processes + agent_processes + 1))
@@ -119,19 +123,48 @@ def lookup_benchmark(quick: bool) -> list[Figure]:
         Figure(f"lookup.by_request_id, median of {lookups} fresh IDs", statistics.median(indexed), "ms", scan, scan_ms),
         Figure(f"lookup.by_request_id, p99 of {lookups} fresh IDs", _p99(indexed), "ms", scan, scan_ms),
         Figure("lookup.by_request_id, median (as above)", statistics.median(indexed), "ms", bloom, bloom_ms),
-        Figure(f"`stagetrace trace --json` process, incl. start-up, median of {processes}", statistics.median(process),
-               "ms", scan, scan_ms),
-        Figure(f"`stagetrace trace --json` process while an agent holds the store, median of {agent_processes}",
-               statistics.median(through_agent), "ms", "aim", 250.0),
-    ]  # fmt: skip
+        Figure(
+            f"`stagetrace trace --json` process, incl. start-up, median of {processes}",
+            statistics.median(process),
+            "ms",
+            scan,
+            scan_ms,
+        ),
+        Figure(
+            f"`stagetrace trace --json` process while an agent holds the store, median of {agent_processes}",
+            statistics.median(through_agent),
+            "ms",
+            "aim",
+            250.0,
+        ),
+    ]
 
 
 @contextmanager
 def held_by_agent(dsn: str):
     """``stagetrace agent`` holding the embedded store ``dsn`` (no collectors, no OTLP), its query endpoint up."""
-    agent = subprocess.Popen([sys.executable, "-m", "stagetrace", "agent", "--store", dsn, "--collectors", "",
-                              "--listen", "127.0.0.1:0", "--otlp", "none", "--otlp-grpc", "none",
-                              "--query-listen", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--store",
+            dsn,
+            "--collectors",
+            "",
+            "--listen",
+            "127.0.0.1:0",
+            "--otlp",
+            "none",
+            "--otlp-grpc",
+            "none",
+            "--query-listen",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         record = Path(dsn.removeprefix("chdb://")) / "agent.json"
         deadline = time.monotonic() + 120
@@ -148,8 +181,13 @@ def held_by_agent(dsn: str):
 def trace_process_ms(dsn: str, request_id: str, env: dict | None = None) -> float:
     """One ``stagetrace trace --json`` process, start-up included; fails unless it printed the request."""
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "--json", "--store", dsn, request_id],
-                            capture_output=True, text=True, check=False, env=env)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "trace", "--json", "--store", dsn, request_id],
+        capture_output=True,
+        text=True,
+        check=False,
+        env=env,
+    )
     elapsed = (time.perf_counter() - started) * 1e3
     if result.returncode != 0 or request_id not in result.stdout:
         raise RuntimeError(f"stagetrace trace {request_id} failed: {result.stderr.strip()[-300:]}")
@@ -186,14 +224,18 @@ def lookup_curve(quick: bool) -> list[Figure]:
             for spans in sizes:
                 while filled < spans // 6:
                     n = min(CURVE_CHUNK, spans // 6 - filled)
-                    synthetic.fill(store, n, start_ns + int(filled / CURVE_RATE * 1e9), seconds=n / CURVE_RATE,
-                                   offset=filled)  # fmt: skip
+                    synthetic.fill(
+                        store, n, start_ns + int(filled / CURVE_RATE * 1e9), seconds=n / CURVE_RATE, offset=filled
+                    )
                     filled += n
                 _settle(store, limit_s=900.0)
                 spans_only, with_views = bytes_per_span(store)
                 figures.append(Figure(f"bytes on disk per span at {spans:,} spans, otel_traces alone", spans_only, "B"))
-                figures.append(Figure(f"bytes on disk per span at {spans:,} spans, with the tables its views fill",
-                                      with_views, "B"))
+                figures.append(
+                    Figure(
+                        f"bytes on disk per span at {spans:,} spans, with the tables its views fill", with_views, "B"
+                    )
+                )
                 fresh = [i for i in rng.sample(range(filled), 2 * lookups + 1) if i not in asked]
                 asked.update(fresh)
                 lookup.by_request_id(store, f"req-{fresh[0]}")  # warm-up: the first query opens the parts
@@ -204,19 +246,37 @@ def lookup_curve(quick: bool) -> list[Figure]:
                         raise RuntimeError(f"lookup found {len(trace.spans)} spans, not 6")
                     by_id.append(ms)
                 for i in fresh[lookups + 1 :]:  # trace IDs of requests not looked up yet: no cached filter helps
-                    traces.append(store.client.query(lookup.TRACES_OF_REQUEST_SQL, parameters={
-                        "db": store.database, "rid": f"req-{i}"}).result_rows[0][0])  # fmt: skip
+                    traces.append(
+                        store.client.query(
+                            lookup.TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": f"req-{i}"}
+                        ).result_rows[0][0]
+                    )
                 by_trace = [_ms(lookup.by_trace_id, store, t)[0] for t in traces]
                 for name, timings in (("lookup.by_request_id", by_id), ("lookup.by_trace_id", by_trace)):
                     p50 = statistics.median(timings)
                     first.setdefault(name, p50)
                     smallest = f"{name} p50 at {sizes[0]:,} spans"
-                    figures.append(Figure(f"{name} at {spans:,} spans, p50 of {len(timings)} fresh IDs", p50, "ms",
-                                          smallest if spans != sizes[0] else "aim", first[name] if spans != sizes[0]
-                                          else 50.0))  # fmt: skip
+                    figures.append(
+                        Figure(
+                            f"{name} at {spans:,} spans, p50 of {len(timings)} fresh IDs",
+                            p50,
+                            "ms",
+                            smallest if spans != sizes[0] else "aim",
+                            first[name] if spans != sizes[0] else 50.0,
+                        )
+                    )
                     figures.append(Figure(f"{name} at {spans:,} spans, p99", _p99(timings), "ms", "aim", 100.0))
-        through_agent = _through_agent(dsn, [f"req-{i}" for i in rng.sample(sorted(set(range(filled)) - asked),
-                                                                          agent_processes)])  # fmt: skip
-    figures.append(Figure(f"`stagetrace trace --json` process through an agent holding {sizes[-1]:,} spans, median of "
-                          f"{agent_processes}", statistics.median(through_agent), "ms", "aim", 250.0))  # fmt: skip
+        through_agent = _through_agent(
+            dsn, [f"req-{i}" for i in rng.sample(sorted(set(range(filled)) - asked), agent_processes)]
+        )
+    figures.append(
+        Figure(
+            f"`stagetrace trace --json` process through an agent holding {sizes[-1]:,} spans, median of "
+            f"{agent_processes}",
+            statistics.median(through_agent),
+            "ms",
+            "aim",
+            250.0,
+        )
+    )
     return figures

@@ -80,9 +80,14 @@ def _neighbours(fleet, store, t0: int, hosts: list[str], rng: random.Random, min
     others = ["b1", "b2", "b3"]
     for i, t, host in fleet.timeline(batch.at(0), batch.at(minutes), 20 * fleet.SECOND, others):
         index = "v8" if t >= batch.at(moved + others.index(host)) else "v7"
-        batch.request(f"batch-{i:04d}", t, host, prompt=rng.randrange(4),
-                      settings={"retrieval.index.version": index, "allreduce.algorithm": "tree"},
-                      differs={"retrieval": index, "allreduce": "tree"})  # fmt: skip
+        batch.request(
+            f"batch-{i:04d}",
+            t,
+            host,
+            prompt=rng.randrange(4),
+            settings={"retrieval.index.version": index, "allreduce.algorithm": "tree"},
+            differs={"retrieval": index, "allreduce": "tree"},
+        )
     canary = fleet.Fleet(store, t0, service="rag-canary")
     faulty, template_at = rng.sample(hosts, 2), rng.randint(minutes // 8, minutes // 2)
     for i, t, host in fleet.timeline(canary.at(0), canary.at(minutes), 20 * fleet.SECOND, hosts):
@@ -101,11 +106,19 @@ def _answers(store, requests: list[str]) -> tuple[dict, dict]:
     explained = {}
     for rid in requests:
         r = explainer.explain(rid).to_json()
-        explained[rid] = (r["diverged"], r["first_divergent_stage"], (r["baseline"] or {}).get("request_id"),
-                          _top(r["causes"]))  # fmt: skip
+        explained[rid] = (
+            r["diverged"],
+            r["first_divergent_stage"],
+            (r["baseline"] or {}).get("request_id"),
+            _top(r["causes"]),
+        )
     found = divergences.find(store, SINCE_NS, limit=None)
-    entries = {d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"], _top([d["top_cause"]]))
-               for g in found["groups"] for d in g["deviating"] if d["service"] == "rag"}  # fmt: skip
+    entries = {
+        d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"], _top([d["top_cause"]]))
+        for g in found["groups"]
+        for d in g["deviating"]
+        if d["service"] == "rag"
+    }
     return explained, entries
 
 
@@ -121,8 +134,10 @@ def neighbours(quick: bool) -> list[Figure]:
     same = {"explain": [0, 0], "divergences": [0, 0]}
     for seed in seeds:
         rng = random.Random(seed)
-        with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-                open_store(f"chdb://{directory}/store") as store:  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+            open_store(f"chdb://{directory}/store") as store,
+        ):
             fl = fleet.Fleet(store)
             hosts = _first_service(fleet, fl, rng, minutes)
             sample = sorted(fl.requests)[:: 10 if quick else 3]
@@ -134,18 +149,23 @@ def neighbours(quick: bool) -> list[Figure]:
             same[view][0] += n
             same[view][1] += of
     fleets = f"{len(seeds)} fleet{'s' if len(seeds) > 1 else ''}"
-    return [Figure(f"{view}: answers unchanged by three neighbours ({n} of {of}, {fleets})", 100 * n / of, "%",
-                   "aim", 98.0) for view, (n, of) in same.items()]  # fmt: skip
+    return [
+        Figure(f"{view}: answers unchanged by three neighbours ({n} of {of}, {fleets})", 100 * n / of, "%", "aim", 98.0)
+        for view, (n, of) in same.items()
+    ]
 
 
 # -- concurrent configuration faults
 # names the configuration detector does not write: (on the resource?, name, a healthy value, the faulty value)
 CONFIGURATIONS = [
-    (True, "acme.gpu.sku", "H200", "B300"), (True, "acme.driver", "550.54", "575.10"),
-    (False, "engine.attention.impl", "flash", "triton"), (False, "engine.kv.dtype", "bf16", "fp8"),
-    (False, "engine.speculative", "", "on"), (True, "acme.cuda.runtime", "12.8", "13.0"),
+    (True, "acme.gpu.sku", "H200", "B300"),
+    (True, "acme.driver", "550.54", "575.10"),
+    (False, "engine.attention.impl", "flash", "triton"),
+    (False, "engine.kv.dtype", "bf16", "fp8"),
+    (False, "engine.speculative", "", "on"),
+    (True, "acme.cuda.runtime", "12.8", "13.0"),
     (False, "engine.chunked.prefill", "off", "on"),
-]  # fmt: skip
+]
 
 
 def _concurrent(fleet, store, rng: random.Random, minutes: int) -> tuple[object, dict]:
@@ -153,13 +173,21 @@ def _concurrent(fleet, store, rng: random.Random, minutes: int) -> tuple[object,
     healthy = [f"c{i}" for i in range(1, 7)]
     resources, decode = {}, {}
     for i, host in enumerate(healthy):  # heterogeneous: the healthy hosts differ among themselves too
-        resources[host] = {"acme.gpu.sku": "H200" if i % 2 else "H100", "acme.driver": "550.54" if i < 3 else "560.35",
-                           "acme.cuda.runtime": "12.8", "acme.log.level": "info"}  # fmt: skip
+        resources[host] = {
+            "acme.gpu.sku": "H200" if i % 2 else "H100",
+            "acme.driver": "550.54" if i < 3 else "560.35",
+            "acme.cuda.runtime": "12.8",
+            "acme.log.level": "info",
+        }
     own = {}
     for k, (on_resource, name, _, value) in enumerate(faults):
         host = f"f{k + 1}"
-        resources[host] = {"acme.gpu.sku": "H200", "acme.driver": "550.54", "acme.cuda.runtime": "12.8",
-                           "acme.log.level": "info"}  # fmt: skip
+        resources[host] = {
+            "acme.gpu.sku": "H200",
+            "acme.driver": "550.54",
+            "acme.cuda.runtime": "12.8",
+            "acme.log.level": "info",
+        }
         if on_resource:
             resources[host][name] = value
         else:
@@ -173,8 +201,14 @@ def _concurrent(fleet, store, rng: random.Random, minutes: int) -> tuple[object,
         differs = {}
         if host in own and (i * 7919 % 100) < 100 * own[host][2]:
             differs["decode"] = host
-        fl.request(f"r-{i:04d}", t, host, prompt=rng.randrange(4),
-                   extra={"decode": {**defaults, **decode.get(host, {})}}, differs=differs)  # fmt: skip
+        fl.request(
+            f"r-{i:04d}",
+            t,
+            host,
+            prompt=rng.randrange(4),
+            extra={"decode": {**defaults, **decode.get(host, {})}},
+            differs=differs,
+        )
     fl.flush()
     return fl, own
 
@@ -186,8 +220,10 @@ def concurrent_faults(quick: bool) -> list[Figure]:
     right = {"explain": [0, 0], "divergences": [0, 0]}
     for seed in seeds:
         rng = random.Random(seed)
-        with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-                open_store(f"chdb://{directory}/store") as store:  # fmt: skip
+        with (
+            tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+            open_store(f"chdb://{directory}/store") as store,
+        ):
             fl, own = _concurrent(fleet, store, rng, minutes)
             deviating = [rid for rid, r in sorted(fl.requests.items()) if r["differs"]]
 
@@ -207,8 +243,16 @@ def concurrent_faults(quick: bool) -> list[Figure]:
                 right["divergences"][0] += bool(d) and named(rid, d["first_divergent_stage"], _top([d["top_cause"]]))
                 right["divergences"][1] += 1
     fleets = f"{len(seeds)} fleet{'s' if len(seeds) > 1 else ''}"
-    return [Figure(f"{view}: the host's own setting first ({n} of {of} deviating requests, {fleets})", 100 * n / of,
-                   "%", "aim", 95.0) for view, (n, of) in right.items()]  # fmt: skip
+    return [
+        Figure(
+            f"{view}: the host's own setting first ({n} of {of} deviating requests, {fleets})",
+            100 * n / of,
+            "%",
+            "aim",
+            95.0,
+        )
+        for view, (n, of) in right.items()
+    ]
 
 
 if __name__ == "__main__":  # both benchmarks, printed, whichever tree is first on the path

@@ -33,12 +33,17 @@ BATCH = 512  # the SDK's BatchSpanProcessor max_export_batch_size
 def otlp_ingest(quick: bool) -> list[Figure]:
     requests, runs = (500, 1) if quick else (10_000, 3)
     spans = make_spans(requests)
-    batches = [spans[i:i + BATCH] for i in range(0, len(spans), BATCH)]
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+    batches = [spans[i : i + BATCH] for i in range(0, len(spans), BATCH)]
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         core = OtlpReceiver(store, "127.0.0.1:0")  # writes ahead into the spool beside the store, as the agent
         server = OtlpGrpcServer(core, "127.0.0.1:0")
-        exporters = {"gRPC": GrpcExporter(endpoint=f"http://{server.url}", insecure=True),
-                     "HTTP": HttpExporter(endpoint=f"{core.url}/v1/traces")}  # fmt: skip
+        exporters = {
+            "gRPC": GrpcExporter(endpoint=f"http://{server.url}", insecure=True),
+            "HTTP": HttpExporter(endpoint=f"{core.url}/v1/traces"),
+        }
         seconds: dict[str, list[float]] = {name: [] for name in exporters}
         try:
             for _ in range(runs):
@@ -54,5 +59,12 @@ def otlp_ingest(quick: bool) -> list[Figure]:
             server.close()
             core.close()
     rate = {name: len(spans) / statistics.median(values) for name, values in seconds.items()}
-    return [Figure(f"OTLP/gRPC ingest of {len(spans):,} spans (official exporter, 512-span batches)", rate["gRPC"],
-                   "spans/s", "OTLP/HTTP, same spans", rate["HTTP"])]
+    return [
+        Figure(
+            f"OTLP/gRPC ingest of {len(spans):,} spans (official exporter, 512-span batches)",
+            rate["gRPC"],
+            "spans/s",
+            "OTLP/HTTP, same spans",
+            rate["HTTP"],
+        )
+    ]

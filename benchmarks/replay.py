@@ -59,8 +59,11 @@ def replay(payloads: list[tuple[bytes, int]], group_rows: int, views: bool = Tru
             cpu = _cpu_s() - cpu
             peak = _status_mib(os.getpid(), "VmHWM")  # since the process began (ru_maxrss has the parent's too)
             writer.close()
-            stored = int(store.client.command("SELECT count() FROM {db:Identifier}.otel_traces",
-                                              parameters={"db": store.database}))  # fmt: skip
+            stored = int(
+                store.client.command(
+                    "SELECT count() FROM {db:Identifier}.otel_traces", parameters={"db": store.database}
+                )
+            )
     expected = sum(spans for _, spans in payloads)
     if not drained or stored != expected:
         raise RuntimeError(f"the replay in groups of {group_rows:,} rows stored {stored:,} of {expected:,} spans")
@@ -71,8 +74,10 @@ def replay(payloads: list[tuple[bytes, int]], group_rows: int, views: bool = Tru
 def replay_by_group(quick: bool) -> list[Figure]:
     requests, rounds = (2_000, 1) if quick else (20_000, 3)
     spans = make_spans(requests)
-    payloads = [(encode_spans(spans[i:i + REQUEST_SPANS]).SerializeToString(), len(spans[i:i + REQUEST_SPANS]))
-                for i in range(0, len(spans), REQUEST_SPANS)]  # fmt: skip
+    payloads = [
+        (encode_spans(spans[i : i + REQUEST_SPANS]).SerializeToString(), len(spans[i : i + REQUEST_SPANS]))
+        for i in range(0, len(spans), REQUEST_SPANS)
+    ]
     runs = [(size, views) for size in GROUP_ROWS for views in (True, False)]
     cpu: dict[tuple, list[float]] = {run: [] for run in runs}
     memory: dict[tuple, list[float]] = {run: [] for run in runs}
@@ -89,12 +94,32 @@ def replay_by_group(quick: bool) -> list[Figure]:
     for size in GROUP_ROWS:
         label = f"{len(spans):,} spans in {len(payloads)} requests replayed in groups of up to {size:,} rows"
         label += " (MAX_GROUP_ROWS)" if size == MAX_GROUP_ROWS else ""
-        figures.append(Figure(f"{label}: CPU a stored span, every view", cpu_of[size, True], "µs",
-                              "bare otel_traces, the same groups", cpu_of[size, False]))  # fmt: skip
+        figures.append(
+            Figure(
+                f"{label}: CPU a stored span, every view",
+                cpu_of[size, True],
+                "µs",
+                "bare otel_traces, the same groups",
+                cpu_of[size, False],
+            )
+        )
         if size != first:
-            figures.append(Figure(f"{label}: CPU a stored span, every view", cpu_of[size, True], "µs",
-                                  f"groups of up to {first:,} rows", cpu_of[first, True]))  # fmt: skip
-        figures.append(Figure(f"{label}: peak resident memory above the process's before, every view",
-                              statistics.median(memory[size, True]), "MiB", f"groups of up to {first:,} rows",
-                              statistics.median(memory[first, True])))  # fmt: skip
+            figures.append(
+                Figure(
+                    f"{label}: CPU a stored span, every view",
+                    cpu_of[size, True],
+                    "µs",
+                    f"groups of up to {first:,} rows",
+                    cpu_of[first, True],
+                )
+            )
+        figures.append(
+            Figure(
+                f"{label}: peak resident memory above the process's before, every view",
+                statistics.median(memory[size, True]),
+                "MiB",
+                f"groups of up to {first:,} rows",
+                statistics.median(memory[first, True]),
+            )
+        )
     return figures

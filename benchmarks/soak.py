@@ -37,21 +37,31 @@ def _batch(number: int) -> bytes:
     """One OTLP request: ``SPANS_PER_BATCH`` stage spans with fresh IDs and the attributes a pipeline sends."""
     request = ExportTraceServiceRequest()
     resource_spans = request.resource_spans.add()
-    resource_spans.resource.attributes.extend([
-        KeyValue(key="service.name", value=AnyValue(string_value="soak")),
-        KeyValue(key="host.name", value=AnyValue(string_value="bench")),
-    ])  # fmt: skip
+    resource_spans.resource.attributes.extend(
+        [
+            KeyValue(key="service.name", value=AnyValue(string_value="soak")),
+            KeyValue(key="host.name", value=AnyValue(string_value="bench")),
+        ]
+    )
     spans = resource_spans.scope_spans.add().spans
     now = time.time_ns()
     for i in range(SPANS_PER_BATCH):
-        span = spans.add(trace_id=os.urandom(16), span_id=os.urandom(8), name="stage", kind=1,
-                         start_time_unix_nano=now, end_time_unix_nano=now + 1_000_000)  # fmt: skip
-        span.attributes.extend([
-            KeyValue(key="stagetrace.request.id", value=AnyValue(string_value=f"soak-{number}-{i}")),
-            KeyValue(key="stagetrace.stage", value=AnyValue(string_value=STAGES[i % len(STAGES)])),
-            KeyValue(key="stagetrace.stage.output_digest", value=AnyValue(string_value=os.urandom(16).hex())),
-            KeyValue(key="decode.tokens", value=AnyValue(int_value=i)),
-        ])  # fmt: skip
+        span = spans.add(
+            trace_id=os.urandom(16),
+            span_id=os.urandom(8),
+            name="stage",
+            kind=1,
+            start_time_unix_nano=now,
+            end_time_unix_nano=now + 1_000_000,
+        )
+        span.attributes.extend(
+            [
+                KeyValue(key="stagetrace.request.id", value=AnyValue(string_value=f"soak-{number}-{i}")),
+                KeyValue(key="stagetrace.stage", value=AnyValue(string_value=STAGES[i % len(STAGES)])),
+                KeyValue(key="stagetrace.stage.output_digest", value=AnyValue(string_value=os.urandom(16).hex())),
+                KeyValue(key="decode.tokens", value=AnyValue(int_value=i)),
+            ]
+        )
     return request.SerializeToString()
 
 
@@ -108,11 +118,31 @@ def soak(quick: bool) -> list[Figure]:
         log = Path(tmp) / "agent.log"
         dsn = f"chdb://{tmp}/store"
         agent = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--store", dsn, "--listen", "127.0.0.1:0", "--interval", "1s",
-             "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "none", "--collectors", ",".join(names), *_flags(options)],
-            stdout=subprocess.DEVNULL, stderr=log.open("w"),
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--store",
+                dsn,
+                "--listen",
+                "127.0.0.1:0",
+                "--interval",
+                "1s",
+                "--otlp",
+                "127.0.0.1:0",
+                "--otlp-grpc",
+                "127.0.0.1:0",
+                "--query-listen",
+                "none",
+                "--collectors",
+                ",".join(names),
+                *_flags(options),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
             env={**os.environ, "STAGETRACE_HOST": "bench", "STAGETRACE_SPOOL_DIR": str(Path(tmp) / "spool")},
-        )  # fmt: skip
+        )
         try:
             deadline = time.monotonic() + 60
             while not (found := re.search(r"receiving OTLP/HTTP at http://([\d.]+):(\d+)/", log.read_text())):
@@ -143,8 +173,11 @@ def soak(quick: bool) -> list[Figure]:
     if stored < sender.accepted:
         raise RuntimeError(f"{sender.accepted} spans were accepted but only {stored} are in the store")
     return [
-        Figure(f"agent mean RSS, 2nd quarter (OTLP {spans_per_s} spans/s + all collectors every 1 s, {duration_s:g} s)",
-               early, "MiB"),  # fmt: skip
+        Figure(
+            f"agent mean RSS, 2nd quarter (OTLP {spans_per_s} spans/s + all collectors every 1 s, {duration_s:g} s)",
+            early,
+            "MiB",
+        ),
         Figure("agent mean RSS, 3rd quarter", third, "MiB"),
         Figure("agent mean RSS, last quarter", late, "MiB"),
         Figure("agent RSS growth, last quarter over 2nd quarter", late - early, "MiB"),

@@ -87,7 +87,7 @@ def startup(quick: bool) -> list[Figure]:
                     ("help", lambda: _run_ms([sys.executable, "-m", "stagetrace", "--help"], env)),
                     ("import", lambda: _run_ms([sys.executable, "-c", "import stagetrace.cli"], env)),
                     ("trace", lambda: trace_process_ms(dsn, f"req-{next(fresh)}", env)),
-                ):  # fmt: skip
+                ):
                     times.setdefault((tree, what), []).append(measure())
     ms = {key: statistics.median(values) for key, values in times.items()}
     floor = ms[("this", "floor")]
@@ -100,11 +100,13 @@ def startup(quick: bool) -> list[Figure]:
         Figure(import_, ms[("this", "import")], "ms", "`python -c pass`, same interpreter", floor),
         Figure(trace, ms[("this", "trace")], "ms", "aim (through an agent holding 100M spans)", 250.0),
         Figure(trace, ms[("this", "trace")], "ms", "`python -c pass`, same interpreter", floor),
-    ]  # fmt: skip
+    ]
     if before_dir:
         before = f"the same at {_short_commit(before_dir)}, alternating"
-        figures += [Figure(name, ms[("linked", what)], "ms", before, ms[("before", what)])
-                    for name, what in ((help_, "help"), (import_, "import"), (trace, "trace"))]  # fmt: skip
+        figures += [
+            Figure(name, ms[("linked", what)], "ms", before, ms[("before", what)])
+            for name, what in ((help_, "help"), (import_, "import"), (trace, "trace"))
+        ]
     return figures
 
 

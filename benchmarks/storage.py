@@ -55,7 +55,8 @@ def _view_tables(store) -> list[str]:
     """
     rows = store.client.query(
         "SELECT name, engine, dependencies_table, create_table_query FROM system.tables WHERE database = {db:String}",
-        parameters={"db": store.database}).result_rows  # fmt: skip
+        parameters={"db": store.database},
+    ).result_rows
     tables = {name: (engine, dependents) for name, engine, dependents, _ in rows}
     queries = {name: query for name, _, _, query in rows}
     stored, sources, seen = set(), ["otel_traces"], set()
@@ -103,7 +104,10 @@ def _moving(families, second: int, rng: random.Random):
 @benchmark("storage")
 def storage(quick: bool) -> list[Figure]:
     requests, seconds = (10_000, 20) if quick else (300_000, 300)
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         spans = synthetic.fill(store, requests, time.time_ns() - 3600 * 10**9)
         views = _view_tables(store)
         traces = _parts(store, ["otel_traces", *views])
@@ -111,8 +115,13 @@ def storage(quick: bool) -> list[Figure]:
         if rows != spans:
             raise RuntimeError(f"otel_traces holds {rows} rows, not {spans}")
 
-        options = Options(host="bench", sysfs=FIXTURE / "sys", nvml_fixture=FIXTURE / "nvml", mps_fixture=FIXTURE / "mps",
-                          ethtool_fixture=FIXTURE / "ethtool" / "statistics.json")  # fmt: skip
+        options = Options(
+            host="bench",
+            sysfs=FIXTURE / "sys",
+            nvml_fixture=FIXTURE / "nvml",
+            mps_fixture=FIXTURE / "mps",
+            ethtool_fixture=FIXTURE / "ethtool" / "statistics.json",
+        )
         node = build_node("gpu,mps,rdma,ethtool", options)
         try:
             snapshot = list(node.collect())
@@ -129,11 +138,19 @@ def storage(quick: bool) -> list[Figure]:
     m_raw = sum(v[1] for v in metrics.values())
     m_rows = sum(v[2] for v in metrics.values())
     return [
-        Figure(f"otel_traces bytes on disk per span, {spans:,} synthetic spans, after OPTIMIZE FINAL", disk / rows, "B"),
+        Figure(
+            f"otel_traces bytes on disk per span, {spans:,} synthetic spans, after OPTIMIZE FINAL", disk / rows, "B"
+        ),
         Figure("otel_traces uncompressed bytes per span", raw / rows, "B"),
-        *(Figure(f"{table} (filled by a view from otel_traces) bytes on disk per span", traces[table][0] / rows, "B")
-          for table in views if table in traces),
-        Figure(f"metric bytes on disk per sample, {m_rows:,} samples ({m_rows // seconds:,} a second for {seconds} s)",
-               m_disk / m_rows, "B"),
+        *(
+            Figure(f"{table} (filled by a view from otel_traces) bytes on disk per span", traces[table][0] / rows, "B")
+            for table in views
+            if table in traces
+        ),
+        Figure(
+            f"metric bytes on disk per sample, {m_rows:,} samples ({m_rows // seconds:,} a second for {seconds} s)",
+            m_disk / m_rows,
+            "B",
+        ),
         Figure("metric uncompressed bytes per sample", m_raw / m_rows, "B"),
-    ]  # fmt: skip
+    ]

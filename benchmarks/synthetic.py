@@ -75,17 +75,32 @@ _STAGETRACE_ATTRIBUTES = f"""if(k = 0,
 STYLES = {"stagetrace": _STAGETRACE_ATTRIBUTES, "openinference": _OPENINFERENCE_ATTRIBUTES}
 
 
-def fill(store: Store, requests: int, t0_ns: int, seconds: float = 3600.0, offset: int = 0,
-         style: str = "stagetrace", group: int = GROUP, deviating_percent: float = DEVIATING_PERCENT,
-         inputs_from: int = 0) -> int:  # fmt: skip
+def fill(
+    store: Store,
+    requests: int,
+    t0_ns: int,
+    seconds: float = 3600.0,
+    offset: int = 0,
+    style: str = "stagetrace",
+    group: int = GROUP,
+    deviating_percent: float = DEVIATING_PERCENT,
+    inputs_from: int = 0,
+) -> int:
     """Insert ``requests`` requests (six spans each) spread over ``seconds`` from ``t0_ns``, ``group`` of them to an
     input (numbered from ``inputs_from``), ``deviating_percent`` of them deviating; returns the spans."""
     step = int(seconds * 1e9 / max(requests, 1))
     store.client.command(
         INSERT_SQL.replace("{attributes}", STYLES[style]),
-        parameters={"db": store.database, "requests": requests, "t0": t0_ns, "step": step, "offset": offset,
-                    "inputs_from": inputs_from,
-                    "group": group, "deviating_ppm": int(deviating_percent * 10_000)},
+        parameters={
+            "db": store.database,
+            "requests": requests,
+            "t0": t0_ns,
+            "step": step,
+            "offset": offset,
+            "inputs_from": inputs_from,
+            "group": group,
+            "deviating_ppm": int(deviating_percent * 10_000),
+        },
         settings={"max_insert_threads": 2},
     )
     return requests * 6

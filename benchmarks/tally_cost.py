@@ -35,7 +35,10 @@ def tally_cost(quick: bool) -> list[Figure]:
     ref, baseline = _baseline()
     timings: dict[str, list[tuple[float, float]]] = {"this": [], "baseline": []}
     answers = {}
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, open_store(f"chdb://{directory}") as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}") as store,
+    ):
         now = time.time_ns()
         t0 = now - 3600 * S
         synthetic.fill(store, requests, t0)
@@ -52,6 +55,13 @@ def tally_cost(quick: bool) -> list[Figure]:
     assert answers["this"], "no deviation found"
     assert baseline is None or answers["this"] == answers["baseline"], f"the first differences differ from {ref}'s"
     label = f"the tally's first differences at {requests:,} requests ({len(answers['this']):,} deviating)"
-    return [Figure(f"{label}, {'wall' if i == 0 else 'CPU'}", statistics.median(t[i] for t in timings["this"]), unit,
-                   ref, statistics.median(t[i] for t in timings["baseline"]) if baseline else None)
-            for unit, i in (("s", 0), ("CPU s", 1))]  # fmt: skip
+    return [
+        Figure(
+            f"{label}, {'wall' if i == 0 else 'CPU'}",
+            statistics.median(t[i] for t in timings["this"]),
+            unit,
+            ref,
+            statistics.median(t[i] for t in timings["baseline"]) if baseline else None,
+        )
+        for unit, i in (("s", 0), ("CPU s", 1))
+    ]

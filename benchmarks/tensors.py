@@ -47,15 +47,25 @@ def tensors_benchmark(quick: bool) -> list[Figure]:
     figures = []
     for name in names:
         shape, dtype = SHAPES[name]
-        tensor = (torch.randint(0, 128256, shape, generator=generator) if dtype == "int64"
-                  else torch.randn(shape, generator=generator).to(getattr(torch, dtype)))  # fmt: skip
+        tensor = (
+            torch.randint(0, 128256, shape, generator=generator)
+            if dtype == "int64"
+            else torch.randn(shape, generator=generator).to(getattr(torch, dtype))
+        )
         nbytes = tensor.numel() * tensor.element_size()
         repeat = max(1, min(2000, (1 << 22) // nbytes))  # small tensors: many per timing, so the clock resolves them
         ours = median_seconds(lambda: [tensors.start(tensor).result() for _ in range(repeat)], runs) / repeat
         old = median_seconds(lambda: [_old_digest(tensor.float().cpu().numpy()) for _ in range(repeat)], runs) / repeat
         unit, scale = ("µs", 1e6) if ours < 1e-3 else ("ms", 1e3)
-        figures.append(Figure(f"host time per recorded tensor, {name} ({nbytes:,} B)", ours * scale, unit,
-                              ".float().cpu().numpy() + the release before's digest", old * scale))  # fmt: skip
+        figures.append(
+            Figure(
+                f"host time per recorded tensor, {name} ({nbytes:,} B)",
+                ours * scale,
+                unit,
+                ".float().cpu().numpy() + the release before's digest",
+                old * scale,
+            )
+        )
     largest = SHAPES[names[-1]]
     tensor = torch.randn(largest[0], generator=generator).to(getattr(torch, largest[1]))
     nbytes = tensor.numel() * tensor.element_size()
@@ -63,8 +73,15 @@ def tensors_benchmark(quick: bool) -> list[Figure]:
     figures.append(Figure(f"digest throughput, {names[-1]}", nbytes / seconds / 1e9, "GB/s"))
     words = tensors.torch_words(tensor.reshape(-1))
     device_path = median_seconds(lambda: tensors.device_lanes(words), runs)
-    figures.append(Figure(f"torch-ops lanes (the GPU path) on the CPU, {names[-1]}", nbytes / device_path / 1e9, "GB/s",
-                          "NumPy lanes (the host path)", nbytes / seconds / 1e9))  # fmt: skip
+    figures.append(
+        Figure(
+            f"torch-ops lanes (the GPU path) on the CPU, {names[-1]}",
+            nbytes / device_path / 1e9,
+            "GB/s",
+            "NumPy lanes (the host path)",
+            nbytes / seconds / 1e9,
+        )
+    )
     return figures
 
 
@@ -83,8 +100,10 @@ class _DecodeModel:
 
         self.torch = torch
         self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = [nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-                       for _ in range(layers)]  # fmt: skip
+        self.blocks = [
+            nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+            for _ in range(layers)
+        ]
         for module in [self.embed, *self.blocks]:
             for parameter in module.parameters():
                 parameter.data = torch.randn(parameter.shape, generator=generator) * parameter.shape[-1] ** -0.5
@@ -140,8 +159,10 @@ def decode_loop_benchmark(quick: bool) -> list[Figure]:
                 for req in reversed(requests):
                     req.__exit__(None, None, None)
 
-            for content, module, inputs in (("its input and the logits", model.head, True),
-                                             ("the token IDs only", model.sampler, False)):  # fmt: skip
+            for content, module, inputs in (
+                ("its input and the logits", model.head, True),
+                ("the token IDs only", model.sampler, False),
+            ):
                 hook = stagetrace_torch.record_decode(module, inputs=inputs)
                 loop(True), loop(False)  # warm both paths
                 on, off = [], []
@@ -150,10 +171,16 @@ def decode_loop_benchmark(quick: bool) -> list[Figure]:
                     off.append(median_seconds(lambda: loop(False), 1, warmup=0))
                 hook.remove()
                 per_step = 1e3 / steps
-                figures.append(Figure(
-                    f"decode loop, {layers} layers × {hidden} hidden, vocabulary {vocab:,}, batch {batch} (a request "
-                    f"a row), per step: all-reduces and decode ({content}) recorded",
-                    statistics.median(on) * per_step, "ms", "the same loop unrecorded", statistics.median(off) * per_step))
+                figures.append(
+                    Figure(
+                        f"decode loop, {layers} layers × {hidden} hidden, vocabulary {vocab:,}, batch {batch} (a request "
+                        f"a row), per step: all-reduces and decode ({content}) recorded",
+                        statistics.median(on) * per_step,
+                        "ms",
+                        "the same loop unrecorded",
+                        statistics.median(off) * per_step,
+                    )
+                )
         finally:
             recording.remove()
             dist.destroy_process_group()

@@ -72,35 +72,71 @@ def openinference_spans(requests: int) -> list:
     for i in range(requests):
         question, answer = _text(i, 16), _text(i + 1, 120)
         documents = [_text(i * 4 + d, 150) for d in range(4)]
-        with tracer.start_as_current_span("RetrieverQueryEngine.query", kind=SpanKind.SERVER, attributes={
-            kind: "CHAIN", "input.value": question, "output.value": answer, "input.mime_type": "text/plain",
-        }):  # fmt: skip
-            with tracer.start_as_current_span("VectorIndexRetriever.retrieve", attributes={
-                kind: "RETRIEVER", "input.value": question,
-                **{f"retrieval.documents.{d}.document.{field}": value for d, text in enumerate(documents)
-                   for field, value in (("id", f"node-{i}-{d}"), ("content", text), ("score", 0.9 - d / 10))},
-            }):  # fmt: skip
-                with tracer.start_as_current_span("OpenAIEmbedding.get_query_embedding", attributes={
-                    kind: "EMBEDDING", "embedding.model_name": "text-embedding-3-small",
-                    "embedding.embeddings.0.embedding.text": question,
-                }):  # fmt: skip
+        with tracer.start_as_current_span(
+            "RetrieverQueryEngine.query",
+            kind=SpanKind.SERVER,
+            attributes={
+                kind: "CHAIN",
+                "input.value": question,
+                "output.value": answer,
+                "input.mime_type": "text/plain",
+            },
+        ):
+            with tracer.start_as_current_span(
+                "VectorIndexRetriever.retrieve",
+                attributes={
+                    kind: "RETRIEVER",
+                    "input.value": question,
+                    **{
+                        f"retrieval.documents.{d}.document.{field}": value
+                        for d, text in enumerate(documents)
+                        for field, value in (("id", f"node-{i}-{d}"), ("content", text), ("score", 0.9 - d / 10))
+                    },
+                },
+            ):
+                with tracer.start_as_current_span(
+                    "OpenAIEmbedding.get_query_embedding",
+                    attributes={
+                        kind: "EMBEDDING",
+                        "embedding.model_name": "text-embedding-3-small",
+                        "embedding.embeddings.0.embedding.text": question,
+                    },
+                ):
                     pass
-            with tracer.start_as_current_span("ChatPromptTemplate", attributes={
-                kind: "PROMPT", "llm.prompt_template.template": "Context: {context}\nQ: {query}",
-                "llm.prompt_template.variables": json.dumps({"query": question}),
-            }):  # fmt: skip
+            with tracer.start_as_current_span(
+                "ChatPromptTemplate",
+                attributes={
+                    kind: "PROMPT",
+                    "llm.prompt_template.template": "Context: {context}\nQ: {query}",
+                    "llm.prompt_template.variables": json.dumps({"query": question}),
+                },
+            ):
                 pass
-            with tracer.start_as_current_span("OpenAI.chat", attributes={
-                kind: "LLM", "llm.model_name": "gpt-4o-mini", "llm.invocation_parameters": '{"temperature": 0}',
-                "llm.input_messages.0.message.role": "system", "llm.input_messages.0.message.content": "\n".join(documents),
-                "llm.input_messages.1.message.role": "user", "llm.input_messages.1.message.content": question,
-                "llm.output_messages.0.message.role": "assistant", "llm.output_messages.0.message.content": answer,
-                "llm.token_count.prompt": 900, "llm.token_count.completion": 160,
-            }):  # fmt: skip
+            with tracer.start_as_current_span(
+                "OpenAI.chat",
+                attributes={
+                    kind: "LLM",
+                    "llm.model_name": "gpt-4o-mini",
+                    "llm.invocation_parameters": '{"temperature": 0}',
+                    "llm.input_messages.0.message.role": "system",
+                    "llm.input_messages.0.message.content": "\n".join(documents),
+                    "llm.input_messages.1.message.role": "user",
+                    "llm.input_messages.1.message.content": question,
+                    "llm.output_messages.0.message.role": "assistant",
+                    "llm.output_messages.0.message.content": answer,
+                    "llm.token_count.prompt": 900,
+                    "llm.token_count.completion": 160,
+                },
+            ):
                 pass
-            with tracer.start_as_current_span("CompactAndRefine.get_response", attributes={
-                kind: "CHAIN", "input.value": question, "output.value": answer,
-            }):  # fmt: skip
+            with tracer.start_as_current_span(
+                "CompactAndRefine.get_response",
+                attributes={
+                    kind: "CHAIN",
+                    "input.value": question,
+                    "output.value": answer,
+                },
+            ):
                 pass
     provider.shutdown()
     return keep.spans
@@ -111,19 +147,32 @@ def _database(store, name: str, views: list[schema.View]) -> None:
     for sql in schema.statements(name, views=False):
         store.client.command(sql)
     for view in views:  # each reading the table it reads in the store: otel_traces, or the Null table
-        store.client.command(f"CREATE MATERIALIZED VIEW {name}.`{view.name}` TO {name}.`{view.target}`\n"
-                             f"AS {view.select.format(source=f'{name}.`{view.source}`')}")  # fmt: skip
+        store.client.command(
+            f"CREATE MATERIALIZED VIEW {name}.`{view.name}` TO {name}.`{view.target}`\n"
+            f"AS {view.select.format(source=f'{name}.`{view.source}`')}"
+        )
 
 
 def _insert(store, database: str, columns) -> float:
     started = time.perf_counter()
-    store.client.insert("otel_traces", columns, column_names=COLUMNS, database=database, column_oriented=True,
-                        settings={"insert_deduplication_token": uuid.uuid4().hex})  # fmt: skip
+    store.client.insert(
+        "otel_traces",
+        columns,
+        column_names=COLUMNS,
+        database=database,
+        column_oriented=True,
+        settings={"insert_deduplication_token": uuid.uuid4().hex},
+    )
     return time.perf_counter() - started
 
 
-def measure(corpora: dict[str, list], rounds: int, per_view: bool = True,
-            rows_per_insert: int = BATCH_ROWS, inserts: int | None = None) -> dict[str, dict[str, float]]:
+def measure(
+    corpora: dict[str, list],
+    rounds: int,
+    per_view: bool = True,
+    rows_per_insert: int = BATCH_ROWS,
+    inserts: int | None = None,
+) -> dict[str, dict[str, float]]:
     """Median seconds per insert of ``rows_per_insert`` spans (the first ``inserts`` of them a round, or all the
     corpus makes), by corpus and database."""
     databases = {"bare": [], "views": list(schema.VIEWS), "before": before_views()}
@@ -132,8 +181,10 @@ def measure(corpora: dict[str, list], rounds: int, per_view: bool = True,
         databases |= {f"before {table}": views for table, views in by_table(before_views()).items()}
     out = {}
     resources = Resources()
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}", create_schema=False) as store,
+    ):
         names = {}
         for corpus, spans in corpora.items():
             rows = [span_row(s, resources) for s in spans]
@@ -159,8 +210,10 @@ def measure(corpora: dict[str, list], rounds: int, per_view: bool = True,
     return out
 
 
-CORPORA = {"stagetrace": "stagetrace-convention spans (digests given)",
-           "openinference": "OpenInference spans with content (digests computed in the store)"}  # fmt: skip
+CORPORA = {
+    "stagetrace": "stagetrace-convention spans (digests given)",
+    "openinference": "OpenInference spans with content (digests computed in the store)",
+}
 
 
 @benchmark("views")
@@ -173,12 +226,20 @@ def views(quick: bool) -> list[Figure]:
         bare = seconds["bare"] * 1000
         label = f"{CORPORA[corpus]}, {BATCH_ROWS:,}-span insert, median"
         figures.append(Figure(f"{label}: every view, now", seconds["views"] * 1000, "ms", "bare otel_traces", bare))
-        figures.append(Figure(f"{label}: every view, before (schema 10)", seconds["before"] * 1000, "ms",
-                              "bare otel_traces", bare))  # fmt: skip
+        figures.append(
+            Figure(f"{label}: every view, before (schema 10)", seconds["before"] * 1000, "ms", "bare otel_traces", bare)
+        )
         for table in by_table(list(schema.VIEWS)):
             for when, key in (("now", table), ("before", f"before {table}")):
-                figures.append(Figure(f"{label}: the views into {table} alone, {when}", seconds[key] * 1000, "ms",
-                                      "bare otel_traces", bare))  # fmt: skip
+                figures.append(
+                    Figure(
+                        f"{label}: the views into {table} alone, {when}",
+                        seconds[key] * 1000,
+                        "ms",
+                        "bare otel_traces",
+                        bare,
+                    )
+                )
     return figures
 
 
@@ -220,8 +281,10 @@ def profile(spans: list, large: int, rounds: int) -> dict:
     resources = Resources()
     rows = [span_row(s, resources) for s in spans]
     small, big = _columnar(rows[:6], 6)[0], _columnar(rows[:large], large)[0]
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}", create_schema=False) as store,
+    ):
         for name, views in (("bare", []), ("views", list(schema.VIEWS))):
             _database(store, name, views)
         store.client.command("SYSTEM STOP MERGES")
@@ -234,8 +297,10 @@ def profile(spans: list, large: int, rounds: int) -> dict:
                     per_span[name].append((many - one) / (large - 6) * 1000)
                     whole[name].append(many)
         planning = _planning_ms(store, "views", list(schema.VIEWS), 3 * rounds)
-    medians = {key: {name: statistics.median(values) for name, values in by_name.items()}
-               for key, by_name in (("fixed", fixed), ("per_span", per_span), ("large", whole))}  # fmt: skip
+    medians = {
+        key: {name: statistics.median(values) for name, values in by_name.items()}
+        for key, by_name in (("fixed", fixed), ("per_span", per_span), ("large", whole))
+    }
     return {**medians, "planning": planning}
 
 
@@ -261,14 +326,40 @@ def views_profile(quick: bool) -> list[Figure]:
         found = profile(spans, large, rounds)
         fixed, per_span = found["fixed"], found["per_span"]
         label = f"{CORPORA[corpus]}, merges stopped"
-        figures.append(Figure(f"{label}: an insert of one request (6 spans), every view", fixed["views"], "ms",
-                              "bare otel_traces", fixed["bare"]))  # fmt: skip
-        figures.append(Figure(f"{label}: a span more, every view (from {large:,}-span inserts)", per_span["views"],
-                              "µs", "bare otel_traces", per_span["bare"]))  # fmt: skip
-        figures.append(Figure(f"{label}: an insert of {large:,} spans, every view", found["large"]["views"], "ms",
-                              "bare otel_traces", found["large"]["bare"]))  # fmt: skip
-        figures.append(Figure(f"{label}: the insert size from which every view costs at most {aim}× the bare insert",
-                              ratio_reached_at(fixed, per_span, aim), "spans"))  # fmt: skip
+        figures.append(
+            Figure(
+                f"{label}: an insert of one request (6 spans), every view",
+                fixed["views"],
+                "ms",
+                "bare otel_traces",
+                fixed["bare"],
+            )
+        )
+        figures.append(
+            Figure(
+                f"{label}: a span more, every view (from {large:,}-span inserts)",
+                per_span["views"],
+                "µs",
+                "bare otel_traces",
+                per_span["bare"],
+            )
+        )
+        figures.append(
+            Figure(
+                f"{label}: an insert of {large:,} spans, every view",
+                found["large"]["views"],
+                "ms",
+                "bare otel_traces",
+                found["large"]["bare"],
+            )
+        )
+        figures.append(
+            Figure(
+                f"{label}: the insert size from which every view costs at most {aim}× the bare insert",
+                ratio_reached_at(fixed, per_span, aim),
+                "spans",
+            )
+        )
         if corpus == "stagetrace":  # the planning is the same SQL whatever the spans
             trivial = found["planning"].pop("")
             for view, ms in found["planning"].items():
@@ -289,7 +380,7 @@ def _json_database(store, name: str, views: bool) -> None:
     store.client.command(f"CREATE DATABASE {name}")
     for chunk in JSON_DDL.read_text().split("\n;;\n"):
         sql = "\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip()
-        if "otel_traces\"" in sql and "CREATE TABLE" in sql:
+        if 'otel_traces"' in sql and "CREATE TABLE" in sql:
             store.client.command(sql.replace('"stagetrace"', f'"{name}"'))
     for sql in schema.statements(name, views=False):
         if "`otel_traces`" not in sql:
@@ -315,8 +406,14 @@ def _cpu_of(store, database: str | None, batches: list, pace_s: float = 0.0, set
         if database is None:
             continue
         if pace_s:
-            store.client.insert("otel_traces", columns, column_names=COLUMNS, database=database, column_oriented=True,
-                                settings=COLLECTOR_SETTINGS)  # fmt: skip
+            store.client.insert(
+                "otel_traces",
+                columns,
+                column_names=COLUMNS,
+                database=database,
+                column_oriented=True,
+                settings=COLLECTOR_SETTINGS,
+            )
         else:
             _insert(store, database, columns)
     time.sleep(settle_s)
@@ -335,13 +432,20 @@ def _refresh_cpu(store, database: str) -> float:
     cpu = time.process_time()
     for view in schema.VIEWS:
         if view.target != _CONTENT_SPANS_TABLE:
-            store.client.command(f"INSERT INTO {database}.`{view.target}` "
-                                 f"{view.select.format(source=f'{database}.`otel_traces`')}")  # fmt: skip
+            store.client.command(
+                f"INSERT INTO {database}.`{view.target}` {view.select.format(source=f'{database}.`otel_traces`')}"
+            )
     return time.process_time() - cpu
 
 
-def by_writer(spans: list, sizes=WRITER_SIZES, rates=WRITER_RATES, rounds: int = 3, period_s: float = 6.0,
-              json_layout: bool = True) -> dict:
+def by_writer(
+    spans: list,
+    sizes=WRITER_SIZES,
+    rates=WRITER_RATES,
+    rounds: int = 3,
+    period_s: float = 6.0,
+    json_layout: bool = True,
+) -> dict:
     """CPU seconds a stored span, by database: {("size", n) | ("rate", r): {database: seconds}}. Databases take
     turns (the order alternating by round), each emptied after its turn; each figure is the median of ``rounds``.
     At a rate, the CPU the idle process spends in the same time (the engine's own threads) is measured in each round
@@ -351,8 +455,10 @@ def by_writer(spans: list, sizes=WRITER_SIZES, rates=WRITER_RATES, rounds: int =
     rows = [span_row(s, resources) for s in spans]
     databases = ["bare", "views", "refresh"] + (["json_bare", "json_views"] if json_layout else [])
     out: dict = {}
-    with tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory, \
-            open_store(f"chdb://{directory}", create_schema=False) as store:  # fmt: skip
+    with (
+        tempfile.TemporaryDirectory(prefix="stagetrace-bench-") as directory,
+        open_store(f"chdb://{directory}", create_schema=False) as store,
+    ):
         _database(store, "bare", [])
         _database(store, "views", list(schema.VIEWS))
         _database(store, "refresh", [])
@@ -361,8 +467,9 @@ def by_writer(spans: list, sizes=WRITER_SIZES, rates=WRITER_RATES, rounds: int =
             _json_database(store, "json_views", views=True)
         for name in databases:  # the first insert opens the tables
             _insert(store, name, _columnar(rows[:6], 6)[0])
-        plans = [(("size", n), _columnar(rows[: max(n, len(rows) // n * n)], n)[: max(2, 24_000 // n)], 0.0)
-                 for n in sizes]  # fmt: skip
+        plans = [
+            (("size", n), _columnar(rows[: max(n, len(rows) // n * n)], n)[: max(2, 24_000 // n)], 0.0) for n in sizes
+        ]
         for rate in rates:
             per_insert = min(COLLECTOR_BATCH, max(1, round(rate * COLLECTOR_TIMEOUT_S)))
             inserts = max(1, int(period_s / COLLECTOR_TIMEOUT_S))
@@ -398,9 +505,23 @@ def views_by_writer(quick: bool) -> list[Figure]:
         what = f"inserts of {n:,} spans" if kind == "size" else f"{n:,} spans/s sent every 200 ms"
         for layout, bare, views in (("Map", "bare", "views"), ("JSON", "json_bare", "json_views")):
             if views in seconds:
-                figures.append(Figure(f"CPU a stored span, {what}, {layout} layout: every view", seconds[views] * 1e6,
-                                      "µs", f"bare otel_traces ({layout})", seconds[bare] * 1e6))  # fmt: skip
-        figures.append(Figure(f"CPU a stored span, {what}, Map layout: the views' queries run once a period instead "
-                              "(a refresh's prototype)", seconds["refresh"] * 1e6, "µs", "bare otel_traces (Map)",
-                              seconds["bare"] * 1e6))  # fmt: skip
+                figures.append(
+                    Figure(
+                        f"CPU a stored span, {what}, {layout} layout: every view",
+                        seconds[views] * 1e6,
+                        "µs",
+                        f"bare otel_traces ({layout})",
+                        seconds[bare] * 1e6,
+                    )
+                )
+        figures.append(
+            Figure(
+                f"CPU a stored span, {what}, Map layout: the views' queries run once a period instead "
+                "(a refresh's prototype)",
+                seconds["refresh"] * 1e6,
+                "µs",
+                "bare otel_traces (Map)",
+                seconds["bare"] * 1e6,
+            )
+        )
     return figures

@@ -8,8 +8,15 @@ collector touches neither the command line nor a shared list of options (the mac
 from __future__ import annotations
 
 from stagetrace.collectors.base import (
-    MODULES, Collector, Node, Options, Setting, add_arguments, all_settings, available,
-)  # fmt: skip
+    MODULES,
+    Collector,
+    Node,
+    Options,
+    Setting,
+    add_arguments,
+    all_settings,
+    available,
+)
 
 __all__ = [
     "MODULES",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from stagetrace.environment_variables import STAGETRACE_HOST, STAGETRACE_SYSFS
 from stagetrace.errors import SourceUnavailable  # noqa: F401  (the collectors' contract: raised by the binding too)
+
 # the metric model and settings live in the core; collectors (and the tests that write collectors) import them here
 from stagetrace.metrics import COUNTER, GAUGE, INFO, MetricSpec, Samples  # noqa: F401
 from stagetrace import settings
@@ -59,14 +60,25 @@ class Options(settings.Options):
 
 # A setting several collectors read lives here; one only a collector reads lives in its module.
 HOST = Setting(
-    "host", str, socket.gethostname, env=STAGETRACE_HOST, flag="--host", metavar="NAME",
-    help="the host label on every series", shown_default="this machine's hostname",
-)  # fmt: skip
+    "host",
+    str,
+    socket.gethostname,
+    env=STAGETRACE_HOST,
+    flag="--host",
+    metavar="NAME",
+    help="the host label on every series",
+    shown_default="this machine's hostname",
+)
 # node_exporter's --path.sysfs: the RDMA collector reads <sysfs>/class/infiniband, the ethtool one <sysfs>/class/net
 SYSFS = Setting(
-    "sysfs", Path, "/sys", env=STAGETRACE_SYSFS, flag="--sysfs", metavar="DIR",
+    "sysfs",
+    Path,
+    "/sys",
+    env=STAGETRACE_SYSFS,
+    flag="--sysfs",
+    metavar="DIR",
     help="sysfs root the RDMA and ethtool collectors read",
-)  # fmt: skip
+)
 SHARED_SETTINGS: tuple[Setting, ...] = (HOST, SYSFS)
 
 
@@ -149,9 +161,15 @@ def available(names: tuple[str, ...] | None = None) -> dict[str, type[Collector]
     return {name: REGISTRY[name] for name in names}
 
 
-SUCCESS = MetricSpec("stagetrace_collector_success", GAUGE, "Whether the collector's last scrape succeeded.", ("collector",))
+SUCCESS = MetricSpec(
+    "stagetrace_collector_success", GAUGE, "Whether the collector's last scrape succeeded.", ("collector",)
+)
 DURATION = MetricSpec(
-    "stagetrace_collector_duration_seconds", GAUGE, "How long the collector's last scrape took.", ("collector",), "seconds"
+    "stagetrace_collector_duration_seconds",
+    GAUGE,
+    "How long the collector's last scrape took.",
+    ("collector",),
+    "seconds",
 )
 
 

@@ -193,7 +193,9 @@ class FixtureSource:
         try:
             return {str(name): int(value) for name, value in recorded[netdev].items()}
         except (AttributeError, TypeError, ValueError):
-            raise SourceUnavailable(f"ethtool fixture {self.path} is unusable: {netdev} is not an object of numbers") from None
+            raise SourceUnavailable(
+                f"ethtool fixture {self.path} is unusable: {netdev} is not an object of numbers"
+            ) from None
 
 
 def _room(count: int) -> int:
@@ -220,30 +222,36 @@ LABELS = ("netdev",)
 PFC_LABELS = ("netdev", "direction", "priority")
 
 PFC_PAUSE_FRAMES = MetricSpec(
-    "nic_pfc_pause_frames_total", COUNTER,
+    "nic_pfc_pause_frames_total",
+    COUNTER,
     "Pause frames per priority (mlx5 rx|tx_prio<N>_pause); "
-    "priority=\"global\": link-level pause frames (rx|tx_global_pause).",
+    'priority="global": link-level pause frames (rx|tx_global_pause).',
     PFC_LABELS,
 )
 PFC_PAUSE_DURATION = MetricSpec(
-    "nic_pfc_pause_duration_seconds_total", COUNTER,
+    "nic_pfc_pause_duration_seconds_total",
+    COUNTER,
     "Time paused per priority (mlx5 rx|tx_prio<N>_pause_duration, in microseconds there; "
-    "priority=\"global\": rx|tx_global_pause_duration).",
-    PFC_LABELS, "seconds",
+    'priority="global": rx|tx_global_pause_duration).',
+    PFC_LABELS,
+    "seconds",
 )
 DISCARDS = MetricSpec(
-    "nic_discards_total", COUNTER,
+    "nic_discards_total",
+    COUNTER,
     "Packets the port dropped for lack of buffers, i.e. congestion (mlx5 rx|tx_discards_phy).",
     ("netdev", "direction"),
 )
 OUT_OF_BUFFER = MetricSpec(
-    "nic_out_of_buffer_total", COUNTER,
+    "nic_out_of_buffer_total",
+    COUNTER,
     "Packets dropped because a receive queue had no software buffers (mlx5 rx_out_of_buffer).",
     LABELS,
 )
 PAUSE_STORMS = MetricSpec(
-    "nic_pause_storm_events_total", COUNTER,
-    "Pause storms: level=\"warning\" the port paused too long, \"error\" it timed out and stopped sending pause frames "
+    "nic_pause_storm_events_total",
+    COUNTER,
+    'Pause storms: level="warning" the port paused too long, "error" it timed out and stopped sending pause frames '
     "(mlx5 tx_pause_storm_warning|error_events).",
     ("netdev", "level"),
 )
@@ -275,18 +283,32 @@ def included_spec(stat: str) -> MetricSpec:
 
 
 NETDEVS = Setting(
-    "netdevs", comma_list, "", env=STAGETRACE_NETDEVS, flag="--netdevs", metavar="LIST",
+    "netdevs",
+    comma_list,
+    "",
+    env=STAGETRACE_NETDEVS,
+    flag="--netdevs",
+    metavar="LIST",
     help="comma-separated netdevs the ethtool collector reads",
     shown_default="those behind RDMA ports, else every non-loopback one",
-)  # fmt: skip
+)
 INCLUDE = Setting(
-    "ethtool_include", str, "", env=STAGETRACE_ETHTOOL_INCLUDE, flag="--ethtool-include", metavar="REGEX",
+    "ethtool_include",
+    str,
+    "",
+    env=STAGETRACE_ETHTOOL_INCLUDE,
+    flag="--ethtool-include",
+    metavar="REGEX",
     help="also export every ethtool statistic whose name this regular expression matches",
-)  # fmt: skip
+)
 FIXTURE = Setting(
-    "ethtool_fixture", path_or_none, env=STAGETRACE_ETHTOOL_FIXTURE, flag="--ethtool-fixture", metavar="FILE",
+    "ethtool_fixture",
+    path_or_none,
+    env=STAGETRACE_ETHTOOL_FIXTURE,
+    flag="--ethtool-fixture",
+    metavar="FILE",
     help="recorded ethtool statistics instead of the ioctl",
-)  # fmt: skip
+)
 
 
 @register

@@ -120,8 +120,9 @@ class GpmReader:
         self.reads.errors[(gpu, "nvmlGpmMetricsGet", name)] += 1
         if name in UNSUPPORTED:  # a metric the GPU does not compute: not asked again
             self._refused.add((gpu, metric_id))
-            logger.debug("gpu %d: GPM metric %d: %s; not asked again until NVML is re-initialised",
-                         gpu, metric_id, name)
+            logger.debug(
+                "gpu %d: GPM metric %d: %s; not asked again until NVML is re-initialised", gpu, metric_id, name
+            )
 
     def _drop(self, key: tuple[int, int | None]) -> None:
         held = self._held.pop(key, None)

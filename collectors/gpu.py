@@ -30,8 +30,16 @@ from typing import Any
 import pynvml
 
 from stagetrace.collectors.base import (
-    COUNTER, GAUGE, INFO, Collector, MetricSpec, Options, Samples, SourceUnavailable, register,
-)  # fmt: skip
+    COUNTER,
+    GAUGE,
+    INFO,
+    Collector,
+    MetricSpec,
+    Options,
+    Samples,
+    SourceUnavailable,
+    register,
+)
 from stagetrace.collectors.gpm_reader import SUPPORT_CALL, GpmReader
 from stagetrace.collectors.gpu_tenants import KUBELET_LOG_DIR, PROCFS, PodNames, ProcessOwners, tenant_samples
 from stagetrace.collectors.nvml import (
@@ -61,9 +69,11 @@ UP = MetricSpec(
 # The host's inventory, as node_exporter's node_uname_info: what changes a GPU's numerics besides its model, so that
 # the analysis can name it for spans whose process recorded no configuration (joined by host and uuid).
 INFO_SPEC = MetricSpec(
-    "gpu_info", INFO, "The GPU's driver and CUDA versions and the modes that change its numerics (ECC, MIG).",
+    "gpu_info",
+    INFO,
+    "The GPU's driver and CUDA versions and the modes that change its numerics (ECC, MIG).",
     GPU_LABELS,
-)  # fmt: skip
+)
 INVENTORY_CALLS = ("nvmlDeviceGetEccMode", "nvmlDeviceGetMigMode")  # each answers (current, pending)
 # Ratios, not NVML's percent: Prometheus' base unit, and they aggregate with the other ratios.
 UTILIZATION = MetricSpec(
@@ -143,10 +153,11 @@ XID_ERRORS = MetricSpec(
     "gpu_xid_errors_total", COUNTER, "XID critical-error events since the collector started.", (*GPU_LABELS, "xid")
 )
 NVML_ERROR_COUNT = MetricSpec(
-    "gpu_nvml_errors_total", COUNTER,
+    "gpu_nvml_errors_total",
+    COUNTER,
     "Errors NVML answered a call for this GPU with, by function and NVML error (NotSupported: once, not asked again).",
     (*GPU_LABELS, "function", "error"),
-)  # fmt: skip
+)
 
 # nvmlClocksEventReason* bits, by the label they get (the constant's name in snake case).
 CLOCK_EVENT_REASONS = {
@@ -254,8 +265,14 @@ def record_nvml_fixture(source: NvmlSource, directory: Path | str, gpm_interval_
     on GPUs with GPM, one ``nvmlGpmMetricsGet`` answer between two samples ``gpm_interval_s`` apart."""
     from stagetrace.collectors.mps import NVML_CALLS as MPS_CALLS  # the mps collector's readings
 
-    calls = [("nvmlDeviceGetUUID",), ("nvmlDeviceGetName",), *(r.call for r in READINGS), *MPS_CALLS,
-             *((call,) for call in INVENTORY_CALLS), SUPPORT_CALL]  # fmt: skip
+    calls = [
+        ("nvmlDeviceGetUUID",),
+        ("nvmlDeviceGetName",),
+        *(r.call for r in READINGS),
+        *MPS_CALLS,
+        *((call,) for call in INVENTORY_CALLS),
+        SUPPORT_CALL,
+    ]
     source.open()
     try:
         system = {}
@@ -307,11 +324,14 @@ def _record_gpm(source: NvmlSource, gpus: list[dict], interval_s: float) -> None
             continue
         finally:
             source.gpm_free(older)
-        gpus[index]["nvmlGpmMetricsGet"] = [[
-            {"metricId": metric_id, "nvmlReturn": codes.get(value, pynvml.NVML_ERROR_UNKNOWN), "value": 0.0}
-            if isinstance(value, str) else {"metricId": metric_id, "nvmlReturn": pynvml.NVML_SUCCESS, "value": value}
-            for metric_id, value in answers.items()
-        ]]  # fmt: skip
+        gpus[index]["nvmlGpmMetricsGet"] = [
+            [
+                {"metricId": metric_id, "nvmlReturn": codes.get(value, pynvml.NVML_ERROR_UNKNOWN), "value": 0.0}
+                if isinstance(value, str)
+                else {"metricId": metric_id, "nvmlReturn": pynvml.NVML_SUCCESS, "value": value}
+                for metric_id, value in answers.items()
+            ]
+        ]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,22 +37,46 @@ from typing import Any
 from stagetrace.collectors.base import Setting
 from stagetrace.environment_variables import STAGETRACE_KUBELET_LOG_DIR, STAGETRACE_PROCFS
 from stagetrace.metrics import MetricSpec
+
 # the series and the roles are data the analysis and the dashboards read too: they live in the core
 from stagetrace.tenant_metrics import (  # noqa: F401  (importable from here, as before)
-    COMPUTE, GPU_LABELS, MPS_CLIENT, MPS_SERVER, PROCESS, PROCESS_MEMORY_COPY, PROCESS_SM, TENANT_LABELS, TENANT_MEMORY,
-    TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UID_POD, UNATTRIBUTED,
-)  # fmt: skip
+    COMPUTE,
+    GPU_LABELS,
+    MPS_CLIENT,
+    MPS_SERVER,
+    PROCESS,
+    PROCESS_MEMORY_COPY,
+    PROCESS_SM,
+    TENANT_LABELS,
+    TENANT_MEMORY,
+    TENANT_MEMORY_COPY,
+    TENANT_MPS_CLIENTS,
+    TENANT_PROCESSES,
+    TENANT_SM,
+    UID_POD,
+    UNATTRIBUTED,
+)
 
 logger = logging.getLogger("stagetrace.collectors.gpu")
 
 PROCFS = Setting(
-    "procfs", Path, "/proc", env=STAGETRACE_PROCFS, flag="--procfs", metavar="DIR",
+    "procfs",
+    Path,
+    "/proc",
+    env=STAGETRACE_PROCFS,
+    flag="--procfs",
+    metavar="DIR",
     help="procfs root whose <pid>/cgroup names each GPU process's pod (the host's, e.g. /host/proc)",
-)  # fmt: skip
+)
 KUBELET_LOG_DIR = Setting(
-    "kubelet_log_dir", Path, "/var/log", env=STAGETRACE_KUBELET_LOG_DIR, flag="--kubelet-log-dir", metavar="DIR",
+    "kubelet_log_dir",
+    Path,
+    "/var/log",
+    env=STAGETRACE_KUBELET_LOG_DIR,
+    flag="--kubelet-log-dir",
+    metavar="DIR",
     help="the host's /var/log, whose pods/ and containers/ name the kubelet's pod UIDs and container IDs",
-)  # fmt: skip
+)
 
 MPS_SERVER_COMM = "nvidia-cuda-mps-server"
 
@@ -219,8 +243,13 @@ def tenant_samples(
     for pid in sorted(memory):
         owner = owners.owner(pid) or NO_POD
         role = MPS_CLIENT if pid in clients else MPS_SERVER if owners.is_mps_server(pid) else COMPUTE
-        pending.append((PROCESS, {"namespace": owner.namespace, "pod": owner.pod, "container": owner.container,
-                                  "role": role}, {"pid": pid}))  # fmt: skip
+        pending.append(
+            (
+                PROCESS,
+                {"namespace": owner.namespace, "pod": owner.pod, "container": owner.container, "role": role},
+                {"pid": pid},
+            )
+        )
         tenant = tenants[Owner(owner.namespace, owner.pod)]
         tenant.processes += 1
         tenant.mps_clients += role == MPS_CLIENT
@@ -239,8 +268,11 @@ def tenant_samples(
             tenant.memory_copy += fmean(s["memUtil"] for s in samples[pid]) / 100
     for owner in sorted(tenants, key=lambda o: (o.namespace, o.pod)):
         tenant, labels = tenants[owner], {"namespace": owner.namespace, "pod": owner.pod}
-        pending += [(TENANT_MEMORY, tenant.memory, labels), (TENANT_PROCESSES, tenant.processes, labels),
-                    (TENANT_MPS_CLIENTS, tenant.mps_clients, labels)]  # fmt: skip
+        pending += [
+            (TENANT_MEMORY, tenant.memory, labels),
+            (TENANT_PROCESSES, tenant.processes, labels),
+            (TENANT_MPS_CLIENTS, tenant.mps_clients, labels),
+        ]
         # NVML samples only processes that used the GPU: no sample is 0, except for MPS clients, whose work NVML
         # accounts to the server
         if utilization is not None and not tenant.mps_clients:

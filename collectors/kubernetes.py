@@ -76,8 +76,10 @@ from stagetrace.collectors.base import (
     register,
 )
 from stagetrace.environment_variables import (
-    STAGETRACE_GPU_RESOURCES, STAGETRACE_GPU_SHARING_FACTOR, STAGETRACE_KUBELET_SOCKET,
-)  # fmt: skip
+    STAGETRACE_GPU_RESOURCES,
+    STAGETRACE_GPU_SHARING_FACTOR,
+    STAGETRACE_KUBELET_SOCKET,
+)
 
 if TYPE_CHECKING:
     import grpc
@@ -93,31 +95,40 @@ CALL_TIMEOUT_S = 2.0
 REPLICA_SEPARATOR = "::"  # NVIDIA's AnnotatedID: <device ID>::<replica>
 
 ALLOCATABLE = MetricSpec(
-    "k8s_gpu_allocatable_devices", GAUGE,
+    "k8s_gpu_allocatable_devices",
+    GAUGE,
     "Devices of the GPU resource the kubelet advertises (GetAllocatableResources): the scheduler's capacity.",
     ("resource",),
-)  # fmt: skip
+)
 PHYSICAL = MetricSpec(
-    "k8s_gpu_physical_devices", GAUGE,
+    "k8s_gpu_physical_devices",
+    GAUGE,
     "Distinct physical GPUs behind the resource's advertised devices (replica IDs <uuid>::<n> resolved).",
     ("resource",),
-)  # fmt: skip
+)
 ALLOCATED = MetricSpec(
-    "k8s_gpu_allocated_devices", GAUGE,
-    "Devices of the GPU resource allocated to containers (List): the scheduler's used.", ("resource",),
-)  # fmt: skip
+    "k8s_gpu_allocated_devices",
+    GAUGE,
+    "Devices of the GPU resource allocated to containers (List): the scheduler's used.",
+    ("resource",),
+)
 ALLOCATION = MetricSpec(
-    "k8s_gpu_allocation_info", INFO, "A device of a GPU resource allocated to a container, and its physical GPU.",
+    "k8s_gpu_allocation_info",
+    INFO,
+    "A device of a GPU resource allocated to a container, and its physical GPU.",
     ("uuid", "resource", "namespace", "pod", "container", "device_id"),
-)  # fmt: skip
+)
 PER_PHYSICAL = MetricSpec(
-    "k8s_gpu_allocations_per_physical", GAUGE,
-    "Devices allocated on the physical GPU, whatever their replica IDs: 2 for one card two pods share.", ("uuid",),
-)  # fmt: skip
+    "k8s_gpu_allocations_per_physical",
+    GAUGE,
+    "Devices allocated on the physical GPU, whatever their replica IDs: 2 for one card two pods share.",
+    ("uuid",),
+)
 SHARING_FACTOR = MetricSpec(
-    "k8s_gpu_sharing_factor", GAUGE,
+    "k8s_gpu_sharing_factor",
+    GAUGE,
     "Allocations per physical GPU the operator intends (--gpu-sharing-factor): MPS or time-slicing replicas.",
-)  # fmt: skip
+)
 ERRORS = MetricSpec(
     "k8s_podresources_errors_total", COUNTER, "PodResources calls to the kubelet that failed, by method.", ("method",)
 )
@@ -136,18 +147,32 @@ def positive_int(text: str) -> int:
 
 
 SOCKET = Setting(
-    "kubelet_socket", Path, KUBELET_SOCKET, env=STAGETRACE_KUBELET_SOCKET, flag="--kubelet-socket",
-    metavar="PATH", help="the kubelet's PodResources socket; the kubernetes collector runs by default where it exists",
-)  # fmt: skip
+    "kubelet_socket",
+    Path,
+    KUBELET_SOCKET,
+    env=STAGETRACE_KUBELET_SOCKET,
+    flag="--kubelet-socket",
+    metavar="PATH",
+    help="the kubelet's PodResources socket; the kubernetes collector runs by default where it exists",
+)
 GPU_RESOURCES = Setting(
-    "gpu_resources", comma_list, "nvidia.com/gpu*,nvidia.com/mig-*", env=STAGETRACE_GPU_RESOURCES,
-    flag="--gpu-resources", metavar="PATTERNS",
+    "gpu_resources",
+    comma_list,
+    "nvidia.com/gpu*,nvidia.com/mig-*",
+    env=STAGETRACE_GPU_RESOURCES,
+    flag="--gpu-resources",
+    metavar="PATTERNS",
     help="extended resources that are GPUs, comma-separated names or shell patterns",
-)  # fmt: skip
+)
 GPU_SHARING_FACTOR = Setting(
-    "gpu_sharing_factor", positive_int, "1", env=STAGETRACE_GPU_SHARING_FACTOR, flag="--gpu-sharing-factor",
-    metavar="N", help="allocations per physical GPU you intend (the MPS or time-slicing replicas); more is an alert",
-)  # fmt: skip
+    "gpu_sharing_factor",
+    positive_int,
+    "1",
+    env=STAGETRACE_GPU_SHARING_FACTOR,
+    flag="--gpu-sharing-factor",
+    metavar="N",
+    help="allocations per physical GPU you intend (the MPS or time-slicing replicas); more is an alert",
+)
 
 
 def physical_id(device_id: str) -> str:
@@ -259,7 +284,7 @@ class KubernetesCollector(Collector):
         allocated: dict[str, set[str]] = defaultdict(set)
         per_physical: dict[str, set[tuple[str, str]]] = {
             physical_id(d): set() for ids in advertised.values() for d in ids
-        }  # fmt: skip
+        }
         for a in allocations:
             allocated[a.resource].add(a.device_id)
             per_physical.setdefault(a.uuid, set()).add((a.resource, a.device_id))
@@ -270,8 +295,16 @@ class KubernetesCollector(Collector):
         for resource in sorted(advertised.keys() | allocated.keys()):
             out.add(ALLOCATED, len(allocated.get(resource, ())), resource=resource)
         for a in allocations:
-            out.add(ALLOCATION, {}, uuid=a.uuid, resource=a.resource, namespace=a.namespace, pod=a.pod,
-                    container=a.container, device_id=a.device_id)  # fmt: skip
+            out.add(
+                ALLOCATION,
+                {},
+                uuid=a.uuid,
+                resource=a.resource,
+                namespace=a.namespace,
+                pod=a.pod,
+                container=a.container,
+                device_id=a.device_id,
+            )
         for uuid in sorted(per_physical):
             out.add(PER_PHYSICAL, len(per_physical[uuid]), uuid=uuid)
         out.add(SHARING_FACTOR, self.sharing_factor)
@@ -301,8 +334,18 @@ def _plural(n: int, word: str) -> str:
 
 
 # the series diagnose() reads: the agent builds families of these alone at each scrape
-DIAGNOSIS_INPUTS = frozenset({SHARING_FACTOR.name, ALLOCATION.name, PER_PHYSICAL.name, PHYSICAL.name, ALLOCATED.name,
-                              ALLOCATABLE.name, "mps_clients", "gpu_up"})  # fmt: skip
+DIAGNOSIS_INPUTS = frozenset(
+    {
+        SHARING_FACTOR.name,
+        ALLOCATION.name,
+        PER_PHYSICAL.name,
+        PHYSICAL.name,
+        ALLOCATED.name,
+        ALLOCATABLE.name,
+        "mps_clients",
+        "gpu_up",
+    }
+)
 
 
 def diagnose(families: Iterable) -> str | None:
@@ -343,13 +386,18 @@ def diagnose(families: Iterable) -> str | None:
         text = f"the node advertises {_plural(devices, resource + ' device')} for {_plural(gpus, 'physical GPU')}{seen}"
         if gpus and devices > gpus * factor:
             per_gpu = devices // gpus if devices % gpus == 0 else None
-            counts = f"the scheduler counts {'it' if gpus == 1 else 'each'} {_times(per_gpu)}" if per_gpu else (
-                f"{devices - gpus * factor} more than the sharing factor {factor} allows")  # fmt: skip
+            counts = (
+                f"the scheduler counts {'it' if gpus == 1 else 'each'} {_times(per_gpu)}"
+                if per_gpu
+                else (f"{devices - gpus * factor} more than the sharing factor {factor} allows")
+            )
             parts.append(f"{text}: {counts}")
         elif gpus and devices < gpus * factor:
             parts.append(f"{text}: fewer than the sharing factor {factor} expects")
         if allocated.get(resource, 0) > devices:
             used = allocated[resource]
-            parts.append(f"the node allocated {_plural(used, resource + ' device')} and advertises {devices}: "
-                         f"used: {used}, capacity: {devices}")  # fmt: skip
+            parts.append(
+                f"the node allocated {_plural(used, resource + ' device')} and advertises {devices}: "
+                f"used: {used}, capacity: {devices}"
+            )
     return "; ".join(parts) or None

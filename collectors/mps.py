@@ -184,13 +184,22 @@ def write_mps_fixture(directory: Path | str, answers: dict[str, str | None]) -> 
 
 
 PIPE_DIR = Setting(
-    "mps_pipe_dir", Path, "/tmp/nvidia-mps", env="CUDA_MPS_PIPE_DIRECTORY", flag="--mps-pipe-dir", metavar="DIR",
+    "mps_pipe_dir",
+    Path,
+    "/tmp/nvidia-mps",
+    env="CUDA_MPS_PIPE_DIRECTORY",
+    flag="--mps-pipe-dir",
+    metavar="DIR",
     help="the MPS control daemon's pipe directory",
-)  # fmt: skip
+)
 FIXTURE = Setting(
-    "mps_fixture", path_or_none, env=STAGETRACE_MPS_FIXTURE, flag="--mps-fixture", metavar="DIR",
+    "mps_fixture",
+    path_or_none,
+    env=STAGETRACE_MPS_FIXTURE,
+    flag="--mps-fixture",
+    metavar="DIR",
     help="recorded nvidia-cuda-mps-control answers instead of the binary",
-)  # fmt: skip
+)
 
 
 def mps_control(options: Options) -> MpsControl:

@@ -33,8 +33,16 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from stagetrace.collectors.base import (
-    COUNTER, GAUGE, Collector, MetricSpec, Samples, Setting, SourceUnavailable, path_or_none, register,
-)  # fmt: skip
+    COUNTER,
+    GAUGE,
+    Collector,
+    MetricSpec,
+    Samples,
+    Setting,
+    SourceUnavailable,
+    path_or_none,
+    register,
+)
 from stagetrace.environment_variables import STAGETRACE_NCCL_DIR
 
 logger = logging.getLogger("stagetrace.collectors.nccl")
@@ -50,35 +58,94 @@ _MEAN_OVER_DUMP = "over the last NCCL Inspector dump interval"
 
 # Inspector sample name -> (stagetrace spec, base units per Inspector unit as numerator, denominator)
 INSPECTOR_METRICS: dict[str, tuple[MetricSpec, int, int]] = {
-    "nccl_collective_exec_time_microseconds": (MetricSpec(
-        "nccl_collective_time_seconds", GAUGE,
-        f"Mean execution time of a collective {_MEAN_OVER_DUMP}.", COLLECTIVE_LABELS, "seconds"), 1, 1_000_000),
-    "nccl_bus_bandwidth_gbs": (MetricSpec(
-        "nccl_collective_bus_bandwidth_bytes_per_second", GAUGE,
-        f"Geometric mean bus bandwidth of a collective {_MEAN_OVER_DUMP}.", COLLECTIVE_LABELS, "bytes_per_second"), 1_000_000_000, 1),
-    "nccl_p2p_exec_time_microseconds": (MetricSpec(
-        "nccl_p2p_time_seconds", GAUGE,
-        f"Mean execution time of a send or receive {_MEAN_OVER_DUMP}.", P2P_LABELS, "seconds"), 1, 1_000_000),
-    "nccl_p2p_bus_bandwidth_gbs": (MetricSpec(
-        "nccl_p2p_bus_bandwidth_bytes_per_second", GAUGE,
-        f"Geometric mean bus bandwidth of a send or receive {_MEAN_OVER_DUMP}.", P2P_LABELS, "bytes_per_second"), 1_000_000_000, 1),
-    "nccl_collectives_total": (MetricSpec(
-        "nccl_collectives_total", COUNTER, "Collectives NCCL Inspector recorded on the GPU.", DEVICE_LABELS), 1, 1),
-    "nccl_collectives_dropped_total": (MetricSpec(
-        "nccl_collectives_dropped_total", COUNTER,
-        "Collectives NCCL Inspector recorded but overwrote before dumping them.", DEVICE_LABELS), 1, 1),
-    "nccl_p2p_total": (MetricSpec(
-        "nccl_p2p_operations_total", COUNTER, "Sends and receives NCCL Inspector recorded on the GPU.", DEVICE_LABELS), 1, 1),
-    "nccl_p2p_dropped_total": (MetricSpec(
-        "nccl_p2p_operations_dropped_total", COUNTER,
-        "Sends and receives NCCL Inspector recorded but overwrote before dumping them.", DEVICE_LABELS), 1, 1),
-}  # fmt: skip
+    "nccl_collective_exec_time_microseconds": (
+        MetricSpec(
+            "nccl_collective_time_seconds",
+            GAUGE,
+            f"Mean execution time of a collective {_MEAN_OVER_DUMP}.",
+            COLLECTIVE_LABELS,
+            "seconds",
+        ),
+        1,
+        1_000_000,
+    ),
+    "nccl_bus_bandwidth_gbs": (
+        MetricSpec(
+            "nccl_collective_bus_bandwidth_bytes_per_second",
+            GAUGE,
+            f"Geometric mean bus bandwidth of a collective {_MEAN_OVER_DUMP}.",
+            COLLECTIVE_LABELS,
+            "bytes_per_second",
+        ),
+        1_000_000_000,
+        1,
+    ),
+    "nccl_p2p_exec_time_microseconds": (
+        MetricSpec(
+            "nccl_p2p_time_seconds",
+            GAUGE,
+            f"Mean execution time of a send or receive {_MEAN_OVER_DUMP}.",
+            P2P_LABELS,
+            "seconds",
+        ),
+        1,
+        1_000_000,
+    ),
+    "nccl_p2p_bus_bandwidth_gbs": (
+        MetricSpec(
+            "nccl_p2p_bus_bandwidth_bytes_per_second",
+            GAUGE,
+            f"Geometric mean bus bandwidth of a send or receive {_MEAN_OVER_DUMP}.",
+            P2P_LABELS,
+            "bytes_per_second",
+        ),
+        1_000_000_000,
+        1,
+    ),
+    "nccl_collectives_total": (
+        MetricSpec("nccl_collectives_total", COUNTER, "Collectives NCCL Inspector recorded on the GPU.", DEVICE_LABELS),
+        1,
+        1,
+    ),
+    "nccl_collectives_dropped_total": (
+        MetricSpec(
+            "nccl_collectives_dropped_total",
+            COUNTER,
+            "Collectives NCCL Inspector recorded but overwrote before dumping them.",
+            DEVICE_LABELS,
+        ),
+        1,
+        1,
+    ),
+    "nccl_p2p_total": (
+        MetricSpec(
+            "nccl_p2p_operations_total",
+            COUNTER,
+            "Sends and receives NCCL Inspector recorded on the GPU.",
+            DEVICE_LABELS,
+        ),
+        1,
+        1,
+    ),
+    "nccl_p2p_dropped_total": (
+        MetricSpec(
+            "nccl_p2p_operations_dropped_total",
+            COUNTER,
+            "Sends and receives NCCL Inspector recorded but overwrote before dumping them.",
+            DEVICE_LABELS,
+        ),
+        1,
+        1,
+    ),
+}
 
 DUMP_AGE = MetricSpec(
-    "nccl_inspector_dump_age_seconds", GAUGE,
+    "nccl_inspector_dump_age_seconds",
+    GAUGE,
     "Seconds since NCCL Inspector last wrote the GPU's dump; its series are left out once it is stale.",
-    ("uuid",), "seconds",
-)  # fmt: skip
+    ("uuid",),
+    "seconds",
+)
 
 
 class BadDump(Exception):
@@ -107,9 +174,13 @@ def _uuid(path: Path) -> str:
 
 # NCCL_INSPECTOR_DUMP_DIR: the plugin's own variable, so an agent started in the job's environment finds the dumps
 DUMP_DIR = Setting(
-    "nccl_dir", path_or_none, env=(STAGETRACE_NCCL_DIR, "NCCL_INSPECTOR_DUMP_DIR"), flag="--nccl-dir", metavar="DIR",
+    "nccl_dir",
+    path_or_none,
+    env=(STAGETRACE_NCCL_DIR, "NCCL_INSPECTOR_DUMP_DIR"),
+    flag="--nccl-dir",
+    metavar="DIR",
     help="the directory NCCL Inspector dumps into (its NCCL_INSPECTOR_DUMP_DIR)",
-)  # fmt: skip
+)
 
 
 @register

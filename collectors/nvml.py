@@ -13,9 +13,13 @@ from stagetrace.nvml import NvmlSource, __all__ as _BINDING, open_source
 
 # Read by the gpu and mps collectors, which both declare it.
 NVML_FIXTURE = Setting(
-    "nvml_fixture", path_or_none, env=STAGETRACE_NVML_FIXTURE, flag="--nvml-fixture", metavar="DIR",
+    "nvml_fixture",
+    path_or_none,
+    env=STAGETRACE_NVML_FIXTURE,
+    flag="--nvml-fixture",
+    metavar="DIR",
     help="recorded NVML snapshots instead of the real library",
-)  # fmt: skip
+)
 
 
 def nvml_source(options: Options, watch_xids: bool = True) -> NvmlSource:

@@ -53,7 +53,9 @@ def _counter(name: str, help: str, unit: str = "") -> MetricSpec:
 
 # counters/<file> -> spec: the PMA PortCounters of the InfiniBand spec, named as issue 4 asks.
 PORT_COUNTERS: dict[str, MetricSpec] = {
-    "port_xmit_data": _counter("rdma_port_transmit_bytes_total", "Data bytes transmitted (port_xmit_data x 4).", "bytes"),
+    "port_xmit_data": _counter(
+        "rdma_port_transmit_bytes_total", "Data bytes transmitted (port_xmit_data x 4).", "bytes"
+    ),
     "port_rcv_data": _counter("rdma_port_receive_bytes_total", "Data bytes received (port_rcv_data x 4).", "bytes"),
     "port_xmit_packets": _counter("rdma_port_transmit_packets_total", "Packets transmitted on all VLs."),
     "port_rcv_packets": _counter("rdma_port_receive_packets_total", "Packets received on all VLs."),
@@ -87,9 +89,12 @@ PORT_COUNTERS: dict[str, MetricSpec] = {
         "rdma_local_link_integrity_errors_total", "Times local physical errors exceeded the threshold."
     ),
     "excessive_buffer_overrun_errors": _counter(
-        "rdma_excessive_buffer_overrun_errors_total", "Times consecutive receive buffer overruns exceeded the threshold."
+        "rdma_excessive_buffer_overrun_errors_total",
+        "Times consecutive receive buffer overruns exceeded the threshold.",
     ),
-    "VL15_dropped": _counter("rdma_vl15_dropped_total", "Incoming VL15 (subnet management) packets dropped for lack of buffers."),
+    "VL15_dropped": _counter(
+        "rdma_vl15_dropped_total", "Incoming VL15 (subnet management) packets dropped for lack of buffers."
+    ),
 }
 # The data counters count 4-byte words ("divided by 4 (lanes)", sysfs-class-infiniband).
 WORD_COUNTERS = {"port_xmit_data", "port_rcv_data"}
@@ -131,10 +136,18 @@ HW_COUNTER_HELP = {
 
 # mlx5 reads its Q counters as 32-bit values (be32_to_cpu in counters.c): they wrap.
 _WRAPS_AT_32_BITS = {
-    "rx_write_requests", "rx_read_requests", "rx_atomic_requests", "rx_dct_connect", "out_of_buffer",
-    "out_of_sequence", "duplicate_request", "rnr_nak_retry_err", "packet_seq_err", "implied_nak_seq_err",
+    "rx_write_requests",
+    "rx_read_requests",
+    "rx_atomic_requests",
+    "rx_dct_connect",
+    "out_of_buffer",
+    "out_of_sequence",
+    "duplicate_request",
+    "rnr_nak_retry_err",
+    "packet_seq_err",
+    "implied_nak_seq_err",
     "local_ack_timeout_err",
-}  # fmt: skip
+}
 
 # hw_counters/lifespan is the counters' refresh period in ms, a setting and not a counter.
 _NOT_COUNTERS = {"lifespan"}
@@ -142,9 +155,14 @@ _NOT_COUNTERS = {"lifespan"}
 RATE = MetricSpec(
     "rdma_port_rate_bytes_per_second", GAUGE, "Port data rate (active width x speed).", LABELS, "bytes_per_second"
 )
-STATE = MetricSpec("rdma_port_state", GAUGE, "Logical state: 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER.", LABELS)
+STATE = MetricSpec(
+    "rdma_port_state", GAUGE, "Logical state: 1 DOWN, 2 INIT, 3 ARMED, 4 ACTIVE, 5 ACTIVE_DEFER.", LABELS
+)
 PHYSICAL_STATE = MetricSpec(
-    "rdma_port_physical_state", GAUGE, "Physical state: 2 Polling, 3 Disabled, 5 LinkUp, 6 LinkErrorRecovery, ...", LABELS
+    "rdma_port_physical_state",
+    GAUGE,
+    "Physical state: 2 Polling, 3 Disabled, 5 LinkUp, 6 LinkErrorRecovery, ...",
+    LABELS,
 )
 INFO_SPEC = MetricSpec(
     "rdma_port_info", INFO, "RDMA port: its netdev, link layer, firmware, HCA type and rail.", LABELS
@@ -193,10 +211,16 @@ def parse_rails(text: str) -> tuple[tuple[str, str, str], ...]:
 
 
 RAILS = Setting(
-    "rails", parse_rails, "", env=STAGETRACE_RDMA_RAILS, flag="--rdma-rails", metavar="LIST",
+    "rails",
+    parse_rails,
+    "",
+    env=STAGETRACE_RDMA_RAILS,
+    flag="--rdma-rails",
+    metavar="LIST",
     help="RDMA ports as rails, comma-separated NAME=DEVICE[:PORT] or DEVICE[:PORT] (rail DEVICE/PORT, port 1 "
-         "unless given); a port not listed is no rail", shown_default="every port is a rail named DEVICE/PORT",
-)  # fmt: skip
+    "unless given); a port not listed is no rail",
+    shown_default="every port is a rail named DEVICE/PORT",
+)
 
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -361,5 +385,9 @@ class RdmaCollector(Collector):
                 out.add(spec, value, device=device, port=port)
         link_layer = link.get("link_layer") or ""
         netdev = _port_netdev(port_dir, link_layer, self._gid_index)
-        out.add(INFO_SPEC, {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver,
-                            "hca_type": hca_type, "rail": rail}, device=device, port=port)  # fmt: skip
+        out.add(
+            INFO_SPEC,
+            {"netdev": netdev, "link_layer": link_layer, "fw_ver": fw_ver, "hca_type": hca_type, "rail": rail},
+            device=device,
+            port=port,
+        )

@@ -25,4 +25,3 @@ def build_all() -> dict[str, dict]:
 def render(dashboard: dict) -> str:
     """The committed form of a dashboard: stable key order, two-space indent, final newline."""
     return json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
-

@@ -80,8 +80,15 @@ def timeseries(
     max_value: float | None = None,
     repeat: str | None = None,
 ) -> dict:
-    panel = _panel(kind="timeseries", title=title, description=description, unit=unit, width=width, height=height,
-                   targets=[target(sql, TIME_SERIES)])  # fmt: skip
+    panel = _panel(
+        kind="timeseries",
+        title=title,
+        description=description,
+        unit=unit,
+        width=width,
+        height=height,
+        targets=[target(sql, TIME_SERIES)],
+    )
     defaults = panel["fieldConfig"]["defaults"]
     defaults["min"] = 0  # every series stagetrace plots is a count, a rate, a share or a size
     if max_value is not None:
@@ -102,18 +109,39 @@ def timeseries(
     return panel
 
 
-def stat(title: str, sql: str, unit: str, *, description: str, width: int = 4, height: int = 4,
-         thresholds: Sequence[tuple[float, str]] = ()) -> dict:  # fmt: skip
+def stat(
+    title: str,
+    sql: str,
+    unit: str,
+    *,
+    description: str,
+    width: int = 4,
+    height: int = 4,
+    thresholds: Sequence[tuple[float, str]] = (),
+) -> dict:
     panel = _panel("stat", title, description, unit, width, height, targets=[target(sql, TABLE)])
     steps = [{"color": "green", "value": None}] + [{"color": color, "value": value} for value, color in thresholds]
     panel["fieldConfig"]["defaults"]["thresholds"] = {"mode": "absolute", "steps": steps}
-    panel["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
-                        "colorMode": "value", "graphMode": "none", "textMode": "value"}  # fmt: skip
+    panel["options"] = {
+        "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+        "colorMode": "value",
+        "graphMode": "none",
+        "textMode": "value",
+    }
     return panel
 
 
-def table(title: str, sql: str, unit: str, *, description: str, width: int = 24, height: int = 8,
-          overrides: Iterable[dict] = (), sort_by: str | None = None) -> dict:  # fmt: skip
+def table(
+    title: str,
+    sql: str,
+    unit: str,
+    *,
+    description: str,
+    width: int = 24,
+    height: int = 8,
+    overrides: Iterable[dict] = (),
+    sort_by: str | None = None,
+) -> dict:
     panel = _panel("table", title, description, unit, width, height, targets=[target(sql, TABLE)])
     panel["fieldConfig"]["overrides"] = list(overrides)
     panel["options"] = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
@@ -235,10 +263,17 @@ def dashboard(
         "version": 1,
         "time": {"from": time_from, "to": "now"},
         "refresh": refresh,
-        "links": [{"type": "dashboards", "tags": [TAG], "asDropdown": True, "title": "stagetrace dashboards",
-                   "includeVars": False, "keepTime": True}],  # fmt: skip
+        "links": [
+            {
+                "type": "dashboards",
+                "tags": [TAG],
+                "asDropdown": True,
+                "title": "stagetrace dashboards",
+                "includeVars": False,
+                "keepTime": True,
+            }
+        ],
         "templating": {"list": list(variables)},
         "annotations": {"list": []},
         "panels": _layout(panels),
     }
-

@@ -39,9 +39,7 @@ MISSING_RANKS_RATIO = "countIf(Ranks < TpSize) / nullIf(count(), 0)"
 CACHE_HIT_RATIO = "countIf(Attributes['cache.hit'] = 'true') / nullIf(count(), 0)"
 TRUNCATED_RATIO = "countIf(Attributes['context.truncated'] = 'true') / nullIf(count(), 0)"
 # over SPANS: stage and root spans of the same requests, by the conventions' rules
-ALLREDUCE_TIME_SHARE = (
-    f"sumIf(Duration, {conventions.STAGE_SQL} = 'allreduce') / nullIf(sumIf(Duration, {conventions.IS_REQUEST_ROOT_SQL}), 0)"
-)
+ALLREDUCE_TIME_SHARE = f"sumIf(Duration, {conventions.STAGE_SQL} = 'allreduce') / nullIf(sumIf(Duration, {conventions.IS_REQUEST_ROOT_SQL}), 0)"
 
 # the request ID a user typed into the trace-lookup dashboard's text box
 REQUEST_ID = "decodeURLComponent('${request_id:percentencode}')"
@@ -80,7 +78,9 @@ def majority_outputs(where: str) -> str:
 # requests joined with the majority output of their input among their peers (alias r, m), for deviating-output
 # ratios; requests that sample without a seed differ by design and are neither counted nor part of a majority
 REQUESTS = f"({conventions.requests_sql('$__timeFilter(Start)')})"  # one row per request, by the root rule
-_COMPARABLE = f"$__timeFilter(Start) AND TraceId NOT IN ({conventions.nondeterministic_traces_sql('$__timeFilter(Start)')})"
+_COMPARABLE = (
+    f"$__timeFilter(Start) AND TraceId NOT IN ({conventions.nondeterministic_traces_sql('$__timeFilter(Start)')})"
+)
 REQUESTS_WITH_MAJORITY = (
     f"(SELECT *, {peer_key()} AS Peer FROM ({conventions.requests_sql(_COMPARABLE, model=True)})) AS r INNER JOIN ("
     + majority_outputs(_COMPARABLE)
@@ -153,9 +153,12 @@ def gauge(
 ) -> str:
     """A gauge per interval and series: ``function(Value)`` (``avg`` smooths, ``max`` keeps short spikes)."""
     return aggregate(
-        "otel_metrics_gauge", "TimeUnix", {value: f"{function}(Value){scale}"},
-        labels=labels, where=[_metric_names(metrics), *where],
-    )  # fmt: skip
+        "otel_metrics_gauge",
+        "TimeUnix",
+        {value: f"{function}(Value){scale}"},
+        labels=labels,
+        where=[_metric_names(metrics), *where],
+    )
 
 
 def counter(
@@ -206,14 +209,23 @@ RAIL_FILTER = (
 
 def rail_bytes(where: Iterable[str] = ()) -> str:
     """Per interval, host and rail port: bytes per second both ways (transmit + receive), reset-safe."""
-    return counter(["rdma_port_transmit_bytes_total", "rdma_port_receive_bytes_total"],
-                   {"host": HOST, "port": NIC_PORT}, "bytes", where=[RAIL_FILTER, *where])  # fmt: skip
+    return counter(
+        ["rdma_port_transmit_bytes_total", "rdma_port_receive_bytes_total"],
+        {"host": HOST, "port": NIC_PORT},
+        "bytes",
+        where=[RAIL_FILTER, *where],
+    )
 
 
 def rail_rates(where: Iterable[str] = ()) -> str:
     """Per interval, host and rail port: the negotiated data rate (bytes per second)."""
-    return gauge("rdma_port_rate_bytes_per_second", {"host": HOST, "port": NIC_PORT}, "rate",
-                 where=[RAIL_FILTER, *where], function="min")  # fmt: skip
+    return gauge(
+        "rdma_port_rate_bytes_per_second",
+        {"host": HOST, "port": NIC_PORT},
+        "rate",
+        where=[RAIL_FILTER, *where],
+        function="min",
+    )
 
 
 # -- weight transfer (conventions: one sync span per step, one span per link)

@@ -15,8 +15,16 @@ from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import build_all
 from stagetrace.dashboards import divergences, fabric, overview, weights
 from stagetrace.dashboards._sql import (
-    DURATION_MS, GPU_STEPS, MISSING_RANKS_RATIO, STAGE, STAGES, SYNC_SUMMARY, TP_REQUESTS, TRUNCATED_RATIO, aggregate,
-)  # fmt: skip
+    DURATION_MS,
+    GPU_STEPS,
+    MISSING_RANKS_RATIO,
+    STAGE,
+    STAGES,
+    SYNC_SUMMARY,
+    TP_REQUESTS,
+    TRUNCATED_RATIO,
+    aggregate,
+)
 
 FOLDER_TITLE = FOLDER_UID = "stagetrace"
 GROUP = "stagetrace-pipeline"
@@ -38,8 +46,10 @@ MAX_STEPS_BEHIND = 0
 # while it goes on (hosts and devices grow only when the cause reaches another); the number is the range's count.
 # ``began``: the TP ranks that began those requests' differences, each with its GPU and that GPU's host (not the
 # request's: HostName), as ``explain`` words them ("rank 1 (GPU-..., node-b)"); empty where no rank began one.
-_BEGAN = ("arrayStringConcat(arraySort(groupUniqArrayArray(arrayMap(p -> concat('rank ', tupleElement(p, 1), ' (', "
-          f"tupleElement(p, 2), ', ', tupleElement(p, 3), ')'), {divergences.BEGAN_PLACES}))), '; ')")
+_BEGAN = (
+    "arrayStringConcat(arraySort(groupUniqArrayArray(arrayMap(p -> concat('rank ', tupleElement(p, 1), ' (', "
+    f"tupleElement(p, 2), ', ', tupleElement(p, 3), ')'), {divergences.BEGAN_PLACES}))), '; ')"
+)
 _LOCATED = "FirstDivergentStage != '' AND TopCauseName != ''"
 _DAY = "RequestStart >= $__fromTime - INTERVAL 24 HOUR AND RequestStart <= $__toTime"
 _BY_CAUSE = "ServiceName AS service, FirstDivergentStage AS stage, TopCauseName AS cause"
@@ -73,7 +83,7 @@ SELECT 'live analysis' AS analysis,
        toFloat64(dateDiff('second', (SELECT max(Renewed) FROM stagetrace_analyser), $__toTime)) AS seconds_behind
 FROM (SELECT count() AS requests FROM stagetrace_requests WHERE $__timeFilter(Start))
 WHERE requests > 0"""
-EXAMPLE_LINK = (f"/d/{p.TRACE_LOOKUP_UID}/{p.TRACE_LOOKUP_UID}?var-request_id={{{{ $labels.example_request }}}}")
+EXAMPLE_LINK = f"/d/{p.TRACE_LOOKUP_UID}/{p.TRACE_LOOKUP_UID}?var-request_id={{{{ $labels.example_request }}}}"
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,12 @@ class PipelineRule:
 
 RULES = (
     PipelineRule(
-        "stagetrace-deviating-outputs", "Deviating outputs", DEVIATING_BY_CAUSE, 0, 900, "0s",
+        "stagetrace-deviating-outputs",
+        "Deviating outputs",
+        DEVIATING_BY_CAUSE,
+        0,
+        900,
+        "0s",
         "{{ $labels.service }}: {{ $values.A.Value }} deviating output(s) first diverge at {{ $labels.stage }}: "
         "{{ $labels.cause }} is {{ $labels.value }} where the baseline has {{ $labels.baseline_value }} "
         "(hosts {{ $labels.hosts }}; devices {{ $labels.devices }}"
@@ -100,96 +115,154 @@ RULES = (
         "The live analyser found requests whose output differs from the majority output for the same input, first "
         "at this stage, with this top cause. Example request: " + EXAMPLE_LINK + " . Expected changes (rollouts) "
         "and requests that sample without a seed are not counted.",
-        "Causes by stage", divergences.UID,
+        "Causes by stage",
+        divergences.UID,
     ),
     PipelineRule(
-        "stagetrace-new-deviation-cause", "New cause of deviation", NEW_CAUSES, 0, 900, "0s",
+        "stagetrace-new-deviation-cause",
+        "New cause of deviation",
+        NEW_CAUSES,
+        0,
+        900,
+        "0s",
         "{{ $labels.service }}: a new cause of deviating outputs, {{ $labels.cause }} at {{ $labels.stage }} "
         "({{ $values.A.Value }} request(s))",
         "This stage and top cause had no deviating request in the 24 hours before: something changed. Example "
         "request: " + EXAMPLE_LINK + " .",
-        "Causes by stage", divergences.UID,
+        "Causes by stage",
+        divergences.UID,
     ),
     PipelineRule(
-        "stagetrace-analysis-stalled", "Live analysis stalled", ANALYSIS_STALLED, 300, 900, "5m",
-        "stagetrace's live analysis has not run for {{ $values.A.Value | printf \"%.0f\" }} s while requests arrive",
+        "stagetrace-analysis-stalled",
+        "Live analysis stalled",
+        ANALYSIS_STALLED,
+        300,
+        900,
+        "5m",
+        'stagetrace\'s live analysis has not run for {{ $values.A.Value | printf "%.0f" }} s while requests arrive',
         "No live analyser has renewed its lease on this store for more than 5 minutes, yet requests arrive: deviating "
         "outputs reach neither the divergence explorer nor the deviation alerts. With an embedded store the agent "
         "analyses (its log says why it stopped); with a server store run one `stagetrace analyse`.",
-        "Deviating requests analysed", divergences.UID,
+        "Deviating requests analysed",
+        divergences.UID,
     ),
     PipelineRule(
-        "stagetrace-stage-p99-latency", "Stage p99 latency",
-        aggregate(STAGES, "Start", {"p99_ms": f"quantile(0.99)({DURATION_MS})"},
-                  labels={"service": "ServiceName", "stage": STAGE}, having=ENOUGH, over_time=False),
-        5000, 900, "10m",
-        "{{ $labels.service }} stage {{ $labels.stage }}: p99 latency {{ $values.A.Value | printf \"%.0f\" }} ms",
+        "stagetrace-stage-p99-latency",
+        "Stage p99 latency",
+        aggregate(
+            STAGES,
+            "Start",
+            {"p99_ms": f"quantile(0.99)({DURATION_MS})"},
+            labels={"service": "ServiceName", "stage": STAGE},
+            having=ENOUGH,
+            over_time=False,
+        ),
+        5000,
+        900,
+        "10m",
+        '{{ $labels.service }} stage {{ $labels.stage }}: p99 latency {{ $values.A.Value | printf "%.0f" }} ms',
         "The 99th percentile duration of a pipeline stage over the last 15 minutes is above 5 s.",
         "Latency of $stage (p50, p95, p99)",
     ),
     PipelineRule(
-        "stagetrace-cache-staleness", "Stale cache entries",
-        aggregate(STAGES, "Start",
-                  {"p99_entry_age_s": "quantile(0.99)(toFloat64OrZero(Attributes['cache.entry.age_s']))"},
-                  labels={"service": "ServiceName"},
-                  where=[f"{STAGE} = 'cache'", "Attributes['cache.hit'] = 'true'"], having=ENOUGH, over_time=False),
-        300, 900, "10m",
-        "{{ $labels.service }}: cache hits serve entries {{ $values.A.Value | printf \"%.0f\" }} s old (p99)",
+        "stagetrace-cache-staleness",
+        "Stale cache entries",
+        aggregate(
+            STAGES,
+            "Start",
+            {"p99_entry_age_s": "quantile(0.99)(toFloat64OrZero(Attributes['cache.entry.age_s']))"},
+            labels={"service": "ServiceName"},
+            where=[f"{STAGE} = 'cache'", "Attributes['cache.hit'] = 'true'"],
+            having=ENOUGH,
+            over_time=False,
+        ),
+        300,
+        900,
+        "10m",
+        '{{ $labels.service }}: cache hits serve entries {{ $values.A.Value | printf "%.0f" }} s old (p99)',
         "The 99th percentile age of cache entries served on a hit (cache.entry.age_s) is above 5 minutes: "
         "answers may be built from documents the index has since replaced.",
         "Cache hit ratio",
     ),
     PipelineRule(
-        "stagetrace-context-truncation", "Context truncation",
-        aggregate(STAGES, "Start", {"truncated": TRUNCATED_RATIO}, labels={"service": "ServiceName"},
-                  where=[f"{STAGE} = 'context_assembly'"], having=ENOUGH, over_time=False),
-        0.05, 900, "10m",
+        "stagetrace-context-truncation",
+        "Context truncation",
+        aggregate(
+            STAGES,
+            "Start",
+            {"truncated": TRUNCATED_RATIO},
+            labels={"service": "ServiceName"},
+            where=[f"{STAGE} = 'context_assembly'"],
+            having=ENOUGH,
+            over_time=False,
+        ),
+        0.05,
+        900,
+        "10m",
         "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of contexts truncated",
         "More than 5% of assembled contexts were cut to fit the token budget (context.truncated): the model saw "
         "less than retrieval found, and outputs change with it.",
         "Context truncation rate",
     ),
     PipelineRule(
-        "stagetrace-tp-group-degraded", "TP group degraded",
+        "stagetrace-tp-group-degraded",
+        "TP group degraded",
         # grouped by the group's head, not by the hosts of each request: a request that lost a host's ranks has
         # another host list, and would form a new group too small to count
-        aggregate(TP_REQUESTS, "RequestStart",
-                  {"hosts": "arrayStringConcat(arraySort(groupUniqArrayArray(HostList)), ' ')",
-                   "missing_ranks": MISSING_RANKS_RATIO},
-                  labels={"service": "ServiceName", "head": "Head"},
-                  where=["TpSize > 1", f"RequestStart <= $__toTime - {SPAN_LAG_S}"], having=ENOUGH,
-                  over_time=False),
-        0.01, 300, "0s",
+        aggregate(
+            TP_REQUESTS,
+            "RequestStart",
+            {
+                "hosts": "arrayStringConcat(arraySort(groupUniqArrayArray(HostList)), ' ')",
+                "missing_ranks": MISSING_RANKS_RATIO,
+            },
+            labels={"service": "ServiceName", "head": "Head"},
+            where=["TpSize > 1", f"RequestStart <= $__toTime - {SPAN_LAG_S}"],
+            having=ENOUGH,
+            over_time=False,
+        ),
+        0.01,
+        300,
+        "0s",
         "{{ $labels.service }}: TP group of {{ $labels.head }} ({{ $labels.hosts }}) is missing ranks in "
         "{{ humanizePercentage $values.A.Value }} of requests",
         "Requests whose all-reduce this group ran carry fewer rank spans than its parallel.tp_size: a host of the "
         "tensor-parallel group stopped reporting (failed mid-run, or its agent or network is down). "
         "The Fabric dashboard's TP hosts panel shows when each host was last seen and last scraped.",
-        "Requests missing TP ranks", fabric.UID,
+        "Requests missing TP ranks",
+        fabric.UID,
     ),
     PipelineRule(
-        "stagetrace-weights-behind", "GPU serves older weights",
+        "stagetrace-weights-behind",
+        "GPU serves older weights",
         "SELECT ServiceName AS service, HostName AS host, Gpu AS gpu, toString(FleetStep) AS fleet_step, "
         f"toFloat64(StepsBehind) AS steps_behind FROM {GPU_STEPS}",
-        MAX_STEPS_BEHIND, 300, "1m",
+        MAX_STEPS_BEHIND,
+        300,
+        "1m",
         "{{ $labels.host }} {{ $labels.gpu }} serves weights {{ $values.A.Value }} step(s) behind its fleet "
         "(step {{ $labels.fleet_step }})",
         "The GPU's latest decode spans carry an older model.weights.step than most GPUs of its service: it missed a "
         "weight sync and its outputs come from older weights. The Weights dashboard shows when each step arrived; "
         "`stagetrace explain` on one of its requests names the step.",
-        "Step served per GPU", weights.UID,
+        "Step served per GPU",
+        weights.UID,
     ),
     PipelineRule(
-        "stagetrace-weights-fan-in", "Weight syncs funnel through one NIC",
+        "stagetrace-weights-fan-in",
+        "Weight syncs funnel through one NIC",
         f"SELECT ServiceName AS service, countIf(FanIn) / count() AS fan_in FROM {SYNC_SUMMARY} GROUP BY service",
-        0.5, 1800, "0s",
+        0.5,
+        1800,
+        "0s",
         "{{ $labels.service }}: {{ humanizePercentage $values.A.Value }} of weight syncs funnel through one NIC",
         "Most weight syncs of the last 30 minutes sent most of their bytes through one NIC (the rank-0 pattern: "
         "gather on one training GPU, send from there), so they run at one NIC's speed. Writing each rank's shard "
         "from every training GPU uses every NIC.",
-        "Fan-in: busiest NIC's share", weights.UID,
+        "Fan-in: busiest NIC's share",
+        weights.UID,
     ),
-)  # fmt: skip
+)
 
 
 def _data(rule: PipelineRule) -> list[dict]:
@@ -259,9 +332,10 @@ def file_provisioning() -> dict:
     rules = [{**_rule(r), "dashboardUid": r.dashboard, "panelId": panel_ids[r.uid]} for r in RULES]
     return {
         "apiVersion": 1,
-        "groups": [{"orgId": ORG_ID, "name": GROUP, "folder": FOLDER_TITLE, "interval": f"{INTERVAL_S}s",
-                    "rules": rules}],
-    }  # fmt: skip
+        "groups": [
+            {"orgId": ORG_ID, "name": GROUP, "folder": FOLDER_TITLE, "interval": f"{INTERVAL_S}s", "rules": rules}
+        ],
+    }
 
 
 def api_rule_group() -> dict:
@@ -269,7 +343,10 @@ def api_rule_group() -> dict:
     rules, panel_ids = [], _panel_ids()
     for rule in RULES:
         body = _rule(rule)
-        body["annotations"] = {**body["annotations"], "__dashboardUid__": rule.dashboard,
-                               "__panelId__": str(panel_ids[rule.uid])}  # fmt: skip
+        body["annotations"] = {
+            **body["annotations"],
+            "__dashboardUid__": rule.dashboard,
+            "__panelId__": str(panel_ids[rule.uid]),
+        }
         rules.append({**body, "orgID": ORG_ID, "folderUID": FOLDER_UID, "ruleGroup": GROUP})
     return {"title": GROUP, "folderUid": FOLDER_UID, "interval": INTERVAL_S, "rules": rules}

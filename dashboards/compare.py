@@ -17,8 +17,10 @@ OTHER_REQUEST_ID = REQUEST_ID.replace("request_id", "other_request_id")
 
 def _request(request_id: str) -> str:
     """(trace ID, start, end) of the newest root span with that request ID."""
-    return (f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {request_id} "
-            "ORDER BY Start DESC LIMIT 1)")  # fmt: skip
+    return (
+        f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {request_id} "
+        "ORDER BY Start DESC LIMIT 1)"
+    )
 
 
 def _stages(request: str) -> str:
@@ -33,8 +35,10 @@ def _stages(request: str) -> str:
 
 
 def _same(column: str) -> str:
-    return (f"multiIf(a.{column} = '' AND b.{column} = '', '', a.{column} = b.{column}, 'same', "
-            f"a.{column} = '' OR b.{column} = '', 'missing', 'different')")
+    return (
+        f"multiIf(a.{column} = '' AND b.{column} = '', '', a.{column} = b.{column}, 'same', "
+        f"a.{column} = '' OR b.{column} = '', 'missing', 'different')"
+    )
 
 
 # the attributes whose values differ, as "key: a -> b"; a stage's own outputs and timings differ by nature, but are
@@ -77,37 +81,59 @@ ORDER BY which DESC, during_request DESC, in_10_min_before DESC"""
 
 
 def panels() -> list[dict]:
-    links = [p.override("request_id", links=[p.trace_lookup_link("request_id")]),
-             p.override("duration_ms", unit="ms")]  # fmt: skip
+    links = [p.override("request_id", links=[p.trace_lookup_link("request_id")]), p.override("duration_ms", unit="ms")]
     return [
-        p.table("The two requests", REQUESTS_SQL, "none", height=5, overrides=links,
-                description="Their root spans: same input digest means the outputs should agree."),
-        p.table("Stage by stage", STAGES_SQL, "none", height=10,
-                description="One row per stage and TP rank, in pipeline order: where each request ran it, whether "
-                            "its input and its output were the same for both, and the attributes whose values differ "
-                            "(request -> other). The first stage whose output differs while its input is the same is "
-                            "where they diverged."),
-        p.table("Counters that rose while each request ran", COUNTERS_SQL, "short", height=10,
-                sort_by="during_request",
-                description="For each request, the counters of the GPUs, RDMA ports, netdevs and hosts its spans name "
-                            "that rose during it or in the ten minutes before (as in the trace lookup): a counter that "
-                            "rose for one and not the other is a hardware suspect."),
-    ]  # fmt: skip
+        p.table(
+            "The two requests",
+            REQUESTS_SQL,
+            "none",
+            height=5,
+            overrides=links,
+            description="Their root spans: same input digest means the outputs should agree.",
+        ),
+        p.table(
+            "Stage by stage",
+            STAGES_SQL,
+            "none",
+            height=10,
+            description="One row per stage and TP rank, in pipeline order: where each request ran it, whether "
+            "its input and its output were the same for both, and the attributes whose values differ "
+            "(request -> other). The first stage whose output differs while its input is the same is "
+            "where they diverged.",
+        ),
+        p.table(
+            "Counters that rose while each request ran",
+            COUNTERS_SQL,
+            "short",
+            height=10,
+            sort_by="during_request",
+            description="For each request, the counters of the GPUs, RDMA ports, netdevs and hosts its spans name "
+            "that rose during it or in the ten minutes before (as in the trace lookup): a counter that "
+            "rose for one and not the other is a hardware suspect.",
+        ),
+    ]
 
 
 def variables() -> list[dict]:
     return [
         p.datasource_variable(),
         p.text_variable("request_id", "Request ID", "The request to explain, e.g. a deviating one."),
-        p.text_variable("other_request_id", "Other request ID",
-                        "The request to compare it with, e.g. its baseline in the divergence explorer."),
-    ]  # fmt: skip
+        p.text_variable(
+            "other_request_id",
+            "Other request ID",
+            "The request to compare it with, e.g. its baseline in the divergence explorer.",
+        ),
+    ]
 
 
 def build() -> dict:
     return p.dashboard(
-        UID, "stagetrace: compare two requests",
+        UID,
+        "stagetrace: compare two requests",
         "Set two request IDs: their stages side by side, what differs between them, and the hardware counters that "
         "rose while each ran.",
-        panels(), variables(), time_from="now-24h", refresh="",
-    )  # fmt: skip
+        panels(),
+        variables(),
+        time_from="now-24h",
+        refresh="",
+    )

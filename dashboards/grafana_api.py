@@ -102,17 +102,25 @@ class Provisioner:
         detail = _detail(exc)
         status = exc.status_code
         if status == 401:
-            return (f"Grafana at {self.url} rejected the token trying to {action} (401 Unauthorized): "
-                    f"check {ENV_TOKEN} or {ENV_TOKEN_FILE}")  # fmt: skip
+            return (
+                f"Grafana at {self.url} rejected the token trying to {action} (401 Unauthorized): "
+                f"check {ENV_TOKEN} or {ENV_TOKEN_FILE}"
+            )
         if status == 403:
-            return (f"the token may not {action} (403 Forbidden: {detail}): give its service account the Admin role "
-                    "in this organisation (data sources need it), or Editor plus data-source permissions")  # fmt: skip
+            return (
+                f"the token may not {action} (403 Forbidden: {detail}): give its service account the Admin role "
+                "in this organisation (data sources need it), or Editor plus data-source permissions"
+            )
         if status == 409:
-            return (f"cannot {action}: {detail} (409 Conflict): rename or remove the existing object in Grafana, "
-                    "then run again")  # fmt: skip
+            return (
+                f"cannot {action}: {detail} (409 Conflict): rename or remove the existing object in Grafana, "
+                "then run again"
+            )
         if status == 412:
-            return (f"cannot {action}: {detail} (412 Precondition Failed): another dashboard in the folder has "
-                    "this title, or it changed while provisioning; remove or rename the other one, then run again")
+            return (
+                f"cannot {action}: {detail} (412 Precondition Failed): another dashboard in the folder has "
+                "this title, or it changed while provisioning; remove or rename the other one, then run again"
+            )
         if status == 0:
             return f"cannot reach Grafana at {self.url} trying to {action}: {exc.message}"
         return f"Grafana at {self.url} answered {status} trying to {action}: {detail}"
@@ -134,8 +142,9 @@ class Provisioner:
     def datasource(self) -> None:
         uid = p.DATASOURCE_UID
         body = datasource(self.settings)
-        existing = self._call(f"read data source {uid}", self.api.datasource.get_datasource_by_uid, uid,
-                              missing_ok=True)  # fmt: skip
+        existing = self._call(
+            f"read data source {uid}", self.api.datasource.get_datasource_by_uid, uid, missing_ok=True
+        )
         password = self.settings.password
         secrets = self.settings.secure_json_data(password) if password or self.settings.ca_file else {}
         with_password = {**body, "secureJsonData": {k: v for k, v in secrets.items() if v}} if secrets else body
@@ -160,21 +169,31 @@ class Provisioner:
             if stored == ours and existing.get("meta", {}).get("folderUid") == alert_rules.FOLDER_UID:
                 self.report(f"dashboard {uid}: unchanged")
                 return
-        body = {"dashboard": {**dashboard, "id": None}, "folderUid": alert_rules.FOLDER_UID, "message": MESSAGE,
-                "overwrite": existing is not None}  # fmt: skip
+        body = {
+            "dashboard": {**dashboard, "id": None},
+            "folderUid": alert_rules.FOLDER_UID,
+            "message": MESSAGE,
+            "overwrite": existing is not None,
+        }
         self._call(f"save dashboard {uid}", self.api.dashboard.update_dashboard, body)
         self.report(f"dashboard {uid}: {'updated' if existing is not None else 'created'}")
 
     def rule_group(self) -> None:
         folder, group = alert_rules.FOLDER_UID, alert_rules.GROUP
         body = alert_rules.api_rule_group()
-        existing = self._call(f"read alert rule group {group}", self.api.alertingprovisioning.get_rule_group,
-                              folder, group, missing_ok=True)  # fmt: skip
+        existing = self._call(
+            f"read alert rule group {group}",
+            self.api.alertingprovisioning.get_rule_group,
+            folder,
+            group,
+            missing_ok=True,
+        )
         if existing is not None and _subset(body, existing):
             self.report(f"alert rule group {group}: unchanged")
             return
-        self._call(f"save alert rule group {group}", self.api.alertingprovisioning.update_rule_group,
-                   folder, group, body)  # fmt: skip
+        self._call(
+            f"save alert rule group {group}", self.api.alertingprovisioning.update_rule_group, folder, group, body
+        )
         self.report(f"alert rule group {group}: {'updated' if existing is not None else 'created'}")
 
 

@@ -77,11 +77,20 @@ class ClickHouseSettings:
             # a secure connection is always verified: against the CA given, else Grafana's system CAs
             **({"tlsSkipVerify": False, "tlsAuthWithCACert": bool(self.ca_file)} if self.secure else {}),
             # the plugin's trace view over the collector-compatible otel_traces table
-            "traces": {"defaultDatabase": self.database, "defaultTable": "otel_traces", "otelEnabled": True,
-                       "otelVersion": "latest", "durationUnit": "nanoseconds"},  # fmt: skip
+            "traces": {
+                "defaultDatabase": self.database,
+                "defaultTable": "otel_traces",
+                "otelEnabled": True,
+                "otelVersion": "latest",
+                "durationUnit": "nanoseconds",
+            },
             # and its logs view ("View logs" on a trace) over the Collector's otel_logs
-            "logs": {"defaultDatabase": self.database, "defaultTable": "otel_logs", "otelEnabled": True,
-                     "otelVersion": "latest"},  # fmt: skip
+            "logs": {
+                "defaultDatabase": self.database,
+                "defaultTable": "otel_logs",
+                "otelEnabled": True,
+                "otelVersion": "latest",
+            },
         }
 
 
@@ -127,9 +136,21 @@ def settings_from(
         password = server.password if server and server.username == user else ""
     ca_file = os.environ.get(STAGETRACE_CA_FILE, "") if secure else ""
     if ca_file and not Path(ca_file).is_file():
-        raise ProvisionError(f"{STAGETRACE_CA_FILE}={ca_file} is not a file: name the CA that signed the server's certificate")
-    return ClickHouseSettings(host, port, protocol, secure, user, database or location.database, password, note,
-                              ca_file, needed or bool(password))  # fmt: skip
+        raise ProvisionError(
+            f"{STAGETRACE_CA_FILE}={ca_file} is not a file: name the CA that signed the server's certificate"
+        )
+    return ClickHouseSettings(
+        host,
+        port,
+        protocol,
+        secure,
+        user,
+        database or location.database,
+        password,
+        note,
+        ca_file,
+        needed or bool(password),
+    )
 
 
 def _through_agent(location, port: int | None) -> tuple[str, int, str, bool, bool]:
@@ -139,11 +160,21 @@ def _through_agent(location, port: int | None) -> tuple[str, int, str, bool, boo
     record = through_agent.advertised(location)
     url = urlsplit(f"http://{config.DEFAULT_QUERY_LISTEN}" if record is None else record["query"])
     host, port = url.hostname or "127.0.0.1", port or url.port or 8123
-    state = (f"the agent (pid {record.get('pid')}) serves it at {host}:{port}" if record else
-             f"start `stagetrace agent --store chdb://{location.path}`, which serves it at {host}:{port}")  # fmt: skip
-    token = (f"; the agent needs its token: give Grafana it as {STAGETRACE_CLICKHOUSE_PASSWORD}" if record and record.get("token") else "")
-    reach = ("run Grafana on this host's network (docker run --network host ...)" if host in ("127.0.0.1", "::1", "localhost")
-             else f"Grafana must reach {host}:{port}")  # fmt: skip
+    state = (
+        f"the agent (pid {record.get('pid')}) serves it at {host}:{port}"
+        if record
+        else f"start `stagetrace agent --store chdb://{location.path}`, which serves it at {host}:{port}"
+    )
+    token = (
+        f"; the agent needs its token: give Grafana it as {STAGETRACE_CLICKHOUSE_PASSWORD}"
+        if record and record.get("token")
+        else ""
+    )
+    reach = (
+        "run Grafana on this host's network (docker run --network host ...)"
+        if host in ("127.0.0.1", "::1", "localhost")
+        else f"Grafana must reach {host}:{port}"
+    )
     note = f"the store is embedded: Grafana reads it through the agent's query endpoint; {state}; {reach}{token}"
     return host, port, note, url.scheme == "https", bool(token)
 
@@ -162,7 +193,9 @@ def _password() -> str | None:
         try:
             return Path(path).read_text().strip()
         except OSError as exc:
-            raise ProvisionError(f"cannot read the file {STAGETRACE_CLICKHOUSE_PASSWORD_FILE} names: {exc.strerror}") from None
+            raise ProvisionError(
+                f"cannot read the file {STAGETRACE_CLICKHOUSE_PASSWORD_FILE} names: {exc.strerror}"
+            ) from None
     return os.environ.get(STAGETRACE_CLICKHOUSE_PASSWORD)
 
 
@@ -189,19 +222,23 @@ def datasources_file(settings: ClickHouseSettings) -> dict:
 def dashboards_provider_file(provisioning_path: str) -> dict:
     return {
         "apiVersion": 1,
-        "providers": [{
-            "name": PROVIDER_NAME,
-            "orgId": ORG_ID,
-            "folder": alert_rules.FOLDER_TITLE,
-            "folderUid": alert_rules.FOLDER_UID,
-            "type": "file",
-            "disableDeletion": False,
-            "allowUiUpdates": False,  # dashboards are code: changes go through the builders
-            "updateIntervalSeconds": 60,
-            "options": {"path": f"{provisioning_path.rstrip('/')}/dashboards/{PROVIDER_NAME}",
-                        "foldersFromFilesStructure": False},
-        }],
-    }  # fmt: skip
+        "providers": [
+            {
+                "name": PROVIDER_NAME,
+                "orgId": ORG_ID,
+                "folder": alert_rules.FOLDER_TITLE,
+                "folderUid": alert_rules.FOLDER_UID,
+                "type": "file",
+                "disableDeletion": False,
+                "allowUiUpdates": False,  # dashboards are code: changes go through the builders
+                "updateIntervalSeconds": 60,
+                "options": {
+                    "path": f"{provisioning_path.rstrip('/')}/dashboards/{PROVIDER_NAME}",
+                    "foldersFromFilesStructure": False,
+                },
+            }
+        ],
+    }
 
 
 def _yaml(data: dict) -> str:

@@ -101,9 +101,13 @@ WITH
     -- the outputs of the requests with its input and its peer key: another service's answers to the same prompt
     -- are not compared
     (SELECT groupArray((OutputDigest, requests)) FROM (
-        SELECT OutputDigest, count() AS requests FROM ({conventions.requests_sql(
-            "TraceId IN (SELECT TraceId FROM stagetrace_requests WHERE InputDigest = request.1 AND Start >= since "
-            "AND Start <= until)", model=True)})
+        SELECT OutputDigest, count() AS requests FROM ({
+    conventions.requests_sql(
+        "TraceId IN (SELECT TraceId FROM stagetrace_requests WHERE InputDigest = request.1 AND Start >= since "
+        "AND Start <= until)",
+        model=True,
+    )
+})
         WHERE InputDigest = request.1 AND {peer_key()} = peer GROUP BY OutputDigest)) AS outputs,
     arraySum(o -> o.2, outputs) AS same_input,
     arraySum(o -> if(o.1 = request.2, o.2, 0), outputs) AS same_output,
@@ -211,48 +215,95 @@ ORDER BY host, device, metric, labels"""
 def panels() -> list[dict]:
     ms = p.override("duration_ms", unit="ms")
     return [
-        p.table("Request", SUMMARY_SQL, "none", height=5, overrides=[ms],
-                description="The request's root span; deviates compares its output with the majority output of "
-                            "requests with the same input digest, in the same service for the same model, within "
-                            "a day of it."),
+        p.table(
+            "Request",
+            SUMMARY_SQL,
+            "none",
+            height=5,
+            overrides=[ms],
+            description="The request's root span; deviates compares its output with the majority output of "
+            "requests with the same input digest, in the same service for the same model, within "
+            "a day of it.",
+        ),
         p.traces("Trace", TRACE_SQL, description="Every span of the request's trace."),
-        p.logs("Log lines", LOGS_SQL, description="The engines' own log lines of the request's trace (otel_logs): "
-               "preemptions, fallbacks, warnings, as they were sent."),
-        p.table("Stages", STAGES_SQL, "none", height=8, overrides=[ms],
-                description="Stage spans in pipeline order: input and output digests show where the output changed; "
-                            "attributes show how each stage ran."),
-        p.table("Divergence analysis", DIVERGENCE_SQL, "none", height=5,
-                overrides=[p.override("baseline_request_id", links=[p.trace_lookup_link("baseline_request_id",
-                                                                                          "Look up the baseline")])],
-                description="The result of `stagetrace explain` for this request, when it has been analysed."),
+        p.logs(
+            "Log lines",
+            LOGS_SQL,
+            description="The engines' own log lines of the request's trace (otel_logs): "
+            "preemptions, fallbacks, warnings, as they were sent.",
+        ),
+        p.table(
+            "Stages",
+            STAGES_SQL,
+            "none",
+            height=8,
+            overrides=[ms],
+            description="Stage spans in pipeline order: input and output digests show where the output changed; "
+            "attributes show how each stage ran.",
+        ),
+        p.table(
+            "Divergence analysis",
+            DIVERGENCE_SQL,
+            "none",
+            height=5,
+            overrides=[
+                p.override(
+                    "baseline_request_id", links=[p.trace_lookup_link("baseline_request_id", "Look up the baseline")]
+                )
+            ],
+            description="The result of `stagetrace explain` for this request, when it has been analysed.",
+        ),
         p.row("Hardware the request ran on"),
-        p.table("Hosts", HOSTS_SQL, "none", height=5,
-                description="Hosts the request's spans ran on, with the GPUs and RDMA devices the spans name."),
-        p.table("Counters over the request's window", COUNTERS_SQL, "short", height=10, sort_by="during_request",
-                description="Counters of those GPUs, RDMA ports, netdevs and hosts: during_request is their increase "
-                            "from the last sample before the request started to the first sample after it ended; "
-                            "in_10_min_before the increase in the ten minutes before it (a fault there can still "
-                            "corrupt it). A series with no earlier sample counts from zero, as XID series appear at "
-                            "their first event; a decrease is a reset. Anything that rose is a hardware suspect."),
-        p.table("Gauges around the request", GAUGES_SQL, "short", height=10,
-                description="The same hardware's gauges at the samples just before and just after the request: "
-                            "utilization, temperature, clocks and throttle reasons, port state, MPS clients."),
-    ]  # fmt: skip
+        p.table(
+            "Hosts",
+            HOSTS_SQL,
+            "none",
+            height=5,
+            description="Hosts the request's spans ran on, with the GPUs and RDMA devices the spans name.",
+        ),
+        p.table(
+            "Counters over the request's window",
+            COUNTERS_SQL,
+            "short",
+            height=10,
+            sort_by="during_request",
+            description="Counters of those GPUs, RDMA ports, netdevs and hosts: during_request is their increase "
+            "from the last sample before the request started to the first sample after it ended; "
+            "in_10_min_before the increase in the ten minutes before it (a fault there can still "
+            "corrupt it). A series with no earlier sample counts from zero, as XID series appear at "
+            "their first event; a decrease is a reset. Anything that rose is a hardware suspect.",
+        ),
+        p.table(
+            "Gauges around the request",
+            GAUGES_SQL,
+            "short",
+            height=10,
+            description="The same hardware's gauges at the samples just before and just after the request: "
+            "utilization, temperature, clocks and throttle reasons, port state, MPS clients.",
+        ),
+    ]
 
 
 def variables() -> list[dict]:
     return [
         p.datasource_variable(),
-        p.text_variable("request_id", "Request ID",
-                        "The request's stagetrace.request.id (or gen_ai.request.id), e.g. from a log line or "
-                        "`stagetrace divergences`."),
-    ]  # fmt: skip
+        p.text_variable(
+            "request_id",
+            "Request ID",
+            "The request's stagetrace.request.id (or gen_ai.request.id), e.g. from a log line or "
+            "`stagetrace divergences`.",
+        ),
+    ]
 
 
 def build() -> dict:
     return p.dashboard(
-        UID, "stagetrace: trace lookup",
+        UID,
+        "stagetrace: trace lookup",
         "Set Request ID: the request's trace, its stages with digests and attributes, and the GPUs, NICs and hosts "
         "it ran on with their counters over its window.",
-        panels(), variables(), time_from="now-24h", refresh="",
-    )  # fmt: skip
+        panels(),
+        variables(),
+        time_from="now-24h",
+        refresh="",
+    )

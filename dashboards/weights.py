@@ -10,8 +10,14 @@ from __future__ import annotations
 from stagetrace import conventions
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards._sql import (
-    GPU_STEP_SPANS, GPU_STEPS, NIC_RATES, STAGES, SYNC_SUMMARY, WEIGHT_LINKS, any_selected,
-)  # fmt: skip
+    GPU_STEP_SPANS,
+    GPU_STEPS,
+    NIC_RATES,
+    STAGES,
+    SYNC_SUMMARY,
+    WEIGHT_LINKS,
+    any_selected,
+)
 
 UID = "stagetrace-weights"
 
@@ -21,11 +27,14 @@ SERVICE_FILTER = any_selected("ServiceName", "service")
 def variables() -> list[dict]:
     return [
         p.datasource_variable(),
-        p.query_variable("service", "Service",
-                         f"SELECT DISTINCT ServiceName FROM {STAGES} WHERE Stage = 'decode' "
-                         f"AND Attributes['{conventions.WEIGHTS_STEP}'] != '' AND $__timeFilter(Start) ORDER BY ServiceName",
-                         description="The inference services whose GPUs' weight steps the board shows."),
-    ]  # fmt: skip
+        p.query_variable(
+            "service",
+            "Service",
+            f"SELECT DISTINCT ServiceName FROM {STAGES} WHERE Stage = 'decode' "
+            f"AND Attributes['{conventions.WEIGHTS_STEP}'] != '' AND $__timeFilter(Start) ORDER BY ServiceName",
+            description="The inference services whose GPUs' weight steps the board shows.",
+        ),
+    ]
 
 
 def panels() -> list[dict]:
@@ -48,56 +57,92 @@ def panels() -> list[dict]:
     )
     return [
         p.row("Weight syncs"),
-        p.timeseries("Sync throughput per step",
-                     "SELECT $__timeInterval(Start) AS time, max(Throughput) AS throughput, max(LineRate) AS line_rate "
-                     f"FROM {SYNC_SUMMARY} GROUP BY time ORDER BY time",
-                     "Bps", bars=True, width=12,
-                     description="Bytes per second of each sync (its bytes over its duration) against the line rate "
-                                 "of the NICs it used (the slower side's sum)."),
-        p.timeseries("Fan-in: busiest NIC's share",
-                     "SELECT $__timeInterval(Start) AS time, max(SourceShare) AS source, "
-                     f"max(DestinationShare) AS destination FROM {SYNC_SUMMARY} GROUP BY time ORDER BY time",
-                     "percentunit", bars=True, max_value=1, width=12,
-                     description="Per sync, the share of its bytes through the busiest source NIC and destination "
-                                 "NIC. 100% on the source side with many training ranks: the sync funnels through "
-                                 "one GPU (the rank-0 pattern), limited by a single NIC."),
-        p.table("Weight syncs", syncs, "none", height=8,
-                overrides=[p.override("start", unit="dateTimeAsIso"), p.override("seconds", unit="s"),
-                           p.override("bytes", unit="decbytes"), p.override("throughput", unit="Bps"),
-                           p.override("line_rate", unit="Bps"), p.override("of_line_rate", unit="percentunit"),
-                           p.override("source_share", unit="percentunit"),
-                           p.override("destination_share", unit="percentunit")],
-                description="Every sync in the range, newest first: its step, duration, bytes, throughput against the "
-                            "line rate, the busiest NIC of each side and its share, and fan-in when one NIC carried "
-                            f"{conventions.FAN_IN_FACTOR:g} times its even share or more."),
-        p.table("Link bandwidth", links, "none", height=8,
-                overrides=[p.override("bytes", unit="decbytes"), p.override("bandwidth", unit="Bps"),
-                           p.override("line_rate", unit="Bps"), p.override("of_line_rate", unit="percentunit")],
-                description="Per link (source NIC to destination NIC) over the range: writes, failed writes, bytes, "
-                            "achieved bandwidth against the slower end's negotiated rate."),
+        p.timeseries(
+            "Sync throughput per step",
+            "SELECT $__timeInterval(Start) AS time, max(Throughput) AS throughput, max(LineRate) AS line_rate "
+            f"FROM {SYNC_SUMMARY} GROUP BY time ORDER BY time",
+            "Bps",
+            bars=True,
+            width=12,
+            description="Bytes per second of each sync (its bytes over its duration) against the line rate "
+            "of the NICs it used (the slower side's sum).",
+        ),
+        p.timeseries(
+            "Fan-in: busiest NIC's share",
+            "SELECT $__timeInterval(Start) AS time, max(SourceShare) AS source, "
+            f"max(DestinationShare) AS destination FROM {SYNC_SUMMARY} GROUP BY time ORDER BY time",
+            "percentunit",
+            bars=True,
+            max_value=1,
+            width=12,
+            description="Per sync, the share of its bytes through the busiest source NIC and destination "
+            "NIC. 100% on the source side with many training ranks: the sync funnels through "
+            "one GPU (the rank-0 pattern), limited by a single NIC.",
+        ),
+        p.table(
+            "Weight syncs",
+            syncs,
+            "none",
+            height=8,
+            overrides=[
+                p.override("start", unit="dateTimeAsIso"),
+                p.override("seconds", unit="s"),
+                p.override("bytes", unit="decbytes"),
+                p.override("throughput", unit="Bps"),
+                p.override("line_rate", unit="Bps"),
+                p.override("of_line_rate", unit="percentunit"),
+                p.override("source_share", unit="percentunit"),
+                p.override("destination_share", unit="percentunit"),
+            ],
+            description="Every sync in the range, newest first: its step, duration, bytes, throughput against the "
+            "line rate, the busiest NIC of each side and its share, and fan-in when one NIC carried "
+            f"{conventions.FAN_IN_FACTOR:g} times its even share or more.",
+        ),
+        p.table(
+            "Link bandwidth",
+            links,
+            "none",
+            height=8,
+            overrides=[
+                p.override("bytes", unit="decbytes"),
+                p.override("bandwidth", unit="Bps"),
+                p.override("line_rate", unit="Bps"),
+                p.override("of_line_rate", unit="percentunit"),
+            ],
+            description="Per link (source NIC to destination NIC) over the range: writes, failed writes, bytes, "
+            "achieved bandwidth against the slower end's negotiated rate.",
+        ),
         p.row("Weights per GPU"),
-        p.table("Step served per GPU",
-                "SELECT HostName AS host, Gpu AS gpu, Step AS step, StepsBehind AS steps_behind, Arrived AS arrived, "
-                f"LastSeen AS last_seen, FleetStep AS fleet_step, ServiceName AS service FROM {GPU_STEPS} "
-                f"WHERE {SERVICE_FILTER} ORDER BY steps_behind DESC, host, gpu",
-                "none", height=8,
-                overrides=[p.override("arrived", unit="dateTimeAsIso"), p.override("last_seen", unit="dateTimeAsIso")],
-                description="Each inference GPU's step, from its latest decode span, when that step first served "
-                            "there (arrived), and how many steps it is behind its fleet (the median GPU of its "
-                            "service). A GPU behind the fleet missed a sync: it serves older weights."),
-        p.timeseries("Step per GPU",
-                     "SELECT $__timeInterval(Start) AS time, concat(HostName, ' ', Gpu) AS gpu, max(Step) AS step "
-                     f"FROM {GPU_STEP_SPANS} WHERE {SERVICE_FILTER} GROUP BY time, gpu ORDER BY time, gpu",
-                     "none", width=24,
-                     description="The step each GPU served with over time: a staircase per sync; a GPU whose stair "
-                                 "is missing a step did not receive it."),
-    ]  # fmt: skip
+        p.table(
+            "Step served per GPU",
+            "SELECT HostName AS host, Gpu AS gpu, Step AS step, StepsBehind AS steps_behind, Arrived AS arrived, "
+            f"LastSeen AS last_seen, FleetStep AS fleet_step, ServiceName AS service FROM {GPU_STEPS} "
+            f"WHERE {SERVICE_FILTER} ORDER BY steps_behind DESC, host, gpu",
+            "none",
+            height=8,
+            overrides=[p.override("arrived", unit="dateTimeAsIso"), p.override("last_seen", unit="dateTimeAsIso")],
+            description="Each inference GPU's step, from its latest decode span, when that step first served "
+            "there (arrived), and how many steps it is behind its fleet (the median GPU of its "
+            "service). A GPU behind the fleet missed a sync: it serves older weights.",
+        ),
+        p.timeseries(
+            "Step per GPU",
+            "SELECT $__timeInterval(Start) AS time, concat(HostName, ' ', Gpu) AS gpu, max(Step) AS step "
+            f"FROM {GPU_STEP_SPANS} WHERE {SERVICE_FILTER} GROUP BY time, gpu ORDER BY time, gpu",
+            "none",
+            width=24,
+            description="The step each GPU served with over time: a staircase per sync; a GPU whose stair "
+            "is missing a step did not receive it.",
+        ),
+    ]
 
 
 def build() -> dict:
     return p.dashboard(
-        UID, "stagetrace: Weights",
+        UID,
+        "stagetrace: Weights",
         "RL weight syncs: throughput per step against the line rate, fan-in through one NIC, bandwidth per link; and "
         "the step of the weights each inference GPU serves, with when it arrived.",
-        panels(), variables(),
-    )  # fmt: skip
+        panels(),
+        variables(),
+    )

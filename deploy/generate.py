@@ -52,8 +52,9 @@ _Dumper.add_representer(str, _string)
 
 
 def _dump(documents: list[dict]) -> str:
-    return yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1 << 16,
-                         explicit_start=True)
+    return yaml.dump_all(
+        documents, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=1 << 16, explicit_start=True
+    )
 
 
 def prometheus_rule() -> str:
@@ -74,27 +75,31 @@ def dashboard_configmaps() -> str:
     object in an annotation limited to 256 KiB, which the eight dashboards together (240 KB) would nearly fill."""
     maps = []
     for path in sorted(DASHBOARDS.glob("*.json")):
-        maps.append({
-            "apiVersion": "v1",
-            "kind": "ConfigMap",
-            "metadata": {
-                "name": f"{path.stem}-dashboard",
-                "namespace": NAMESPACE,
-                # grafana_dashboard: the label Grafana's dashboard sidecar (kube-prometheus-stack, the Grafana
-                # chart) looks for; grafana_folder: the folder it files them in, where the sidecar is told to
-                # read that annotation (its folderAnnotation).
-                "labels": {"grafana_dashboard": "1", **PART_OF},
-                "annotations": {"grafana_folder": "stagetrace"},
-            },
-            "data": {path.name: path.read_bytes().decode("utf-8")},
-        })  # fmt: skip
+        maps.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {
+                    "name": f"{path.stem}-dashboard",
+                    "namespace": NAMESPACE,
+                    # grafana_dashboard: the label Grafana's dashboard sidecar (kube-prometheus-stack, the Grafana
+                    # chart) looks for; grafana_folder: the folder it files them in, where the sidecar is told to
+                    # read that annotation (its folderAnnotation).
+                    "labels": {"grafana_dashboard": "1", **PART_OF},
+                    "annotations": {"grafana_folder": "stagetrace"},
+                },
+                "data": {path.name: path.read_bytes().decode("utf-8")},
+            }
+        )
     return _header(DASHBOARDS.relative_to(ROOT).as_posix() + "/") + _dump(maps)
 
 
 def build() -> dict[Path, str]:
     """Each generated file and the text it must hold."""
-    return {KUBERNETES / "prometheusrule.yaml": prometheus_rule(),
-            KUBERNETES / "dashboards.yaml": dashboard_configmaps()}
+    return {
+        KUBERNETES / "prometheusrule.yaml": prometheus_rule(),
+        KUBERNETES / "dashboards.yaml": dashboard_configmaps(),
+    }
 
 
 def _shown(path: Path) -> Path:

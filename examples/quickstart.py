@@ -22,8 +22,13 @@ PROMPTS = ["why is the sky blue?", "what is an all-reduce?", "why is the sky blu
 
 
 def rank_worker(carrier, rank, partial, results):
-    with stagetrace.stage("allreduce", input=partial, parent=carrier, rank=rank,
-                          attributes={"parallel.tp_size": 2, "allreduce.algorithm": "ring"}) as st:
+    with stagetrace.stage(
+        "allreduce",
+        input=partial,
+        parent=carrier,
+        rank=rank,
+        attributes={"parallel.tp_size": 2, "allreduce.algorithm": "ring"},
+    ) as st:
         time.sleep(0.002)
         results[rank] = sum(partial)
         st.set_output(results[rank])
@@ -31,16 +36,23 @@ def rank_worker(carrier, rank, partial, results):
 
 def serve(request_id, prompt, rng):
     model = {"name": "tiny-demo", "weights": "w-2026-12-01"}
-    with stagetrace.request(request_id, input={"prompt": prompt, "model": model, "seed": 7, "temperature": 0.0},
-                            attributes={"gen_ai.request.model": model["name"], "gen_ai.request.seed": 7}) as req:
-        with stagetrace.stage("retrieval", input=prompt, attributes={"retrieval.top_k": 3, "retrieval.index.version": "v1"}) as st:
+    with stagetrace.request(
+        request_id,
+        input={"prompt": prompt, "model": model, "seed": 7, "temperature": 0.0},
+        attributes={"gen_ai.request.model": model["name"], "gen_ai.request.seed": 7},
+    ) as req:
+        with stagetrace.stage(
+            "retrieval", input=prompt, attributes={"retrieval.top_k": 3, "retrieval.index.version": "v1"}
+        ) as st:
             time.sleep(0.003 + rng.random() / 1000)
             docs = sorted({sum(map(ord, w)) % 97 for w in prompt.split()})[:3]
             st.set_output(docs)
             st.set_attribute("retrieval.doc_ids", docs)
         with stagetrace.stage("cache", input=docs, attributes={"cache.hit": False}) as st:
             st.set_output(docs)
-        with stagetrace.stage("context_assembly", input=[prompt, docs], attributes={"context.template.version": "t3"}) as st:
+        with stagetrace.stage(
+            "context_assembly", input=[prompt, docs], attributes={"context.template.version": "t3"}
+        ) as st:
             context = f"{docs}:{prompt}"
             st.set_attributes({"context.tokens": len(context.split()), "context.truncated": False})
             st.set_output(context)
@@ -51,8 +63,11 @@ def serve(request_id, prompt, rng):
             t.start()
         for t in ranks:
             t.join()
-        with stagetrace.stage("decode", input=[context, results[0] + results[1]],
-                              attributes={"gpu.uuid": "GPU-00000000-demo", "decode.batch_size": 1}) as st:
+        with stagetrace.stage(
+            "decode",
+            input=[context, results[0] + results[1]],
+            attributes={"gpu.uuid": "GPU-00000000-demo", "decode.batch_size": 1},
+        ) as st:
             time.sleep(0.004)
             text = f"answer({context})"
             st.set_attributes({"decode.tokens": len(text.split())})

@@ -48,11 +48,27 @@ class StoreLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         try:
             row = (
-                int(record.created * 1e9), "", "", 0, record.levelname, severity_number(record.levelno),
-                AGENT_SERVICE, self.format(record), "", self.resource, "", SCOPE, __version__, {},
-                {"code.namespace": record.name, "code.filepath": record.pathname,
-                 "code.function": record.funcName, "code.lineno": str(record.lineno)},
-            )  # fmt: skip
+                int(record.created * 1e9),
+                "",
+                "",
+                0,
+                record.levelname,
+                severity_number(record.levelno),
+                AGENT_SERVICE,
+                self.format(record),
+                "",
+                self.resource,
+                "",
+                SCOPE,
+                __version__,
+                {},
+                {
+                    "code.namespace": record.name,
+                    "code.filepath": record.pathname,
+                    "code.function": record.funcName,
+                    "code.lineno": str(record.lineno),
+                },
+            )
         except Exception:  # a record that cannot be formatted: logging's own way of saying so
             self.handleError(record)
             return

@@ -51,7 +51,6 @@ from stagetrace.store import Location, Store, open_store
 logger = logging.getLogger(__name__)
 
 
-
 def _store_arg(store: str | Location | Store | None, create_schema: bool) -> tuple[Store, bool]:
     """The store to write to and whether the writer opened it (and so closes it)."""
     if isinstance(store, Store):
@@ -105,8 +104,9 @@ class ClickHouseSpanExporter(SpanExporter):
         if self._writer.write("otel_traces", COLUMNS, rows):
             return SpanExportResult.SUCCESS
         self._refused += len(rows)
-        logger.error("%d spans could not be stored in %s nor spooled: not taken", len(rows),
-                     self._store.location.redacted())  # fmt: skip
+        logger.error(
+            "%d spans could not be stored in %s nor spooled: not taken", len(rows), self._store.location.redacted()
+        )
         return SpanExportResult.FAILURE
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
@@ -123,8 +123,6 @@ class ClickHouseSpanExporter(SpanExporter):
             self._store.close()
 
 
-
-
 class ClickHouseMetricWriter:
     """Writes samples into ``otel_metrics_gauge`` and ``otel_metrics_sum``, one insert per table per write, or,
     with ``insert_every_s``, per table at most that often (and whenever ``insert_rows`` rows are held): an insert
@@ -139,17 +137,26 @@ class ClickHouseMetricWriter:
     """
 
     def __init__(
-        self, store: str | Location | Store | None = None, *, host: str, max_held_rows: int = 100_000,
-        create_schema: bool = True, spool_dir: str | os.PathLike | bool | None = None,
-        spool_max_bytes: int | None = None, insert_every_s: float = 0.0, insert_rows: int = 10_000, headroom=None,
-    ):  # fmt: skip
+        self,
+        store: str | Location | Store | None = None,
+        *,
+        host: str,
+        max_held_rows: int = 100_000,
+        create_schema: bool = True,
+        spool_dir: str | os.PathLike | bool | None = None,
+        spool_max_bytes: int | None = None,
+        insert_every_s: float = 0.0,
+        insert_rows: int = 10_000,
+        headroom=None,
+    ):
         self._store, self._owns_store = _store_arg(store, create_schema)
         self.insert_every_s = insert_every_s
         self.insert_rows = insert_rows
         self._inserted_at: float | None = None
         self._storing = True  # whether the last insert was taken
-        self._writer = DurableWriter(self._store, "metrics", spool_dir=spool_dir, spool_max_bytes=spool_max_bytes,
-                                     headroom=headroom)  # fmt: skip
+        self._writer = DurableWriter(
+            self._store, "metrics", spool_dir=spool_dir, spool_max_bytes=spool_max_bytes, headroom=headroom
+        )
         self.host = host
         self.max_held_rows = max_held_rows
         self._dropped = 0
@@ -197,8 +204,11 @@ class ClickHouseMetricWriter:
                 del rows[:excess]
                 self._dropped += excess
                 spool.DROPPED.add("metric_samples", excess, "buffer_full")
-                logger.error("dropped the %d oldest metric samples held for %s, which keeps failing",
-                             excess, self._store.location.redacted())  # fmt: skip
+                logger.error(
+                    "dropped the %d oldest metric samples held for %s, which keeps failing",
+                    excess,
+                    self._store.location.redacted(),
+                )
         return self._writer.flush() and not any(self._held.values())
 
     def close(self) -> bool:
@@ -214,6 +224,16 @@ class ClickHouseMetricWriter:
 
 
 __all__ = [
-    "ClickHouseSpanExporter", "COLUMNS", "span_row", "attribute_map", "attribute_text", "AGENT_SERVICE", "METRIC_SCOPE",
-    "ClickHouseMetricWriter", "METRIC_COLUMNS", "SUM_COLUMNS", "GAUGE_TABLE", "SUM_TABLE",
-]  # fmt: skip
+    "ClickHouseSpanExporter",
+    "COLUMNS",
+    "span_row",
+    "attribute_map",
+    "attribute_text",
+    "AGENT_SERVICE",
+    "METRIC_SCOPE",
+    "ClickHouseMetricWriter",
+    "METRIC_COLUMNS",
+    "SUM_COLUMNS",
+    "GAUGE_TABLE",
+    "SUM_TABLE",
+]

@@ -44,6 +44,7 @@ ENGINE_SHARE = 0.5  # the engine refuses inserts below this share of the reserve
 
 _PERCENT = re.compile(r"\s*(\d+(?:\.\d*)?)\s*%\s*")
 
+
 @dataclass(frozen=True)
 class Reserve:
     """Space to keep free on a filesystem: ``size`` bytes, or ``fraction`` of it; both set: the smaller (the
@@ -233,8 +234,14 @@ class Headroom:
                 low = (" and ".join(names), where, free, reserve)
         if low is not None:
             self._low = low
-            self.spell.begin(logging.ERROR, "%s disk full (%s free on %s, below the reserve of %s, --min-free-space): "
-                             "refusing writes", low[0], mib(low[2]), low[1], mib(low[3]))  # fmt: skip
+            self.spell.begin(
+                logging.ERROR,
+                "%s disk full (%s free on %s, below the reserve of %s, --min-free-space): refusing writes",
+                low[0],
+                mib(low[2]),
+                low[1],
+                mib(low[3]),
+            )
         elif self._low is not None:
             path = self._low[1]
             self._low = None
@@ -244,8 +251,13 @@ class Headroom:
             except OSError:
                 free = "?"
             lasted, refused = self.spell.end()
-            logger.warning("space back after %.1f s (%s free on %s): accepting writes (refused %d requests)", lasted,
-                           free, path, refused)  # fmt: skip
+            logger.warning(
+                "space back after %.1f s (%s free on %s): accepting writes (refused %d requests)",
+                lasted,
+                free,
+                path,
+                refused,
+            )
 
 
 __all__ = ["DEFAULT", "Headroom", "Reserve", "Spell", "parse_reserve", "reserve_setting"]

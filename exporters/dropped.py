@@ -47,8 +47,9 @@ class _Dropped:
         ``reason`` (every reason, zero included, so that rate() and alerts see the series from the start)."""
         out = []
         for kind, text in (("spans", "Spans"), ("metric_samples", "Metric samples"), ("log_records", "Log records")):
-            family = CounterMetricFamily(f"stagetrace_dropped_{kind}", f"{text} dropped before reaching the store.",
-                                         labels=["host", "reason"])  # fmt: skip
+            family = CounterMetricFamily(
+                f"stagetrace_dropped_{kind}", f"{text} dropped before reaching the store.", labels=["host", "reason"]
+            )
             with self._lock:
                 for reason in REASONS:
                     family.add_metric([host, reason], self.counts.get((kind, reason), 0))

@@ -89,7 +89,7 @@ def row_error(exc: BaseException) -> str | None:
     if code is None:  # chdb and the HTTP client carry the engine's code in the message
         text = str(exc)
         at = text.find("Code: ")
-        digits = text[at + 6:].split(".", 1)[0] if at >= 0 else ""
+        digits = text[at + 6 :].split(".", 1)[0] if at >= 0 else ""
         code = int(digits) if digits.isdigit() else None
     if code in ROW_ERROR_CODES and code not in UNAVAILABLE_CODES:
         return str(exc).strip().splitlines()[0]
@@ -131,7 +131,8 @@ class _Inserts:
             types = self._types.get(key)
             if types is None:
                 types = self._types[key] = self.store.client.create_insert_context(
-                    table, column_names=list(columns), database=self.store.database).column_types  # fmt: skip
+                    table, column_names=list(columns), database=self.store.database
+                ).column_types
             try:
                 insert_rows(self.store, table, rows, columns, types, settings)
             except UnicodeEncodeError:
@@ -147,12 +148,21 @@ class _Inserts:
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 if self.store.location.password:  # a driver's message may quote the URL it used
                     text = text.replace(self.store.location.password, "***")
-                logger.error("cannot insert %d %s into %s, will retry: %s", len(rows), self.what,
-                             self.store.location.redacted(), text)  # fmt: skip
+                logger.error(
+                    "cannot insert %d %s into %s, will retry: %s",
+                    len(rows),
+                    self.what,
+                    self.store.location.redacted(),
+                    text,
+                )
             return False
         if self.failing_since is not None:
-            logger.warning("inserts into %s work again after %.1f s (%s)", self.store.location.redacted(),
-                           time.monotonic() - self.failing_since, self.what)  # fmt: skip
+            logger.warning(
+                "inserts into %s work again after %.1f s (%s)",
+                self.store.location.redacted(),
+                time.monotonic() - self.failing_since,
+                self.what,
+            )
             self.failing_since = None
         return True
 
@@ -180,8 +190,17 @@ class DurableWriter:
     committed one short.
     """
 
-    def __init__(self, store: Store, kind: str, *, spool_dir=None, spool_max_bytes: int | None = None,
-                 headroom: Headroom | None = None, group_rows: int = MAX_GROUP_ROWS, part_guard=None):  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        kind: str,
+        *,
+        spool_dir=None,
+        spool_max_bytes: int | None = None,
+        headroom: Headroom | None = None,
+        group_rows: int = MAX_GROUP_ROWS,
+        part_guard=None,
+    ):
         self.store = store
         self.group_rows = group_rows  # rows of write-ahead records replayed in one insert, at most
         # the agent's free-space reserve: requests refused below it, batches kept out of the spool, and the
@@ -190,8 +209,13 @@ class DurableWriter:
         self.part_guard = part_guard
         # a store the agent shares read-only takes no inserts: batches go to the spool's inbox, which it adopts
         self.handoff = store.read_only
-        self.spool = None if spool_dir is False else spool.open_spool(
-            store.location, kind, None if spool_dir is True else spool_dir, spool_max_bytes, self.handoff)  # fmt: skip
+        self.spool = (
+            None
+            if spool_dir is False
+            else spool.open_spool(
+                store.location, kind, None if spool_dir is True else spool_dir, spool_max_bytes, self.handoff
+            )
+        )
         self.handed_over = 0  # rows handed to the agent that holds the store
         self._handed: list = []  # segments handed over that the agent may not have taken yet
         self._inserts: dict[str, _Inserts] = {}
@@ -240,8 +264,10 @@ class DurableWriter:
         if self.headroom is not None and not self.headroom.admit():
             raise NoRoom(self.headroom.reason())
         if self.spool is None or self.handoff:
-            return all(self.write(table, columns, table_rows, token)
-                       for table, (columns, table_rows) in kind.decode(payload).items())  # fmt: skip
+            return all(
+                self.write(table, columns, table_rows, token)
+                for table, (columns, table_rows) in kind.decode(payload).items()
+            )
         if self.spool.known(token):
             return True
         if self.spool.put_record(kind.name, payload, rows, token) is None:
@@ -321,8 +347,12 @@ class DurableWriter:
             self._thread.join(timeout=10)
         if self.spool is not None:
             if self.handed_over:
-                logger.warning("%d rows were handed to the agent that holds %s, through %s", self.handed_over,
-                               self.store.location.redacted(), self.spool.directory)  # fmt: skip
+                logger.warning(
+                    "%d rows were handed to the agent that holds %s, through %s",
+                    self.handed_over,
+                    self.store.location.redacted(),
+                    self.spool.directory,
+                )
             elif len(self.spool):
                 logger.warning("%d rows wait in the spool %s for the next run", self.spool.rows(), self.spool.directory)
             self.spool.close()
@@ -367,9 +397,13 @@ class DurableWriter:
                     rows = restore.missing(self.store, table, columns, rows)
                 except Exception as exc:  # the store is down: the group waits, as for a failed insert
                     if not self._check_failing:
-                        logger.error("cannot check %d replayed %s against %s, will retry: %s", len(rows),
-                                     spool.dropped_kind(table).replace("_", " "), self.store.location.redacted(),
-                                     str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+                        logger.error(
+                            "cannot check %d replayed %s against %s, will retry: %s",
+                            len(rows),
+                            spool.dropped_kind(table).replace("_", " "),
+                            self.store.location.redacted(),
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                        )
                     self._check_failing = True
                     return False
                 self._check_failing = False

@@ -13,11 +13,20 @@ def insert_rows(store: Store, table: str, rows: list, columns, types=None, setti
     """Insert rows (times in nanoseconds) into a table of either generation, column by column; ``types``: the
     columns' types, when the caller asked the store for them once already."""
     if types is None:
-        types = store.client.create_insert_context(table, column_names=list(columns), database=store.database).column_types
+        types = store.client.create_insert_context(
+            table, column_names=list(columns), database=store.database
+        ).column_types
     # transposed by zip, in C: clickhouse-connect's own transposition of rows is slower (5-25% of a 4,096-span
     # insert, measured)
-    store.client.insert(table, _in_seconds(list(zip(*rows)), types), column_names=columns, database=store.database,
-                        column_types=types, settings=settings, column_oriented=True)  # fmt: skip
+    store.client.insert(
+        table,
+        _in_seconds(list(zip(*rows)), types),
+        column_names=columns,
+        database=store.database,
+        column_types=types,
+        settings=settings,
+        column_oriented=True,
+    )
 
 
 def _in_seconds(data: list, types) -> list:

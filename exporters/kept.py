@@ -59,7 +59,9 @@ def kept_records(base: Path) -> list[Segment]:
         match = _KEPT_NAME.match(entry.name)
         if match is not None:
             with contextlib.suppress(OSError):
-                kept.append(Segment(Path(entry.path), match[2], int(match[3]), entry.stat().st_size, match[4], match[5]))
+                kept.append(
+                    Segment(Path(entry.path), match[2], int(match[3]), entry.stat().st_size, match[4], match[5])
+                )
     return sorted(kept, key=lambda s: s.path.name)
 
 

@@ -45,7 +45,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 from stagetrace import httpd
 from stagetrace.exporters.durable import DurableWriter, NoRoom
@@ -97,13 +100,20 @@ def _status_class():
     status, built in a private pool: opentelemetry-proto does not ship it, and a sender's googleapis-common-protos
     may hold the same name."""
     field = descriptor_pb2.FieldDescriptorProto
-    fdp = descriptor_pb2.FileDescriptorProto(name="stagetrace/rpc_status.proto", package="google.rpc", syntax="proto3",
-                                             dependency=[any_pb2.DESCRIPTOR.name])  # fmt: skip
+    fdp = descriptor_pb2.FileDescriptorProto(
+        name="stagetrace/rpc_status.proto", package="google.rpc", syntax="proto3", dependency=[any_pb2.DESCRIPTOR.name]
+    )
     message = fdp.message_type.add(name="Status")
     message.field.add(name="code", number=1, type=field.TYPE_INT32, json_name="code")
     message.field.add(name="message", number=2, type=field.TYPE_STRING, json_name="message")
-    message.field.add(name="details", number=3, type=field.TYPE_MESSAGE, label=field.LABEL_REPEATED,
-                      type_name=".google.protobuf.Any", json_name="details")  # fmt: skip
+    message.field.add(
+        name="details",
+        number=3,
+        type=field.TYPE_MESSAGE,
+        label=field.LABEL_REPEATED,
+        type_name=".google.protobuf.Any",
+        json_name="details",
+    )
     pool = descriptor_pool.DescriptorPool()
     pool.AddSerializedFile(any_pb2.DESCRIPTOR.serialized_pb)
     pool.Add(fdp)
@@ -224,10 +234,21 @@ class OtlpReceiver:
     ``spool_dir``, ``headroom``: see :class:`~stagetrace.exporters.durable.DurableWriter`.
     """
 
-    def __init__(self, store: Store, listen: str | None = DEFAULT_LISTEN, *, token: str | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, max_spans: int = MAX_SPANS, spool_dir=None,
-                 max_in_flight: int = MAX_IN_FLIGHT, web=None, headroom=None, logs: bool = True,
-                 part_guard=None):  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        listen: str | None = DEFAULT_LISTEN,
+        *,
+        token: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_spans: int = MAX_SPANS,
+        spool_dir=None,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        web=None,
+        headroom=None,
+        logs: bool = True,
+        part_guard=None,
+    ):
         self.token = token
         self.logs_enabled = logs  # --otlp-logs none: log requests are refused
         self.max_body_bytes = max_body_bytes
@@ -237,8 +258,11 @@ class OtlpReceiver:
         self._warn_rejected = _Every(60.0)
         handler = type("OtlpHandler", (_OtlpHandler,), {"receiver": self})
         try:
-            self.listener = (httpd.start(handler, listen, "stagetrace-otlp", max_in_flight=max_in_flight, web=web)
-                             if listen is not None else None)  # fmt: skip
+            self.listener = (
+                httpd.start(handler, listen, "stagetrace-otlp", max_in_flight=max_in_flight, web=web)
+                if listen is not None
+                else None
+            )
         except BaseException:
             self.writer.close()
             raise
@@ -255,14 +279,18 @@ class OtlpReceiver:
         self.writer.flush(CLOSE_FLUSH_S)
         self.writer.close()
 
-    def traces(self, request: ExportTraceServiceRequest, token: str | None = None,
-               body: bytes | None = None) -> ExportTraceServiceResponse:  # fmt: skip
+    def traces(
+        self, request: ExportTraceServiceRequest, token: str | None = None, body: bytes | None = None
+    ) -> ExportTraceServiceResponse:
         """Store the request's spans and answer; OtlpError when not stored. ``token``: its deduplication token;
         ``body``: the request as received in protobuf, written ahead as it is (else it is encoded again)."""
         valid, rejected = span_counts(request)
         if valid > self.max_spans:
-            raise OtlpError(413, f"{valid} spans in one request are more than the receiver takes "
-                                 f"({self.max_spans}): send smaller batches")  # fmt: skip
+            raise OtlpError(
+                413,
+                f"{valid} spans in one request are more than the receiver takes "
+                f"({self.max_spans}): send smaller batches",
+            )
         if valid:
             self._write_ahead(TRACES, request, body, valid, token)
         response = ExportTraceServiceResponse()
@@ -275,8 +303,9 @@ class OtlpReceiver:
                 logger.warning("OTLP: rejected %s", response.partial_success.error_message)
         return response
 
-    def metrics(self, request: ExportMetricsServiceRequest, token: str | None = None,
-                body: bytes | None = None) -> ExportMetricsServiceResponse:  # fmt: skip
+    def metrics(
+        self, request: ExportMetricsServiceRequest, token: str | None = None, body: bytes | None = None
+    ) -> ExportMetricsServiceResponse:
         points, rejected, why = metric_counts(request)
         if points:
             self._write_ahead(METRICS, request, body, points, token)
@@ -288,16 +317,20 @@ class OtlpReceiver:
                 logger.warning("OTLP: rejected %d metric points: %s", rejected, why)
         return response
 
-    def logs(self, request: ExportLogsServiceRequest, token: str | None = None,
-             body: bytes | None = None) -> ExportLogsServiceResponse:  # fmt: skip
+    def logs(
+        self, request: ExportLogsServiceRequest, token: str | None = None, body: bytes | None = None
+    ) -> ExportLogsServiceResponse:
         """Store the request's log records (bodies as the producer sent them) and answer; OtlpError when not
         stored, or when logs are turned off."""
         if not self.logs_enabled:
             raise OtlpError(404, "this agent takes no logs (--otlp-logs none): send them elsewhere or turn them on")
         records = log_counts(request)
         if records > self.max_spans:
-            raise OtlpError(413, f"{records} log records in one request are more than the receiver takes "
-                                 f"({self.max_spans}): send smaller batches")  # fmt: skip
+            raise OtlpError(
+                413,
+                f"{records} log records in one request are more than the receiver takes "
+                f"({self.max_spans}): send smaller batches",
+            )
         if records:
             self._write_ahead(LOGS, request, body, records, token)
         return ExportLogsServiceResponse()
@@ -309,8 +342,11 @@ class OtlpReceiver:
         except NoRoom as exc:  # below the free-space reserve: refused like a full spool, the sender retries
             raise OtlpError(503, f"{exc}: retry later", retry=True) from None
         if not written:
-            why = ("the store is not taking inserts now and there is no spool" if self.writer.spool is None else
-                   "the spool is full (the store has not taken inserts for long) or its disk refuses writes")  # fmt: skip
+            why = (
+                "the store is not taking inserts now and there is no spool"
+                if self.writer.spool is None
+                else "the spool is full (the store has not taken inserts for long) or its disk refuses writes"
+            )
             raise OtlpError(503, f"{why}: retry later", retry=True)
 
 
@@ -333,25 +369,40 @@ class _OtlpHandler(httpd.Handler):
         try:
             route = _ROUTES.get(urlsplit(self.path).path.rstrip("/"))
             if route is None:
-                raise OtlpError(404, f"no OTLP endpoint at {urlsplit(self.path).path}: use /v1/traces, /v1/metrics or /v1/logs",
-                                body_read=False)  # fmt: skip
+                raise OtlpError(
+                    404,
+                    f"no OTLP endpoint at {urlsplit(self.path).path}: use /v1/traces, /v1/metrics or /v1/logs",
+                    body_read=False,
+                )
             if not self.admitted(self.receiver.token):
                 raise OtlpError(401, "missing or wrong bearer token", body_read=False)
             if media not in (PROTOBUF, JSON):
-                raise OtlpError(415, f"Content-Type {media or '(none)'} is not OTLP: use {PROTOBUF} or {JSON}",
-                                body_read=False)  # fmt: skip
+                raise OtlpError(
+                    415, f"Content-Type {media or '(none)'} is not OTLP: use {PROTOBUF} or {JSON}", body_read=False
+                )
             request_class, accept = route
             body = httpd.read_body(self.headers, self.rfile, self.receiver.max_body_bytes)
-            response = accept(self.receiver, decode(request_class(), body, media), request_token(body, media),
-                              body if media == PROTOBUF else None)  # fmt: skip
+            response = accept(
+                self.receiver,
+                decode(request_class(), body, media),
+                request_token(body, media),
+                body if media == PROTOBUF else None,
+            )
         except httpd.HttpError as exc:
             self._error(exc, answer_as)
             return
         self.reply(200, encode(response, answer_as), answer_as)
 
     def too_busy(self):
-        self._error(OtlpError(503, f"more than {self.receiver.max_in_flight} requests in flight: retry later",
-                              retry=True, body_read=False), PROTOBUF)  # fmt: skip
+        self._error(
+            OtlpError(
+                503,
+                f"more than {self.receiver.max_in_flight} requests in flight: retry later",
+                retry=True,
+                body_read=False,
+            ),
+            PROTOBUF,
+        )
 
     def _not_allowed(self):
         self._error(OtlpError(405, f"{self.command} is not allowed: OTLP/HTTP uses POST", body_read=False), PROTOBUF)
@@ -368,6 +419,20 @@ class _OtlpHandler(httpd.Handler):
         self.reply(exc.status, encode(status, media), media, headers, close=not exc.body_read)
 
 
-__all__ = ["DEFAULT_LISTEN", "GAUGE_COLUMNS", "MAX_BODY_BYTES", "MAX_SPANS", "OTLP_SUM_COLUMNS", "OtlpError", "OtlpReceiver",
-           "decode", "encode", "metric_counts", "metric_tables", "request_token", "span_counts",
-           "span_views", "trace_tables"]  # fmt: skip
+__all__ = [
+    "DEFAULT_LISTEN",
+    "GAUGE_COLUMNS",
+    "MAX_BODY_BYTES",
+    "MAX_SPANS",
+    "OTLP_SUM_COLUMNS",
+    "OtlpError",
+    "OtlpReceiver",
+    "decode",
+    "encode",
+    "metric_counts",
+    "metric_tables",
+    "request_token",
+    "span_counts",
+    "span_views",
+    "trace_tables",
+]

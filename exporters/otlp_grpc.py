@@ -60,21 +60,34 @@ RETRY_INFO = b"\x0a" + bytes([len(_DELAY)]) + _DELAY
 _RETRY_INFO_TYPE = "type.googleapis.com/google.rpc.RetryInfo"
 
 # the HTTP status OtlpError carries -> the gRPC code the OTLP specification names for the same case
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-          404: grpc.StatusCode.UNIMPLEMENTED,  # logs turned off (--otlp-logs none)
-          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
+_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.UNIMPLEMENTED,  # logs turned off (--otlp-logs none)
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
 
 # (service full name, request class, receiver method): the names from the service definitions opentelemetry-proto
 # ships. Not its *_pb2_grpc servicers: they deserialize before the handler runs, and a message that does not
 # decode would then be gRPC's INTERNAL instead of INVALID_ARGUMENT.
 _SERVICES = (
-    (trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"],
-     trace_service_pb2.ExportTraceServiceRequest, OtlpReceiver.traces),
-    (metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"],
-     metrics_service_pb2.ExportMetricsServiceRequest, OtlpReceiver.metrics),
-    (logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"],
-     logs_service_pb2.ExportLogsServiceRequest, OtlpReceiver.logs),
-)  # fmt: skip
+    (
+        trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"],
+        trace_service_pb2.ExportTraceServiceRequest,
+        OtlpReceiver.traces,
+    ),
+    (
+        metrics_service_pb2.DESCRIPTOR.services_by_name["MetricsService"],
+        metrics_service_pb2.ExportMetricsServiceRequest,
+        OtlpReceiver.metrics,
+    ),
+    (
+        logs_service_pb2.DESCRIPTOR.services_by_name["LogsService"],
+        logs_service_pb2.ExportLogsServiceRequest,
+        OtlpReceiver.logs,
+    ),
+)
 
 
 class _Status(collections.namedtuple("_Status", ("code", "details", "trailing_metadata")), grpc.Status):
@@ -107,8 +120,15 @@ class OtlpGrpcServer:
     in flight finish (each is answered once its spans are durable). Its message limit is the
     receiver's ``max_body_bytes``, the HTTP body limit."""
 
-    def __init__(self, receiver: OtlpReceiver, listen: str = DEFAULT_GRPC_LISTEN, *, max_workers: int = MAX_WORKERS,
-                 max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS, tls=None):  # fmt: skip
+    def __init__(
+        self,
+        receiver: OtlpReceiver,
+        listen: str = DEFAULT_GRPC_LISTEN,
+        *,
+        max_workers: int = MAX_WORKERS,
+        max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+        tls=None,
+    ):
         self.receiver = receiver
         host, port = parse_listen(listen)
         self._server = grpc.server(
@@ -119,17 +139,24 @@ class OtlpGrpcServer:
         )
         for service, request_class, accept in _SERVICES:
             # raw bytes in (no request_deserializer), so decoding is the HTTP receiver's, with its answers
-            handlers = {method.name: grpc.unary_unary_rpc_method_handler(
-                self._handler(request_class, accept), response_serializer=lambda message: message.SerializeToString())
-                for method in service.methods}  # fmt: skip
+            handlers = {
+                method.name: grpc.unary_unary_rpc_method_handler(
+                    self._handler(request_class, accept),
+                    response_serializer=lambda message: message.SerializeToString(),
+                )
+                for method in service.methods
+            }
             self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
             # what the generated servicers also do: calls from generated stubs then skip the generic lookup
             self._server.add_registered_method_handlers(service.full_name, handlers)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             # with TLS, the web configuration's certificate (taken again when it changes); the token as before
-            bound = (self._server.add_secure_port(address, tls.grpc_credentials()) if tls is not None
-                     else self._server.add_insecure_port(address))  # fmt: skip
+            bound = (
+                self._server.add_secure_port(address, tls.grpc_credentials())
+                if tls is not None
+                else self._server.add_insecure_port(address)
+            )
         except RuntimeError:  # recent grpcio raises where older ones returned 0
             bound = 0
         if not bound:

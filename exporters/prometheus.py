@@ -43,7 +43,9 @@ class _MetricsHandler(httpd.Handler):
     def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
         # every path, as client_python's own server answered: scrape configurations written for it keep working
         body, headers = generate_latest(self.registry), {}
-        if "gzip" in (self.headers.get("Accept-Encoding") or ""):  # Prometheus asks for it: a scrape's text shrinks ~10x
+        if "gzip" in (
+            self.headers.get("Accept-Encoding") or ""
+        ):  # Prometheus asks for it: a scrape's text shrinks ~10x
             body, headers = gzip.compress(body, compresslevel=1), {"Content-Encoding": "gzip"}
         self.reply(200, body, CONTENT_TYPE_LATEST, headers)
 

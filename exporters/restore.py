@@ -42,16 +42,20 @@ KEYS = {"otel_traces": ("Timestamp", ("TraceId", "SpanId"))}
 SOURCES = {"otel_traces": "otlp_traces"}
 # tables the views fill from otel_traces -> (their time column, the columns that identify a row); None: a table
 # whose rows a second insert leaves as they are (the trace index keeps each trace's min and max)
-DERIVED = {"stagetrace_requests": ("Start", ("TraceId", "SpanId")),
-           "stagetrace_stages": ("Start", ("TraceId", "SpanId")),
-           "stagetrace_models": ("Start", ("TraceId", "SpanId")),
-           "otel_traces_trace_id_ts": None}  # fmt: skip
+DERIVED = {
+    "stagetrace_requests": ("Start", ("TraceId", "SpanId")),
+    "stagetrace_stages": ("Start", ("TraceId", "SpanId")),
+    "stagetrace_models": ("Start", ("TraceId", "SpanId")),
+    "otel_traces_trace_id_ts": None,
+}
 _SPANS_IN_RANGE = """(SELECT * FROM `{db}`.`otel_traces`
  WHERE Timestamp BETWEEN fromUnixTimestamp64Nano({{first:Int64}}) AND fromUnixTimestamp64Nano({{last:Int64}}))"""
 _ALL_SPANS = "`{db}`.`otel_traces`"
 _REBUILD_SQL = """INSERT INTO `{db}`.`{table}` SELECT * FROM ({select}) AS derived
 WHERE ({key_a}, {key_b}) NOT IN (SELECT {key_a}, {key_b} FROM `{db}`.`{table}` {within})"""
-_WITHIN = """WHERE {time} BETWEEN fromUnixTimestamp64Nano({{first:Int64}}) AND fromUnixTimestamp64Nano({{last:Int64}})"""
+_WITHIN = (
+    """WHERE {time} BETWEEN fromUnixTimestamp64Nano({{first:Int64}}) AND fromUnixTimestamp64Nano({{last:Int64}})"""
+)
 _COUNT_SQL = "SELECT count() FROM {db:Identifier}.{table:Identifier}"
 CHECK_ROWS = 8192  # keys asked about in one query
 # under kept/: the parts restored already, one "<table>/<part>" a line, followed where rows were lost by how many and
@@ -107,9 +111,21 @@ def missing(store: Store, table: str, columns, rows: list) -> list:
         chunk = rows[start : start + CHECK_ROWS]
         times = [_ns(row[at]) for row in chunk]
         keys = [(row[ia], row[ib]) for row in chunk]
-        present = set(store.client.query(_PRESENT_SQL, parameters={
-            "db": store.database, "table": table, "time": time_column, "key_a": key_a, "key_b": key_b,
-            "first": min(times), "last": max(times), "keys": keys}).result_rows)  # fmt: skip
+        present = set(
+            store.client.query(
+                _PRESENT_SQL,
+                parameters={
+                    "db": store.database,
+                    "table": table,
+                    "time": time_column,
+                    "key_a": key_a,
+                    "key_b": key_b,
+                    "first": min(times),
+                    "last": max(times),
+                    "keys": keys,
+                },
+            ).result_rows
+        )
         for row, key in zip(chunk, keys):
             if key not in present and key not in seen:
                 seen.add(key)
@@ -148,24 +164,38 @@ class Outcome:
         where = f"store: table {self.table}"
         if not self.parts:
             which = f"parts {', '.join(self.covered)} are" if len(self.covered) > 1 else f"part {self.covered[0]} is"
-            return (f"{where}: {which} covered by active parts (a merge the engine undid): their rows are read from "
-                    "them, nothing to restore")  # fmt: skip
+            return (
+                f"{where}: {which} covered by active parts (a merge the engine undid): their rows are read from "
+                "them, nothing to restore"
+            )
         names = ", ".join(self.parts)
         if self.rebuilt:
-            return (f"{where}: rebuilt {self.restored:,} rows of part {names} ({self.when()}) from otel_traces, as its "
-                    "views derive them")  # fmt: skip
+            return (
+                f"{where}: rebuilt {self.restored:,} rows of part {names} ({self.when()}) from otel_traces, as its "
+                "views derive them"
+            )
         if self.table not in KEYS:
             count = f"{self.rows:,} rows" if self.rows is not None else "an unknown number of rows"
-            return (f"{where}: lost {count} ({self.when()}) of part {names}: its rows are not restored, only those of "
-                    f"{', '.join(KEYS)} are (by their keys)")  # fmt: skip
+            return (
+                f"{where}: lost {count} ({self.when()}) of part {names}: its rows are not restored, only those of "
+                f"{', '.join(KEYS)} are (by their keys)"
+            )
         if self.rows is not None and self.restored >= self.rows:
             return f"{where}: restored all {self.restored:,} rows of part {names} from the spool's kept records"
-        since = (f"the kept records begin at {self.kept_since:%Y-%m-%d %H:%M:%S} UTC" if self.kept_since else
-                 "the spool keeps no records")  # fmt: skip
-        lost = (f"lost {self.rows - self.restored:,} of its {self.rows:,} rows ({self.when()})" if self.rows is not None
-                else f"lost an unknown number of rows ({self.when()}): the part's row count is unreadable")  # fmt: skip
-        return (f"{where}: restored {self.restored:,} rows of part {names} from the spool's kept records; {lost}: "
-                f"{since} (STAGETRACE_SPOOL_KEEP_BYTES), and rows not received over OTLP are not kept")
+        since = (
+            f"the kept records begin at {self.kept_since:%Y-%m-%d %H:%M:%S} UTC"
+            if self.kept_since
+            else "the spool keeps no records"
+        )
+        lost = (
+            f"lost {self.rows - self.restored:,} of its {self.rows:,} rows ({self.when()})"
+            if self.rows is not None
+            else f"lost an unknown number of rows ({self.when()}): the part's row count is unreadable"
+        )
+        return (
+            f"{where}: restored {self.restored:,} rows of part {names} from the spool's kept records; {lost}: "
+            f"{since} (STAGETRACE_SPOOL_KEEP_BYTES), and rows not received over OTLP are not kept"
+        )
 
 
 def _names(parts) -> list[str]:
@@ -213,8 +243,12 @@ class Restorer:
                 outcome = self._restore(table, broken)
             except Exception as exc:  # the store refused (the disk still full): tried again at the next check
                 if table not in self.waiting:
-                    logger.error("store: table %s: cannot restore the rows of part %s now, will retry: %s", table,
-                                 ", ".join(p.name for p in broken), str(exc).strip().splitlines()[0])  # fmt: skip
+                    logger.error(
+                        "store: table %s: cannot restore the rows of part %s now, will retry: %s",
+                        table,
+                        ", ".join(p.name for p in broken),
+                        str(exc).strip().splitlines()[0],
+                    )
                 self.waiting[table] = broken
                 continue
             self.waiting.pop(table, None)
@@ -250,8 +284,10 @@ class Restorer:
         active: dict[str, list[tuple[int, int]]] = {}
         for partition, low, high in self.store.client.query(_ACTIVE_BLOCKS_SQL, parameters=db).result_rows:
             active.setdefault(partition, []).append((low, high))
-        blocks = {name: (partition, low, high) for name, partition, low, high
-                  in self.store.client.query(_DETACHED_BLOCKS_SQL, parameters=db).result_rows}  # fmt: skip
+        blocks = {
+            name: (partition, low, high)
+            for name, partition, low, high in self.store.client.query(_DETACHED_BLOCKS_SQL, parameters=db).result_rows
+        }
         covered = set()
         for part in broken:
             if part.name not in blocks:
@@ -272,8 +308,11 @@ class Restorer:
         names = {"db": self.store.database, "table": table, "scratch": f"{SCRATCH_PREFIX}{table}"}
         primary, sorting, partition = self.store.client.query(_LAYOUT_SQL, parameters=names).result_rows[0]
         self.store.client.command(_DROP_SCRATCH_SQL, parameters=names)  # left by a restore a crash cut short
-        self.store.client.command(_SCRATCH_SQL.format(**names, partition=partition, primary=primary, sorting=sorting,
-                                                      durable=DURABLE_SETTINGS))  # its parts become the table's
+        self.store.client.command(
+            _SCRATCH_SQL.format(
+                **names, partition=partition, primary=primary, sorting=sorting, durable=DURABLE_SETTINGS
+            )
+        )  # its parts become the table's
         try:
             for start in range(0, len(rows), CHECK_ROWS):
                 insert_rows(self.store, names["scratch"], rows[start : start + CHECK_ROWS], columns)
@@ -329,7 +368,6 @@ class Restorer:
         kept_since = datetime.fromtimestamp(since / 1e9, timezone.utc) if since is not None else None
         return Outcome(table, names, rows_held, restored, put_back, kept_since, first, last)
 
-
     def _rebuild(self, table: str, first: datetime | None, last: datetime | None) -> int:
         """Make again from otel_traces the rows of ``table`` (a table the views fill) in the time range (all of it
         when unknown) that it no longer holds, by the views' own queries; the rows it gained."""
@@ -353,8 +391,10 @@ class Restorer:
                 continue
             time_column, (key_a, key_b) = DERIVED[table]
             within = _WITHIN.format(time=time_column) if bounded else ""
-            self.store.client.command(_REBUILD_SQL.format(db=db, table=table, select=select, key_a=key_a, key_b=key_b,
-                                                          within=within), parameters=params)  # fmt: skip
+            self.store.client.command(
+                _REBUILD_SQL.format(db=db, table=table, select=select, key_a=key_a, key_b=key_b, within=within),
+                parameters=params,
+            )
         return int(self.store.client.command(_COUNT_SQL, parameters=count)) - before
 
 

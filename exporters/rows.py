@@ -36,11 +36,29 @@ if TYPE_CHECKING:
 # --- spans ------------------------------------------------------------------------------------------------
 
 COLUMNS = (
-    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
-    "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration", "StatusCode",
-    "StatusMessage", "Events.Timestamp", "Events.Name", "Events.Attributes", "Links.TraceId", "Links.SpanId",
-    "Links.TraceState", "Links.Attributes",
-)  # fmt: skip
+    "Timestamp",
+    "TraceId",
+    "SpanId",
+    "ParentSpanId",
+    "TraceState",
+    "SpanName",
+    "SpanKind",
+    "ServiceName",
+    "ResourceAttributes",
+    "ScopeName",
+    "ScopeVersion",
+    "SpanAttributes",
+    "Duration",
+    "StatusCode",
+    "StatusMessage",
+    "Events.Timestamp",
+    "Events.Name",
+    "Events.Attributes",
+    "Links.TraceId",
+    "Links.SpanId",
+    "Links.TraceState",
+    "Links.Attributes",
+)
 
 # The Collector writes pdata's String() of kind and status code; indexed by the enums' values.
 _KIND = ("Internal", "Server", "Client", "Producer", "Consumer")
@@ -99,8 +117,20 @@ def _sdk_fields_are_known() -> bool:
         fields = vars(ReadableSpan(name="probe"))
     except Exception:
         return False
-    return {"_context", "_parent", "_resource", "_instrumentation_scope", "_start_time", "_end_time", "_status",
-            "_name", "_kind", "_attributes", "_events", "_links"} <= fields.keys()  # fmt: skip
+    return {
+        "_context",
+        "_parent",
+        "_resource",
+        "_instrumentation_scope",
+        "_start_time",
+        "_end_time",
+        "_status",
+        "_name",
+        "_kind",
+        "_attributes",
+        "_events",
+        "_links",
+    } <= fields.keys()
 
 
 _SDK_FAST_PATH = _sdk_fields_are_known()
@@ -170,7 +200,9 @@ def _link_columns(links) -> tuple:
         [attribute_map(link.attributes) for link in links],
     )
 
+
 # --- OTLP spans -------------------------------------------------------------------------------------------
+
 
 class _TraceState(str):
     """OTLP carries the W3C tracestate header text; span_row asks the SDK's TraceState for ``to_header()``."""
@@ -198,8 +230,11 @@ def _attributes(key_values) -> dict:
 
 
 def _context(trace_id: bytes, span_id: bytes, trace_state: str) -> SimpleNamespace:
-    return SimpleNamespace(trace_id=int.from_bytes(trace_id, "big"), span_id=int.from_bytes(span_id, "big"),
-                           trace_state=_TraceState(trace_state))  # fmt: skip
+    return SimpleNamespace(
+        trace_id=int.from_bytes(trace_id, "big"),
+        span_id=int.from_bytes(span_id, "big"),
+        trace_state=_TraceState(trace_state),
+    )
 
 
 def _valid_ids(trace_id: bytes, span_id: bytes) -> bool:
@@ -224,24 +259,37 @@ def span_views(request: ExportTraceServiceRequest) -> tuple[list[SimpleNamespace
                 if not _valid_ids(span.trace_id, span.span_id) or len(parent) not in (0, 8):
                     rejected += 1
                     continue
-                views.append(SimpleNamespace(
-                    name=span.name,
-                    context=_context(span.trace_id, span.span_id, span.trace_state),
-                    parent=SimpleNamespace(span_id=int.from_bytes(parent, "big")) if any(parent) else None,
-                    resource=resource,
-                    instrumentation_scope=scope,
-                    start_time=span.start_time_unix_nano,
-                    end_time=span.end_time_unix_nano,
-                    kind=_KINDS.get(span.kind, SpanKind.INTERNAL),
-                    status=SimpleNamespace(status_code=_STATUS_CODES.get(span.status.code, StatusCode.UNSET),
-                                           description=span.status.message),
-                    attributes=_attributes(span.attributes),
-                    events=[SimpleNamespace(timestamp=e.time_unix_nano, name=e.name, attributes=_attributes(e.attributes))
-                            for e in span.events],
-                    links=[SimpleNamespace(context=_context(link.trace_id, link.span_id, link.trace_state),
-                                           attributes=_attributes(link.attributes))
-                           for link in span.links if _valid_ids(link.trace_id, link.span_id)],
-                ))  # fmt: skip
+                views.append(
+                    SimpleNamespace(
+                        name=span.name,
+                        context=_context(span.trace_id, span.span_id, span.trace_state),
+                        parent=SimpleNamespace(span_id=int.from_bytes(parent, "big")) if any(parent) else None,
+                        resource=resource,
+                        instrumentation_scope=scope,
+                        start_time=span.start_time_unix_nano,
+                        end_time=span.end_time_unix_nano,
+                        kind=_KINDS.get(span.kind, SpanKind.INTERNAL),
+                        status=SimpleNamespace(
+                            status_code=_STATUS_CODES.get(span.status.code, StatusCode.UNSET),
+                            description=span.status.message,
+                        ),
+                        attributes=_attributes(span.attributes),
+                        events=[
+                            SimpleNamespace(
+                                timestamp=e.time_unix_nano, name=e.name, attributes=_attributes(e.attributes)
+                            )
+                            for e in span.events
+                        ],
+                        links=[
+                            SimpleNamespace(
+                                context=_context(link.trace_id, link.span_id, link.trace_state),
+                                attributes=_attributes(link.attributes),
+                            )
+                            for link in span.links
+                            if _valid_ids(link.trace_id, link.span_id)
+                        ],
+                    )
+                )
     # ranks an engine records on an enclosing span (SGLang's thread span) reach the stage spans below it here, in the
     # one place every OTLP span passes with its neighbours of the same export (conventions.ENCLOSING_RANKS)
     conventions.inherit_ranks(views)
@@ -269,9 +317,18 @@ AGENT_SERVICE = "stagetrace-agent"
 METRIC_SCOPE = "stagetrace.collectors"
 GAUGE_TABLE, SUM_TABLE = "otel_metrics_gauge", "otel_metrics_sum"
 METRIC_COLUMNS = (
-    "ResourceAttributes", "ServiceName", "ScopeName", "ScopeVersion", "MetricName", "MetricDescription", "MetricUnit",
-    "Attributes", "StartTimeUnix", "TimeUnix", "Value",
-)  # fmt: skip
+    "ResourceAttributes",
+    "ServiceName",
+    "ScopeName",
+    "ScopeVersion",
+    "MetricName",
+    "MetricDescription",
+    "MetricUnit",
+    "Attributes",
+    "StartTimeUnix",
+    "TimeUnix",
+    "Value",
+)
 SUM_COLUMNS = (*METRIC_COLUMNS, "AggregationTemporality", "IsMonotonic")
 _CUMULATIVE = 2  # OTel AggregationTemporality: 1 delta, 2 cumulative
 
@@ -346,8 +403,12 @@ def otlp_metric_rows(request: ExportMetricsServiceRequest) -> dict[str, list[tup
         service = resource.get("service.name", "")
         for scope_metrics in resource_metrics.scope_metrics:
             scope = scope_metrics.scope
-            extra = (resource_metrics.schema_url, attribute_map(_attributes(scope.attributes)),
-                     scope.dropped_attributes_count, scope_metrics.schema_url)  # fmt: skip
+            extra = (
+                resource_metrics.schema_url,
+                attribute_map(_attributes(scope.attributes)),
+                scope.dropped_attributes_count,
+                scope_metrics.schema_url,
+            )
             for metric in scope_metrics.metrics:
                 kind = metric.WhichOneof("data")
                 if kind not in ("gauge", "sum"):
@@ -356,8 +417,13 @@ def otlp_metric_rows(request: ExportMetricsServiceRequest) -> dict[str, list[tup
                 head = (resource, service, scope.name, scope.version, metric.name, metric.description, metric.unit)
                 for point in data.data_points:
                     value = float(getattr(point, point.WhichOneof("value") or "as_double"))
-                    row = (*head, attribute_map(_attributes(point.attributes)), point.start_time_unix_nano,
-                           point.time_unix_nano, value)  # fmt: skip
+                    row = (
+                        *head,
+                        attribute_map(_attributes(point.attributes)),
+                        point.start_time_unix_nano,
+                        point.time_unix_nano,
+                        value,
+                    )
                     if kind == "sum":
                         row = (*row, int(data.aggregation_temporality), data.is_monotonic)
                     tables[GAUGE_TABLE if kind == "gauge" else SUM_TABLE].append((*row, *extra, point.flags))
@@ -368,10 +434,22 @@ def otlp_metric_rows(request: ExportMetricsServiceRequest) -> dict[str, list[tup
 
 LOGS_TABLE = "otel_logs"
 LOG_COLUMNS = (
-    "Timestamp", "TraceId", "SpanId", "TraceFlags", "SeverityText", "SeverityNumber", "ServiceName", "Body",
-    "ResourceSchemaUrl", "ResourceAttributes", "ScopeSchemaUrl", "ScopeName", "ScopeVersion", "ScopeAttributes",
+    "Timestamp",
+    "TraceId",
+    "SpanId",
+    "TraceFlags",
+    "SeverityText",
+    "SeverityNumber",
+    "ServiceName",
+    "Body",
+    "ResourceSchemaUrl",
+    "ResourceAttributes",
+    "ScopeSchemaUrl",
+    "ScopeName",
+    "ScopeVersion",
+    "ScopeAttributes",
     "LogAttributes",
-)  # fmt: skip
+)
 
 
 def _body(any_value) -> str:
@@ -391,14 +469,29 @@ def log_rows(request: ExportLogsServiceRequest) -> list[tuple]:
         service = resource.get("service.name", "")
         for scope_logs in resource_logs.scope_logs:
             scope = scope_logs.scope
-            scope_head = (scope_logs.schema_url, scope.name, scope.version, attribute_map(_attributes(scope.attributes)))
+            scope_head = (
+                scope_logs.schema_url,
+                scope.name,
+                scope.version,
+                attribute_map(_attributes(scope.attributes)),
+            )
             for record in scope_logs.log_records:
-                rows.append((
-                    record.time_unix_nano or record.observed_time_unix_nano, record.trace_id.hex(),
-                    record.span_id.hex(), record.flags & 0xFF, record.severity_text, int(record.severity_number),
-                    service, _body(record.body), resource_logs.schema_url, resource, *scope_head,
-                    attribute_map(_attributes(record.attributes)),
-                ))  # fmt: skip
+                rows.append(
+                    (
+                        record.time_unix_nano or record.observed_time_unix_nano,
+                        record.trace_id.hex(),
+                        record.span_id.hex(),
+                        record.flags & 0xFF,
+                        record.severity_text,
+                        int(record.severity_number),
+                        service,
+                        _body(record.body),
+                        resource_logs.schema_url,
+                        resource,
+                        *scope_head,
+                        attribute_map(_attributes(record.attributes)),
+                    )
+                )
     return rows
 
 
@@ -407,8 +500,26 @@ def log_counts(request: ExportLogsServiceRequest) -> int:
 
 
 __all__ = [
-    "AGENT_SERVICE", "COLUMNS", "GAUGE_COLUMNS", "GAUGE_TABLE", "LOG_COLUMNS", "LOGS_TABLE", "METRIC_COLUMNS",
-    "METRIC_SCOPE", "OTLP_SUM_COLUMNS", "Resources", "SUM_COLUMNS", "SUM_TABLE", "attribute_map", "attribute_text",
-    "log_counts", "log_rows", "metric_counts", "node_metric_rows", "otlp_metric_rows", "span_counts", "span_row",
+    "AGENT_SERVICE",
+    "COLUMNS",
+    "GAUGE_COLUMNS",
+    "GAUGE_TABLE",
+    "LOG_COLUMNS",
+    "LOGS_TABLE",
+    "METRIC_COLUMNS",
+    "METRIC_SCOPE",
+    "OTLP_SUM_COLUMNS",
+    "Resources",
+    "SUM_COLUMNS",
+    "SUM_TABLE",
+    "attribute_map",
+    "attribute_text",
+    "log_counts",
+    "log_rows",
+    "metric_counts",
+    "node_metric_rows",
+    "otlp_metric_rows",
+    "span_counts",
+    "span_row",
     "span_views",
 ]

@@ -24,7 +24,9 @@ from stagetrace.exporters.dropped import DROPPED, dropped_kind
 logger = logging.getLogger("stagetrace.exporters.spool")  # one logger for the spool's lines, whichever part says them
 
 # batches: <seq>.<table>.<rows>.seg; write-ahead records: <seq>.<kind>.<rows>.<token>[.<group>].wal
-SEGMENT_NAME = re.compile(r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)(?:\.seg|\.([0-9a-f]{32})(?:\.([0-9a-f]{32}))?\.wal)$")
+SEGMENT_NAME = re.compile(
+    r"^(\d{20})\.([A-Za-z_][A-Za-z0-9_]*)\.(\d+)(?:\.seg|\.([0-9a-f]{32})(?:\.([0-9a-f]{32}))?\.wal)$"
+)
 
 
 def new_token() -> str:
@@ -91,8 +93,9 @@ class SegmentQueue:
         """Drop a segment that cannot be read or decoded, counted."""
         with self._lock:
             self._discard(segment)
-            self._count_dropped(segment.table, segment.rows, "unreadable_segment",
-                                f"segment {segment.path.name} is unreadable ({why})")  # fmt: skip
+            self._count_dropped(
+                segment.table, segment.rows, "unreadable_segment", f"segment {segment.path.name} is unreadable ({why})"
+            )
         self._notify_dropped([segment])
 
     # internals (called with self._lock held)

@@ -78,7 +78,9 @@ def directory_setting(location, directory: str | os.PathLike | None = None) -> P
     return Path(state) / "stagetrace" / "spool" / f"{location.host}-{location.port}-{location.database}"
 
 
-def open_spool(location, kind: str, directory=None, max_bytes: int | None = None, handoff: bool = False) -> Spool | None:
+def open_spool(
+    location, kind: str, directory=None, max_bytes: int | None = None, handoff: bool = False
+) -> Spool | None:
     """The spool for writer ``kind`` (``spans``, ``metrics``) of the store at ``location``, or None; ``handoff``:
     into the inbox that the process holding the store adopts."""
     base = directory_setting(location, directory)
@@ -130,25 +132,34 @@ class Spool(WriteAheadLog):
         """Add a batch durably; None when it was dropped (and counted): larger than the whole spool, or the
         disk refused the write (full, read-only, failing)."""
         data = zlib.compress(
-            json.dumps({"v": _FORMAT, "table": table, "columns": list(columns), "token": token, "rows": rows},
-                       separators=(",", ":"), default=str).encode("utf-8", "surrogatepass"),
+            json.dumps(
+                {"v": _FORMAT, "table": table, "columns": list(columns), "token": token, "rows": rows},
+                separators=(",", ":"),
+                default=str,
+            ).encode("utf-8", "surrogatepass"),
             1,
-        )  # fmt: skip
+        )
         with self._lock:
             if len(data) > self.max_bytes:
-                self._count_dropped(table, len(rows), "spool_full",
-                                    f"a batch of {len(data)} bytes is larger than the whole spool")  # fmt: skip
+                self._count_dropped(
+                    table, len(rows), "spool_full", f"a batch of {len(data)} bytes is larger than the whole spool"
+                )
                 return None
             dropped = self._make_room(len(data))
-            segment = Segment(self.directory / f"{self._next_seq():020d}.{table}.{len(rows)}.seg", table, len(rows),
-                              len(data))  # fmt: skip
+            segment = Segment(
+                self.directory / f"{self._next_seq():020d}.{table}.{len(rows)}.seg", table, len(rows), len(data)
+            )
             try:
                 write_atomically(segment.path, data)
             except OSError as exc:  # the writer thread must survive a full or failing disk
                 # logged once until a write works again: a writer retries each interval
-                self._count_dropped(table, len(rows), "spool_write_failed",
-                                    f"cannot write {segment.path.name}: {exc.strerror or exc}",
-                                    quiet=self._put_failing)  # fmt: skip
+                self._count_dropped(
+                    table,
+                    len(rows),
+                    "spool_write_failed",
+                    f"cannot write {segment.path.name}: {exc.strerror or exc}",
+                    quiet=self._put_failing,
+                )
                 self._put_failing = True
                 segment = None
             else:
@@ -233,7 +244,9 @@ class Spool(WriteAheadLog):
             self._discard(oldest)
             dropped.append(oldest)
         for segment in dropped:
-            self._count_dropped(segment.table, segment.rows, "spool_full", f"the spool is full ({self.max_bytes} bytes)")
+            self._count_dropped(
+                segment.table, segment.rows, "spool_full", f"the spool is full ({self.max_bytes} bytes)"
+            )
         return dropped
 
     def _scan(self) -> list[Segment]:
@@ -275,6 +288,21 @@ def _claim(base: Path) -> tuple[Path, int]:
 
 # the names the writers, the restorer, the agent and the tests import from here; the counter, the kept records and
 # the write-ahead records live in their own modules
-__all__ = ["Batch", "DEFAULT_MAX_BYTES", "DROPPED", "KEPT", "REASONS", "Segment", "Spool", "SpoolError",
-           "directory_setting", "dropped_kind", "keep_bytes_setting", "kept_records", "max_bytes_setting", "new_token",
-           "open_spool", "pending_records"]  # fmt: skip
+__all__ = [
+    "Batch",
+    "DEFAULT_MAX_BYTES",
+    "DROPPED",
+    "KEPT",
+    "REASONS",
+    "Segment",
+    "Spool",
+    "SpoolError",
+    "directory_setting",
+    "dropped_kind",
+    "keep_bytes_setting",
+    "kept_records",
+    "max_bytes_setting",
+    "new_token",
+    "open_spool",
+    "pending_records",
+]

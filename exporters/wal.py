@@ -70,17 +70,28 @@ class WriteAheadLog(SegmentQueue):
         is dropped then: the caller must not acknowledge the request, whose sender retries it."""
         with self._lock:
             if sum(s.size for s in self._segments) + len(payload) > self.max_bytes:
-                self._refusing("full", logging.WARNING, "spool %s is full (%d bytes): refusing requests until the "
-                               "store takes the backlog (raise %s)", self.directory, self.max_bytes,
-                               STAGETRACE_SPOOL_MAX_BYTES)  # fmt: skip
+                self._refusing(
+                    "full",
+                    logging.WARNING,
+                    "spool %s is full (%d bytes): refusing requests until the store takes the backlog (raise %s)",
+                    self.directory,
+                    self.max_bytes,
+                    STAGETRACE_SPOOL_MAX_BYTES,
+                )
                 return None
-            segment = Segment(self.directory / f"{self._next_seq():020d}.{kind}.{rows}.{token}.wal", kind, rows,
-                              len(payload), token)  # fmt: skip
+            segment = Segment(
+                self.directory / f"{self._next_seq():020d}.{kind}.{rows}.{token}.wal", kind, rows, len(payload), token
+            )
             try:
                 write_atomically(segment.path, payload)
             except OSError as exc:
-                self._refusing("unwritable", logging.ERROR, "spool %s: cannot write requests (%s): refusing them until "
-                               "it can", self.directory, exc.strerror or exc)  # fmt: skip
+                self._refusing(
+                    "unwritable",
+                    logging.ERROR,
+                    "spool %s: cannot write requests (%s): refusing them until it can",
+                    self.directory,
+                    exc.strerror or exc,
+                )
                 return None
             self._segments.append(segment)
             self._tokens.remember(token)
@@ -102,8 +113,13 @@ class WriteAheadLog(SegmentQueue):
             self._refusal = None
             lasted, refused = spell.end()
             state = "full" if why == "full" else "its disk refused writes"
-            logger.warning("spool %s takes requests again after %.1f s (%s meanwhile: refused %d requests)",
-                           self.directory, lasted, state, refused)  # fmt: skip
+            logger.warning(
+                "spool %s takes requests again after %.1f s (%s meanwhile: refused %d requests)",
+                self.directory,
+                lasted,
+                state,
+                refused,
+            )
 
     def head_group(self, max_rows: int) -> tuple[str, list[Segment]]:
         """The group of write-ahead records at the head of the spool, and its token: a group sealed earlier
@@ -121,14 +137,16 @@ class WriteAheadLog(SegmentQueue):
                     break
                 if members and rows + segment.rows > max_rows:
                     break
-                sealed = replace(segment, path=segment.path.with_name(f"{segment.path.name[:-4]}.{group}.wal"),
-                                 group=group)  # fmt: skip
+                sealed = replace(
+                    segment, path=segment.path.with_name(f"{segment.path.name[:-4]}.{group}.wal"), group=group
+                )
                 try:
                     os.rename(segment.path, sealed.path)
                 except OSError as exc:
                     if not self._seal_failing:  # the replay retries with back-off: one line until it works
-                        logger.error("spool %s: cannot seal %s: %s", self.directory, segment.path.name,
-                                     exc.strerror or exc)  # fmt: skip
+                        logger.error(
+                            "spool %s: cannot seal %s: %s", self.directory, segment.path.name, exc.strerror or exc
+                        )
                     self._seal_failing = True
                     break
                 self._seal_failing = False
@@ -162,9 +180,12 @@ class WriteAheadLog(SegmentQueue):
                     self._retire(segment)
             except OSError as exc:
                 if not self._retire_failing:
-                    logger.error("spool %s: cannot remove records already stored (%s): they stay, and are checked "
-                                 "against the store when the spool is next opened", self.directory,
-                                 exc.strerror or exc)  # fmt: skip
+                    logger.error(
+                        "spool %s: cannot remove records already stored (%s): they stay, and are checked "
+                        "against the store when the spool is next opened",
+                        self.directory,
+                        exc.strerror or exc,
+                    )
                 self._retire_failing = True
             else:
                 if self._retire_failing:

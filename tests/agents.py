@@ -26,11 +26,33 @@ class Agent:
         self.dsn = f"chdb://{self.store}"
         self.log = directory / "agent.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-             "--store", self.dsn, "--listen", "127.0.0.1:0", "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0",
-             "--query-listen", "127.0.0.1:0", "--interval", "1s", *extra],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env={**ENV, **(env or {})},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--collectors",
+                "rdma",
+                "--sysfs",
+                str(SYSFS),
+                "--store",
+                self.dsn,
+                "--listen",
+                "127.0.0.1:0",
+                "--otlp",
+                "127.0.0.1:0",
+                "--otlp-grpc",
+                "127.0.0.1:0",
+                "--query-listen",
+                "127.0.0.1:0",
+                "--interval",
+                "1s",
+                *extra,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+            env={**ENV, **(env or {})},
+        )
         deadline = time.monotonic() + 60
         while not (self.store / "agent.json").exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -64,8 +86,11 @@ def mounted_tmpfs(where: Path, size_mib: int):
     if os.geteuid() != 0 or not shutil.which("mount"):
         unavailable("mounting a small filesystem for the store needs root and mount(8)")
     where.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(where)],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         unavailable(f"cannot mount a tmpfs: {done.stderr.strip()}")
     try:
@@ -94,8 +119,12 @@ def start_server_store(path: Path, port: int) -> subprocess.Popen:
     own (``benchmarks.clickhouse_http``; no ClickHouse server runs here) on ``port``, once it answers; what it
     writes to stderr goes to ``<path>.log``."""
     log = path.with_name(path.name + ".log")
-    server = subprocess.Popen([sys.executable, "-m", "benchmarks.clickhouse_http", str(path), str(port)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=log.open("a"))  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.clickhouse_http", str(path), str(port)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("a"),
+    )
     deadline = time.monotonic() + 60
     while True:
         try:
@@ -119,5 +148,10 @@ def server_store(path: Path):
 
 
 def stagetrace(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True,
-                          env={**ENV, **(env or {})}, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args],
+        capture_output=True,
+        text=True,
+        env={**ENV, **(env or {})},
+        timeout=120,
+    )

@@ -17,8 +17,9 @@ def interval(words: str, stage: str, start: int, end: int) -> tuple[int, int]:
     """The times the sentence's words allow for the change, against the stage's start and end."""
 
     def edge(text: str) -> int:
-        number, unit, side, which = re.fullmatch(rf"([\d.]+) (m?s) (before|after) (?:{stage}|it) (started|ended)",
-                                                 text).groups()  # fmt: skip
+        number, unit, side, which = re.fullmatch(
+            rf"([\d.]+) (m?s) (before|after) (?:{stage}|it) (started|ended)", text
+        ).groups()
         offset = round(float(number) * UNIT[unit]) * (-1 if side == "before" else 1)
         return (start if which == "started" else end) + offset
 
@@ -76,8 +77,11 @@ class Chart:
     def steps_up(self) -> list[tuple[int, float]]:
         """(time, height in the series' unit) of each vertical segment that goes up."""
         points = self.points()
-        return [(self.time(x), self.value(y) - self.value(y_before)) for (x_before, y_before), (x, y)
-                in zip(points, points[1:]) if x == x_before and y < y_before]  # fmt: skip
+        return [
+            (self.time(x), self.value(y) - self.value(y_before))
+            for (x_before, y_before), (x, y) in zip(points, points[1:])
+            if x == x_before and y < y_before
+        ]
 
 
 def figures(html: str) -> list[tuple[str, str]]:

@@ -34,7 +34,9 @@ def _install(package: str) -> str | None:
         if not _apt_updated:
             subprocess.run(["apt-get", "update", "-qq"], check=True, env=env, capture_output=True, timeout=600)
             _apt_updated = True
-        subprocess.run(["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True, timeout=900)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", package], check=True, env=env, capture_output=True, timeout=900
+        )
     except (subprocess.SubprocessError, OSError) as exc:
         return f"apt-get install {package} failed: {exc}"
     return None
@@ -78,8 +80,11 @@ def kubelet():
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "views_row_for_row: after each test, the rows the store's views wrote are "
-                                       "compared with those schema 10's views write from the same spans")  # fmt: skip
+    config.addinivalue_line(
+        "markers",
+        "views_row_for_row: after each test, the rows the store's views wrote are "
+        "compared with those schema 10's views write from the same spans",
+    )
 
 
 @pytest.fixture
@@ -127,8 +132,12 @@ def _reset_tracing():
 def demo_dsn(tmp_path_factory):
     """A store filled once per test session by ``stagetrace demo --requests 300`` (the dashboards' and rules' data)."""
     dsn = f"chdb://{tmp_path_factory.mktemp('demo') / 'store'}"
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     return dsn
 
@@ -138,8 +147,12 @@ def cli_demo(tmp_path_factory):
     """(DSN, the JSON it printed) of a ``stagetrace demo --requests 300`` store that tests read only through the
     CLI, in other processes: this one never opens it, so they never find it locked."""
     dsn = f"chdb://{tmp_path_factory.mktemp('cli-demo') / 'store'}"
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     return dsn, json.loads(done.stdout)
 

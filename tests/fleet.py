@@ -71,9 +71,15 @@ class Rank:
 
 
 class Fleet:
-    def __init__(self, store, start_ns: int | None = None, service: str = SERVICE,
-                 resources: dict[str, dict] | None = None, model: str = MODEL,
-                 model_on: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        store,
+        start_ns: int | None = None,
+        service: str = SERVICE,
+        resources: dict[str, dict] | None = None,
+        model: str = MODEL,
+        model_on: str | None = None,
+    ):
         self.store = store
         # the model the root span names; the input digest covers MODEL whatever it is, as a producer's that leaves
         # the model out of it (a shadow deployment of another model then shares the first one's input digests)
@@ -95,8 +101,11 @@ class Fleet:
 
     def _tracer(self, host: str):
         if host not in self._providers:
-            provider = TracerProvider(resource=Resource.create({"service.name": self.service, "host.name": host,
-                                                                **self.resources.get(host, {})}))  # fmt: skip
+            provider = TracerProvider(
+                resource=Resource.create(
+                    {"service.name": self.service, "host.name": host, **self.resources.get(host, {})}
+                )
+            )
             memory = InMemorySpanExporter()
             provider.add_span_processor(SimpleSpanProcessor(memory))
             self._providers[host] = (provider, memory)
@@ -152,11 +161,16 @@ class Fleet:
         } | (measures or {})
 
         tracer = self._tracer(host)
-        root_attrs = {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(request_input),
-                      **({"gen_ai.request.model": self.model} if self.model_on is None else {}),
-                      **(sampling if sampling_on == "request" else {}),
-                      **(root or {})}  # fmt: skip
-        root_span = tracer.start_span("inference.request", kind=SpanKind.SERVER, attributes=root_attrs, start_time=at_ns)
+        root_attrs = {
+            cv.REQUEST_ID: request_id,
+            cv.INPUT_DIGEST: digest(request_input),
+            **({"gen_ai.request.model": self.model} if self.model_on is None else {}),
+            **(sampling if sampling_on == "request" else {}),
+            **(root or {}),
+        }
+        root_span = tracer.start_span(
+            "inference.request", kind=SpanKind.SERVER, attributes=root_attrs, start_time=at_ns
+        )
         parent = trace.set_span_in_context(root_span)
         t = at_ns + 1 * MS
         data = text
@@ -184,8 +198,12 @@ class Fleet:
                 outputs = []
                 for r in tp:
                     rank_out = out + (f"~rank{r.rank}:{rank_differs[r.rank]}" if r.rank in rank_differs else "")
-                    rank_attrs = {**attrs, cv.TP_RANK: r.rank, "net.rdma.devices": list(r.nics),
-                                  **({"gpu.uuid": r.gpu} if r.gpu else {})}  # fmt: skip
+                    rank_attrs = {
+                        **attrs,
+                        cv.TP_RANK: r.rank,
+                        "net.rdma.devices": list(r.nics),
+                        **({"gpu.uuid": r.gpu} if r.gpu else {}),
+                    }
                     self._stage(self._tracer(r.host), parent, name, data, rank_out, rank_attrs, t, end)
                     outputs.append(rank_out)
                     stages.append({"stage": name, "rank": str(r.rank), "host": r.host, "attributes": rank_attrs})
@@ -199,17 +217,29 @@ class Fleet:
             t = end + 1 * MS
         root_span.set_attribute(cv.OUTPUT_DIGEST, digest(data))
         root_span.end(end_time=t)
-        recorded = {"request_id": request_id, "start_ns": at_ns, "end_ns": t, "host": host, "gpu": gpu,
-                    "prompt": prompt, "settings": settings, "differs": differs, "rank_differs": rank_differs,
-                    "output": digest(data), "stages": stages, "index": i}  # fmt: skip
+        recorded = {
+            "request_id": request_id,
+            "start_ns": at_ns,
+            "end_ns": t,
+            "host": host,
+            "gpu": gpu,
+            "prompt": prompt,
+            "settings": settings,
+            "differs": differs,
+            "rank_differs": rank_differs,
+            "output": digest(data),
+            "stages": stages,
+            "index": i,
+        }
         self.requests[request_id] = recorded
         return recorded
 
     @staticmethod
     def _stage(tracer, parent, name, data, out, attrs, start, end) -> None:
         attrs = {**attrs, cv.STAGE: name, cv.STAGE_INPUT_DIGEST: digest(data), cv.STAGE_OUTPUT_DIGEST: digest(out)}
-        span = tracer.start_span(f"stage.{name}", context=parent, kind=SpanKind.INTERNAL, attributes=attrs,
-                                 start_time=start)  # fmt: skip
+        span = tracer.start_span(
+            f"stage.{name}", context=parent, kind=SpanKind.INTERNAL, attributes=attrs, start_time=start
+        )
         span.end(end_time=end)
 
     def flush(self) -> int:
@@ -229,8 +259,18 @@ class Fleet:
         return len(spans)
 
     # -- hardware
-    def counter(self, host: str, name: str, labels: dict, start_ns: int, end_ns: int, *, every_ns: int = 15 * SECOND,
-                value: float = 0.0, rises: tuple[tuple[int, float], ...] = ()) -> list[tuple[int, float]]:  # fmt: skip
+    def counter(
+        self,
+        host: str,
+        name: str,
+        labels: dict,
+        start_ns: int,
+        end_ns: int,
+        *,
+        every_ns: int = 15 * SECOND,
+        value: float = 0.0,
+        rises: tuple[tuple[int, float], ...] = (),
+    ) -> list[tuple[int, float]]:
         """A cumulative counter on ``host``, scraped every ``every_ns`` from ``start_ns`` to ``end_ns``.
 
         Each ``(t_ns, delta)`` of ``rises`` adds ``delta`` to every sample taken at or after ``t_ns``.
@@ -241,8 +281,24 @@ class Fleet:
         while t <= end_ns:
             points.append((t, value + sum(delta for at, delta in rises if at <= t)))
             t += every_ns
-        rows = [({"host.name": host}, "stagetrace-agent", "stagetrace.collectors", "", name, "", "", labels,
-                 start_ns - MINUTE, t_ns, float(v), 2, True) for t_ns, v in points]  # fmt: skip
+        rows = [
+            (
+                {"host.name": host},
+                "stagetrace-agent",
+                "stagetrace.collectors",
+                "",
+                name,
+                "",
+                "",
+                labels,
+                start_ns - MINUTE,
+                t_ns,
+                float(v),
+                2,
+                True,
+            )
+            for t_ns, v in points
+        ]
         self.store.client.insert("otel_metrics_sum", rows, column_names=SUM_COLUMNS, database=self.store.database)
         return points
 

@@ -264,8 +264,13 @@ MACROS: dict[str, tuple[int, MacroFunction]] = {
     "timeFilter": (1, lambda c, a: _filter(a[0], _date_time(c.time_from), _date_time(c.time_to))),
     "timeFilter_ms": (1, lambda c, a: _filter(a[0], _date_time_ms(c.time_from), _date_time_ms(c.time_to))),
     "dateFilter": (1, lambda c, a: _filter(a[0], _date(c.time_from), _date(c.time_to))),
-    "dateTimeFilter": (2, lambda c, a: f"({_filter(a[0], _date(c.time_from), _date(c.time_to))}) AND "
-                                       f"({_filter(a[1], _date_time(c.time_from), _date_time(c.time_to))})"),
+    "dateTimeFilter": (
+        2,
+        lambda c, a: (
+            f"({_filter(a[0], _date(c.time_from), _date(c.time_to))}) AND "
+            f"({_filter(a[1], _date_time(c.time_from), _date_time(c.time_to))})"
+        ),
+    ),
     "fromTime": (0, lambda c, a: _date_time(c.time_from)),
     "toTime": (0, lambda c, a: _date_time(c.time_to)),
     "fromTime_ms": (0, lambda c, a: _date_time_ms(c.time_from)),
@@ -274,14 +279,16 @@ MACROS: dict[str, tuple[int, MacroFunction]] = {
     "timeTo": (1, lambda c, a: f"{a[0]} <= {_date_time(c.time_to)}"),
     "timeGroup": (2, lambda c, a: f"toStartOfInterval(toDateTime({a[0]}), INTERVAL {_duration_seconds(a[1])} second)"),
     "timeInterval": (1, lambda c, a: f"toStartOfInterval(toDateTime({a[0]}), INTERVAL {_interval_seconds(c)} second)"),
-    "timeInterval_ms": (1, lambda c, a: f"toStartOfInterval(toDateTime64({a[0]}, 3), "
-                                        f"INTERVAL {max(c.interval_ms, 1)} millisecond)"),
+    "timeInterval_ms": (
+        1,
+        lambda c, a: f"toStartOfInterval(toDateTime64({a[0]}, 3), INTERVAL {max(c.interval_ms, 1)} millisecond)",
+    ),
     "interval_s": (0, lambda c, a: str(_interval_seconds(c))),
     "interval": (0, lambda c, a: _seconds_to_hms(c.interval_ms / 1000)),
     "interval_ms": (0, lambda c, a: str(c.interval_ms)),
     "table": (0, lambda c, a: _required(c.table, "$__table")),
     "column": (0, lambda c, a: _required(c.column, "$__column")),
-}  # fmt: skip
+}
 MACROS["dt"] = MACROS["dateTimeFilter"]
 
 

@@ -23,8 +23,12 @@ from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 # source folder -> the package it installs as (pyproject.toml's package-dir)
-ROOTS = {"src/stagetrace": "stagetrace", "collectors": "stagetrace.collectors", "exporters": "stagetrace.exporters",
-         "dashboards": "stagetrace.dashboards"}
+ROOTS = {
+    "src/stagetrace": "stagetrace",
+    "collectors": "stagetrace.collectors",
+    "exporters": "stagetrace.exporters",
+    "dashboards": "stagetrace.dashboards",
+}
 
 
 def modules(repository: Path = REPOSITORY) -> dict[str, Path]:
@@ -124,8 +128,12 @@ def into_collectors(edges: dict[str, set[str]], allowed: Iterable[str] = ()) -> 
     """Arrows from modules outside ``collectors/`` into it, but from the ``allowed`` modules (those that assemble
     collectors: ``tests/test_imports.py`` names them)."""
     allowed = set(allowed)
-    return sorted((a, b) for a, targets in edges.items() for b in targets
-                  if _in_collectors(b) and not _in_collectors(a) and a not in allowed)
+    return sorted(
+        (a, b)
+        for a, targets in edges.items()
+        for b in targets
+        if _in_collectors(b) and not _in_collectors(a) and a not in allowed
+    )
 
 
 def main() -> int:

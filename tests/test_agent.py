@@ -33,8 +33,9 @@ ENV = {**os.environ, "STAGETRACE_HOST": "node-a"}
 
 
 def stagetrace(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, env=ENV,
-                          timeout=120, **kwargs)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, env=ENV, timeout=120, **kwargs
+    )
 
 
 def free_port() -> int:
@@ -65,7 +66,13 @@ def get_json(url: str):
 
 def test_interval_and_listen_parsing():
     assert [parse_interval(t) for t in ("500ms", "5s", "1m", "1.5h", "10d", "2w")] == [
-        0.5, 5.0, 60.0, 5400.0, 864000.0, 1209600.0]  # fmt: skip
+        0.5,
+        5.0,
+        60.0,
+        5400.0,
+        864000.0,
+        1209600.0,
+    ]
     for bad in ("5", "0s", "-1s", "5x", "", "1y"):
         with pytest.raises(ValueError, match="write e.g. 500ms, 5s, 1m, 1h, 10d or 2w"):
             parse_interval(bad)
@@ -107,9 +114,15 @@ def test_collect_once_as_json():
     assert result.returncode == 0, result.stderr
     samples = json.loads(result.stdout)
     sent = [s for s in samples if s["name"] == "rdma_port_transmit_bytes_total" and s["labels"]["device"] == "mlx5_3"]
-    assert sent == [{"name": "rdma_port_transmit_bytes_total", "type": "counter",
-                     "help": "Data bytes transmitted (port_xmit_data x 4).",
-                     "labels": {"host": "node-a", "device": "mlx5_3", "port": "1"}, "value": 4 * TRANSMIT_WORDS}]  # fmt: skip
+    assert sent == [
+        {
+            "name": "rdma_port_transmit_bytes_total",
+            "type": "counter",
+            "help": "Data bytes transmitted (port_xmit_data x 4).",
+            "labels": {"host": "node-a", "device": "mlx5_3", "port": "1"},
+            "value": 4 * TRANSMIT_WORDS,
+        }
+    ]
     success = [s for s in samples if s["name"] == "stagetrace_collector_success"]
     assert [(s["labels"]["collector"], s["value"]) for s in success] == [("rdma", 1)]
 
@@ -128,21 +141,29 @@ def test_a_named_collector_that_cannot_collect_exits_1_with_one_line(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"stagetrace: collector rdma: {tmp_path}/class/infiniband does not exist: "
         "no RDMA device or driver on this host (--sysfs sets the sysfs root)"
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["collect", "--collectors", "rdma,infiniband"], r"stagetrace: unknown collector infiniband: choose from .*rdma"),
-        (["agent", "--interval", "5"], r"stagetrace agent: --interval: '5' is not a positive duration: write e\.g\. 500ms"),
+        (
+            ["collect", "--collectors", "rdma,infiniband"],
+            r"stagetrace: unknown collector infiniband: choose from .*rdma",
+        ),
+        (
+            ["agent", "--interval", "5"],
+            r"stagetrace agent: --interval: '5' is not a positive duration: write e\.g\. 500ms",
+        ),
         (["agent", "--listen", "9464"], r"stagetrace agent: listen address '9464' is not HOST:PORT"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message):
     result = stagetrace(*args)
     assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1 and re.fullmatch(message + ".*", result.stderr.strip()), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and re.fullmatch(message + ".*", result.stderr.strip()), (
+        result.stderr
+    )
 
 
 def test_a_taken_listen_address_exits_2_with_one_line(tmp_path):
@@ -150,8 +171,17 @@ def test_a_taken_listen_address_exits_2_with_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         address = "127.0.0.1:%d" % taken.getsockname()[1]
-        result = stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", address,
-                            "--store", f"chdb://{tmp_path / 'store'}")  # fmt: skip
+        result = stagetrace(
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--listen",
+            address,
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+        )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"stagetrace agent: cannot listen on {address}: Address already in use (choose another with --listen)"
@@ -165,9 +195,23 @@ def test_every_taken_address_is_named_in_one_line_at_the_first_start(tmp_path):
             taken.bind(("127.0.0.1", 0))
             taken.listen()
         metrics, otlp = ("127.0.0.1:%d" % s.getsockname()[1] for s in (one, two))
-        result = stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", metrics, "--otlp", otlp,
-                            "--otlp-grpc", "127.0.0.1:0", "--query-listen", "127.0.0.1:0",
-                            "--store", f"chdb://{tmp_path / 'store'}")  # fmt: skip
+        result = stagetrace(
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--listen",
+            metrics,
+            "--otlp",
+            otlp,
+            "--otlp-grpc",
+            "127.0.0.1:0",
+            "--query-listen",
+            "127.0.0.1:0",
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+        )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"stagetrace agent: cannot listen on {metrics} (--listen: Address already in use), {otlp} (--otlp: Address "
@@ -179,13 +223,35 @@ def start_agent(tmp_path) -> tuple[subprocess.Popen, str]:
     """A running agent on a free loopback port, and its /metrics URL from its own log line."""
     log = tmp_path / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-         "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "500ms",
-         "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=ENV,
-    )  # fmt: skip
-    url = wait_for("the agent's 'serving' line", lambda: re.search(r"serving (http://\S+/metrics)", log.read_text()),
-                   process=agent)[1]  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "500ms",
+            "--otlp",
+            "none",
+            "--otlp-grpc",
+            "none",
+            "--query-listen",
+            "none",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=ENV,
+    )
+    url = wait_for(
+        "the agent's 'serving' line", lambda: re.search(r"serving (http://\S+/metrics)", log.read_text()), process=agent
+    )[1]
     return agent, url
 
 
@@ -193,18 +259,46 @@ def test_the_agent_receives_otlp_grpc_on_loopback_and_stores_it_before_exiting(t
     assert build_parser().parse_args(["agent"]).otlp_grpc == "127.0.0.1:4317"  # the SDKs' port, loopback only
     log = tmp_path / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-         "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "500ms",
-         "--otlp", "off", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "none"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=ENV,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "500ms",
+            "--otlp",
+            "off",
+            "--otlp-grpc",
+            "127.0.0.1:0",
+            "--query-listen",
+            "none",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=ENV,
+    )
     try:
-        target = wait_for("the agent's OTLP/gRPC line", lambda: re.search(r"receiving OTLP/gRPC at (127\.0\.0\.1:\d+) ",
-                                                                           log.read_text()), process=agent)[1]  # fmt: skip
+        target = wait_for(
+            "the agent's OTLP/gRPC line",
+            lambda: re.search(r"receiving OTLP/gRPC at (127\.0\.0\.1:\d+) ", log.read_text()),
+            process=agent,
+        )[1]
         provider = TracerProvider(resource=Resource.create({"service.name": "rag-api"}))
-        exporter = OTLPSpanExporter(endpoint=f"http://{target}", insecure=True, compression=Compression.Gzip, timeout=10)
+        exporter = OTLPSpanExporter(
+            endpoint=f"http://{target}", insecure=True, compression=Compression.Gzip, timeout=10
+        )
         provider.add_span_processor(SimpleSpanProcessor(exporter))
-        with provider.get_tracer("app").start_as_current_span("request", attributes={"stagetrace.request.id": "grpc-1"}):
+        with provider.get_tracer("app").start_as_current_span(
+            "request", attributes={"stagetrace.request.id": "grpc-1"}
+        ):
             with provider.get_tracer("app").start_as_current_span("decode", attributes={"stagetrace.stage": "decode"}):
                 pass
         provider.shutdown()
@@ -215,7 +309,8 @@ def test_the_agent_receives_otlp_grpc_on_loopback_and_stores_it_before_exiting(t
     assert returncode == 0 and "Traceback" not in text and "receiving OTLP/HTTP" not in text, text
     with open_store(f"chdb://{tmp_path / 'store'}") as store:
         assert store.client.query("SELECT RequestId, ServiceName FROM stagetrace.stagetrace_requests").result_rows == [
-            ("grpc-1", "rag-api")]  # fmt: skip
+            ("grpc-1", "rag-api")
+        ]
         assert store.client.command("SELECT count() FROM stagetrace.otel_traces") == 2
 
 
@@ -228,10 +323,15 @@ def start_prometheus(component, tmp_path, target: str) -> tuple[subprocess.Popen
     )
     address = f"127.0.0.1:{free_port()}"
     process = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-         f"--web.listen-address={address}"],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"),
-    )  # fmt: skip
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address={address}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp_path / "prometheus.log").open("w"),
+    )
     return process, f"http://{address}"
 
 
@@ -281,18 +381,42 @@ def test_an_agent_writing_to_a_server_store_loads_no_engine_and_no_dataframe_lib
     with server_store(tmp_path / "server") as port:
         dsn = f"http://default:@127.0.0.1:{port}/stagetrace"
         agent = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--store", dsn,
-             "--listen", "127.0.0.1:0", "--interval", "500ms", "--otlp", "none", "--otlp-grpc", "none",
-             "--query-listen", "none"],
-            stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**ENV, "STAGETRACE_SPOOL_DIR": str(tmp_path / "spool")},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--collectors",
+                "rdma",
+                "--sysfs",
+                str(SYSFS),
+                "--store",
+                dsn,
+                "--listen",
+                "127.0.0.1:0",
+                "--interval",
+                "500ms",
+                "--otlp",
+                "none",
+                "--otlp-grpc",
+                "none",
+                "--query-listen",
+                "none",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
+            env={**ENV, "STAGETRACE_SPOOL_DIR": str(tmp_path / "spool")},
+        )
         try:
             wait_for("the agent's 'serving' line", lambda: "serving" in log.read_text(), process=agent)  # schema made
             with open_store(dsn, create_schema=False) as store:
-                query = ("SELECT count() FROM stagetrace.otel_metrics_sum "
-                         "WHERE MetricName = 'rdma_port_transmit_bytes_total'")
-                wait_for("the agent's samples in the server store", lambda: store.client.command(query) >= 8,
-                         process=agent)  # fmt: skip
+                query = (
+                    "SELECT count() FROM stagetrace.otel_metrics_sum "
+                    "WHERE MetricName = 'rdma_port_transmit_bytes_total'"
+                )
+                wait_for(
+                    "the agent's samples in the server store", lambda: store.client.command(query) >= 8, process=agent
+                )
             libraries = Path(f"/proc/{agent.pid}/maps").read_text()
             for library in ("libchdb", "/pandas/", "/numpy/", "/pyarrow/"):
                 assert library not in libraries, f"the agent loaded {library}"

@@ -35,7 +35,11 @@ def test_the_defaults_are_the_flags_defaults(monkeypatch):
 
 def test_a_flag_wins_over_its_variable_which_wins_over_the_default(monkeypatch):
     monkeypatch.delenv(STAGETRACE_INSERT_EVERY, raising=False)
-    environ = {STAGETRACE_QUERY_MAX_MEMORY: "512MiB", STAGETRACE_QUERY_MAX_THREADS: "4", STAGETRACE_ANALYSE_SETTLE: "30s"}
+    environ = {
+        STAGETRACE_QUERY_MAX_MEMORY: "512MiB",
+        STAGETRACE_QUERY_MAX_THREADS: "4",
+        STAGETRACE_ANALYSE_SETTLE: "30s",
+    }
     built = config("--query-max-threads", "8", "--insert-every", "1m", environ=environ)
     assert built.query_limits.max_memory_bytes == 512 << 20  # the variable
     assert built.query_limits.max_threads == 8  # the flag
@@ -55,8 +59,16 @@ def test_none_turns_a_listener_off_and_zero_the_analysis():
     "flags, environ, message",
     [
         (["--interval", "5"], {}, r"--interval: '5' is not a positive duration"),
-        (["--query-max-threads", "two"], {}, r"--query-max-threads \(STAGETRACE_QUERY_MAX_THREADS\): 'two' is not a whole"),
-        ([], {STAGETRACE_QUERY_MAX_MEMORY: "lots"}, r"--query-max-memory \(STAGETRACE_QUERY_MAX_MEMORY\): 'lots' is not"),
+        (
+            ["--query-max-threads", "two"],
+            {},
+            r"--query-max-threads \(STAGETRACE_QUERY_MAX_THREADS\): 'two' is not a whole",
+        ),
+        (
+            [],
+            {STAGETRACE_QUERY_MAX_MEMORY: "lots"},
+            r"--query-max-memory \(STAGETRACE_QUERY_MAX_MEMORY\): 'lots' is not",
+        ),
         (["--analyse-every", "soon"], {}, r"--analyse-every: 'soon' is not a positive duration"),
         (["--listen", "9464"], {}, r"listen address '9464' is not HOST:PORT"),
     ],

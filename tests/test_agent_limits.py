@@ -44,8 +44,9 @@ def patient(tmp_path):
 
 
 def client_for(agent: Agent):
-    return clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port, connect_timeout=5,
-                                         send_receive_timeout=60)  # fmt: skip
+    return clickhouse_connect.get_client(
+        host="127.0.0.1", port=agent.query_port, connect_timeout=5, send_receive_timeout=60
+    )
 
 
 def cpu_seconds(pid: int) -> float:
@@ -151,11 +152,16 @@ def test_an_otlp_flood_is_bounded_every_request_answered_200_or_503_and_every_20
         request = ExportTraceServiceRequest()
         scope = request.resource_spans.add().scope_spans.add()
         for k in range(2000):  # about 100 KB a request
-            span = scope.spans.add(name=f"flood-{n}", trace_id=(n + 1).to_bytes(16, "big"),
-                                   span_id=(n * 2000 + k + 1).to_bytes(8, "big"))  # fmt: skip
+            span = scope.spans.add(
+                name=f"flood-{n}", trace_id=(n + 1).to_bytes(16, "big"), span_id=(n * 2000 + k + 1).to_bytes(8, "big")
+            )
             span.attributes.add(key="payload", value={"string_value": "x" * 32})
-        post = urllib.request.Request(f"{limited.endpoints['otlp']}/v1/traces", data=request.SerializeToString(),
-                                      headers={"Content-Type": "application/x-protobuf"}, method="POST")  # fmt: skip
+        post = urllib.request.Request(
+            f"{limited.endpoints['otlp']}/v1/traces",
+            data=request.SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+            method="POST",
+        )
         try:
             with urllib.request.urlopen(post, timeout=60) as response:
                 answers[f"flood-{n}"] = response.status
@@ -174,7 +180,9 @@ def test_an_otlp_flood_is_bounded_every_request_answered_200_or_503_and_every_20
     client = client_for(limited)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        found = client.command("SELECT uniqExact(SpanName) FROM stagetrace.otel_traces WHERE startsWith(SpanName, 'flood-')")
+        found = client.command(
+            "SELECT uniqExact(SpanName) FROM stagetrace.otel_traces WHERE startsWith(SpanName, 'flood-')"
+        )
         if found >= len(stored):
             break
         time.sleep(0.5)

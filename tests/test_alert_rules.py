@@ -59,20 +59,39 @@ def test_promtool_checks_the_rules(component):
 
 def test_promtool_unit_tests_pass(component):
     promtool = component("promtool", package="prometheus")
-    done = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=RULES_DIR, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [promtool, "test", "rules", RULE_TESTS.name], cwd=RULES_DIR, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_rule_has_a_firing_and_a_non_firing_case():
-    asked = {"StagetraceGpuLost", "StagetraceGpuXidError", "StagetraceGpuEccUncorrected", "StagetraceGpuThermalThrottling",
-             "StagetraceRdmaAckTimeouts", "StagetraceRdmaRetransmitRate", "StagetraceRdmaPortDown",
-             "StagetraceRdmaLinkDowned", "StagetraceNicPauseStorm", "StagetraceNicPfcPaused", "StagetraceMpsClientsHigh",
-             "StagetraceCollectorFailing", "StagetraceRdmaRailsUnbalanced", "StagetraceRdmaLinkBelowPeers",
-             "StagetraceRdmaLinkRenegotiatedDown", "StagetraceNodeDown", "StagetraceGpuAllocatedBeyondSharing",
-             "StagetraceGpuDevicesDoubleCounted", "StagetraceDeviatingOutputs", "StagetraceAnalysisLagging",
-             "StagetraceStoreBrokenParts", "StagetraceStoreRowsLost", "StagetraceGpuHung",
-             "StagetraceGpuBeganDifferences"}  # fmt: skip
+    asked = {
+        "StagetraceGpuLost",
+        "StagetraceGpuXidError",
+        "StagetraceGpuEccUncorrected",
+        "StagetraceGpuThermalThrottling",
+        "StagetraceRdmaAckTimeouts",
+        "StagetraceRdmaRetransmitRate",
+        "StagetraceRdmaPortDown",
+        "StagetraceRdmaLinkDowned",
+        "StagetraceNicPauseStorm",
+        "StagetraceNicPfcPaused",
+        "StagetraceMpsClientsHigh",
+        "StagetraceCollectorFailing",
+        "StagetraceRdmaRailsUnbalanced",
+        "StagetraceRdmaLinkBelowPeers",
+        "StagetraceRdmaLinkRenegotiatedDown",
+        "StagetraceNodeDown",
+        "StagetraceGpuAllocatedBeyondSharing",
+        "StagetraceGpuDevicesDoubleCounted",
+        "StagetraceDeviatingOutputs",
+        "StagetraceAnalysisLagging",
+        "StagetraceStoreBrokenParts",
+        "StagetraceStoreRowsLost",
+        "StagetraceGpuHung",
+        "StagetraceGpuBeganDifferences",
+    }
     assert set(_alerts()) == asked
     cases = [case for test in yaml.safe_load(RULE_TESTS.read_text())["tests"] for case in test["alert_rule_test"]]
     for alert in asked:
@@ -90,8 +109,9 @@ def test_the_xid_case_fails_with_a_rule_that_only_uses_increase(component, tmp_p
             if rule.get("alert") == "StagetraceGpuXidError":
                 rule["expr"] = "increase(gpu_xid_errors_total[10m]) > 0"
     (tmp_path / RULES.name).write_text(yaml.safe_dump(rules))
-    done = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0
     assert "alertname: StagetraceGpuXidError, time: 20m" in done.stdout + done.stderr
 
@@ -107,8 +127,9 @@ def test_the_began_differences_case_fails_with_a_rule_that_only_uses_increase(co
             if rule.get("alert") == "StagetraceGpuBeganDifferences":
                 rule["expr"] = "sum by (gpu, gpu_host) (increase(stagetrace_deviations_began_total[1h])) >= 3"
     (tmp_path / RULES.name).write_text(yaml.safe_dump(rules))
-    done = subprocess.run([promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [promtool, "test", "rules", RULE_TESTS.name], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode != 0
     assert "alertname: StagetraceGpuBeganDifferences, time: 21m" in done.stdout + done.stderr
 
@@ -162,8 +183,10 @@ def sql_metric_names(sql: str) -> set[str]:
 
 
 def test_promql_name_extraction():
-    expr = ('(gpu_xid_errors_total unless gpu_xid_errors_total offset 10m) or '
-            'max by (host, gpu) (rate(rdma_x_total{device=~"a|b"}[5m])) / on(host) y_total > 0.5')  # fmt: skip
+    expr = (
+        "(gpu_xid_errors_total unless gpu_xid_errors_total offset 10m) or "
+        'max by (host, gpu) (rate(rdma_x_total{device=~"a|b"}[5m])) / on(host) y_total > 0.5'
+    )
     assert promql_metric_names(expr) == {"gpu_xid_errors_total", "rdma_x_total", "y_total"}
 
 
@@ -174,8 +197,10 @@ def _names_used() -> dict[str, set[str]]:
     rules = {**_alerts(), **_records()}
     # the names of recording rules are defined right there: the collectors' names are what they read
     # `up` is Prometheus' own: the scrape's outcome, which no exporter exposes
-    used = {f"rule {name}": promql_metric_names(rule["expr"]) - set(_records()) - PROMETHEUS_OWN
-            for name, rule in rules.items()}  # fmt: skip
+    used = {
+        f"rule {name}": promql_metric_names(rule["expr"]) - set(_records()) - PROMETHEUS_OWN
+        for name, rule in rules.items()
+    }
     for uid, dashboard in build_all().items():
         sql = [v["query"]["rawSql"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
         sql += [t["rawSql"] for p in dashboard["panels"] for t in p.get("targets", [])]
@@ -194,8 +219,11 @@ def test_every_metric_name_used_exists_in_the_collectors_specs():
 def test_every_metric_name_used_is_in_the_expected_scrape():
     if not EXPECTED_SCRAPE.exists():
         pytest.skip(f"{EXPECTED_SCRAPE} does not exist yet")
-    scraped = {line.split("{")[0].split(" ")[0] for line in EXPECTED_SCRAPE.read_text().splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    scraped = {
+        line.split("{")[0].split(" ")[0]
+        for line in EXPECTED_SCRAPE.read_text().splitlines()
+        if line and not line.startswith("#")
+    }
     # Scrape durations are left out of the expected file as non-deterministic; their spec is checked above.
     scraped.add("stagetrace_collector_duration_seconds")
     # The live analyser's series join the agent's scrape when it analyses (tests/test_live_analysis.py scrapes them),
@@ -249,8 +277,12 @@ def test_deviation_rules_name_stage_cause_and_an_example_request_of_it(uid, anal
     names, _, rows = _evaluate(analysed, rule)
     found = [dict(zip(names, row)) for row in rows]
     assert len({(f["service"], f["stage"], f["cause"]) for f in found}) == len(found)
-    truth = {request: stage for request, stage in analysed.client.query(
-        "SELECT RequestId, Stage FROM stagetrace_demo_truth WHERE NOT Expected AND NOT Nondeterministic").result_rows}
+    truth = {
+        request: stage
+        for request, stage in analysed.client.query(
+            "SELECT RequestId, Stage FROM stagetrace_demo_truth WHERE NOT Expected AND NOT Nondeterministic"
+        ).result_rows
+    }
     causes = {f["cause"] for f in found}
     assert {"retrieval.index.version", "model.weights.step", "allreduce.algorithm"} <= causes, causes
     placed = [f for f in found if truth.get(f["example_request"]) == f["stage"]]
@@ -272,9 +304,32 @@ def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(ana
     store = analysed  # the session's demo store (one embedded store a process): three days after the demo, alone
     ((last,),) = store.client.query("SELECT max(Timestamp) FROM otel_traces").result_rows
     now = last.replace(tzinfo=timezone.utc, microsecond=0) + timedelta(days=3)
-    rows = [(0, f"req-{m}", "t", int((now - timedelta(minutes=m)).timestamp() * 1e9), "chat", "gpu-c", "in", "b",
-             "majority", "decode", "attribute", "engine.kv_cache_dtype", "fp8", "auto", 0.9, "[]", "s", "GPU-c",
-             "1", "GPU-c", "gpu-c1") for m in (14, 5)]  # fmt: skip
+    rows = [
+        (
+            0,
+            f"req-{m}",
+            "t",
+            int((now - timedelta(minutes=m)).timestamp() * 1e9),
+            "chat",
+            "gpu-c",
+            "in",
+            "b",
+            "majority",
+            "decode",
+            "attribute",
+            "engine.kv_cache_dtype",
+            "fp8",
+            "auto",
+            0.9,
+            "[]",
+            "s",
+            "GPU-c",
+            "1",
+            "GPU-c",
+            "gpu-c1",
+        )
+        for m in (14, 5)
+    ]
     store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
 
     def labels(at: datetime) -> list:
@@ -282,5 +337,20 @@ def test_the_deviating_outputs_alert_keeps_its_labels_while_the_range_slides(ana
         return [row[:-1] for row in json.loads(store.client.raw_query(sql, fmt="JSONCompact"))["data"]]
 
     first, later = labels(now), labels(now + timedelta(minutes=2))  # req-14 is out of the range by then
-    assert first == later == [["chat", "decode", "engine.kv_cache_dtype", "fp8", "auto", "gpu-c", "GPU-c",
-                               "rank 1 (GPU-c, gpu-c1)", "req-14"]]
+    assert (
+        first
+        == later
+        == [
+            [
+                "chat",
+                "decode",
+                "engine.kv_cache_dtype",
+                "fp8",
+                "auto",
+                "gpu-c",
+                "GPU-c",
+                "rank 1 (GPU-c, gpu-c1)",
+                "req-14",
+            ]
+        ]
+    )

@@ -33,8 +33,18 @@ _spec.loader.exec_module(fleet)
 
 MINUTE, SECOND = fleet.MINUTE, fleet.SECOND
 NOTHING_EXPLAINS = "no recorded setting or hardware signal differs"
-REPORT_KEYS = {"diverged", "first_divergent_stage", "divergent_ranks", "baseline", "nondeterministic", "nondeterminism",
-               "expected", "rollouts", "causes", "summary"}  # fmt: skip
+REPORT_KEYS = {
+    "diverged",
+    "first_divergent_stage",
+    "divergent_ranks",
+    "baseline",
+    "nondeterministic",
+    "nondeterminism",
+    "expected",
+    "rollouts",
+    "causes",
+    "summary",
+}
 CAUSE_KEYS = {"kind", "stage", "name", "value", "baseline_value", "score", "weak"}
 ROLLOUT_KEYS = {"stage", "name", "old", "new", "from_ns", "to_ns", "hosts", "of_hosts"}
 INDEX = "retrieval.index.version"
@@ -147,8 +157,12 @@ def wave(fl, hosts) -> tuple[dict[str, int], dict[str, int]]:
     return first_new, last_old
 
 
-TP_RANKS = [fleet.Rank(0, "node-a", ("mlx5_0",), "GPU-a0"), fleet.Rank(1, "node-a", ("mlx5_1",), "GPU-a1"),
-            fleet.Rank(2, "node-b", ("mlx5_0",), "GPU-b0"), fleet.Rank(3, "node-b", ("mlx5_1",), "GPU-b1")]  # fmt: skip
+TP_RANKS = [
+    fleet.Rank(0, "node-a", ("mlx5_0",), "GPU-a0"),
+    fleet.Rank(1, "node-a", ("mlx5_1",), "GPU-a1"),
+    fleet.Rank(2, "node-b", ("mlx5_0",), "GPU-b0"),
+    fleet.Rank(3, "node-b", ("mlx5_1",), "GPU-b1"),
+]
 TP_DEVIATING = 14  # the request whose all-reduce went wrong on rank 3's link (host B, mlx5_1)
 
 
@@ -158,8 +172,16 @@ def tp_fleet(store, requests: int = 24):
     fl = fleet.Fleet(store)
     for i in range(requests):
         bad = i == TP_DEVIATING
-        fl.request(f"tp-{i:02d}", fl.at(minutes=i, seconds=3), "node-a", prompt=i % 2, gpu="GPU-a0", tp=TP_RANKS,
-                   rank_differs={3: "seq-err"} if bad else None, measures={"allreduce.time_ms": 41.5} if bad else None)  # fmt: skip
+        fl.request(
+            f"tp-{i:02d}",
+            fl.at(minutes=i, seconds=3),
+            "node-a",
+            prompt=i % 2,
+            gpu="GPU-a0",
+            tp=TP_RANKS,
+            rank_differs={3: "seq-err"} if bad else None,
+            measures={"allreduce.time_ms": 41.5} if bad else None,
+        )
     fl.flush()
     dev_start = fl.requests[f"tp-{TP_DEVIATING:02d}"]["start_ns"]
     t0, t1 = fl.t0 - MINUTE, fl.at(minutes=requests + 1)
@@ -169,8 +191,15 @@ def tp_fleet(store, requests: int = 24):
             # the first scrape after the deviating request started sees 3 more errors, and only that link
             rises = ((dev_start + 12 * SECOND, 3.0),) if (host, nic) == ("node-b", "mlx5_1") else ()
             fl.counter(host, "rdma_packet_seq_err_total", labels, t0, t1, value=40, rises=rises)
-            fl.counter(host, "rdma_port_transmit_bytes_total", labels, t0, t1, value=1e9,
-                       rises=tuple((t, 4e6) for t in range(t0, t1, 15 * SECOND)))  # fmt: skip
+            fl.counter(
+                host,
+                "rdma_port_transmit_bytes_total",
+                labels,
+                t0,
+                t1,
+                value=1e9,
+                rises=tuple((t, 4e6) for t in range(t0, t1, 15 * SECOND)),
+            )
     return fl
 
 
@@ -181,8 +210,15 @@ def flat_hardware(fl, hosts_gpus: dict[str, list[str]], nics=("mlx5_0",)) -> Non
         for n, uuid in enumerate(gpus):
             labels = {"gpu": str(n), "uuid": uuid, "model": "H200"}
             fl.counter(host, "gpu_ecc_errors_total", {**labels, "type": "uncorrected"}, t0, t1, value=0)
-            fl.counter(host, "gpu_energy_joules_total", labels, t0, t1, value=5e6,
-                       rises=tuple((t, 9e3) for t in range(t0, t1, 15 * SECOND)))  # fmt: skip
+            fl.counter(
+                host,
+                "gpu_energy_joules_total",
+                labels,
+                t0,
+                t1,
+                value=5e6,
+                rises=tuple((t, 9e3) for t in range(t0, t1, 15 * SECOND)),
+            )
         for nic in nics:
             fl.counter(host, "rdma_packet_seq_err_total", {"device": nic, "port": "1"}, t0, t1, value=5)
 
@@ -195,10 +231,17 @@ def test_fleet_helper_records_ranks_hosts_times_and_digests(store):
     trace = lookup.by_request_id(store, rid)
     assert trace.start_ns == fl.requests[rid]["start_ns"] == fl.at(minutes=TP_DEVIATING, seconds=3)
     assert len(trace.spans) == 1 + 4 + 4  # root, four single stages, allreduce once per rank
-    ranks = {s.rank: (s.resource["host.name"], json.loads(s.attributes["net.rdma.devices"]), s.output_digest)
-             for s in trace.spans if s.stage == "allreduce"}  # fmt: skip
-    assert {r: v[:2] for r, v in ranks.items()} == {"0": ("node-a", ["mlx5_0"]), "1": ("node-a", ["mlx5_1"]),
-                                                    "2": ("node-b", ["mlx5_0"]), "3": ("node-b", ["mlx5_1"])}  # fmt: skip
+    ranks = {
+        s.rank: (s.resource["host.name"], json.loads(s.attributes["net.rdma.devices"]), s.output_digest)
+        for s in trace.spans
+        if s.stage == "allreduce"
+    }
+    assert {r: v[:2] for r, v in ranks.items()} == {
+        "0": ("node-a", ["mlx5_0"]),
+        "1": ("node-a", ["mlx5_1"]),
+        "2": ("node-b", ["mlx5_0"]),
+        "3": ("node-b", ["mlx5_1"]),
+    }
     assert len({v[2] for r, v in ranks.items() if r != "3"}) == 1 and ranks["3"][2] != ranks["0"][2]
     peer = lookup.by_request_id(store, f"tp-{TP_DEVIATING - 2:02d}")  # same prompt, nothing wrong
     assert peer.input_digest == trace.input_digest and peer.output_digest != trace.output_digest
@@ -220,8 +263,12 @@ def test_fleet_helper_records_ranks_hosts_times_and_digests(store):
         "FROM {db:Identifier}.otel_metrics_sum WHERE MetricName = 'rdma_packet_seq_err_total' GROUP BY 1, 2 ORDER BY 1, 2",
         parameters={"db": store.database},
     ).result_rows
-    assert points == [("node-a", "mlx5_0", 0.0), ("node-a", "mlx5_1", 0.0), ("node-b", "mlx5_0", 0.0),
-                      ("node-b", "mlx5_1", 3.0)]
+    assert points == [
+        ("node-a", "mlx5_0", 0.0),
+        ("node-a", "mlx5_1", 0.0),
+        ("node-b", "mlx5_0", 0.0),
+        ("node-b", "mlx5_1", 3.0),
+    ]
 
 
 def test_fleet_helper_rollout_schedule(store):
@@ -262,7 +309,9 @@ def test_rollout_wave_is_reported_once_and_is_no_deviation(store):
     assert rollout["hosts"] == rollout["of_hosts"] == 4
     leader = min(first_new, key=first_new.get)
     # a second of slack: a rollout may be dated by its stage spans, which start just after their requests
-    assert last_old[leader] < rollout["from_ns"] <= first_new[leader] + SECOND, "the wave starts when the first host moved"
+    assert last_old[leader] < rollout["from_ns"] <= first_new[leader] + SECOND, (
+        "the wave starts when the first host moved"
+    )
     assert max(last_old.values()) <= rollout["to_ns"] <= max(first_new.values()) + SECOND, "and ends when the last did"
     assert found["deviating"] == 0 and deviating(found) == {}, sorted(deviating(found))
 
@@ -271,28 +320,40 @@ def test_rollout_wave_is_reported_once_and_is_no_deviation(store):
     assert during, "the fleet has a changed output inside the wave"
     report = explain(store, during[0]["request_id"])
     assert report["expected"] is True, report["summary"]
-    assert any((r["stage"], r["name"], r["old"], r["new"]) == ("retrieval", INDEX, "v41", "v42") for r in report["rollouts"])
+    assert any(
+        (r["stage"], r["name"], r["old"], r["new"]) == ("retrieval", INDEX, "v41", "v42") for r in report["rollouts"]
+    )
     assert report["nondeterministic"] is False
 
     after = explain(store, changed[-1]["request_id"])  # well after the wave: its peers are the requests after it
     assert after["diverged"] is False, after["summary"]
     assert served(fl, after["baseline"]["request_id"]) == "v42"
-    before = next(r for r in fl.requests.values() if r["prompt"] == 0 and r["start_ns"] > fl.at(20) and not r["differs"])
+    before = next(
+        r for r in fl.requests.values() if r["prompt"] == 0 and r["start_ns"] > fl.at(20) and not r["differs"]
+    )
     earlier = explain(store, before["request_id"])  # the rollout does not make the requests before it look wrong
     assert earlier["diverged"] is False and served(fl, earlier["baseline"]["request_id"]) == "v41"
 
 
 # -- (2) a real fault after a rollout
-@pytest.mark.parametrize(("stage", "key", "good", "bad"), [
-    ("context_assembly", "context.max_tokens", 4096, 2048),
-    ("decode", "decode.batch_size", 16, 32),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("stage", "key", "good", "bad"),
+    [
+        ("context_assembly", "context.max_tokens", 4096, 2048),
+        ("decode", "decode.batch_size", 16, 32),
+    ],
+)
 def test_fault_on_one_host_after_a_rollout_is_blamed_on_its_setting(store, stage, key, good, bad):
     """Class: after the fleet moved to a new index, one host starts serving a wrong setting (a config push that
     reached one node). Its requests deviate from their post-rollout peers because of that setting: not because of the
     rollout's key (the baseline is a request after the rollout) and not because of the host's name."""
-    fl = rollout_fleet(store, HOSTS4, WAVE4, 40,
-                       fault=lambda host, since: (stage, key, bad) if host == "node-3" and since >= 33 * MINUTE else None)
+    fl = rollout_fleet(
+        store,
+        HOSTS4,
+        WAVE4,
+        40,
+        fault=lambda host, since: (stage, key, bad) if host == "node-3" and since >= 33 * MINUTE else None,
+    )
     faulty = sorted(r["request_id"] for r in fl.requests.values() if r["settings"].get(key) == bad)
     assert len(faulty) >= 4
 
@@ -300,7 +361,9 @@ def test_fault_on_one_host_after_a_rollout_is_blamed_on_its_setting(store, stage
     assert report["diverged"] and report["first_divergent_stage"] == stage, report["summary"]
     assert verdict(top(report)) == ("attribute", stage, key, str(bad), str(good)), report["causes"][:3]
     assert top(report)["weak"] is False
-    assert INDEX not in [c["name"] for c in report["causes"] if c["kind"] == "attribute"], "the baseline is after the rollout"
+    assert INDEX not in [c["name"] for c in report["causes"] if c["kind"] == "attribute"], (
+        "the baseline is after the rollout"
+    )
     assert served(fl, report["baseline"]["request_id"]) == "v42"
     assert report["expected"] is False and report["nondeterministic"] is False
 
@@ -320,8 +383,11 @@ def test_lagging_host_is_blamed_on_the_rollout_key(store):
     fl = rollout_fleet(store, hosts, switch, 50)
     first_new, _ = wave(fl, hosts)
     wave_end = max(first_new.values())  # a three-minute wave; the lagging requests come five waves and more after it
-    lagging = [r["request_id"] for r in fl.requests.values()
-               if r["host"] == "node-5" and r["prompt"] in (0, 1) and r["start_ns"] >= wave_end + 15 * MINUTE]  # fmt: skip
+    lagging = [
+        r["request_id"]
+        for r in fl.requests.values()
+        if r["host"] == "node-5" and r["prompt"] in (0, 1) and r["start_ns"] >= wave_end + 15 * MINUTE
+    ]
     assert len(lagging) >= 5
 
     report = explain(store, lagging[-1])
@@ -335,7 +401,8 @@ def test_lagging_host_is_blamed_on_the_rollout_key(store):
 
     found = find(store, fl)
     assert [(r["stage"], r["name"], r["old"], r["new"], r["hosts"], r["of_hosts"]) for r in found["rollouts"]] == [
-        ("retrieval", INDEX, "v41", "v42", 4, 5)]
+        ("retrieval", INDEX, "v41", "v42", 4, 5)
+    ]
     items = deviating(found)
     assert set(lagging) <= set(items), sorted(set(lagging) - set(items))
     assert all(fl.requests[rid]["host"] == "node-5" for rid in items), "only the lagging host deviates"
@@ -348,15 +415,26 @@ def test_one_gpu_a_weight_step_behind_is_blamed_on_the_step(store):
     identity, however close the numbers; timings and token counts move with the output but are effects; the GPU's
     UUID and its host's name are where it happened, not why (the same host's other GPU serves correct outputs)."""
     fl = fleet.Fleet(store)
-    gpus = {"node-1": ["GPU-node-1-0"], "node-2": ["GPU-node-2-0"], "node-3": ["GPU-node-3-0", "GPU-node-3-1"],
-            "node-4": ["GPU-node-4-0"]}  # fmt: skip
+    gpus = {
+        "node-1": ["GPU-node-1-0"],
+        "node-2": ["GPU-node-2-0"],
+        "node-3": ["GPU-node-3-0", "GPU-node-3-1"],
+        "node-4": ["GPU-node-4-0"],
+    }
     behind = "GPU-node-3-1"
     for i, t, host in fleet.timeline(fl.t0, fl.at(24), 30 * SECOND, HOSTS4):
         gpu = gpus[host][(i // 8) % len(gpus[host])]
         stale = gpu == behind
-        fl.request(f"w-{i:02d}", t, host, prompt=(i // 4) % 2, gpu=gpu,
-                   settings={"model.weights.step": 1199} if stale else None, differs={"decode": "step1199"} if stale else None,
-                   measures={"decode.ttft_ms": 231} if stale else None)  # fmt: skip
+        fl.request(
+            f"w-{i:02d}",
+            t,
+            host,
+            prompt=(i // 4) % 2,
+            gpu=gpu,
+            settings={"model.weights.step": 1199} if stale else None,
+            differs={"decode": "step1199"} if stale else None,
+            measures={"decode.ttft_ms": 231} if stale else None,
+        )
     fl.flush()
     flat_hardware(fl, gpus)
     stale = sorted(r["request_id"] for r in fl.requests.values() if r["gpu"] == behind)
@@ -388,12 +466,15 @@ def test_remote_rank_nic_errors_are_blamed_on_that_host_and_rank(store):
     assert report["diverged"] and report["first_divergent_stage"] == "allreduce", report["summary"]
     assert report["divergent_ranks"] == ["3"], "only rank 3's result differs"
     cause = top(report)
-    assert (cause["kind"], cause["stage"], cause["name"]) == ("hardware", "allreduce", "rdma_packet_seq_err_total"), \
+    assert (cause["kind"], cause["stage"], cause["name"]) == ("hardware", "allreduce", "rdma_packet_seq_err_total"), (
         report["causes"][:3]
+    )
     assert (cause["host"], cause["device"]) == ("node-b", "mlx5_1")
     assert str(cause["rank"]) in ("2", "3")
     assert cause["weak"] is False
-    assert not any(c["kind"] == "hardware" and c.get("host") == "node-a" for c in report["causes"]), "host A showed nothing"
+    assert not any(c["kind"] == "hardware" and c.get("host") == "node-a" for c in report["causes"]), (
+        "host A showed nothing"
+    )
     assert "node-b" in report["summary"]
 
     found = find(store, fl)
@@ -414,8 +495,11 @@ def sampling_fleet(store, sampling_on: str = "request"):
     sampled_tags = ["", "", "a", "", "b", "", "", "c", ""]
     n = 0
     ids: dict[str, list[str]] = {"sampled": [], "sampled_deviating": [], "seeded": [], "greedy": []}
-    for group, prompt, temperature, seed, size in (("sampled", 0, 0.8, None, 9), ("seeded", 1, 0.8, 7, 8),
-                                                    ("greedy", 2, 0.0, None, 8)):  # fmt: skip
+    for group, prompt, temperature, seed, size in (
+        ("sampled", 0, 0.8, None, 9),
+        ("seeded", 1, 0.8, 7, 8),
+        ("greedy", 2, 0.0, None, 8),
+    ):
         for k in range(size):
             rid = f"{group}-{k}"
             kwargs = {}
@@ -427,8 +511,16 @@ def sampling_fleet(store, sampling_on: str = "request"):
             elif k == 5:
                 kwargs = {"settings": {"decode.batch_size": 32}, "differs": {"decode": "batch32"}}
                 ids[group].append(rid)
-            fl.request(rid, fl.at(seconds=30 * n), hosts[n % 2], prompt=prompt, temperature=temperature, seed=seed,
-                       sampling_on=sampling_on, **kwargs)  # fmt: skip
+            fl.request(
+                rid,
+                fl.at(seconds=30 * n),
+                hosts[n % 2],
+                prompt=prompt,
+                temperature=temperature,
+                seed=seed,
+                sampling_on=sampling_on,
+                **kwargs,
+            )
             n += 1
     fl.flush()
     return fl, ids
@@ -451,7 +543,10 @@ def test_sampling_without_a_seed_is_nondeterminism_not_a_deviation(store, sampli
     for group in ("seeded", "greedy"):
         [rid] = ids[group]
         report = explain(store, rid)
-        assert report["nondeterministic"] is False and report["nondeterminism"] is None, (group, report["nondeterminism"])
+        assert report["nondeterministic"] is False and report["nondeterminism"] is None, (
+            group,
+            report["nondeterminism"],
+        )
         assert report["diverged"] and report["first_divergent_stage"] == "decode"
         assert verdict(top(report)) == ("attribute", "decode", "decode.batch_size", "32", "16"), report["causes"][:3]
 
@@ -466,8 +561,14 @@ def test_declared_nondeterministic_request(store):
     a non-deterministic kernel) although greedy and seeded: outputs may differ by design."""
     fl = fleet.Fleet(store)
     for k in range(6):
-        fl.request(f"flagged-{k}", fl.at(seconds=30 * k), ["node-1", "node-2"][k % 2], prompt=3,
-                   root={conventions.NONDETERMINISTIC: True}, differs={"decode": "x"} if k == 4 else None)  # fmt: skip
+        fl.request(
+            f"flagged-{k}",
+            fl.at(seconds=30 * k),
+            ["node-1", "node-2"][k % 2],
+            prompt=3,
+            root={conventions.NONDETERMINISTIC: True},
+            differs={"decode": "x"} if k == 4 else None,
+        )
     fl.flush()
     report = explain(store, "flagged-4")
     assert report["nondeterministic"] is True and report["nondeterminism"], report["summary"]
@@ -481,13 +582,21 @@ def test_cli_explain_json_says_nondeterministic(store_dsn):
 
     with open_store(store_dsn) as store:
         _, ids = sampling_fleet(store)
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "explain", ids["sampled_deviating"][0], "--json",
-                           "--store", store_dsn], capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "explain", ids["sampled_deviating"][0], "--json", "--store", store_dsn],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     report = checked(json.loads(done.stdout))
     assert report["nondeterministic"] is True and "temperature" in report["nondeterminism"]
-    seeded = subprocess.run([sys.executable, "-m", "stagetrace", "explain", ids["seeded"][0], "--json",
-                             "--store", store_dsn], capture_output=True, text=True, timeout=120)  # fmt: skip
+    seeded = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "explain", ids["seeded"][0], "--json", "--store", store_dsn],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert seeded.returncode == 0, seeded.stderr
     assert checked(json.loads(seeded.stdout))["nondeterministic"] is False
 
@@ -535,10 +644,26 @@ def test_every_report_keeps_the_contract(store):
     sampled requests: causes best first, all scores above zero, the baseline's request ID in the summary."""
     fl = tp_fleet(store, requests=18)
     for k in range(6):
-        fl.request(f"sampled-{k}", fl.at(minutes=19 + k, seconds=30), "node-a", prompt=2, temperature=0.8, seed=None,
-                   tp=TP_RANKS, differs={"decode": f"s{k % 3}"} if k % 2 else None)  # fmt: skip
-    fl.request("batch32", fl.at(minutes=26), "node-a", prompt=0, gpu="GPU-a0", tp=TP_RANKS,
-               settings={"decode.batch_size": 32}, differs={"decode": "batch32"})  # fmt: skip
+        fl.request(
+            f"sampled-{k}",
+            fl.at(minutes=19 + k, seconds=30),
+            "node-a",
+            prompt=2,
+            temperature=0.8,
+            seed=None,
+            tp=TP_RANKS,
+            differs={"decode": f"s{k % 3}"} if k % 2 else None,
+        )
+    fl.request(
+        "batch32",
+        fl.at(minutes=26),
+        "node-a",
+        prompt=0,
+        gpu="GPU-a0",
+        tp=TP_RANKS,
+        settings={"decode.batch_size": 32},
+        differs={"decode": "batch32"},
+    )
     fl.flush()
     reports = {rid: explain(store, rid) for rid in fl.requests}  # checked() asserts the contract on each
     assert sum(r["diverged"] for r in reports.values()) >= 2
@@ -560,8 +685,10 @@ def test_deviating_output_rule_leaves_out_requests_sampled_without_a_seed(store)
     prompts = {"greedy": {"prompt": "q", "temperature": 0, "seed": 1}, "sampled": {"prompt": "q", "temperature": 0.8}}
     for i in range(4 * alert_rules.MIN_SAMPLES):  # enough of each for the rule to evaluate
         kind = "greedy" if i % 2 else "sampled"
-        attributes = {"gen_ai.request.temperature": prompts[kind]["temperature"],
-                      **({"gen_ai.request.seed": 1} if kind == "greedy" else {})}  # fmt: skip
+        attributes = {
+            "gen_ai.request.temperature": prompts[kind]["temperature"],
+            **({"gen_ai.request.seed": 1} if kind == "greedy" else {}),
+        }
         with stagetrace.request(f"{kind}-{i}", input=prompts[kind], attributes=attributes) as req:
             req.set_output("same answer" if kind == "greedy" else f"sampled answer {i % 3 == 0}")  # a 2:1 majority
     stagetrace.flush()
@@ -591,8 +718,13 @@ def _fleet_of_four(store, resources: dict[str, dict], deviating: str = "c") -> t
     for minute in range(6):
         for host in "abcd":
             for prompt in range(2):
-                fleet_.request(f"r{n}", fleet_.at(minute, seconds=n % 50), host, prompt=prompt,
-                               differs={"decode": "x"} if host == deviating else None)  # fmt: skip
+                fleet_.request(
+                    f"r{n}",
+                    fleet_.at(minute, seconds=n % 50),
+                    host,
+                    prompt=prompt,
+                    differs={"decode": "x"} if host == deviating else None,
+                )
                 n += 1
     fleet_.flush()
     bad = [r for r, v in fleet_.requests.items() if v["host"] == deviating][3]
@@ -602,22 +734,39 @@ def _fleet_of_four(store, resources: dict[str, dict], deviating: str = "c") -> t
     live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()
     ((stage, cause),) = store.client.query(
         "SELECT FirstDivergentStage, TopCauseName FROM {db:Identifier}.stagetrace_divergences FINAL "
-        "WHERE RequestId = {r:String}", parameters={"db": store.database, "r": bad}).result_rows  # fmt: skip
-    assert (stage, cause) == (entry["first_divergent_stage"], entry["top_cause"]["name"]) == (
-        report["first_divergent_stage"], report["causes"][0]["name"])
+        "WHERE RequestId = {r:String}",
+        parameters={"db": store.database, "r": bad},
+    ).result_rows
+    assert (
+        (stage, cause)
+        == (entry["first_divergent_stage"], entry["top_cause"]["name"])
+        == (report["first_divergent_stage"], report["causes"][0]["name"])
+    )
     return bad, report, entry
 
 
-@pytest.mark.parametrize("name, resources, cause, value, where", [
-    ("another GPU model", {"c": {"gpu.model": "NVIDIA H100 80GB HBM3"}}, "gpu.model", "NVIDIA H100 80GB HBM3", "c"),
-    ("another driver", {"c": {"gpu.driver.version": "550.54.15"}}, "gpu.driver.version", "550.54.15", "c"),
-    ("an engine setting", {"c": {"engine.attention_backend": "FLASHINFER"}}, "engine.attention_backend", "FLASHINFER",
-     "c"),
-    ("present on one host only", {"c": {"env.NCCL_ALGO": "Tree"}}, "env.NCCL_ALGO", "Tree", "c"),
-    ("a harmless difference elsewhere", {"b": {"gpu.model": "NVIDIA H100 80GB HBM3"},
-                                        "c": {"engine.attention_backend": "FLASHINFER"}},
-     "engine.attention_backend", "FLASHINFER", "c"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, resources, cause, value, where",
+    [
+        ("another GPU model", {"c": {"gpu.model": "NVIDIA H100 80GB HBM3"}}, "gpu.model", "NVIDIA H100 80GB HBM3", "c"),
+        ("another driver", {"c": {"gpu.driver.version": "550.54.15"}}, "gpu.driver.version", "550.54.15", "c"),
+        (
+            "an engine setting",
+            {"c": {"engine.attention_backend": "FLASHINFER"}},
+            "engine.attention_backend",
+            "FLASHINFER",
+            "c",
+        ),
+        ("present on one host only", {"c": {"env.NCCL_ALGO": "Tree"}}, "env.NCCL_ALGO", "Tree", "c"),
+        (
+            "a harmless difference elsewhere",
+            {"b": {"gpu.model": "NVIDIA H100 80GB HBM3"}, "c": {"engine.attention_backend": "FLASHINFER"}},
+            "engine.attention_backend",
+            "FLASHINFER",
+            "c",
+        ),
+    ],
+)
 def test_the_setting_is_the_cause_and_the_host_is_where(store, name, resources, cause, value, where):
     _, report, entry = _fleet_of_four(store, resources)
     top = report["causes"][0]
@@ -631,8 +780,9 @@ def test_the_setting_is_the_cause_and_the_host_is_where(store, name, resources, 
 
 
 def test_settings_that_changed_together_are_one_candidate_that_says_so(store):
-    _, report, entry = _fleet_of_four(store, {"c": {"engine.attention_backend": "FLASHINFER",
-                                                    "engine.kv_cache_dtype": "fp8"}})  # fmt: skip
+    _, report, entry = _fleet_of_four(
+        store, {"c": {"engine.attention_backend": "FLASHINFER", "engine.kv_cache_dtype": "fp8"}}
+    )
     top = report["causes"][0]
     names = {top["name"], *(c["name"] for c in top["together"])}
     assert names == {"engine.attention_backend", "engine.kv_cache_dtype"}
@@ -643,7 +793,9 @@ def test_settings_that_changed_together_are_one_candidate_that_says_so(store):
 def test_an_identity_with_nothing_else_recorded_stays_the_cause(store):
     _, report, entry = _fleet_of_four(store, {})
     top = report["causes"][0]
-    assert top["name"] in ("gpu.uuid", "host.name") and not top["weak"] and "GPU-c-0" in report["summary"] + top["value"]
+    assert (
+        top["name"] in ("gpu.uuid", "host.name") and not top["weak"] and "GPU-c-0" in report["summary"] + top["value"]
+    )
     assert entry["top_cause"]["name"] == top["name"]
 
 
@@ -664,9 +816,12 @@ def test_differences_no_contrast_weighed_say_nothing_of_where_or_together():
     same: that is no evidence that settings changed together, nor that an identity is only where."""
     from stagetrace.analysis.causes import UNSCORED, Cause, ranked
 
-    found = ranked([Cause("attribute", "decode", name, value, "", UNSCORED, {"role": "setting"})
-                    for name, value in (("engine.kv_cache_dtype", "fp8"), ("engine.max_num_seqs", "64"),
-                                        ("host.name", "c"))])  # fmt: skip
+    found = ranked(
+        [
+            Cause("attribute", "decode", name, value, "", UNSCORED, {"role": "setting"})
+            for name, value in (("engine.kv_cache_dtype", "fp8"), ("engine.max_num_seqs", "64"), ("host.name", "c"))
+        ]
+    )
     assert [c.name for c in found] == ["engine.kv_cache_dtype", "engine.max_num_seqs", "host.name"]
     assert not any("together" in c.evidence or "where" in c.evidence for c in found)
 
@@ -682,8 +837,13 @@ def test_a_request_that_skipped_a_stage_is_compared_by_its_root_in_explain_and_d
     for minute in range(6):
         for k in range(4):
             skip = minute == 5 and k < 2
-            r = fl.request(f"r-{minute}-{k}", fl.at(minute, seconds=10 * k), "node-1", skip=("cache",) if skip else (),
-                           root={"request.cache_mode": "bypass" if skip else "use"})  # fmt: skip
+            r = fl.request(
+                f"r-{minute}-{k}",
+                fl.at(minute, seconds=10 * k),
+                "node-1",
+                skip=("cache",) if skip else (),
+                root={"request.cache_mode": "bypass" if skip else "use"},
+            )
             if skip:
                 bypassed.append(r["request_id"])
     fl.flush()

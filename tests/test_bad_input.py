@@ -19,8 +19,23 @@ from stagetrace.exporters.otlp import OtlpReceiver
 from stagetrace.store import open_store
 
 STORED_EVIL = "a'b\\c\"d; DROP TABLE stagetrace.otel_traces; --"
-EVIL = ["'", "\\", '"', "\0", "r1\0", "r1'", "x' OR '1'='1", "r1' --", "'; DROP TABLE stagetrace.otel_traces; --",
-        "%", "r%", "_1", "{id:String}", "r1\\'", STORED_EVIL[:-1]]  # fmt: skip
+EVIL = [
+    "'",
+    "\\",
+    '"',
+    "\0",
+    "r1\0",
+    "r1'",
+    "x' OR '1'='1",
+    "r1' --",
+    "'; DROP TABLE stagetrace.otel_traces; --",
+    "%",
+    "r%",
+    "_1",
+    "{id:String}",
+    "r1\\'",
+    STORED_EVIL[:-1],
+]
 
 
 def write_requests(store, *request_ids: str) -> None:
@@ -29,9 +44,15 @@ def write_requests(store, *request_ids: str) -> None:
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("t")
     for request_id in request_ids:
-        with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER,
-                                          attributes={"stagetrace.request.id": request_id,
-                                                      "stagetrace.input.digest": "in", "stagetrace.output.digest": "out"}):  # fmt: skip
+        with tracer.start_as_current_span(
+            "inference.request",
+            kind=SpanKind.SERVER,
+            attributes={
+                "stagetrace.request.id": request_id,
+                "stagetrace.input.digest": "in",
+                "stagetrace.output.digest": "out",
+            },
+        ):
             with tracer.start_as_current_span("decode", attributes={"stagetrace.stage": "decode"}):
                 pass
     assert exporter.force_flush()
@@ -58,10 +79,17 @@ def test_the_cli_answers_hostile_ids_with_one_line(tmp_path):
     with open_store(dsn) as store:
         write_requests(store, "r1")
     for command in ("trace", "explain"):
-        result = subprocess.run([sys.executable, "-m", "stagetrace", command, "x' OR '1'='1", "--store", dsn],
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [sys.executable, "-m", "stagetrace", command, "x' OR '1'='1", "--store", dsn],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 1
-        assert result.stderr.startswith("stagetrace: no request with id \"x' OR '1'='1\"") and result.stderr.count("\n") == 1
+        assert (
+            result.stderr.startswith("stagetrace: no request with id \"x' OR '1'='1\"")
+            and result.stderr.count("\n") == 1
+        )
 
 
 def test_sdk_attributes_of_every_type_are_stored(store):
@@ -69,14 +97,27 @@ def test_sdk_attributes_of_every_type_are_stored(store):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     attributes = {
-        "str": "plain", "nul": "a\0b", "surrogate": "a\udc80b",  # what os.fsdecode makes of non-UTF-8 bytes
-        "bool": False, "int": 2**63 - 1, "neg": -(2**63), "float": 1.5, "nan": math.nan, "inf": -math.inf,
-        "strs": ["x", "\ud800", ""], "ints": [1, 2], "floats": [0.5], "bools": [True, False], "empty": [],
+        "str": "plain",
+        "nul": "a\0b",
+        "surrogate": "a\udc80b",  # what os.fsdecode makes of non-UTF-8 bytes
+        "bool": False,
+        "int": 2**63 - 1,
+        "neg": -(2**63),
+        "float": 1.5,
+        "nan": math.nan,
+        "inf": -math.inf,
+        "strs": ["x", "\ud800", ""],
+        "ints": [1, 2],
+        "floats": [0.5],
+        "bools": [True, False],
+        "empty": [],
         "big": "v" * 100_000,
-    }  # fmt: skip
+    }
     provider.get_tracer("t").start_span("typed", attributes=attributes).end()
     assert exporter.force_flush(10_000)
-    stored = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'").result_rows[0][0]
+    stored = store.client.query(
+        "SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'"
+    ).result_rows[0][0]
     assert stored["str"] == "plain" and stored["nul"] == "a\0b" and stored["surrogate"] == "a?b"
     assert (stored["bool"], stored["int"], stored["neg"]) == ("false", str(2**63 - 1), str(-(2**63)))
     assert (stored["nan"], stored["inf"]) == ("nan", "-inf")
@@ -90,39 +131,60 @@ def _kv(key: str, value: AnyValue) -> KeyValue:
 
 
 def test_otlp_attributes_of_every_type_including_non_utf8_bytes_are_stored(store):
-    nested = ArrayValue(values=[AnyValue(int_value=1), AnyValue(array_value=ArrayValue(values=[AnyValue(string_value="in")]))])
+    nested = ArrayValue(
+        values=[AnyValue(int_value=1), AnyValue(array_value=ArrayValue(values=[AnyValue(string_value="in")]))]
+    )
     request = ExportTraceServiceRequest()
-    span = request.resource_spans.add().scope_spans.add().spans.add(
-        trace_id=bytes(range(1, 17)), span_id=bytes(range(1, 9)), name="typed", start_time_unix_nano=1, end_time_unix_nano=2,
-    )  # fmt: skip
-    span.attributes.extend([
-        _kv("bytes", AnyValue(bytes_value=b"\xff\xfe\x00raw")),
-        _kv("kvlist", AnyValue(kvlist_value=KeyValueList(values=[_kv("k", AnyValue(double_value=2.5))]))),
-        _kv("nested", AnyValue(array_value=nested)),
-        _kv("unset", AnyValue()),
-        _kv("double", AnyValue(double_value=float("nan"))),
-        _kv("int", AnyValue(int_value=-(2**63))),
-        _kv("bool", AnyValue(bool_value=True)),
-    ])  # fmt: skip
+    span = (
+        request.resource_spans.add()
+        .scope_spans.add()
+        .spans.add(
+            trace_id=bytes(range(1, 17)),
+            span_id=bytes(range(1, 9)),
+            name="typed",
+            start_time_unix_nano=1,
+            end_time_unix_nano=2,
+        )
+    )
+    span.attributes.extend(
+        [
+            _kv("bytes", AnyValue(bytes_value=b"\xff\xfe\x00raw")),
+            _kv("kvlist", AnyValue(kvlist_value=KeyValueList(values=[_kv("k", AnyValue(double_value=2.5))]))),
+            _kv("nested", AnyValue(array_value=nested)),
+            _kv("unset", AnyValue()),
+            _kv("double", AnyValue(double_value=float("nan"))),
+            _kv("int", AnyValue(int_value=-(2**63))),
+            _kv("bool", AnyValue(bool_value=True)),
+        ]
+    )
     receiver = OtlpReceiver(store, "127.0.0.1:0")
     try:
         receiver.traces(request)  # answered once stored
     finally:
         receiver.close()
-    stored = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'").result_rows[0][0]
+    stored = store.client.query(
+        "SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'typed'"
+    ).result_rows[0][0]
     assert stored["bytes"] == "//4AcmF3"  # base64, as the Collector writes bytes
     assert stored["kvlist"] == '{"k":2.5}' and stored["nested"] == "[1,\"('in',)\"]"
     assert stored["unset"] == "" and stored["double"] == "nan" and stored["int"] == str(-(2**63))
     assert stored["bool"] == "true"
 
 
-@pytest.mark.parametrize("argv, usage, hint", [
-    (["trace", "req-1", "--jsn"], "usage: stagetrace trace ", "unrecognized argument: --jsn (did you mean --json?)"),
-    (["explain", "req-1", "--agaisnt=req-2"], "usage: stagetrace explain ", "(did you mean --against?)"),
-    (["divergences", "--sine", "1h"], "usage: stagetrace divergences ", "(did you mean --since?)"),
-    (["tarce", "req-1"], "usage: stagetrace [-h]", "unknown command 'tarce' (did you mean trace?)"),
-    (["demmo"], "usage: stagetrace [-h]", "unknown command 'demmo' (did you mean demo?)"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, usage, hint",
+    [
+        (
+            ["trace", "req-1", "--jsn"],
+            "usage: stagetrace trace ",
+            "unrecognized argument: --jsn (did you mean --json?)",
+        ),
+        (["explain", "req-1", "--agaisnt=req-2"], "usage: stagetrace explain ", "(did you mean --against?)"),
+        (["divergences", "--sine", "1h"], "usage: stagetrace divergences ", "(did you mean --since?)"),
+        (["tarce", "req-1"], "usage: stagetrace [-h]", "unknown command 'tarce' (did you mean trace?)"),
+        (["demmo"], "usage: stagetrace [-h]", "unknown command 'demmo' (did you mean demo?)"),
+    ],
+)
 def test_a_mistyped_option_or_command_gets_its_usage_and_the_closest_word(argv, usage, hint):
     """The usage shown is the command's own (what options it takes), and the right word is named."""
     done = subprocess.run([sys.executable, "-m", "stagetrace", *argv], capture_output=True, text=True, timeout=60)
@@ -131,14 +193,18 @@ def test_a_mistyped_option_or_command_gets_its_usage_and_the_closest_word(argv, 
     last = done.stderr.strip().splitlines()[-1]
     assert hint in last and "Traceback" not in done.stderr
     if "unknown command" in last:
-        assert last.endswith("the commands: schema, trace, explain, divergences, demo, collect, agent, analyse, provision")
+        assert last.endswith(
+            "the commands: schema, trace, explain, divergences, demo, collect, agent, analyse, provision"
+        )
 
 
 def test_a_word_close_to_nothing_gets_no_guess():
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "req-1", "--zzzzzz"], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "trace", "req-1", "--zzzzzz"], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == (
-        "stagetrace trace: error: unrecognized argument: --zzzzzz")
+        "stagetrace trace: error: unrecognized argument: --zzzzzz"
+    )
 
 
 def test_store_before_the_command_is_taken_and_the_commands_own_wins(tmp_path):

@@ -10,16 +10,26 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quick_run_prints_and_writes_every_figure(tmp_path):
     output = tmp_path / "RESULTS.md"
-    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--output", str(output)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=420)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--output", str(output)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
     assert result.returncode == 0, result.stderr
     written = output.read_text()
     for line in ("# Benchmark results", "- date: ", "- commit: ", "- machine: ", "| benchmark | figure | value |"):
         assert line in written
     rows = [line for line in written.splitlines() if line.startswith("| collection |")]
     assert [r.split(" | ")[1].split(",")[0].split(" (")[0] for r in rows] == [
-        "RDMA collector", "RDMA collector", "RDMA collector", "whole-node snapshot in-process",
-        "`stagetrace collect --once` process", "gpu collector scrape at 1 s", "GPM's cost per GPU per scrape",
+        "RDMA collector",
+        "RDMA collector",
+        "RDMA collector",
+        "whole-node snapshot in-process",
+        "`stagetrace collect --once` process",
+        "gpu collector scrape at 1 s",
+        "GPM's cost per GPU per scrape",
     ]  # against node_exporter, node_exporter on the same files, coreutils cat; GPM on against off
     assert all(line in result.stdout for line in rows)
     rdma = rows[0].split(" | ")
@@ -48,11 +58,18 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("views_by_writer", 18, ["bare otel_traces"] * 18),
         # two corpora: an insert of one request, a span more and a large insert against the bare table, the size from
         # which the aim holds; between them each view's planning against a one-column query
-        ("views_profile", 14, ["bare otel_traces"] * 3 + [""] + ["a one-column query"] * 6 + ["bare otel_traces"] * 3
-         + [""]),
+        (
+            "views_profile",
+            14,
+            ["bare otel_traces"] * 3 + [""] + ["a one-column query"] * 6 + ["bare otel_traces"] * 3 + [""],
+        ),
         # three group sizes: against the bare table, against 8,192-row groups (but the first), the memory
-        ("replay", 8, ["bare otel_traces", "groups of up to 8,192"]
-         + ["bare otel_traces", "groups of up to 8,192", "groups of up to 8,192"] * 2),
+        (
+            "replay",
+            8,
+            ["bare otel_traces", "groups of up to 8,192"]
+            + ["bare otel_traces", "groups of up to 8,192", "groups of up to 8,192"] * 2,
+        ),
         ("ingest", 41, [""] * 41),  # the fleet into an embedded store (20 figures) and a server store (21)
         ("neighbours", 2, ["aim"] * 2),  # explain and divergences, each against its aim
         ("concurrent_faults", 2, ["aim"] * 2),
@@ -64,5 +81,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
 
 
 def test_unknown_benchmark_is_a_usage_error():
-    result = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "nope"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "nope"], cwd=ROOT, capture_output=True, text=True
+    )
     assert result.returncode == 2 and "unknown benchmark nope: choose from collection" in result.stderr

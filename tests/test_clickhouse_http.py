@@ -19,8 +19,9 @@ def port(tmp_path_factory):
 
 @pytest.mark.parametrize("compress", ["lz4", "zstd", False])
 def test_an_insert_of_many_blocks_is_stored_whole(port, compress):
-    client = clickhouse_connect.get_client(host="127.0.0.1", port=port, username="default", password="",
-                                           compress=compress)  # fmt: skip
+    client = clickhouse_connect.get_client(
+        host="127.0.0.1", port=port, username="default", password="", compress=compress
+    )
     table = f"rows_{compress or 'plain'}"
     client.command(f"CREATE TABLE {table} (n UInt64, text String) ENGINE = MergeTree ORDER BY n")
     rows = [(n, f"row {n} " + "x" * 200) for n in range(100_000)]  # several of the client's blocks

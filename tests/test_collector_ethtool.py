@@ -69,12 +69,15 @@ def test_mlx5_pfc_discards_and_pause_storms():
         stats = recorded[netdev]
         for direction in ("rx", "tx"):
             pfc = {"netdev": netdev, "direction": direction}
-            assert value(scraped, "nic_pfc_pause_frames_total", **pfc, priority="3") == stats[f"{direction}_prio3_pause"]
+            assert (
+                value(scraped, "nic_pfc_pause_frames_total", **pfc, priority="3") == stats[f"{direction}_prio3_pause"]
+            )
             assert value(scraped, "nic_pfc_pause_duration_seconds_total", **pfc, priority="3") == pytest.approx(
                 stats[f"{direction}_prio3_pause_duration"] / 1e6
             )
-            assert value(scraped, "nic_pfc_pause_frames_total", **pfc, priority="global") == (
-                stats[f"{direction}_global_pause"]
+            assert (
+                value(scraped, "nic_pfc_pause_frames_total", **pfc, priority="global")
+                == (stats[f"{direction}_global_pause"])
             )
             assert value(scraped, "nic_pfc_pause_duration_seconds_total", **pfc, priority="global") == pytest.approx(
                 stats[f"{direction}_global_pause_duration"] / 1e6
@@ -82,15 +85,20 @@ def test_mlx5_pfc_discards_and_pause_storms():
             assert value(scraped, "nic_discards_total", **pfc) == stats[f"{direction}_discards_phy"]
         assert value(scraped, "nic_out_of_buffer_total", netdev=netdev) == stats["rx_out_of_buffer"]
         for level in ("warning", "error"):
-            assert value(scraped, "nic_pause_storm_events_total", netdev=netdev, level=level) == (
-                stats[f"tx_pause_storm_{level}_events"]
+            assert (
+                value(scraped, "nic_pause_storm_events_total", netdev=netdev, level=level)
+                == (stats[f"tx_pause_storm_{level}_events"])
             )
     # PFC is only on priority 3, so mlx5 has no pause counters for the others
     priorities = {dict(labels)["priority"] for name, labels in scraped if name == "nic_pfc_pause_frames_total"}
     assert priorities == {"3", "global"}
     assert value(scraped, "nic_pause_storm_events_total", netdev="ens2f1np1", level="error") == 1
     # pause_ctrl_phy also counts the PFC frames: it is not a priority, or sums would count them twice
-    pfc_frames = sum(v for (name, lbl), v in scraped.items() if name == "nic_pfc_pause_frames_total" and ("netdev", "ens2f1np1") in lbl)
+    pfc_frames = sum(
+        v
+        for (name, lbl), v in scraped.items()
+        if name == "nic_pfc_pause_frames_total" and ("netdev", "ens2f1np1") in lbl
+    )
     assert pfc_frames == recorded["ens2f1np1"]["rx_prio3_pause"] + recorded["ens2f1np1"]["tx_prio3_pause"]
     assert not [name for name in names(scraped) if name.startswith("nic_ethtool_")]  # nothing else unless included
 
@@ -113,7 +121,9 @@ def test_include_pattern_that_is_not_a_regex():
 def test_names_that_sanitize_alike_give_one_series(tmp_path, caplog):
     path = tmp_path / "statistics.json"
     path.write_text(json.dumps({"eth9": {"rx-errors": 1, "rx_errors": 2, "Rx Errors": 3}}))
-    collector = EthtoolCollector(Options(host="node1", netdevs=("eth9",), ethtool_fixture=path, ethtool_include="(?i)errors"))
+    collector = EthtoolCollector(
+        Options(host="node1", netdevs=("eth9",), ethtool_fixture=path, ethtool_include="(?i)errors")
+    )
     with caplog.at_level(logging.WARNING, logger="stagetrace.collectors"):
         scraped = scrape(collector)
     assert value(scraped, "nic_ethtool_rx_errors_total", netdev="eth9") == 1  # the driver's first name wins
@@ -123,7 +133,9 @@ def test_names_that_sanitize_alike_give_one_series(tmp_path, caplog):
 def test_netdev_without_statistics_or_vanished_is_skipped_and_logged_once(tmp_path, caplog):
     path = tmp_path / "statistics.json"
     path.write_text(json.dumps({"eth0": {"rx_out_of_buffer": 7}, "lo": None}))
-    node = Node([EthtoolCollector(Options(host="node1", netdevs=("lo", "eth0", "gone0"), ethtool_fixture=path))], "node1")
+    node = Node(
+        [EthtoolCollector(Options(host="node1", netdevs=("lo", "eth0", "gone0"), ethtool_fixture=path))], "node1"
+    )
     with caplog.at_level(logging.WARNING, logger="stagetrace.collectors"):
         first, second = scrape(node), scrape(node)
     for scraped in (first, second):
@@ -138,7 +150,9 @@ def test_no_readable_netdev_is_source_unavailable(tmp_path):
     path = tmp_path / "statistics.json"
     path.write_text(json.dumps({"lo": None}))
     collector = EthtoolCollector(Options(host="node1", netdevs=("lo", "gone0"), ethtool_fixture=path))
-    with pytest.raises(SourceUnavailable, match=r"^no driver statistics on any netdev \(lo: .*; gone0: no such netdev\)"):
+    with pytest.raises(
+        SourceUnavailable, match=r"^no driver statistics on any netdev \(lo: .*; gone0: no such netdev\)"
+    ):
         collector.collect(None)
     assert success(scrape(collector)) == 0
 
@@ -188,8 +202,10 @@ class Pair:
         """Run Python in the namespace (``ip netns exec`` also mounts its /sys); return its JSON output and stderr."""
         done = subprocess.run(
             ["ip", "netns", "exec", namespace, sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code)],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         return json.loads(done.stdout), done.stderr
 
@@ -205,13 +221,16 @@ class Pair:
         return stats
 
     def send_udp(self, datagrams: int) -> None:
-        self.run_in(self.a, f"""
+        self.run_in(
+            self.a,
+            f"""
             import socket
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 for _ in range({datagrams}):
                     s.sendto(b"x" * 100, ("10.77.0.2", 9))
             print("null")
-        """)  # fmt: skip
+        """,
+        )
 
 
 @pytest.fixture
@@ -222,28 +241,46 @@ def veth(component):
         _required("creating network namespaces needs root")
     a, b = f"stagetrace-{os.getpid()}-a", f"stagetrace-{os.getpid()}-b"
     steps = [
-        [ip, "netns", "add", a], [ip, "netns", "add", b],
+        [ip, "netns", "add", a],
+        [ip, "netns", "add", b],
         [ip, "link", "add", "va", "netns", a, "type", "veth", "peer", "name", "vb", "netns", b],
         # no IPv6, and a static neighbour: the only packets on the pair are the ones a test sends
         [ip, "netns", "exec", a, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6"],
         [ip, "netns", "exec", b, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6"],
-        [ip, "-n", a, "addr", "add", "10.77.0.1/24", "dev", "va"], [ip, "-n", b, "addr", "add", "10.77.0.2/24", "dev", "vb"],
-        [ip, "-n", a, "link", "set", "va", "up"], [ip, "-n", b, "link", "set", "vb", "up"],
+        [ip, "-n", a, "addr", "add", "10.77.0.1/24", "dev", "va"],
+        [ip, "-n", b, "addr", "add", "10.77.0.2/24", "dev", "vb"],
+        [ip, "-n", a, "link", "set", "va", "up"],
+        [ip, "-n", b, "link", "set", "vb", "up"],
         # veth counts received packets in its GSTATS only on its NAPI path: a GRO that is asked for
         # (not merely on by default) turns NAPI on, UDP GRO forwarding lets datagrams take it
         [ip, "netns", "exec", b, ethtool, "-K", "vb", "gro", "off"],
         [ip, "netns", "exec", b, ethtool, "-K", "vb", "gro", "on", "rx-udp-gro-forwarding", "on"],
-    ]  # fmt: skip
+    ]
     try:
         for step in steps:
             done = subprocess.run(step, capture_output=True, text=True)
             if done.returncode != 0:
                 _required(f"{' '.join(step)} failed: {done.stderr.strip()}")
-        b_mac = json.loads(subprocess.run([ip, "-n", b, "-j", "link", "show", "vb"], capture_output=True, check=True).stdout)
+        b_mac = json.loads(
+            subprocess.run([ip, "-n", b, "-j", "link", "show", "vb"], capture_output=True, check=True).stdout
+        )
         subprocess.run(
-            [ip, "-n", a, "neigh", "replace", "10.77.0.2", "lladdr", b_mac[0]["address"], "dev", "va", "nud", "permanent"],
+            [
+                ip,
+                "-n",
+                a,
+                "neigh",
+                "replace",
+                "10.77.0.2",
+                "lladdr",
+                b_mac[0]["address"],
+                "dev",
+                "va",
+                "nud",
+                "permanent",
+            ],
             check=True,
-        )  # fmt: skip
+        )
         yield Pair(a, b, ethtool)
     finally:
         for namespace in (a, b):
@@ -269,8 +306,9 @@ def test_counters_move_with_traffic_and_match_ethtool(veth):
         samples, _ = veth.run_in(veth.b, collect)
         found = {name: value for name, labels, value in samples if labels.get("netdev") == "vb"}
         assert {name for name, labels, value in samples if labels.get("collector") == "ethtool"} == {
-            "stagetrace_collector_success", "stagetrace_collector_duration_seconds",
-        }  # fmt: skip
+            "stagetrace_collector_success",
+            "stagetrace_collector_duration_seconds",
+        }
         return found["nic_ethtool_rx_queue_0_xdp_packets_total"]
 
     before = packets()
@@ -284,18 +322,25 @@ def test_discovers_the_namespace_netdevs_without_loopback(veth, tmp_path):
     # a sysfs root with only class/net (the namespace's, as `ip netns exec` mounts it): no RDMA ports
     (tmp_path / "class").mkdir()
     (tmp_path / "class" / "net").symlink_to("/sys/class/net")
-    discovered, _ = veth.run_in(veth.b, f"print(json.dumps(EthtoolCollector(Options(sysfs=Path({str(tmp_path)!r}))).netdevs()))")
+    discovered, _ = veth.run_in(
+        veth.b, f"print(json.dumps(EthtoolCollector(Options(sysfs=Path({str(tmp_path)!r}))).netdevs()))"
+    )
     assert discovered == ["vb"]
 
 
 def test_loopback_and_vanished_netdevs_are_skipped(veth):
-    samples, log = veth.run_in(veth.b, """
+    samples, log = veth.run_in(
+        veth.b,
+        """
         node = Node([EthtoolCollector(Options(host="node1", netdevs=("lo", "vb", "gone0"), ethtool_include="peer_ifindex"))], "node1")
         first = scrape(node)
         subprocess.run(["ip", "link", "del", "vb"], check=True)  # vb vanishes between two scrapes
         print(json.dumps([first, scrape(node)]))
-    """)  # fmt: skip
-    first, second = ({(name, labels.get("netdev") or labels.get("collector")): value for name, labels, value in s} for s in samples)
+    """,
+    )
+    first, second = (
+        {(name, labels.get("netdev") or labels.get("collector")): value for name, labels, value in s} for s in samples
+    )
     assert first[("stagetrace_collector_success", "ethtool")] == 1
     assert ("nic_ethtool_peer_ifindex_total", "vb") in first
     assert second[("stagetrace_collector_success", "ethtool")] == 0

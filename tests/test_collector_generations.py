@@ -34,9 +34,15 @@ def collector_statements(generation: str = "current") -> list[str]:
     """The generation's DDL statements (separated by lines holding only ``;;``), comments left out; ``json``: the
     Collector's JSON attribute layout (``fixtures/collector_json``)."""
     fixtures = Path(__file__).with_name("fixtures")
-    ddl = fixtures / "collector_json" / "json.sql" if generation == "json" else fixtures / "collector" / f"{generation}.sql"
+    ddl = (
+        fixtures / "collector_json" / "json.sql"
+        if generation == "json"
+        else fixtures / "collector" / f"{generation}.sql"
+    )
     chunks = re.split(r"^;;$", ddl.read_text(), flags=re.M)
-    statements = ["\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip() for chunk in chunks]
+    statements = [
+        "\n".join(line for line in chunk.splitlines() if not line.startswith("--")).strip() for chunk in chunks
+    ]
     return [s for s in statements if s]
 
 
@@ -65,7 +71,8 @@ def collector_store(request, store_dsn):
 def column_type(store, table: str, column: str) -> str:
     return store.client.command(
         "SELECT type FROM system.columns WHERE database = {db:String} AND table = {t:String} AND name = {c:String}",
-        parameters={"db": store.database, "t": table, "c": column})  # fmt: skip
+        parameters={"db": store.database, "t": table, "c": column},
+    )
 
 
 def record(request_id: str, deviate: bool = False, gpu: str = "GPU-a") -> None:
@@ -87,7 +94,8 @@ def collector_sample(store, name: str, labels: dict, value: float) -> None:
         "StartTimeUnix, TimeUnix, Value, AggregationTemporality, IsMonotonic) "
         "VALUES (map('host.name', 'node-a'), 'stagetrace-agent', {n:String}, "
         "mapFromArrays({lk:Array(String)}, {lv:Array(String)}), now() - 1000, now(), {v:Float64}, 2, true)",
-        parameters={"db": store.database, "n": name, "lk": list(labels), "lv": list(labels.values()), "v": value})  # fmt: skip
+        parameters={"db": store.database, "n": name, "lk": list(labels), "lv": list(labels.values()), "v": value},
+    )
 
 
 def test_the_collectors_current_tables_are_adopted_as_they_are(current_store):
@@ -98,8 +106,12 @@ def test_the_collectors_current_tables_are_adopted_as_they_are(current_store):
     assert column_type(current_store, "otel_metrics_sum", "TimeUnix") == "DateTime"
     assert column_type(current_store, "otel_metrics_gauge", "MetricName") == "LowCardinality(String)"
     assert column_type(current_store, "otel_traces_trace_id_ts", "Start") == "SimpleAggregateFunction(min, DateTime)"
-    tables = {r[0] for r in current_store.client.query(
-        "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": current_store.database}).result_rows}
+    tables = {
+        r[0]
+        for r in current_store.client.query(
+            "SELECT name FROM system.tables WHERE database = {db:String}", parameters={"db": current_store.database}
+        ).result_rows
+    }
     assert {"stagetrace_requests", "stagetrace_stages", "stagetrace_divergences"} <= tables
     states = dict(schema.check(current_store.client, current_store.database))
     assert {t: states[t] for t in schema.COLLECTOR_TABLES} == {t: schema.CURRENT for t in schema.COLLECTOR_TABLES}
@@ -151,7 +163,12 @@ def test_trace_explain_and_divergences_read_each_generation(collector_store):
     report = Explainer(collector_store).explain("odd").to_json()
     assert report["first_divergent_stage"] == "decode", report["summary"]
     top = report["causes"][0]
-    assert (top["kind"], top["name"], top["device"], top["value"]) == ("hardware", "gpu_xid_errors_total", "GPU-a", "+1")
+    assert (top["kind"], top["name"], top["device"], top["value"]) == (
+        "hardware",
+        "gpu_xid_errors_total",
+        "GPU-a",
+        "+1",
+    )
     found = divergences.find(collector_store, 3600 * 10**9)
     (item,) = [i for g in found["groups"] for i in g["deviating"]]
     assert item["request_id"] == "odd" and item["first_divergent_stage"] == "decode"
@@ -199,9 +216,25 @@ def test_logs_land_and_are_read_on_each_generation(collector_store):
     record("logged")
     trace = lookup.by_request_id(collector_store, "logged")
     decode = next(s for s in trace.spans if s.stage_name == "decode")
-    sent = ExportLogsServiceRequest(resource_logs=[ResourceLogs(scope_logs=[ScopeLogs(log_records=[LogRecord(
-        time_unix_nano=decode.start_ns, severity_text="WARN", severity_number=13,
-        trace_id=bytes.fromhex(trace.trace_id), span_id=bytes.fromhex(decode.span_id))])])])  # fmt: skip
+    sent = ExportLogsServiceRequest(
+        resource_logs=[
+            ResourceLogs(
+                scope_logs=[
+                    ScopeLogs(
+                        log_records=[
+                            LogRecord(
+                                time_unix_nano=decode.start_ns,
+                                severity_text="WARN",
+                                severity_number=13,
+                                trace_id=bytes.fromhex(trace.trace_id),
+                                span_id=bytes.fromhex(decode.span_id),
+                            )
+                        ]
+                    )
+                ]
+            )
+        ]
+    )
     sent.resource_logs[0].scope_logs[0].log_records[0].body.string_value = "preempted: KV cache full"
     writer = DurableWriter(collector_store, "logs", spool_dir=False)
     assert writer.write(LOGS_TABLE, LOG_COLUMNS, log_rows(sent))
@@ -210,11 +243,18 @@ def test_logs_land_and_are_read_on_each_generation(collector_store):
         "INSERT INTO {db:Identifier}.otel_logs (Timestamp, TraceId, SpanId, SeverityText, SeverityNumber, ServiceName, "
         "Body) VALUES (fromUnixTimestamp64Nano({t:Int64}), {tid:String}, {sid:String}, 'ERROR', 17, 'vllm', "
         "'CUDA graph replay fell back to eager mode')",
-        parameters={"db": collector_store.database, "t": decode.start_ns + 1000, "tid": trace.trace_id,
-                    "sid": decode.span_id})  # fmt: skip
+        parameters={
+            "db": collector_store.database,
+            "t": decode.start_ns + 1000,
+            "tid": trace.trace_id,
+            "sid": decode.span_id,
+        },
+    )
     lines = lookup.logs_of(collector_store, trace)
     assert [(line.severity, line.body) for line in lines] == [
-        ("WARN", "preempted: KV cache full"), ("ERROR", "CUDA graph replay fell back to eager mode")]
+        ("WARN", "preempted: KV cache full"),
+        ("ERROR", "CUDA graph replay fell back to eager mode"),
+    ]
     spans = collector_store.client.query(PLUGIN_TRACE_SQL.format(trace_id=trace.trace_id)).result_rows
     assert sorted(r[1] for r in spans) == sorted(s.span_id for s in trace.spans)
     start, end = trace.start_ns // 10**9 - 60, trace.start_ns // 10**9 + 60
@@ -222,7 +262,8 @@ def test_logs_land_and_are_read_on_each_generation(collector_store):
         rows = collector_store.client.query(sql.format(trace_id=trace.trace_id, start=start, end=end)).result_rows
         assert [(r[1], r[2], r[4]) for r in rows] == [
             ("preempted: KV cache full", "WARN", trace.trace_id),
-            ("CUDA graph replay fell back to eager mode", "ERROR", trace.trace_id)], sql
+            ("CUDA graph replay fell back to eager mode", "ERROR", trace.trace_id),
+        ], sql
 
 
 def test_schema_check_prints_each_tables_generation(store_dsn, capsys):

@@ -46,8 +46,12 @@ def collector_demo(request, tmp_path_factory):
         bare.client.command("CREATE DATABASE IF NOT EXISTS stagetrace")
         for statement in generations.collector_statements(request.param):
             bare.client.command(statement)
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     with open_store(dsn) as store:
         store.client.database = store.database
@@ -59,18 +63,25 @@ def collector_demo(request, tmp_path_factory):
 
 def test_every_dashboard_query_runs_on_each_generation(collector_demo):
     ((first, last),) = collector_demo.client.query("SELECT min(Timestamp), max(Timestamp) FROM otel_traces").result_rows
-    window = QueryContext(first.replace(tzinfo=timezone.utc) - timedelta(minutes=1),
-                          last.replace(tzinfo=timezone.utc) + timedelta(minutes=1), interval_ms=1000)  # fmt: skip
-    metrics = {r[0] for r in collector_demo.client.query(
-        "SELECT DISTINCT MetricName FROM otel_metrics_gauge UNION DISTINCT SELECT DISTINCT MetricName FROM otel_metrics_sum"
-    ).result_rows}  # fmt: skip
+    window = QueryContext(
+        first.replace(tzinfo=timezone.utc) - timedelta(minutes=1),
+        last.replace(tzinfo=timezone.utc) + timedelta(minutes=1),
+        interval_ms=1000,
+    )
+    metrics = {
+        r[0]
+        for r in collector_demo.client.query(
+            "SELECT DISTINCT MetricName FROM otel_metrics_gauge UNION DISTINCT SELECT DISTINCT MetricName FROM otel_metrics_sum"
+        ).result_rows
+    }
     request_id = dashboard_checks.truth_request(collector_demo, "gpu_xid_errors_total")
     failures, ran = [], 0
     for uid, dashboard in sorted(DASHBOARDS.items()):
         for what, kind, sql, item in dashboard_checks.queries(dashboard):
             try:
-                names, types, rows = dashboard_checks.run(collector_demo, expand(sql, window,
-                                                                                dashboard_checks.all_selected(request_id)))
+                names, types, rows = dashboard_checks.run(
+                    collector_demo, expand(sql, window, dashboard_checks.all_selected(request_id))
+                )
             except Exception as exc:
                 failures.append(f"{uid} / {what}: {str(exc).splitlines()[0]}")
                 continue

@@ -57,13 +57,19 @@ def recorded_intervals(directory: Path, gpu: int = 0) -> list[list[dict]]:
 
 def expected(interval: list[dict]) -> dict[str, float]:
     """The series NVML's answers for one interval give: each successful metric in the series' unit."""
-    return {EXPECTED_FROM[m["metricId"]][0]: EXPECTED_FROM[m["metricId"]][1](m["value"])
-            for m in interval if m["metricId"] in EXPECTED_FROM and m["nvmlReturn"] == 0}  # fmt: skip
+    return {
+        EXPECTED_FROM[m["metricId"]][0]: EXPECTED_FROM[m["metricId"]][1](m["value"])
+        for m in interval
+        if m["metricId"] in EXPECTED_FROM and m["nvmlReturn"] == 0
+    }
 
 
 def activity(result, gpu_instance: str = "") -> dict[str, float]:
-    return {name: value(result, name, gpu=0, gpu_instance=gpu_instance) for name in GPM_SERIES
-            if series(result, name, gpu=0, gpu_instance=gpu_instance)}  # fmt: skip
+    return {
+        name: value(result, name, gpu=0, gpu_instance=gpu_instance)
+        for name in GPM_SERIES
+        if series(result, name, gpu=0, gpu_instance=gpu_instance)
+    }
 
 
 def node_of(directory: Path, clock: Clock, **options) -> Node:
@@ -84,7 +90,6 @@ def test_gpm_metrics_equal_nvml_formulas_for_every_recorded_interval():
         assert value(result, "stagetrace_collector_success", collector="gpu") == 1
 
 
-
 def test_the_gpm_table_ids_are_pynvmls_constants():
     # the table writes nvml.h's IDs out so that readers of it need not load pynvml; they must stay pynvml's
     import pynvml
@@ -94,6 +99,7 @@ def test_the_gpm_table_ids_are_pynvmls_constants():
     assert len(written) == len(gpm.GPM_METRICS)
     assert written == {name: getattr(pynvml, name) for name in written}
     assert {m.metric_id: m.spec.name for m in gpm.GPM_METRICS} == {i: name for i, (name, _) in EXPECTED_FROM.items()}
+
 
 def test_activity_tells_apart_what_utilization_does_not():
     """The recording's matmul and its copies both read 100% utilization; GPM says tensor cores against DRAM."""
@@ -118,8 +124,9 @@ def test_a_metric_the_gpu_does_not_answer_is_counted_once_and_not_asked_again():
         result = scrape(node)
         clock.now += 1.0
     assert series(result, "gpu_fp64_active_ratio") == []
-    assert value(result, "gpu_nvml_errors_total", gpu=0, function="nvmlGpmMetricsGet",
-                 error="NVMLError_NotSupported") == 1  # fmt: skip
+    assert (
+        value(result, "gpu_nvml_errors_total", gpu=0, function="nvmlGpmMetricsGet", error="NVMLError_NotSupported") == 1
+    )
     assert len(activity(result)) == len(GPM_SERIES) - 1
 
 
@@ -167,8 +174,11 @@ def test_a_gpu_without_gpm_reports_gpm_supported_0_and_nothing_else_gpm():
         result = scrape(node)
         clock.now += 1.0
     assert value(result, "gpu_gpm_supported", gpu=0, model="NVIDIA A100-SXM4-80GB") == 0
-    assert not [name for name, found in result.items() if found and (name in GPM_SERIES or any(
-        "gpu_instance" in labels for labels, _ in found))]  # fmt: skip
+    assert not [
+        name
+        for name, found in result.items()
+        if found and (name in GPM_SERIES or any("gpu_instance" in labels for labels, _ in found))
+    ]
     assert not series(result, "gpu_nvml_errors_total", function="nvmlGpmMetricsGet")
     assert source.calls["nvmlGpmQueryDeviceSupport"] == 1  # asked once
     assert "nvmlGpmSampleGet" not in source.calls
@@ -185,17 +195,28 @@ def test_an_older_driver_without_the_gpm_call_reads_as_no_gpm(tmp_path):
         result = scrape(node)
         clock.now += 1.0
     assert value(result, "gpu_gpm_supported", gpu=0) == 0
-    assert value(result, "gpu_nvml_errors_total", gpu=0, function="nvmlGpmQueryDeviceSupport",
-                 error="NVMLError_FunctionNotFound") == 1  # fmt: skip
+    assert (
+        value(
+            result,
+            "gpu_nvml_errors_total",
+            gpu=0,
+            function="nvmlGpmQueryDeviceSupport",
+            error="NVMLError_FunctionNotFound",
+        )
+        == 1
+    )
 
 
 def test_mig_instances_get_their_own_activity(tmp_path):
     """A MIG-enabled GPU: the whole GPU's activity, and each GPU instance's from nvmlGpmMigSampleGet."""
     intervals = recorded_intervals(H200)
     snapshot = gpu_snapshot("GPU-mig")
-    snapshot.update(nvmlDeviceGetMigMode=[1, 1], nvmlGpmQueryDeviceSupport={"version": 1, "isSupportedDevice": 1},
-                    nvmlGpmMetricsGet=intervals[10:12],
-                    nvmlGpmMigSampleGet={"1": intervals[20:22], "2": intervals[50:52]})  # fmt: skip
+    snapshot.update(
+        nvmlDeviceGetMigMode=[1, 1],
+        nvmlGpmQueryDeviceSupport={"version": 1, "isSupportedDevice": 1},
+        nvmlGpmMetricsGet=intervals[10:12],
+        nvmlGpmMigSampleGet={"1": intervals[20:22], "2": intervals[50:52]},
+    )
     write_nvml_fixture(tmp_path, [snapshot])
     clock = Clock()
     node = node_of(tmp_path, clock)
@@ -254,8 +275,10 @@ def test_gpm_errors_are_counted_per_call_and_never_fail_the_scrape(h200_copy):
     edit(h200_copy, lambda gpu: gpu.update(nvmlGpmMetricsGet=intervals))
     clock.now += 1.0
     result = scrape(node)  # a timeout is passing: asked again, and answered
-    assert activity(result) and value(result, "gpu_nvml_errors_total", gpu=0, function="nvmlGpmSampleGet",
-                                      error="NVMLError_Timeout") == 1  # fmt: skip
+    assert (
+        activity(result)
+        and value(result, "gpu_nvml_errors_total", gpu=0, function="nvmlGpmSampleGet", error="NVMLError_Timeout") == 1
+    )
 
 
 def test_a_gpu_lost_while_sampling_is_gpu_up_0(h200_copy):
@@ -288,8 +311,12 @@ def test_record_writes_a_gpm_interval_that_replays_as_what_nvml_answered(tmp_pat
 def test_a_destroyed_mig_instance_stops_reporting_and_frees_its_sample(tmp_path):
     intervals = recorded_intervals(H200)
     snapshot = gpu_snapshot("GPU-mig")
-    snapshot.update(nvmlDeviceGetMigMode=[1, 1], nvmlGpmQueryDeviceSupport={"version": 1, "isSupportedDevice": 1},
-                    nvmlGpmMetricsGet=intervals, nvmlGpmMigSampleGet={"1": intervals, "2": intervals})  # fmt: skip
+    snapshot.update(
+        nvmlDeviceGetMigMode=[1, 1],
+        nvmlGpmQueryDeviceSupport={"version": 1, "isSupportedDevice": 1},
+        nvmlGpmMetricsGet=intervals,
+        nvmlGpmMigSampleGet={"1": intervals, "2": intervals},
+    )
     write_nvml_fixture(tmp_path, [snapshot])
     freed = []
 

@@ -48,8 +48,9 @@ def test_mps_tenants_memory_adds_up_to_the_devices_used_memory_once():
 
     memory = tenants(result)
     clients = {p["pid"]: p["usedGpuMemory"] for p in gpu["nvmlDeviceGetMPSComputeRunningProcesses"]}
-    server = {p["pid"]: p["usedGpuMemory"] for p in gpu["nvmlDeviceGetComputeRunningProcesses"]
-              if p["pid"] not in clients}  # fmt: skip
+    server = {
+        p["pid"]: p["usedGpuMemory"] for p in gpu["nvmlDeviceGetComputeRunningProcesses"] if p["pid"] not in clients
+    }
     assert memory == {
         ("voice", "tts-0"): clients[1031],
         ("batch", "worker-0"): clients[1032],
@@ -64,21 +65,29 @@ def test_mps_tenants_memory_adds_up_to_the_devices_used_memory_once():
 def test_mps_clients_get_no_sm_share_and_say_why():
     result = scrape(gpu_node(MPS))
     assert tenants(result, "gpu_tenant_mps_clients") == {
-        ("voice", "tts-0"): 1, ("batch", "worker-0"): 1, ("kube-system", MPS_DAEMON_POD): 0
-    }  # fmt: skip
-    # NVML samples the server alone: its pod gets the SM share, the clients' pods none (not a 0 that reads as idle)
-    assert tenants(result, "gpu_tenant_sm_utilization_ratio") == {
-        ("kube-system", MPS_DAEMON_POD): 0.98
+        ("voice", "tts-0"): 1,
+        ("batch", "worker-0"): 1,
+        ("kube-system", MPS_DAEMON_POD): 0,
     }
+    # NVML samples the server alone: its pod gets the SM share, the clients' pods none (not a 0 that reads as idle)
+    assert tenants(result, "gpu_tenant_sm_utilization_ratio") == {("kube-system", MPS_DAEMON_POD): 0.98}
     roles = {labels["pid"]: (labels["role"], labels["container"]) for labels, _ in series(result, "gpu_process_info")}
-    assert roles == {"1065": ("mps_server", "mps-control-daemon"), "1031": ("mps_client", "tts"),
-                     "1032": ("mps_client", "worker")}  # fmt: skip
+    assert roles == {
+        "1065": ("mps_server", "mps-control-daemon"),
+        "1031": ("mps_client", "tts"),
+        "1032": ("mps_client", "worker"),
+    }
     assert [labels["pid"] for labels, _ in series(result, "gpu_process_sm_utilization_ratio")] == ["1065"]
 
 
 def test_tenants_join_the_kubelets_allocations_by_gpu_and_pod(kubelet):
-    options = Options(host="n1", nvml_fixture=MPS, procfs=PROC, kubelet_log_dir=LOG,
-                      kubelet_socket=kubelet(FIXTURES / "kubelet" / "h200-mps-two-pods"))  # fmt: skip
+    options = Options(
+        host="n1",
+        nvml_fixture=MPS,
+        procfs=PROC,
+        kubelet_log_dir=LOG,
+        kubelet_socket=kubelet(FIXTURES / "kubelet" / "h200-mps-two-pods"),
+    )
     result = scrape(build_node("gpu,kubernetes", options))
     allocated = {(lbl["uuid"], lbl["namespace"], lbl["pod"]) for lbl, _ in series(result, "k8s_gpu_allocation_info")}
     using = {(lbl["uuid"], lbl["namespace"], lbl["pod"]) for lbl, v in series(result, "gpu_tenant_mps_clients") if v}
@@ -91,8 +100,11 @@ def test_clients_listed_only_by_the_mps_call_are_counted_once():
     gpu = recorded(nvml)
     result = scrape(gpu_node(nvml))
     held = sum(v for _, v in series(result, "gpu_tenant_memory_used_bytes"))
-    listed = {p["pid"]: p["usedGpuMemory"] for key in ("nvmlDeviceGetComputeRunningProcesses",
-              "nvmlDeviceGetMPSComputeRunningProcesses") for p in gpu[key]}  # fmt: skip
+    listed = {
+        p["pid"]: p["usedGpuMemory"]
+        for key in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses")
+        for p in gpu[key]
+    }
     assert held == sum(listed.values()) == gpu["nvmlDeviceGetMemoryInfo"]["used"]
     assert value(result, "gpu_memory_unattributed_bytes", gpu=0) == 0
 
@@ -102,7 +114,7 @@ def test_a_pid_in_no_pod_is_its_own_tenant_without_a_pod():
     gpu = recorded(MATMUL)
     result = scrape(gpu_node(MATMUL))
     assert tenants(result) == {("", ""): gpu["nvmlDeviceGetComputeRunningProcesses"][0]["usedGpuMemory"]}
-    (labels, _), = series(result, "gpu_process_info", pid=945)
+    ((labels, _),) = series(result, "gpu_process_info", pid=945)
     assert (labels["namespace"], labels["pod"], labels["container"], labels["role"]) == ("", "", "", "compute")
     assert tenants(result, "gpu_tenant_sm_utilization_ratio") == {("", ""): 0.99}
 
@@ -113,8 +125,11 @@ def node_dirs(tmp_path) -> tuple[Path, Path, Path]:
     nvml = tmp_path / "nvml"
     nvml.mkdir()
     shutil.copy(MPS / "nvml.json", nvml / "nvml.json")
-    return nvml, Path(shutil.copytree(PROC, tmp_path / "proc")), Path(shutil.copytree(LOG, tmp_path / "log",
-                                                                                       symlinks=True))
+    return (
+        nvml,
+        Path(shutil.copytree(PROC, tmp_path / "proc")),
+        Path(shutil.copytree(LOG, tmp_path / "log", symlinks=True)),
+    )
 
 
 def edit(directory: Path, change) -> None:
@@ -134,14 +149,20 @@ def test_a_process_that_exits_between_nvmls_answer_and_its_proc_read_keeps_its_p
     assert tenants(result) == before
     assert value(result, "gpu_process_info", pid=1031, pod="tts-0") == 1
 
-    edit(nvml, lambda gpu: [gpu[k].remove(next(p for p in gpu[k] if p["pid"] == 1031)) for k in
-                            ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses")])
+    edit(
+        nvml,
+        lambda gpu: [
+            gpu[k].remove(next(p for p in gpu[k] if p["pid"] == 1031))
+            for k in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses")
+        ],
+    )
     result = scrape(node)  # NVML no longer lists it: its series go, nothing lingers
     assert ("voice", "tts-0") not in tenants(result) and not series(result, "gpu_process_info", pid=1031)
 
 
 def test_a_process_gone_before_it_was_ever_read_still_counts_its_memory(node_dirs):
     nvml, proc, log = node_dirs
+
     def appear(gpu):  # a process NVML lists (and counts in used memory) that exited before /proc was read
         gpu["nvmlDeviceGetComputeRunningProcesses"].append(process_info(4321, 512 * 2**20))
         gpu["nvmlDeviceGetMemoryInfo"]["used"] += 512 * 2**20
@@ -168,10 +189,12 @@ def test_time_slicing_gives_each_pod_its_processes_sm_share(tmp_path):
     write_nvml_fixture(tmp_path, [snapshot])
     node = gpu_node(tmp_path)
     result = scrape(node)
-    assert tenants(result, "gpu_tenant_sm_utilization_ratio") == pytest.approx({("voice", "tts-0"): 0.5,
-                                                                               ("batch", "worker-0"): 0.3})
+    assert tenants(result, "gpu_tenant_sm_utilization_ratio") == pytest.approx(
+        {("voice", "tts-0"): 0.5, ("batch", "worker-0"): 0.3}
+    )
     assert tenants(result, "gpu_tenant_memory_copy_utilization_ratio") == pytest.approx(
-        {("voice", "tts-0"): 0.15, ("batch", "worker-0"): 0.05})
+        {("voice", "tts-0"): 0.15, ("batch", "worker-0"): 0.05}
+    )
     assert value(result, "gpu_process_sm_utilization_ratio", pid=1031) == pytest.approx(0.5)
 
     snapshot["nvmlDeviceGetComputeRunningProcesses"].pop()  # 1032 exited after its last sample
@@ -205,8 +228,13 @@ def test_without_the_hosts_pid_namespace_all_used_memory_is_unattributed(tmp_pat
 
 def test_process_call_errors_are_counted_and_the_rest_still_reported(node_dirs):
     nvml, proc, log = node_dirs
-    edit(nvml, lambda gpu: gpu.update(nvmlDeviceGetProcessUtilization="NVMLError_Timeout",
-                                      nvmlDeviceGetMPSComputeRunningProcesses="NVMLError_NotSupported"))
+    edit(
+        nvml,
+        lambda gpu: gpu.update(
+            nvmlDeviceGetProcessUtilization="NVMLError_Timeout",
+            nvmlDeviceGetMPSComputeRunningProcesses="NVMLError_NotSupported",
+        ),
+    )
     node = gpu_node(nvml, proc, log)
     for _ in range(2):
         result = scrape(node)
@@ -228,26 +256,42 @@ def test_a_pod_without_its_container_log_link_is_named_by_its_pod_directory(node
     for link in (log / "containers").glob("worker-0_*"):
         link.unlink()
     result = scrape(gpu_node(nvml, proc, log))
-    (tts, _), = series(result, "gpu_process_info", pid=1031)
+    ((tts, _),) = series(result, "gpu_process_info", pid=1031)
     assert (tts["namespace"], tts["pod"], tts["container"]) == ("voice", "tts-0", "")
-    (worker, _), = series(result, "gpu_process_info", pid=1032)  # neither names it: its UID keeps it apart
+    ((worker, _),) = series(result, "gpu_process_info", pid=1032)  # neither names it: its UID keeps it apart
     assert (worker["namespace"], worker["pod"]) == ("", "uid:9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92")
 
 
-@pytest.mark.parametrize(("cgroup", "ids"), [
-    ("0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod5f0c2d7e_8a41_4b69_9e13_2c7d4a6b8f01.slice/"
-     "cri-containerd-" + "a1" * 32 + ".scope\n", ("5f0c2d7e-8a41-4b69-9e13-2c7d4a6b8f01", "a1" * 32)),
-    ("12:memory:/kubepods/besteffort/pod9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92/" + "b2" * 32 + "\n0::/\n",
-     ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "b2" * 32)),
-    ("0::/kubepods/pod9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92/crio-" + "c3" * 32 + ".scope\n",
-     ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "c3" * 32)),
-    # read from inside a container with its own cgroup namespace: paths relative to the agent's cgroup
-    ("0::/../../kubepods-besteffort-pod9b3e6a14_2f75_4c08_b1d9_7e5a3c2f6d92.slice/docker-" + "d4" * 32 + ".scope\n",
-     ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "d4" * 32)),
-    ("0::/kubepods.slice/kubepods-pod9b3e6a14_2f75_4c08_b1d9_7e5a3c2f6d92.slice\n",
-     ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "")),  # the pod's own cgroup (a process outside its containers)
-    ("0::/system.slice/containerd.service\n", None),
-    ("0::/\n", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("cgroup", "ids"),
+    [
+        (
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod5f0c2d7e_8a41_4b69_9e13_2c7d4a6b8f01.slice/"
+            "cri-containerd-" + "a1" * 32 + ".scope\n",
+            ("5f0c2d7e-8a41-4b69-9e13-2c7d4a6b8f01", "a1" * 32),
+        ),
+        (
+            "12:memory:/kubepods/besteffort/pod9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92/" + "b2" * 32 + "\n0::/\n",
+            ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "b2" * 32),
+        ),
+        (
+            "0::/kubepods/pod9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92/crio-" + "c3" * 32 + ".scope\n",
+            ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "c3" * 32),
+        ),
+        # read from inside a container with its own cgroup namespace: paths relative to the agent's cgroup
+        (
+            "0::/../../kubepods-besteffort-pod9b3e6a14_2f75_4c08_b1d9_7e5a3c2f6d92.slice/docker-"
+            + "d4" * 32
+            + ".scope\n",
+            ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", "d4" * 32),
+        ),
+        (
+            "0::/kubepods.slice/kubepods-pod9b3e6a14_2f75_4c08_b1d9_7e5a3c2f6d92.slice\n",
+            ("9b3e6a14-2f75-4c08-b1d9-7e5a3c2f6d92", ""),
+        ),  # the pod's own cgroup (a process outside its containers)
+        ("0::/system.slice/containerd.service\n", None),
+        ("0::/\n", None),
+    ],
+)
 def test_cgroup_ids_read_the_kubelets_layouts(cgroup, ids):
     assert cgroup_ids(cgroup) == ids

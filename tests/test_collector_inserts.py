@@ -53,13 +53,36 @@ generations = _load("test_collector_generations")
 
 # The exporter's insert column list (traces_insert.sql), in its order.
 COLLECTOR_COLUMNS = (
-    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
-    "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration", "StatusCode", "StatusMessage",
-    "Events.Timestamp", "Events.Name", "Events.Attributes", "Links.TraceId", "Links.SpanId", "Links.TraceState",
+    "Timestamp",
+    "TraceId",
+    "SpanId",
+    "ParentSpanId",
+    "TraceState",
+    "SpanName",
+    "SpanKind",
+    "ServiceName",
+    "ResourceAttributes",
+    "ScopeName",
+    "ScopeVersion",
+    "SpanAttributes",
+    "Duration",
+    "StatusCode",
+    "StatusMessage",
+    "Events.Timestamp",
+    "Events.Name",
+    "Events.Attributes",
+    "Links.TraceId",
+    "Links.SpanId",
+    "Links.TraceState",
     "Links.Attributes",
-)  # fmt: skip
-RESOURCE = {"service.name": "rag", "host.name": "node-a", "telemetry.sdk.language": "python",
-            "telemetry.sdk.name": "opentelemetry", "telemetry.sdk.version": "1.27.0"}  # fmt: skip
+)
+RESOURCE = {
+    "service.name": "rag",
+    "host.name": "node-a",
+    "telemetry.sdk.language": "python",
+    "telemetry.sdk.name": "opentelemetry",
+    "telemetry.sdk.version": "1.27.0",
+}
 SCOPE = ("stagetrace", "0.1.0")
 PROMPT = {"prompt": "why is the sky blue?", "seed": 7}
 DEVIATING_STAGE = "context_assembly"
@@ -78,11 +101,29 @@ def _map(attributes: dict[str, str]) -> str:
 def _row(span: dict) -> str:
     """One row of the Collector's VALUES: its 22 columns, in its order."""
     values = (
-        f"fromUnixTimestamp64Nano(toInt64({span['start_ns']}))", _text(span["trace_id"]), _text(span["span_id"]),
-        _text(span["parent_span_id"]), "''", _text(span["name"]), _text(span["kind"]), _text(RESOURCE["service.name"]),
-        _map(RESOURCE), _text(SCOPE[0]), _text(SCOPE[1]), _map(span["attributes"]), str(span["duration_ns"]),
-        "'Unset'", "''", "[]", "[]", "[]", "[]", "[]", "[]", "[]",
-    )  # fmt: skip
+        f"fromUnixTimestamp64Nano(toInt64({span['start_ns']}))",
+        _text(span["trace_id"]),
+        _text(span["span_id"]),
+        _text(span["parent_span_id"]),
+        "''",
+        _text(span["name"]),
+        _text(span["kind"]),
+        _text(RESOURCE["service.name"]),
+        _map(RESOURCE),
+        _text(SCOPE[0]),
+        _text(SCOPE[1]),
+        _map(span["attributes"]),
+        str(span["duration_ns"]),
+        "'Unset'",
+        "''",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+    )
     return "(" + ", ".join(values) + ")"
 
 
@@ -108,13 +149,29 @@ def pipeline_spans(request_id: str, start_ns: int, deviate: bool = False) -> tup
             attributes["prompt.template"] = "v2" if deviate else "v1"
         if name == "decode":
             attributes[cv.GPU_UUID] = "GPU-a"
-        stages.append({"trace_id": trace_id, "span_id": secrets.token_hex(8), "parent_span_id": root_id,
-                       "name": f"stage.{name}", "kind": "Internal", "start_ns": t, "duration_ns": 5 * MS,
-                       "attributes": attributes})  # fmt: skip
+        stages.append(
+            {
+                "trace_id": trace_id,
+                "span_id": secrets.token_hex(8),
+                "parent_span_id": root_id,
+                "name": f"stage.{name}",
+                "kind": "Internal",
+                "start_ns": t,
+                "duration_ns": 5 * MS,
+                "attributes": attributes,
+            }
+        )
         data, t = out, t + 6 * MS
-    root = {"trace_id": trace_id, "span_id": root_id, "parent_span_id": "", "name": "inference.request",
-            "kind": "Server", "start_ns": start_ns, "duration_ns": t - start_ns + MS,
-            "attributes": {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(PROMPT), cv.OUTPUT_DIGEST: digest(data)}}
+    root = {
+        "trace_id": trace_id,
+        "span_id": root_id,
+        "parent_span_id": "",
+        "name": "inference.request",
+        "kind": "Server",
+        "start_ns": start_ns,
+        "duration_ns": t - start_ns + MS,
+        "attributes": {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(PROMPT), cv.OUTPUT_DIGEST: digest(data)},
+    }
     return stages, root
 
 
@@ -151,13 +208,18 @@ def test_trace_finds_each_request_with_all_its_stages(collector_written):
         assert sorted(s.span_id for s in trace.spans) == sorted([root["span_id"], *(s["span_id"] for s in stages)])
         assert [key[0] for key in trace.stages] == list(cv.PIPELINE_STAGES)
         assert (trace.input_digest, trace.output_digest) == (
-            root["attributes"][cv.INPUT_DIGEST], root["attributes"][cv.OUTPUT_DIGEST])
+            root["attributes"][cv.INPUT_DIGEST],
+            root["attributes"][cv.OUTPUT_DIGEST],
+        )
         assert trace.root.span_id == root["span_id"] and trace.start_ns == root["start_ns"]
         for stage in stages:
             (span,) = [s for s in trace.spans if s.span_id == stage["span_id"]]
             assert (span.stage, span.input_digest, span.output_digest, span.duration_ns) == (
-                stage["attributes"][cv.STAGE], stage["attributes"][cv.STAGE_INPUT_DIGEST],
-                stage["attributes"][cv.STAGE_OUTPUT_DIGEST], stage["duration_ns"])  # fmt: skip
+                stage["attributes"][cv.STAGE],
+                stage["attributes"][cv.STAGE_INPUT_DIGEST],
+                stage["attributes"][cv.STAGE_OUTPUT_DIGEST],
+                stage["duration_ns"],
+            )
             assert (span.kind, span.service, span.resource["host.name"]) == ("Internal", "rag", "node-a")
 
 
@@ -183,20 +245,42 @@ def test_the_views_fill_the_request_index_and_stage_table(collector_written):
     db = store.database
     rows = store.client.query(
         f"SELECT RequestId, TraceId, SpanId, InputDigest, OutputDigest, HostName, ServiceName, Source "
-        f"FROM {db}.stagetrace_requests ORDER BY RequestId").result_rows
+        f"FROM {db}.stagetrace_requests ORDER BY RequestId"
+    ).result_rows
     assert rows == sorted(
-        (rid, root["trace_id"], root["span_id"], root["attributes"][cv.INPUT_DIGEST],
-         root["attributes"][cv.OUTPUT_DIGEST], "node-a", "rag", "attribute")
-        for rid, (_, root) in requests.items())  # fmt: skip
+        (
+            rid,
+            root["trace_id"],
+            root["span_id"],
+            root["attributes"][cv.INPUT_DIGEST],
+            root["attributes"][cv.OUTPUT_DIGEST],
+            "node-a",
+            "rag",
+            "attribute",
+        )
+        for rid, (_, root) in requests.items()
+    )
     rows = store.client.query(
         f"SELECT SpanId, TraceId, ParentSpanId, Stage, InputDigest, OutputDigest, Duration, HostName "
-        f"FROM {db}.stagetrace_stages ORDER BY SpanId").result_rows
+        f"FROM {db}.stagetrace_stages ORDER BY SpanId"
+    ).result_rows
     assert rows == sorted(
-        (s["span_id"], s["trace_id"], s["parent_span_id"], s["attributes"][cv.STAGE],
-         s["attributes"][cv.STAGE_INPUT_DIGEST], s["attributes"][cv.STAGE_OUTPUT_DIGEST], s["duration_ns"], "node-a")
-        for stages, _ in requests.values() for s in stages)  # fmt: skip
+        (
+            s["span_id"],
+            s["trace_id"],
+            s["parent_span_id"],
+            s["attributes"][cv.STAGE],
+            s["attributes"][cv.STAGE_INPUT_DIGEST],
+            s["attributes"][cv.STAGE_OUTPUT_DIGEST],
+            s["duration_ns"],
+            "node-a",
+        )
+        for stages, _ in requests.values()
+        for s in stages
+    )
     trace_ids = store.client.query(
-        f"SELECT TraceId FROM {db}.otel_traces_trace_id_ts GROUP BY TraceId ORDER BY TraceId").result_rows
+        f"SELECT TraceId FROM {db}.otel_traces_trace_id_ts GROUP BY TraceId ORDER BY TraceId"
+    ).result_rows
     assert [r[0] for r in trace_ids] == sorted(root["trace_id"] for _, root in requests.values())
 
 
@@ -211,5 +295,6 @@ def test_explain_and_divergences_name_the_deviating_stage(collector_written):
     (item,) = [i for g in found["groups"] for i in g["deviating"]]
     assert (item["request_id"], item["first_divergent_stage"]) == ("odd", DEVIATING_STAGE)
     (row,) = store.client.query(
-        f"SELECT RequestId, FirstDivergentStage FROM {store.database}.stagetrace_divergences FINAL").result_rows
+        f"SELECT RequestId, FirstDivergentStage FROM {store.database}.stagetrace_divergences FINAL"
+    ).result_rows
     assert row == ("odd", DEVIATING_STAGE)

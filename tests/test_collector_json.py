@@ -39,11 +39,31 @@ from tests.test_collector_generations import collector_statements
 
 # traces_json_insert.sql's columns in its order, the Keys columns appended as the exporter does when DESC shows them
 JSON_COLUMNS = (
-    "Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
-    "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration", "StatusCode", "StatusMessage",
-    "Events.Timestamp", "Events.Name", "Events.Attributes", "Links.TraceId", "Links.SpanId", "Links.TraceState",
-    "Links.Attributes", "ResourceAttributesKeys", "SpanAttributesKeys",
-)  # fmt: skip
+    "Timestamp",
+    "TraceId",
+    "SpanId",
+    "ParentSpanId",
+    "TraceState",
+    "SpanName",
+    "SpanKind",
+    "ServiceName",
+    "ResourceAttributes",
+    "ScopeName",
+    "ScopeVersion",
+    "SpanAttributes",
+    "Duration",
+    "StatusCode",
+    "StatusMessage",
+    "Events.Timestamp",
+    "Events.Name",
+    "Events.Attributes",
+    "Links.TraceId",
+    "Links.SpanId",
+    "Links.TraceState",
+    "Links.Attributes",
+    "ResourceAttributesKeys",
+    "SpanAttributesKeys",
+)
 SERVICES = {"rag": ("node-a", "GPU-a", "context_assembly"), "chat": ("node-b", "GPU-b", "decode")}
 PROMPT = {"prompt": "why is the sky blue?", "seed": 7}
 AGREEING = 4
@@ -70,11 +90,29 @@ def _row(span: dict, layout: str) -> str:
     resource = _resource(span["service"])
     encode = (lambda a: _text(json.dumps(a))) if layout == "JSON" else _map
     values = [
-        f"fromUnixTimestamp64Nano(toInt64({span['start_ns']}))", _text(span["trace_id"]), _text(span["span_id"]),
-        _text(span["parent_span_id"]), "''", _text(span["name"]), _text(span["kind"]), _text(span["service"]),
-        encode(resource), "'stagetrace'", "'0.1.0'", encode(span["attributes"]), str(span["duration_ns"]), "'Unset'",
-        "''", "[]", "[]", "[]", "[]", "[]", "[]", "[]",
-    ]  # fmt: skip
+        f"fromUnixTimestamp64Nano(toInt64({span['start_ns']}))",
+        _text(span["trace_id"]),
+        _text(span["span_id"]),
+        _text(span["parent_span_id"]),
+        "''",
+        _text(span["name"]),
+        _text(span["kind"]),
+        _text(span["service"]),
+        encode(resource),
+        "'stagetrace'",
+        "'0.1.0'",
+        encode(span["attributes"]),
+        str(span["duration_ns"]),
+        "'Unset'",
+        "''",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+        "[]",
+    ]
     if layout == "JSON":
         values += ["[" + ", ".join(_text(k) for k in keys) + "]" for keys in (resource, span["attributes"])]
     return "(" + ", ".join(values) + ")"
@@ -85,7 +123,8 @@ def collector_insert(store, layout: str, batch: list[dict]) -> None:
     columns = JSON_COLUMNS if layout == "JSON" else JSON_COLUMNS[:-2]
     store.client.command(
         f"INSERT INTO {store.database}.otel_traces ({', '.join(columns)}) "
-        "SETTINGS async_insert = 1, wait_for_async_insert = 1 VALUES " + ", ".join(_row(s, layout) for s in batch))
+        "SETTINGS async_insert = 1, wait_for_async_insert = 1 VALUES " + ", ".join(_row(s, layout) for s in batch)
+    )
 
 
 def pipeline(service: str, request_id: str, start_ns: int, deviate: bool = False) -> list[dict]:
@@ -103,14 +142,33 @@ def pipeline(service: str, request_id: str, start_ns: int, deviate: bool = False
             attributes["cache.hit"] = True
         if name == "decode":
             attributes |= {cv.GPU_UUID: gpu, "decode.tokens": 12, "gen_ai.request.temperature": 0}
-        spans.append({"service": service, "trace_id": trace_id, "span_id": secrets.token_hex(8),
-                      "parent_span_id": root_id, "name": f"stage.{name}", "kind": "Internal", "start_ns": t,
-                      "duration_ns": 5 * MS, "attributes": attributes})  # fmt: skip
+        spans.append(
+            {
+                "service": service,
+                "trace_id": trace_id,
+                "span_id": secrets.token_hex(8),
+                "parent_span_id": root_id,
+                "name": f"stage.{name}",
+                "kind": "Internal",
+                "start_ns": t,
+                "duration_ns": 5 * MS,
+                "attributes": attributes,
+            }
+        )
         data, t = out, t + 6 * MS
-    spans.append({"service": service, "trace_id": trace_id, "span_id": root_id, "parent_span_id": "",
-                  "name": "inference.request", "kind": "Server", "start_ns": start_ns, "duration_ns": t - start_ns + MS,
-                  "attributes": {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(PROMPT),
-                                 cv.OUTPUT_DIGEST: digest(data)}})  # fmt: skip
+    spans.append(
+        {
+            "service": service,
+            "trace_id": trace_id,
+            "span_id": root_id,
+            "parent_span_id": "",
+            "name": "inference.request",
+            "kind": "Server",
+            "start_ns": start_ns,
+            "duration_ns": t - start_ns + MS,
+            "attributes": {cv.REQUEST_ID: request_id, cv.INPUT_DIGEST: digest(PROMPT), cv.OUTPUT_DIGEST: digest(data)},
+        }
+    )
     return spans
 
 
@@ -169,13 +227,16 @@ def test_the_views_write_the_same_rows_from_either_layout(both_layouts):
     stores, sent = both_layouts
     rows = {}
     for layout, store in stores.items():
-        rows[layout] = [store.client.query(sql, parameters={"db": store.database}).result_rows
-                         for sql in (
-            "SELECT RequestId, TraceId, SpanId, InputDigest, OutputDigest, HostName, ServiceName, Source, Model "
-            "FROM {db:Identifier}.stagetrace_requests ORDER BY SpanId",
-            "SELECT SpanId, Stage, InputDigest, OutputDigest, HostName, Attributes, ResourceAttributes "
-            "FROM {db:Identifier}.stagetrace_stages ORDER BY SpanId",
-            "SELECT TraceId, min(Start) FROM {db:Identifier}.otel_traces_trace_id_ts GROUP BY TraceId ORDER BY TraceId")]
+        rows[layout] = [
+            store.client.query(sql, parameters={"db": store.database}).result_rows
+            for sql in (
+                "SELECT RequestId, TraceId, SpanId, InputDigest, OutputDigest, HostName, ServiceName, Source, Model "
+                "FROM {db:Identifier}.stagetrace_requests ORDER BY SpanId",
+                "SELECT SpanId, Stage, InputDigest, OutputDigest, HostName, Attributes, ResourceAttributes "
+                "FROM {db:Identifier}.stagetrace_stages ORDER BY SpanId",
+                "SELECT TraceId, min(Start) FROM {db:Identifier}.otel_traces_trace_id_ts GROUP BY TraceId ORDER BY TraceId",
+            )
+        ]
     assert rows["JSON"] == rows["Map"]
     requests, stages, traces = rows["JSON"]
     spans = [s for batch in sent for s in batch]
@@ -194,8 +255,11 @@ def test_trace_finds_each_request_alike_on_either_layout(both_layouts):
         trace = found["JSON"]
         assert (trace.request_id, trace.trace_id, trace.service) == (request_id, root["trace_id"], root["service"])
         assert [key[0] for key in trace.stages] == list(cv.PIPELINE_STAGES)
-        assert [(s.span_id, s.stage, s.input_digest, s.output_digest, s.attributes, s.resource) for s in trace.spans] == [
-            (s.span_id, s.stage, s.input_digest, s.output_digest, s.attributes, s.resource) for s in found["Map"].spans]
+        assert [
+            (s.span_id, s.stage, s.input_digest, s.output_digest, s.attributes, s.resource) for s in trace.spans
+        ] == [
+            (s.span_id, s.stage, s.input_digest, s.output_digest, s.attributes, s.resource) for s in found["Map"].spans
+        ]
         cache = next(s for s in trace.spans if s.stage == "cache")
         assert cache.attributes["cache.hit"] == "true" and cache.resource["host.name"] == SERVICES[root["service"]][0]
 
@@ -204,21 +268,38 @@ def test_explain_divergences_and_live_analysis_agree_on_either_layout(both_layou
     stores, _ = both_layouts
     answers = {}
     for layout, store in stores.items():
-        step = live.Analyser(store, live.Schedule(settle_s=0, lookback_s=7200)).step()  # first: what it keeps is its own
-        kept = store.client.query("SELECT RequestId, FirstDivergentStage FROM {db:Identifier}.stagetrace_divergences "
-                                  "FINAL ORDER BY RequestId", parameters={"db": store.database}).result_rows
+        step = live.Analyser(
+            store, live.Schedule(settle_s=0, lookback_s=7200)
+        ).step()  # first: what it keeps is its own
+        kept = store.client.query(
+            "SELECT RequestId, FirstDivergentStage FROM {db:Identifier}.stagetrace_divergences "
+            "FINAL ORDER BY RequestId",
+            parameters={"db": store.database},
+        ).result_rows
         reports = {rid: Explainer(store).explain(rid).to_json() for rid in ("rag-odd", "chat-odd")}
         found = divergences.find(store, 3600 * 10**9)
         answers[layout] = (
-            {rid: (r["diverged"], r["first_divergent_stage"], r["baseline"]["request_id"][:-1],
-                   r["baseline"]["support"], [(c["kind"], c["name"]) for c in r["causes"]], r["summary"])
-             for rid, r in reports.items()},
+            {
+                rid: (
+                    r["diverged"],
+                    r["first_divergent_stage"],
+                    r["baseline"]["request_id"][:-1],
+                    r["baseline"]["support"],
+                    [(c["kind"], c["name"]) for c in r["causes"]],
+                    r["summary"],
+                )
+                for rid, r in reports.items()
+            },
             sorted((i["request_id"], i["first_divergent_stage"]) for g in found["groups"] for i in g["deviating"]),
-            step.analysed, kept)  # fmt: skip
+            step.analysed,
+            kept,
+        )
     assert answers["JSON"] == answers["Map"]
     reports, deviating, analysed, kept = answers["JSON"]
-    assert reports["rag-odd"][:2] == (True, "context_assembly") and reports["rag-odd"][4][0] == ("attribute",
-                                                                                              "prompt.template")
+    assert reports["rag-odd"][:2] == (True, "context_assembly") and reports["rag-odd"][4][0] == (
+        "attribute",
+        "prompt.template",
+    )
     assert reports["chat-odd"][:2] == (True, "decode")
     assert reports["rag-odd"][2] == "rag-ok-" and reports["chat-odd"][2] == "chat-ok-"  # each its own service's peers
     assert deviating == [("chat-odd", "decode"), ("rag-odd", "context_assembly")]
@@ -255,8 +336,8 @@ DERIVED_ROWS = {  # each table the views fill from otel_traces, as a reader sees
     "stagetrace_requests": "SELECT * FROM {db:Identifier}.stagetrace_requests ORDER BY TraceId, SpanId",
     "stagetrace_stages": "SELECT * FROM {db:Identifier}.stagetrace_stages ORDER BY TraceId, SpanId",
     "otel_traces_trace_id_ts": "SELECT TraceId, min(Start), max(End) FROM {db:Identifier}.otel_traces_trace_id_ts "
-                               "GROUP BY TraceId ORDER BY TraceId",
-}  # fmt: skip
+    "GROUP BY TraceId ORDER BY TraceId",
+}
 _LARGEST_PART_SQL = """
 SELECT name FROM system.parts WHERE database = {db:String} AND table = {table:String} AND active
 ORDER BY rows DESC, name LIMIT 1"""
@@ -283,8 +364,9 @@ def test_a_broken_part_of_a_derived_table_is_rebuilt_alike_on_either_layout(both
     stores, _ = both_layouts
     written, rebuilt = {}, {}
     for layout, store in stores.items():
-        read = {t: store.client.query(sql, parameters={"db": store.database}).result_rows
-                for t, sql in DERIVED_ROWS.items()}  # fmt: skip
+        read = {
+            t: store.client.query(sql, parameters={"db": store.database}).result_rows for t, sql in DERIVED_ROWS.items()
+        }
         assert all(read.values()), layout
         written[layout] = read
         broken = {table: _break_a_part(store, table) for table in DERIVED_ROWS}
@@ -292,13 +374,18 @@ def test_a_broken_part_of_a_derived_table_is_rebuilt_alike_on_either_layout(both
         found = StoreHealth(store, restore=restorer).check()
         assert {(p.table, p.name) for p in found} == {(t, f"broken_{n}") for t, n in broken.items()}, layout
         assert not restorer.waiting, layout  # every rebuild succeeded: none left to retry
-        rebuilt[layout] = {t: store.client.query(sql, parameters={"db": store.database}).result_rows
-                           for t, sql in DERIVED_ROWS.items()}  # fmt: skip
+        rebuilt[layout] = {
+            t: store.client.query(sql, parameters={"db": store.database}).result_rows for t, sql in DERIVED_ROWS.items()
+        }
         for table in ("stagetrace_requests", "stagetrace_stages"):  # none twice
             keys = store.client.query(f"SELECT TraceId, SpanId FROM {store.database}.{table}").result_rows
             assert len(keys) == len(set(keys)), (layout, table)
     assert rebuilt["JSON"] == written["JSON"]
     assert rebuilt == written and written["JSON"] == written["Map"]
-    services = {row[0] for row in stores["JSON"].client.query(
-        "SELECT DISTINCT ServiceName FROM collector_json.stagetrace_requests").result_rows}
+    services = {
+        row[0]
+        for row in stores["JSON"]
+        .client.query("SELECT DISTINCT ServiceName FROM collector_json.stagetrace_requests")
+        .result_rows
+    }
     assert services == set(SERVICES)

@@ -62,8 +62,9 @@ def socket_dir():
 
 
 def shared_options(sock: Path, **more) -> Options:
-    return Options(host="n1", kubelet_socket=sock, nvml_fixture=NODE / "nvml" / ONE_GPU,
-                   mps_fixture=NODE / "mps" / ONE_GPU, **more)  # fmt: skip
+    return Options(
+        host="n1", kubelet_socket=sock, nvml_fixture=NODE / "nvml" / ONE_GPU, mps_fixture=NODE / "mps" / ONE_GPU, **more
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -80,25 +81,36 @@ def test_descriptors_are_what_protoc_reads_from_api_proto():
 def test_wire_format_is_the_published_apis():
     """Field numbers of kubernetes' podresources/v1/api.proto, as bytes on the wire (tag = number << 3 | type)."""
     assert PodResources(name="p", namespace="n", containers=[ContainerResources(name="c")]).SerializeToString() == (
-        b"\x0a\x01p" b"\x12\x01n" b"\x1a\x03\x0a\x01c")  # fmt: skip
+        b"\x0a\x01p\x12\x01n\x1a\x03\x0a\x01c"
+    )
     container = ContainerResources(
-        name="c", devices=[ContainerDevices(resource_name="r", device_ids=["d"])], cpu_ids=[3],
+        name="c",
+        devices=[ContainerDevices(resource_name="r", device_ids=["d"])],
+        cpu_ids=[3],
         memory=[message_class("ContainerMemory")(memory_type="m", size=5)],
         dynamic_resources=[message_class("DynamicResource")(claim_name="x")],
-    )  # fmt: skip
+    )
     assert container.SerializeToString() == (
-        b"\x0a\x01c" b"\x12\x06\x0a\x01r\x12\x01d" b"\x1a\x01\x03" b"\x22\x05\x0a\x01m\x10\x05" b"\x2a\x03\x12\x01x")
+        b"\x0a\x01c\x12\x06\x0a\x01r\x12\x01d\x1a\x01\x03\x22\x05\x0a\x01m\x10\x05\x2a\x03\x12\x01x"
+    )
     topology = message_class("TopologyInfo")(nodes=[message_class("NUMANode")(ID=1)])
     assert ContainerDevices(topology=topology).SerializeToString() == b"\x1a\x04\x0a\x02\x08\x01"
-    assert AllocatableResourcesResponse(devices=[ContainerDevices(resource_name="r")], cpu_ids=[7]).SerializeToString() \
-        == b"\x0a\x03\x0a\x01r" b"\x12\x01\x07"  # fmt: skip
+    assert (
+        AllocatableResourcesResponse(devices=[ContainerDevices(resource_name="r")], cpu_ids=[7]).SerializeToString()
+        == b"\x0a\x03\x0a\x01r"
+        b"\x12\x01\x07"
+    )
     assert ListPodResourcesResponse(pod_resources=[PodResources(name="p")]).SerializeToString() == b"\x0a\x03\x0a\x01p"
     assert GetPodResourcesRequest(pod_name="p", pod_namespace="n").SerializeToString() == b"\x0a\x01p\x12\x01n"
-    claim = message_class("ClaimResource")(cdi_devices=[message_class("CDIDevice")(name="v")], driver_name="d",
-                                           pool_name="o", device_name="g")  # fmt: skip
-    assert claim.SerializeToString() == b"\x0a\x03\x0a\x01v" b"\x12\x01d" b"\x1a\x01o" b"\x22\x01g"
+    claim = message_class("ClaimResource")(
+        cdi_devices=[message_class("CDIDevice")(name="v")], driver_name="d", pool_name="o", device_name="g"
+    )
+    assert claim.SerializeToString() == b"\x0a\x03\x0a\x01v\x12\x01d\x1a\x01o\x22\x01g"
     assert [podresources.method_path(m) for m in podresources.METHODS] == [
-        "/v1.PodResourcesLister/List", "/v1.PodResourcesLister/GetAllocatableResources", "/v1.PodResourcesLister/Get"]
+        "/v1.PodResourcesLister/List",
+        "/v1.PodResourcesLister/GetAllocatableResources",
+        "/v1.PodResourcesLister/Get",
+    ]
 
 
 def test_the_parser_refuses_what_it_does_not_read():
@@ -112,8 +124,16 @@ def test_replica_ids_resolve_to_the_physical_gpu():
     assert physical_id("GPU-7e2b::0") == physical_id("GPU-7e2b::13") == physical_id("GPU-7e2b") == "GPU-7e2b"
     assert physical_id("MIG-4f0e5d2a-1b3c-5d7e-9f11-23456789abcd") == "MIG-4f0e5d2a-1b3c-5d7e-9f11-23456789abcd"
     collector = KubernetesCollector(Options())
-    assert [collector.is_gpu(r) for r in ("nvidia.com/gpu", "nvidia.com/gpu.shared", "nvidia.com/mig-1g.18gb",
-                                          "rdma/hca_shared_devices_a", "amd.com/gpu")] == [True, True, True, False, False]
+    assert [
+        collector.is_gpu(r)
+        for r in (
+            "nvidia.com/gpu",
+            "nvidia.com/gpu.shared",
+            "nvidia.com/mig-1g.18gb",
+            "rdma/hca_shared_devices_a",
+            "amd.com/gpu",
+        )
+    ] == [True, True, True, False, False]
     assert KubernetesCollector(Options(gpu_resources=("amd.com/gpu",))).is_gpu("amd.com/gpu")
 
 
@@ -131,18 +151,24 @@ def test_h200_node_each_gpu_once_and_who_holds_it(kubelet):
     assert [(lbl["resource"], v) for lbl, v in series(result, "k8s_gpu_allocatable_devices")] == [("nvidia.com/gpu", 8)]
     assert value(result, "k8s_gpu_physical_devices", resource="nvidia.com/gpu") == 8
     assert value(result, "k8s_gpu_allocated_devices", resource="nvidia.com/gpu") == 7  # GPU 7 is free
-    held = {(lbl["uuid"], lbl["namespace"], lbl["pod"], lbl["container"]) for lbl, _ in
-            series(result, "k8s_gpu_allocation_info")}  # fmt: skip
-    assert held == {*((u, "inference", "llama-70b-tp4-0", "vllm") for u in H200_UUIDS[:4]),
-                    *((u, "inference", "llama-8b-1", "vllm") for u in H200_UUIDS[4:6]),
-                    (H200_UUIDS[6], "rag", "embedder-5d8f9", "embedder")}  # fmt: skip
+    held = {
+        (lbl["uuid"], lbl["namespace"], lbl["pod"], lbl["container"])
+        for lbl, _ in series(result, "k8s_gpu_allocation_info")
+    }
+    assert held == {
+        *((u, "inference", "llama-70b-tp4-0", "vllm") for u in H200_UUIDS[:4]),
+        *((u, "inference", "llama-8b-1", "vllm") for u in H200_UUIDS[4:6]),
+        (H200_UUIDS[6], "rag", "embedder-5d8f9", "embedder"),
+    }
     assert all(lbl["device_id"] == lbl["uuid"] for lbl, _ in series(result, "k8s_gpu_allocation_info"))
     per_gpu = {lbl["uuid"]: v for lbl, v in series(result, "k8s_gpu_allocations_per_physical")}
     assert per_gpu == {**dict.fromkeys(H200_UUIDS[:7], 1), H200_UUIDS[7]: 0}
     assert {lbl["uuid"] for lbl, _ in series(result, "gpu_up")} == set(per_gpu)  # the same GPUs NVML sees
     assert value(result, "k8s_gpu_sharing_factor") == 1
     assert {lbl["method"]: v for lbl, v in series(result, "k8s_podresources_errors_total")} == {
-        "List": 0, "GetAllocatableResources": 0}
+        "List": 0,
+        "GetAllocatableResources": 0,
+    }
     assert not any(lbl.get("resource", "").startswith("rdma/") for lbls in result.values() for lbl, _ in lbls)
     assert diagnose(families) is None
 
@@ -161,9 +187,10 @@ def test_one_gpu_shared_by_two_pods_through_mps_replicas(kubelet):
     assert value(result, "k8s_gpu_allocated_devices", resource="nvidia.com/gpu") == 2
     assert value(result, "k8s_gpu_allocations_per_physical", uuid=SHARED_UUID) == 2  # allocations on it: 2
     assert value(result, "mps_clients", uuid=SHARED_UUID) == 2  # MPS clients on it: 2
-    assert sorted((lbl["namespace"], lbl["pod"], lbl["device_id"]) for lbl, _ in
-                  series(result, "k8s_gpu_allocation_info", uuid=SHARED_UUID)) == [
-        ("batch", "worker-0", f"{SHARED_UUID}::1"), ("voice", "tts-0", f"{SHARED_UUID}::0")]  # fmt: skip
+    assert sorted(
+        (lbl["namespace"], lbl["pod"], lbl["device_id"])
+        for lbl, _ in series(result, "k8s_gpu_allocation_info", uuid=SHARED_UUID)
+    ) == [("batch", "worker-0", f"{SHARED_UUID}::1"), ("voice", "tts-0", f"{SHARED_UUID}::0")]
     assert diagnose(families) == SHARED_DIAGNOSIS
 
 
@@ -187,13 +214,29 @@ def test_replicas_held_beyond_what_the_node_advertises(kubelet, tmp_path):
     node.close()
     assert diagnose(families) == (
         f"{SHARED_UUID} is allocated 2 times (2 pods: batch/worker-0, voice/tts-0) with 2 MPS clients; "
-        "the node allocated 2 nvidia.com/gpu devices and advertises 1: used: 2, capacity: 1")
+        "the node allocated 2 nvidia.com/gpu devices and advertises 1: used: 2, capacity: 1"
+    )
 
 
 def test_collect_names_the_double_count_in_one_line_on_stderr(kubelet, capsys):
     sock = kubelet(SHARED)
-    assert main(["collect", "--once", "--collectors", "gpu,mps,kubernetes", "--kubelet-socket", str(sock),
-                 "--nvml-fixture", str(NODE / "nvml" / ONE_GPU), "--mps-fixture", str(NODE / "mps" / ONE_GPU)]) == 0
+    assert (
+        main(
+            [
+                "collect",
+                "--once",
+                "--collectors",
+                "gpu,mps,kubernetes",
+                "--kubelet-socket",
+                str(sock),
+                "--nvml-fixture",
+                str(NODE / "nvml" / ONE_GPU),
+                "--mps-fixture",
+                str(NODE / "mps" / ONE_GPU),
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"stagetrace: {SHARED_DIAGNOSIS}"]
     names = {f.name for f in text_string_to_metric_families(out)}  # stdout stays the exposition
@@ -205,9 +248,11 @@ def test_the_demos_shared_node_shows_the_double_count(tmp_path):
     plain = NodeHardware("gpu-node-01", str(tmp_path), seed=7)
     try:
         line = diagnose(shared.scrape())
-        assert line == (f"{shared.gpu_uuids[3]} is allocated 2 times (2 pods: rag-demo/worker-0, voice/tts-0) "
-                        "with 2 MPS clients; the node advertises 8 nvidia.com/gpu devices for 4 physical GPUs: "
-                        "the scheduler counts each twice")  # fmt: skip
+        assert line == (
+            f"{shared.gpu_uuids[3]} is allocated 2 times (2 pods: rag-demo/worker-0, voice/tts-0) "
+            "with 2 MPS clients; the node advertises 8 nvidia.com/gpu devices for 4 physical GPUs: "
+            "the scheduler counts each twice"
+        )
         assert diagnose(plain.scrape()) is None
     finally:
         shared.close()
@@ -218,8 +263,9 @@ def test_the_recorded_kubelet_answers_get_from_list(kubelet):
     sock = kubelet(SHARED)
     channel = podresources.channel(sock)
     try:
-        answer = podresources.call(channel, "Get", GetPodResourcesRequest(pod_name="tts-0", pod_namespace="voice"),
-                                   timeout=2)  # fmt: skip
+        answer = podresources.call(
+            channel, "Get", GetPodResourcesRequest(pod_name="tts-0", pod_namespace="voice"), timeout=2
+        )
         assert answer.pod_resources.containers[0].devices[0].device_ids == [f"{SHARED_UUID}::0"]
         with pytest.raises(grpc.RpcError) as missing:
             podresources.call(channel, "Get", GetPodResourcesRequest(pod_name="x", pod_namespace="y"), timeout=2)
@@ -233,8 +279,9 @@ def test_the_recorded_kubelet_answers_get_from_list(kubelet):
 
 
 def test_enabled_by_default_only_where_the_kubelets_socket_exists(kubelet, tmp_path):
-    assert "kubernetes" not in [c.name for c in build_node(None, Options(kubelet_socket=tmp_path / "absent.sock"))
-                                .collectors]  # fmt: skip
+    assert "kubernetes" not in [
+        c.name for c in build_node(None, Options(kubelet_socket=tmp_path / "absent.sock")).collectors
+    ]
     node = build_node(None, Options(kubelet_socket=kubelet(H200), nvml_fixture=NODE / "nvml"))
     assert "kubernetes" in [c.name for c in node.collectors]
     node.close()
@@ -255,7 +302,8 @@ def test_no_socket_is_not_a_kubernetes_node(tmp_path, caplog):
     for _ in range(2):
         assert value(scrape(node), "stagetrace_collector_success", collector="kubernetes") == 0
     assert [r.getMessage() for r in caplog.records] == [
-        f"collector kubernetes: no kubelet PodResources socket at {sock} (not a Kubernetes node?)"]
+        f"collector kubernetes: no kubelet PodResources socket at {sock} (not a Kubernetes node?)"
+    ]
 
 
 def test_a_file_that_is_no_socket(tmp_path):
@@ -277,7 +325,8 @@ class Switchable:
         for method in ("List", "GetAllocatableResources"):
             request_class, _ = podresources.METHODS[method]
             handlers[method] = grpc.unary_unary_rpc_method_handler(
-                self._answer(method), request_deserializer=request_class.FromString, response_serializer=self._serialize)
+                self._answer(method), request_deserializer=request_class.FromString, response_serializer=self._serialize
+            )
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("v1.PodResourcesLister", handlers)])
         self.server.add_insecure_port(f"unix:{sock}")
         self.server.start()
@@ -404,12 +453,35 @@ def test_the_agent_logs_the_diagnosis_once_while_it_holds(kubelet, tmp_path):
     sock = kubelet(SHARED)
     log = tmp_path / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "gpu,mps,kubernetes", "--kubelet-socket", str(sock),
-         "--nvml-fixture", str(NODE / "nvml" / ONE_GPU), "--mps-fixture", str(NODE / "mps" / ONE_GPU),
-         "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "200ms",
-         "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--collectors",
+            "gpu,mps,kubernetes",
+            "--kubelet-socket",
+            str(sock),
+            "--nvml-fixture",
+            str(NODE / "nvml" / ONE_GPU),
+            "--mps-fixture",
+            str(NODE / "mps" / ONE_GPU),
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "200ms",
+            "--otlp",
+            "none",
+            "--otlp-grpc",
+            "none",
+            "--query-listen",
+            "none",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
     try:
         deadline = time.monotonic() + 60
         while "sampling every" not in log.read_text():  # serving: it has scraped once

@@ -23,7 +23,7 @@ from stagetrace.collectors.nccl import NcclCollector
 
 FIXTURE = Path(__file__).parent / "fixtures" / "node" / "nccl"
 SLOW_GPU = "GPU-1b9f6c2d-e8a4-4735-a0d1-5c7e9f2b3a68"  # index 3 in the NVML fixture
-LINE = re.compile(r'^(?P<name>\w+)\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
+LINE = re.compile(r"^(?P<name>\w+)\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
 # Inspector name -> (stagetrace name, factor) as the issue asks: base units
 RENAMED = {
     "nccl_collective_exec_time_microseconds": ("nccl_collective_time_seconds", 1e-6),
@@ -85,7 +85,10 @@ def test_every_dump_sample_is_re_exported_in_base_units(dumps):
 def test_uuid_joins_the_gpu_collector_series(dumps):
     """The dumps are named after the NVML fixture's GPUs, with the UUID as NVML writes it."""
     nvml = json.loads((FIXTURE.parent / "nvml" / "nvml.json").read_text())
-    by_index = {dict(lbl)["cuda_device"]: dict(lbl)["uuid"] for lbl in series(scrape(collector_for(dumps)), "nccl_collectives_total")}
+    by_index = {
+        dict(lbl)["cuda_device"]: dict(lbl)["uuid"]
+        for lbl in series(scrape(collector_for(dumps)), "nccl_collectives_total")
+    }
     assert by_index == {str(i): gpu["nvmlDeviceGetUUID"] for i, gpu in enumerate(nvml["gpus"])}
 
 
@@ -93,14 +96,19 @@ def test_the_slow_gpu_stands_out(dumps):
     scraped = scrape(collector_for(dumps))
     large = {"collective": "AllReduce", "message_size": "32-33MB"}
     times = {dict(lbl)["uuid"]: v for lbl, v in series(scraped, "nccl_collective_time_seconds", **large).items()}
-    bandwidth = {dict(lbl)["uuid"]: v for lbl, v in series(scraped, "nccl_collective_bus_bandwidth_bytes_per_second", **large).items()}
+    bandwidth = {
+        dict(lbl)["uuid"]: v
+        for lbl, v in series(scraped, "nccl_collective_bus_bandwidth_bytes_per_second", **large).items()
+    }
     assert len(times) == len(bandwidth) == 8
     assert max(times, key=times.get) == SLOW_GPU == min(bandwidth, key=bandwidth.get)
     others = sorted(v for uuid, v in times.items() if uuid != SLOW_GPU)
     assert times[SLOW_GPU] > 2 * others[len(others) // 2] and 1e-3 < times[SLOW_GPU] < 1e-2  # ~4 ms, in seconds
     assert 1e10 < bandwidth[SLOW_GPU] < 2e10  # ~15 GB/s, in bytes per second
     [(labels, _)] = series(scraped, "nccl_collective_time_seconds", uuid=SLOW_GPU, **large).items()
-    assert dict(labels)["cuda_device"] == "3" and dict(labels)["nranks"] == "16" and dict(labels)["node"] == "gpu-node-1"
+    assert (
+        dict(labels)["cuda_device"] == "3" and dict(labels)["nranks"] == "16" and dict(labels)["node"] == "gpu-node-1"
+    )
 
 
 def test_stale_dump_is_left_out_but_its_age_shown(dumps):
@@ -158,9 +166,11 @@ def test_repeated_series_keeps_the_later_value_and_unknown_metrics_are_ignored(t
     [value] = series(scraped, "nccl_collective_time_seconds").values()
     assert value == pytest.approx(20e-6)
     assert {name for name, _ in scraped} == {
-        "nccl_collective_time_seconds", "nccl_inspector_dump_age_seconds",
-        "stagetrace_collector_success", "stagetrace_collector_duration_seconds",
-    }  # fmt: skip
+        "nccl_collective_time_seconds",
+        "nccl_inspector_dump_age_seconds",
+        "stagetrace_collector_success",
+        "stagetrace_collector_duration_seconds",
+    }
 
 
 def test_empty_directory_is_a_success_with_no_series(tmp_path):

@@ -55,20 +55,29 @@ def test_every_port_of_the_fixture_node_is_collected():
 
 def test_byte_counters_are_four_times_the_file_value():
     registry = scrape(SYSFS)
-    assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_3") == 4 * file_value("mlx5_3", "counters/port_xmit_data")
-    assert value(registry, "rdma_port_receive_bytes_total", "mlx5_3") == 4 * file_value("mlx5_3", "counters/port_rcv_data")
+    assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_3") == 4 * file_value(
+        "mlx5_3", "counters/port_xmit_data"
+    )
+    assert value(registry, "rdma_port_receive_bytes_total", "mlx5_3") == 4 * file_value(
+        "mlx5_3", "counters/port_rcv_data"
+    )
     # packets are not words: taken as they are
-    assert value(registry, "rdma_port_transmit_packets_total", "mlx5_3") == file_value("mlx5_3", "counters/port_xmit_packets")
+    assert value(registry, "rdma_port_transmit_packets_total", "mlx5_3") == file_value(
+        "mlx5_3", "counters/port_xmit_packets"
+    )
 
 
 def test_port_counters_of_the_issue_are_named_as_listed():
     registry = scrape(SYSFS)
     expected = {
-        "rdma_port_transmit_wait_total": "port_xmit_wait", "rdma_port_receive_errors_total": "port_rcv_errors",
-        "rdma_port_transmit_discards_total": "port_xmit_discards", "rdma_symbol_errors_total": "symbol_error",
-        "rdma_link_downed_total": "link_downed", "rdma_link_error_recovery_total": "link_error_recovery",
+        "rdma_port_transmit_wait_total": "port_xmit_wait",
+        "rdma_port_receive_errors_total": "port_rcv_errors",
+        "rdma_port_transmit_discards_total": "port_xmit_discards",
+        "rdma_symbol_errors_total": "symbol_error",
+        "rdma_link_downed_total": "link_downed",
+        "rdma_link_error_recovery_total": "link_error_recovery",
         "rdma_port_receive_packets_total": "port_rcv_packets",
-    }  # fmt: skip
+    }
     for name, file in expected.items():
         assert value(registry, name, "mlx5_3") == file_value("mlx5_3", f"counters/{file}"), name
     assert value(registry, "rdma_link_downed_total", "mlx5_3") == 2  # the flaky port of the fixture
@@ -106,7 +115,9 @@ def test_no_pma_file_is_skipped_without_failing_the_port():
     registry = scrape(SYSFS)
     assert (IB / "mlx5_7/ports/1/counters/port_xmit_wait").read_text().strip() == "N/A (no PMA)"
     assert value(registry, "rdma_port_transmit_wait_total", "mlx5_7") is None
-    assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_7") == 4 * file_value("mlx5_7", "counters/port_xmit_data")
+    assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_7") == 4 * file_value(
+        "mlx5_7", "counters/port_xmit_data"
+    )
     assert value(registry, "rdma_port_transmit_wait_total", "mlx5_6") is not None
 
 
@@ -125,15 +136,22 @@ def test_missing_and_unreadable_files_are_skipped_without_failing_the_device(cop
     assert value(registry, "rdma_symbol_errors_total", "mlx5_2") is None
     assert value(registry, "rdma_port_rate_bytes_per_second", "mlx5_2") is None
     assert value(registry, "rdma_local_ack_timeout_err_total", "mlx5_2") is None
-    assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_2") == 4 * file_value("mlx5_2", "counters/port_xmit_data")
+    assert value(registry, "rdma_port_transmit_bytes_total", "mlx5_2") == 4 * file_value(
+        "mlx5_2", "counters/port_xmit_data"
+    )
     info = {"netdev": "ens2f0np0", "link_layer": "Ethernet", "fw_ver": "", "hca_type": "MT4129", "rail": "mlx5_2/1"}
     assert value(registry, "rdma_port_info", "mlx5_2", **info) == 1
 
 
 def test_info_names_netdev_link_layer_firmware_hca_type_and_rail():
     registry = scrape(SYSFS)
-    info = {"netdev": "ens1f0np0", "link_layer": "Ethernet", "fw_ver": "28.39.2048", "hca_type": "MT4129",
-            "rail": "mlx5_0/1"}  # fmt: skip
+    info = {
+        "netdev": "ens1f0np0",
+        "link_layer": "Ethernet",
+        "fw_ver": "28.39.2048",
+        "hca_type": "MT4129",
+        "rail": "mlx5_0/1",
+    }
     assert value(registry, "rdma_port_info", "mlx5_0", **info) == 1
 
 
@@ -146,8 +164,13 @@ def rails_by_port(sysfs: Path, rails: str | None = None, env: dict | None = None
     options = Options.from_args(build_parser().parse_args(argv), environ=env or {})
     options.sysfs, options.host = sysfs, "node-a"
     families = Node([RdmaCollector(options)], "node-a").collect()
-    return {(s.labels["device"], s.labels["port"]): s.labels["rail"]
-            for f in families if f.name == "rdma_port" for s in f.samples if s.name == "rdma_port_info"}  # fmt: skip
+    return {
+        (s.labels["device"], s.labels["port"]): s.labels["rail"]
+        for f in families
+        if f.name == "rdma_port"
+        for s in f.samples
+        if s.name == "rdma_port_info"
+    }
 
 
 @pytest.fixture
@@ -174,7 +197,10 @@ def test_a_rail_list_names_its_ports_and_leaves_the_others_without_a_rail(three_
         assert rails_by_port(three_ports, env={"STAGETRACE_RDMA_RAILS": "rail0=mlx5_0:2,mlx5_1:1"}) == explicit
         # the flag wins over the variable
         assert rails_by_port(three_ports, "r=mlx5_0", env={"STAGETRACE_RDMA_RAILS": "rail0=mlx5_0:2"}) == {
-            ("mlx5_0", "1"): "r", ("mlx5_0", "2"): "", ("mlx5_1", "1"): ""}  # fmt: skip
+            ("mlx5_0", "1"): "r",
+            ("mlx5_0", "2"): "",
+            ("mlx5_1", "1"): "",
+        }
     assert not caplog.records
     assert Options(rails=parse_rails("a=mlx5_1")).rails == (("a", "mlx5_1", "1"),)
 
@@ -217,9 +243,26 @@ def test_a_malformed_rail_list_is_refused_at_parse_time_naming_the_flag_or_the_v
 
 def test_collect_with_a_malformed_rail_list_prints_one_line_and_exits_2(tmp_path):
     env = {**os.environ, "STAGETRACE_RDMA_RAILS": ""}
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "collect", "--once", "--sysfs", str(SYSFS),
-                           "--collectors", "rdma", "--rdma-rails", "=mlx5_0"],
-                          check=False, capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "collect",
+            "--once",
+            "--sysfs",
+            str(SYSFS),
+            "--collectors",
+            "rdma",
+            "--rdma-rails",
+            "=mlx5_0",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == (
         "stagetrace: --rdma-rails: rail entry '=mlx5_0' has no rail name before '=': "
@@ -243,10 +286,14 @@ def test_absent_infiniband_class_reports_success_0_and_logs_once(tmp_path, caplo
     registry = scrape(tmp_path, node)
     with caplog.at_level(logging.INFO, logger="stagetrace.collectors"):
         for _ in range(3):
-            assert registry.get_sample_value("stagetrace_collector_success", {"host": "node-a", "collector": "rdma"}) == 0
+            assert (
+                registry.get_sample_value("stagetrace_collector_success", {"host": "node-a", "collector": "rdma"}) == 0
+            )
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert warnings == [f"collector rdma: {tmp_path}/class/infiniband does not exist: "
-                            "no RDMA device or driver on this host (--sysfs sets the sysfs root)"]  # fmt: skip
+        assert warnings == [
+            f"collector rdma: {tmp_path}/class/infiniband does not exist: "
+            "no RDMA device or driver on this host (--sysfs sets the sysfs root)"
+        ]
         shutil.copytree(SYSFS, tmp_path, dirs_exist_ok=True)  # the driver is loaded: the source comes back
         assert registry.get_sample_value("stagetrace_collector_success", {"host": "node-a", "collector": "rdma"}) == 1
         assert "collector rdma: source is back" in caplog.messages
@@ -264,7 +311,9 @@ def test_one_collector_reads_each_scrape_anew_as_files_change_appear_and_go(copi
     removed, one replaced by rename, and a whole device gone and back, each seen at the next scrape."""
     registry = scrape(copied_sysfs)
     port = copied_sysfs / "class/infiniband/mlx5_1/ports/1"
-    assert value(registry, "rdma_port_transmit_packets_total", "mlx5_1") == file_value("mlx5_1", "counters/port_xmit_packets")
+    assert value(registry, "rdma_port_transmit_packets_total", "mlx5_1") == file_value(
+        "mlx5_1", "counters/port_xmit_packets"
+    )
     (port / "counters/port_xmit_packets").write_text("123456789\n")  # in place, as the kernel's counters change
     assert value(registry, "rdma_port_transmit_packets_total", "mlx5_1") == 123456789
     (port / "hw_counters/req_cqe_error").unlink()
@@ -339,7 +388,10 @@ def test_a_held_real_sysfs_attribute_reads_its_new_value(tmp_path):
     files = HeldFiles()
     try:
         first = int(files.read(statistics, ("rx_packets",))["rx_packets"])
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender:
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver,
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sender,
+        ):
             receiver.bind(("127.0.0.1", 0))
             for _ in range(50):
                 sender.sendto(b"x", receiver.getsockname())
@@ -437,10 +489,16 @@ def node_exporter_samples(component, tmp_path):
     address = f"127.0.0.1:{free_port()}"
     log = open(tmp_path / "node_exporter.log", "w")
     process = subprocess.Popen(
-        [binary, f"--path.sysfs={SYSFS}", "--collector.disable-defaults", "--collector.infiniband",
-         f"--web.listen-address={address}"],
-        stdout=log, stderr=log,
-    )  # fmt: skip
+        [
+            binary,
+            f"--path.sysfs={SYSFS}",
+            "--collector.disable-defaults",
+            "--collector.infiniband",
+            f"--web.listen-address={address}",
+        ],
+        stdout=log,
+        stderr=log,
+    )
     try:
         text = fetch_when_up(f"http://{address}/metrics", process)
     finally:
@@ -474,7 +532,12 @@ def test_every_value_node_exporter_exports_is_ours(node_exporter_samples):
     assert compared >= 8 * (len(PORT_COUNTERS) + 3) - 1
     assert ("port_transmit_wait_total", "mlx5_7", "1") not in theirs  # both skip the N/A (no PMA) file
     for device, labels in their_info.items():
-        info = {"netdev": rdma_netdevs(SYSFS)[(device, "1")], "link_layer": "Ethernet", "rail": f"{device}/1",
-                "fw_ver": labels["firmware_version"], "hca_type": labels["hca_type"]}  # fmt: skip
+        info = {
+            "netdev": rdma_netdevs(SYSFS)[(device, "1")],
+            "link_layer": "Ethernet",
+            "rail": f"{device}/1",
+            "fw_ver": labels["firmware_version"],
+            "hca_type": labels["hca_type"],
+        }
         assert value(ours, "rdma_port_info", device, **info) == 1
     assert len(their_info) == 8

@@ -26,9 +26,16 @@ class ProbeCollector(Collector):
     name = "probe"
     default_enabled = False
     settings = (
-        Setting("probe_greeting", str, "hello", env="STAGETRACE_PROBE_GREETING", flag="--probe-greeting",
-                metavar="WORD", help="what the probe says"),
-    )  # fmt: skip
+        Setting(
+            "probe_greeting",
+            str,
+            "hello",
+            env="STAGETRACE_PROBE_GREETING",
+            flag="--probe-greeting",
+            metavar="WORD",
+            help="what the probe says",
+        ),
+    )
 
     def collect(self, out) -> None:
         out.add(GREETING, 1, greeting=self.options.probe_greeting)
@@ -82,8 +89,11 @@ def test_without_the_collector_its_setting_is_unknown(capsys):
 
 
 def test_a_second_setting_with_a_taken_name_or_flag_is_refused(probe):
-    for taken in (Setting("probe_greeting", str, flag="--other"), Setting("other", str, flag="--probe-greeting"),
-                  Setting("sysfs", str)):  # fmt: skip
+    for taken in (
+        Setting("probe_greeting", str, flag="--other"),
+        Setting("other", str, flag="--probe-greeting"),
+        Setting("sysfs", str),
+    ):
         clash = type("Clash", (Collector,), {"name": "clash", "settings": (taken,)})
         with pytest.raises(ValueError, match="already declared"):
             register(clash)
@@ -102,10 +112,22 @@ BUILT_IN = [  # attribute, flag, variables, default, a value's text, that value
     ("ethtool_fixture", "--ethtool-fixture", ["STAGETRACE_ETHTOOL_FIXTURE"], None, "/x.json", Path("/x.json")),
     ("nccl_dir", "--nccl-dir", ["STAGETRACE_NCCL_DIR", "NCCL_INSPECTOR_DUMP_DIR"], None, "/x", Path("/x")),
     ("rails", "--rdma-rails", ["STAGETRACE_RDMA_RAILS"], (), "r0=mlx5_0", (("r0", "mlx5_0", "1"),)),
-    ("kubelet_socket", "--kubelet-socket", ["STAGETRACE_KUBELET_SOCKET"],
-     Path("/var/lib/kubelet/pod-resources/kubelet.sock"), "/x.sock", Path("/x.sock")),
-    ("gpu_resources", "--gpu-resources", ["STAGETRACE_GPU_RESOURCES"], ("nvidia.com/gpu*", "nvidia.com/mig-*"),
-     "amd.com/gpu,,x", ("amd.com/gpu", "x")),
+    (
+        "kubelet_socket",
+        "--kubelet-socket",
+        ["STAGETRACE_KUBELET_SOCKET"],
+        Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+        "/x.sock",
+        Path("/x.sock"),
+    ),
+    (
+        "gpu_resources",
+        "--gpu-resources",
+        ["STAGETRACE_GPU_RESOURCES"],
+        ("nvidia.com/gpu*", "nvidia.com/mig-*"),
+        "amd.com/gpu,,x",
+        ("amd.com/gpu", "x"),
+    ),
     ("gpu_sharing_factor", "--gpu-sharing-factor", ["STAGETRACE_GPU_SHARING_FACTOR"], 1, "2", 2),
     ("procfs", "--procfs", ["STAGETRACE_PROCFS"], Path("/proc"), "/x", Path("/x")),
     ("kubelet_log_dir", "--kubelet-log-dir", ["STAGETRACE_KUBELET_LOG_DIR"], Path("/var/log"), "/x", Path("/x")),

@@ -21,8 +21,10 @@ from stagetrace.analysis.explain import Explainer
 from stagetrace.store import open_store
 
 SECOND = fleet.SECOND
-HEALTHY = {f"c{i}": {"acme.gpu.sku": "H200" if i <= 3 else "H100", "acme.driver": "550.54" if i % 2 else "560.35"}
-           for i in range(1, 7)}  # fmt: skip
+HEALTHY = {
+    f"c{i}": {"acme.gpu.sku": "H200" if i <= 3 else "H100", "acme.driver": "550.54" if i % 2 else "560.35"}
+    for i in range(1, 7)
+}
 HARMLESS = ("x1", "resource:acme.log.level", "debug")  # differs, changes nothing
 # host → (contrast key, its value there): each faulty host's own difference
 FAULTS = {
@@ -65,7 +67,9 @@ def fleet_answers(tmp_path_factory):
         live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()
         rows = store.client.query(
             "SELECT RequestId, FirstDivergentStage, TopCauseName, TopCauseValue "
-            "FROM {db:Identifier}.stagetrace_divergences FINAL", parameters={"db": store.database}).result_rows
+            "FROM {db:Identifier}.stagetrace_divergences FINAL",
+            parameters={"db": store.database},
+        ).result_rows
         found = divergences.find(store, 24 * 3600 * SECOND, limit=None)
         deviating = [rid for rid, r in sorted(fl.requests.items()) if r["differs"]]
         explainer = Explainer(store)
@@ -93,8 +97,11 @@ def test_divergences_and_its_tally_name_each_hosts_own_setting(fleet_answers):
     fl, found, _, _ = fleet_answers
     entries = {d["request_id"]: d for g in found["groups"] for d in g["deviating"]}
     assert set(entries) == {rid for rid, r in fl.requests.items() if r["differs"]}  # the harmless host agrees
-    wrong = {rid: (fl.requests[rid]["host"], d["summary"]) for rid, d in entries.items()
-             if (d["first_divergent_stage"], d["top_cause"]["name"], d["top_cause"]["value"]) != _own(fl, rid)}
+    wrong = {
+        rid: (fl.requests[rid]["host"], d["summary"])
+        for rid, d in entries.items()
+        if (d["first_divergent_stage"], d["top_cause"]["name"], d["top_cause"]["value"]) != _own(fl, rid)
+    }
     assert not wrong, f"{len(wrong)} of {len(entries)}: {sorted(wrong.items())[:3]}"
     tally = {(t["cause"], t["stage"]): t["hosts"] for t in found["tally"]}
     assert tally == {(key.removeprefix("resource:"), "decode"): [host] for host, (key, _) in FAULTS.items()}

@@ -39,8 +39,13 @@ _flush: list = []
 
 
 def span(tracer, name, attributes, parent=None, start=T0, kind=SpanKind.INTERNAL):
-    s = tracer.start_span(name, context=set_span_in_context(parent) if parent else None, start_time=start,
-                          attributes=attributes, kind=kind)  # fmt: skip
+    s = tracer.start_span(
+        name,
+        context=set_span_in_context(parent) if parent else None,
+        start_time=start,
+        attributes=attributes,
+        kind=kind,
+    )
     return s
 
 
@@ -53,9 +58,13 @@ def end(*spans):
 
 
 def stage_rows(store, trace_id):
-    return {name: row for name, *row in store.client.query(
-        "SELECT SpanName, Stage, InputDigest, OutputDigest, Attributes FROM stagetrace.stagetrace_stages WHERE TraceId = {t:String}",
-        parameters={"t": trace_id}).result_rows}  # fmt: skip
+    return {
+        name: row
+        for name, *row in store.client.query(
+            "SELECT SpanName, Stage, InputDigest, OutputDigest, Attributes FROM stagetrace.stagetrace_stages WHERE TraceId = {t:String}",
+            parameters={"t": trace_id},
+        ).result_rows
+    }
 
 
 def trace_id(s) -> str:
@@ -68,14 +77,23 @@ FIELD_SPANS = [
     ("BaseEmbedding.get_query_embedding", {"openinference.span.kind": "EMBEDDING"}, "retrieval"),
     ("CohereRerank.postprocess_nodes", {"openinference.span.kind": "RERANKER"}, "retrieval"),
     ("ChatPromptTemplate", {"openinference.span.kind": "PROMPT"}, "context_assembly"),
-    ("PromptBuilder.run", {"openinference.span.kind": "LLM", "llm.prompt_template.template": "{{q}}"},
-     "context_assembly"),
+    (
+        "PromptBuilder.run",
+        {"openinference.span.kind": "LLM", "llm.prompt_template.template": "{{q}}"},
+        "context_assembly",
+    ),
     ("OpenAIGenerator.run", {"openinference.span.kind": "LLM"}, "decode"),
     ("RetrieverQueryEngine.query", {"openinference.span.kind": "CHAIN"}, ""),
-    ("vector_db_retrieve VectorStoreRetriever", {"traceloop.span.kind": "task",
-                                                 "gen_ai.operation.name": "vector_db_retrieve"}, "retrieval"),
-    ("execute_task ChatPromptTemplate", {"traceloop.span.kind": "task", "gen_ai.operation.name": "execute_task"},
-     "context_assembly"),
+    (
+        "vector_db_retrieve VectorStoreRetriever",
+        {"traceloop.span.kind": "task", "gen_ai.operation.name": "vector_db_retrieve"},
+        "retrieval",
+    ),
+    (
+        "execute_task ChatPromptTemplate",
+        {"traceloop.span.kind": "task", "gen_ai.operation.name": "execute_task"},
+        "context_assembly",
+    ),
     ("ChatPromptTemplate.task", {"traceloop.span.kind": "task"}, "context_assembly"),
     ("ChatOpenAI.chat", {"gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai"}, "decode"),
     ("openai.chat", {"llm.request.type": "chat"}, "decode"),
@@ -101,20 +119,34 @@ def test_each_producer_s_spans_get_their_stage(store, tracer):
 
 
 def test_digests_come_from_content_and_the_content_is_not_kept(store, tracer):
-    docs = {"retrieval.documents.0.document.id": "a1", "retrieval.documents.0.document.content": "two years",
-            "retrieval.documents.0.document.score": 0.93, "openinference.span.kind": "RETRIEVER",
-            "input.value": "how long is the warranty?", "retrieval.top_k": 1}  # fmt: skip
+    docs = {
+        "retrieval.documents.0.document.id": "a1",
+        "retrieval.documents.0.document.content": "two years",
+        "retrieval.documents.0.document.score": 0.93,
+        "openinference.span.kind": "RETRIEVER",
+        "input.value": "how long is the warranty?",
+        "retrieval.top_k": 1,
+    }
     root = span(tracer, "query", {"input.value": "how long is the warranty?", "output.value": "two years"})
     retriever = span(tracer, "retrieve", docs, root)
-    same = span(tracer, "retrieve", {**docs, "retrieval.documents.0.document.id": "b7",
-                                     "retrieval.documents.0.document.score": 0.5}, root)  # fmt: skip
+    same = span(
+        tracer,
+        "retrieve",
+        {**docs, "retrieval.documents.0.document.id": "b7", "retrieval.documents.0.document.score": 0.5},
+        root,
+    )
     edited = span(tracer, "retrieve-edited", {**docs, "retrieval.documents.0.document.content": "one year"}, root)
-    hidden = span(tracer, "hidden", {"openinference.span.kind": "LLM", "input.value": conventions.REDACTED,
-                                     "output.value": conventions.REDACTED}, root)  # fmt: skip
+    hidden = span(
+        tracer,
+        "hidden",
+        {"openinference.span.kind": "LLM", "input.value": conventions.REDACTED, "output.value": conventions.REDACTED},
+        root,
+    )
     end(root, retriever, same, edited, hidden)
     rows = store.client.query(
         "SELECT SpanId, InputDigest, OutputDigest, Attributes FROM stagetrace.stagetrace_stages WHERE TraceId = {t:String}",
-        parameters={"t": trace_id(root)}).result_rows  # fmt: skip
+        parameters={"t": trace_id(root)},
+    ).result_rows
     by_span = {sid: (i, o, a) for sid, i, o, a in rows}
     mine, other_ids, changed = (by_span[f"{s.get_span_context().span_id:016x}"] for s in (retriever, same, edited))
     assert mine[0] and mine[0] == other_ids[0] == changed[0]  # the query
@@ -129,10 +161,20 @@ def test_digests_come_from_content_and_the_content_is_not_kept(store, tracer):
 
 def test_an_engine_span_with_a_request_id_names_the_request_of_an_app_trace_without_one(store, tracer):
     """An app (OpenLLMetry, no request ID) calling vLLM with traceparent: one request, vLLM's ID, the app's digests."""
-    app = span(tracer, "rag.workflow", {"traceloop.span.kind": "workflow", "traceloop.entity.input": "q",
-                                        "traceloop.entity.output": "a"}, kind=SpanKind.SERVER)  # fmt: skip
-    engine = span(tracer, "llm_request", {"gen_ai.request.id": "chatcmpl-42", "gen_ai.usage.prompt_tokens": 9},
-                  app, start=T0 + 1000, kind=SpanKind.SERVER)  # fmt: skip
+    app = span(
+        tracer,
+        "rag.workflow",
+        {"traceloop.span.kind": "workflow", "traceloop.entity.input": "q", "traceloop.entity.output": "a"},
+        kind=SpanKind.SERVER,
+    )
+    engine = span(
+        tracer,
+        "llm_request",
+        {"gen_ai.request.id": "chatcmpl-42", "gen_ai.usage.prompt_tokens": 9},
+        app,
+        start=T0 + 1000,
+        kind=SpanKind.SERVER,
+    )
     end(app, engine)
     requests = conventions.requests_sql(table="stagetrace.stagetrace_requests")
     rows = store.client.query(f"SELECT RequestId, InputDigest FROM ({requests})").result_rows
@@ -153,10 +195,16 @@ def test_sglang_request_spans_are_found_by_their_rid(store, tracer, newer):
     if newer:
         attrs |= {"gen_ai.request.id": rid, "gen_ai.usage.cached_tokens": 12}
     root = span(tracer, f"Req {rid[:8]}", attrs, kind=SpanKind.SERVER)
-    thread = span(tracer, "Scheduler [TP 0] (host:5e1f2a3b | pid:4242)",
-                  {"tp_rank": 0, "host_id": "5e1f2a3b", "pid": 4242, "thread_label": "Scheduler"}, root)  # fmt: skip
-    slices = [span(tracer, name, {}, thread, start=T0 + i) for i, name in
-              enumerate(("tokenize", "prefill_forward", "decode_forward"))]  # fmt: skip
+    thread = span(
+        tracer,
+        "Scheduler [TP 0] (host:5e1f2a3b | pid:4242)",
+        {"tp_rank": 0, "host_id": "5e1f2a3b", "pid": 4242, "thread_label": "Scheduler"},
+        root,
+    )
+    slices = [
+        span(tracer, name, {}, thread, start=T0 + i)
+        for i, name in enumerate(("tokenize", "prefill_forward", "decode_forward"))
+    ]
     end(root, thread, *slices)
     trace = lookup.by_request_id(store, rid)
     assert trace.trace_id == trace_id(root)
@@ -171,8 +219,13 @@ def test_a_generic_rid_attribute_is_not_a_request_id(store, tracer):
 
 
 def test_attribute_roles():
-    for key in ("input.value", "retrieval.documents.3.document.content", "llm.output_messages.0.message.content",
-                "traceloop.entity.output", "retrieval.doc_ids"):
+    for key in (
+        "input.value",
+        "retrieval.documents.3.document.content",
+        "llm.output_messages.0.message.content",
+        "traceloop.entity.output",
+        "retrieval.doc_ids",
+    ):
         assert conventions.is_content(key) and not conventions.is_comparable(key), key
     for key in ("gen_ai.usage.input_tokens", "llm.token_count.total", "decode.ttft_ms", "gen_ai.latency.e2e"):
         assert conventions.is_measurement(key), key
@@ -204,12 +257,16 @@ def test_nondeterminism_is_read_alike_by_the_store_and_by_python(store, tracer):
     or a declared nondeterministic span: the store's view and the Python rule must agree on every shape."""
     for i, (attributes, _) in enumerate(NONDETERMINISM_CASES):
         end(span(tracer, f"case-{i}", {"gen_ai.request.id": f"nd-{i}", **attributes}))
-    rows = dict(store.client.query(
-        "SELECT RequestId, Nondeterministic FROM {db:Identifier}.stagetrace_requests", parameters={"db": store.database}
-    ).result_rows)  # fmt: skip
+    rows = dict(
+        store.client.query(
+            "SELECT RequestId, Nondeterministic FROM {db:Identifier}.stagetrace_requests",
+            parameters={"db": store.database},
+        ).result_rows
+    )
     for i, (attributes, expected) in enumerate(NONDETERMINISM_CASES):
-        python = conventions.nondeterminism({k: str(v).lower() if isinstance(v, bool) else str(v)
-                                             for k, v in attributes.items()})  # fmt: skip
+        python = conventions.nondeterminism(
+            {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in attributes.items()}
+        )
         assert bool(rows[f"nd-{i}"]) is expected, (attributes, rows[f"nd-{i}"])
         assert bool(python) is expected, (attributes, python)
 

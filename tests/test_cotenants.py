@@ -32,8 +32,14 @@ from stagetrace.analysis.tenants import GIB, amount, describe
 from stagetrace.collectors.base import Samples
 from stagetrace.collectors.gpm import GPM_METRICS
 from stagetrace.collectors.gpu_tenants import (
-    MPS_SERVER, PROCESS, TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM,
-)  # fmt: skip
+    MPS_SERVER,
+    PROCESS,
+    TENANT_MEMORY,
+    TENANT_MEMORY_COPY,
+    TENANT_MPS_CLIENTS,
+    TENANT_PROCESSES,
+    TENANT_SM,
+)
 from stagetrace.exporters.clickhouse import METRIC_COLUMNS, ClickHouseSpanExporter
 from stagetrace.exporters.rows import node_metric_rows
 from stagetrace.render import Output, evidence, gpu_activity
@@ -65,10 +71,22 @@ def request(store, request_id: str, interval: int, output: str, pod: tuple[str, 
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("app")
     start = at(interval) + 2 * S
-    root = tracer.start_span("inference.request", start_time=start, attributes={
-        st.REQUEST_ID: request_id, st.INPUT_DIGEST: "in-1", st.OUTPUT_DIGEST: output})  # fmt: skip
-    decode = tracer.start_span("decode", context=trace.set_span_in_context(root), start_time=start, attributes={
-        st.STAGE: "decode", st.GPU_UUID: UUID, st.STAGE_INPUT_DIGEST: "ctx-1", st.STAGE_OUTPUT_DIGEST: output})  # fmt: skip
+    root = tracer.start_span(
+        "inference.request",
+        start_time=start,
+        attributes={st.REQUEST_ID: request_id, st.INPUT_DIGEST: "in-1", st.OUTPUT_DIGEST: output},
+    )
+    decode = tracer.start_span(
+        "decode",
+        context=trace.set_span_in_context(root),
+        start_time=start,
+        attributes={
+            st.STAGE: "decode",
+            st.GPU_UUID: UUID,
+            st.STAGE_INPUT_DIGEST: "ctx-1",
+            st.STAGE_OUTPUT_DIGEST: output,
+        },
+    )
     decode.end(end_time=start + 8 * S)
     root.end(end_time=start + 8 * S)
     writer = ClickHouseSpanExporter(store=store, spool_dir=False, create_schema=False)
@@ -76,8 +94,9 @@ def request(store, request_id: str, interval: int, output: str, pod: tuple[str, 
     provider.shutdown()
 
 
-def scrapes(store, tenants: dict[tuple[str, str], dict], mps_server: tuple[str, str] | None = None,
-            gpm: dict | None = None) -> None:  # fmt: skip
+def scrapes(
+    store, tenants: dict[tuple[str, str], dict], mps_server: tuple[str, str] | None = None, gpm: dict | None = None
+) -> None:
     """The gpu collector's tenant series at every scrape. ``tenants`` maps a pod to {spec: {scrape: value}}; a pod
     is on the GPU at the scrapes its memory has a value for. ``gpm``: the whole GPU's GPM series, {spec: values}."""
     for i in range(SCRAPES):
@@ -94,8 +113,12 @@ def scrapes(store, tenants: dict[tuple[str, str], dict], mps_server: tuple[str, 
                 if i in values:
                     out.add(spec, values[i], **labels)
         if mps_server is not None:
-            out.add(PROCESS, {"namespace": mps_server[0], "pod": mps_server[1], "container": "", "role": MPS_SERVER},
-                    **GPU_LABELS, pid="4242")  # fmt: skip
+            out.add(
+                PROCESS,
+                {"namespace": mps_server[0], "pod": mps_server[1], "container": "", "role": MPS_SERVER},
+                **GPU_LABELS,
+                pid="4242",
+            )
         rows = node_metric_rows([out], HOST, at(i))["otel_metrics_gauge"]
         store.client.insert("otel_metrics_gauge", rows, column_names=METRIC_COLUMNS, database=store.database)
 
@@ -113,16 +136,27 @@ def burst(usual: float, peak: float, jitter: float, seed: int, at_scrapes=(BURST
 
 def time_sliced(other_sm: dict, own_sm: dict | None = None) -> dict:
     """Two pods, each its own processes, NVML sampling each process's SM use."""
-    return {OWN: {TENANT_MEMORY: level(30 * GIB, 0.1 * GIB, 1), TENANT_SM: own_sm or level(0.3, 0.05, 2),
-                  TENANT_MEMORY_COPY: level(0.2, 0.05, 3)},
-            OTHER: {TENANT_MEMORY: level(8 * GIB, 0.1 * GIB, 4), TENANT_SM: other_sm,
-                    TENANT_MEMORY_COPY: level(0.05, 0.02, 5)}}  # fmt: skip
+    return {
+        OWN: {
+            TENANT_MEMORY: level(30 * GIB, 0.1 * GIB, 1),
+            TENANT_SM: own_sm or level(0.3, 0.05, 2),
+            TENANT_MEMORY_COPY: level(0.2, 0.05, 3),
+        },
+        OTHER: {
+            TENANT_MEMORY: level(8 * GIB, 0.1 * GIB, 4),
+            TENANT_SM: other_sm,
+            TENANT_MEMORY_COPY: level(0.05, 0.02, 5),
+        },
+    }
 
 
 def mps_shared(other_memory: dict, server_sm: dict | None = None) -> dict:
     """Two pods as MPS clients (no SM share of their own) and the MPS server, in no pod, whose SM use is theirs."""
-    return {OWN: {TENANT_MEMORY: level(30 * GIB, 0.1 * GIB, 1)}, OTHER: {TENANT_MEMORY: other_memory},
-            NO_POD: {TENANT_MEMORY: level(0.5 * GIB, 0.0, 6), TENANT_SM: server_sm or level(0.5, 0.1, 7)}}  # fmt: skip
+    return {
+        OWN: {TENANT_MEMORY: level(30 * GIB, 0.1 * GIB, 1)},
+        OTHER: {TENANT_MEMORY: other_memory},
+        NO_POD: {TENANT_MEMORY: level(0.5 * GIB, 0.0, 6), TENANT_SM: server_sm or level(0.5, 0.1, 7)},
+    }
 
 
 def population(store, pod: tuple[str, str] | None = OWN) -> None:
@@ -134,11 +168,19 @@ def population(store, pod: tuple[str, str] | None = OWN) -> None:
 POSITIVE = {
     "sm-5%-to-80%": (time_sliced(burst(0.05, 0.8, 0.02, 10)), None, TENANT_SM, "time-slicing"),
     "sm-idle-to-40%": (time_sliced(burst(0.0, 0.4, 0.0, 11)), None, TENANT_SM, "time-slicing"),
-    "memory-under-mps": (mps_shared(burst(4 * GIB, 40 * GIB, 0.2 * GIB, 12),
-                                    burst(0.5, 0.95, 0.05, 13)), NO_POD, TENANT_MEMORY, "MPS"),
-    "arrived-under-mps": (mps_shared(burst(0, 12 * GIB, 0.0, 14, at_scrapes=(BURST, BURST + 1), present={BURST, BURST + 1})),
-                          NO_POD, TENANT_MEMORY, "MPS"),
-}  # fmt: skip
+    "memory-under-mps": (
+        mps_shared(burst(4 * GIB, 40 * GIB, 0.2 * GIB, 12), burst(0.5, 0.95, 0.05, 13)),
+        NO_POD,
+        TENANT_MEMORY,
+        "MPS",
+    ),
+    "arrived-under-mps": (
+        mps_shared(burst(0, 12 * GIB, 0.0, 14, at_scrapes=(BURST, BURST + 1), present={BURST, BURST + 1})),
+        NO_POD,
+        TENANT_MEMORY,
+        "MPS",
+    ),
+}
 
 
 @pytest.mark.parametrize("case", POSITIVE, ids=list(POSITIVE))
@@ -150,7 +192,13 @@ def test_a_co_tenants_burst_during_the_decode_is_named(store, case):
     assert report["first_divergent_stage"] == "decode"
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["tenant"], top["device"], top["sharing"], top["weak"]) == (
-        "hardware", spec.name, "batch/worker-0", UUID, sharing, False)
+        "hardware",
+        spec.name,
+        "batch/worker-0",
+        UUID,
+        sharing,
+        False,
+    )
     # its usual level: the median over the scrapes up to the decode's (absent: 0); its peak: the scrape after
     written = tenants[OTHER][spec]
     usual, peak = statistics.median(written.get(i, 0.0) for i in range(ODD_AT + 1)), written[BURST]
@@ -158,8 +206,11 @@ def test_a_co_tenants_burst_during_the_decode_is_named(store, case):
     assert report["summary"].startswith(
         f"decode diverged: its GPU {UUID} ({HOST}) is shared by {sharing} with batch/worker-0, whose "
         f"{'SM utilization' if spec is TENANT_SM else 'device memory'} rose from {amount(usual, spec)} to "
-        f"{amount(peak, spec)} while it ran, not for the baseline (baseline: request ok-")
-    assert all(c.get("tenant") != "serve/vllm-0" for c in report["causes"]), "the request's own pod is never a co-tenant"
+        f"{amount(peak, spec)} while it ran, not for the baseline (baseline: request ok-"
+    )
+    assert all(c.get("tenant") != "serve/vllm-0" for c in report["causes"]), (
+        "the request's own pod is never a co-tenant"
+    )
     assert describe(top["name"], top) in evidence(top)
     if sharing == "MPS":  # the MPS server's SM use is every client's: not a tenant's own
         assert all(c["name"] != TENANT_SM.name for c in report["causes"])
@@ -170,10 +221,18 @@ NEGATIVE = {
     "burst-minutes-before": (time_sliced(burst(0.05, 0.9, 0.02, 21, at_scrapes=range(10, 13))), None),
     "own-pod-busier": (time_sliced(level(0.05, 0.02, 22), own_sm=burst(0.3, 0.95, 0.05, 23)), None),
     "mps-server-busier": (mps_shared(level(8 * GIB, 0.2 * GIB, 24), server_sm=burst(0.4, 0.95, 0.05, 25)), NO_POD),
-    "memory-copy-jitter": (time_sliced(level(0.05, 0.02, 26)) | {OTHER: {
-        TENANT_MEMORY: level(8 * GIB, 0.5 * GIB, 27), TENANT_SM: level(0.05, 0.02, 28),
-        TENANT_MEMORY_COPY: level(0.1, 0.08, 29)}}, None),
-}  # fmt: skip
+    "memory-copy-jitter": (
+        time_sliced(level(0.05, 0.02, 26))
+        | {
+            OTHER: {
+                TENANT_MEMORY: level(8 * GIB, 0.5 * GIB, 27),
+                TENANT_SM: level(0.05, 0.02, 28),
+                TENANT_MEMORY_COPY: level(0.1, 0.08, 29),
+            }
+        },
+        None,
+    ),
+}
 
 
 @pytest.mark.parametrize("case", NEGATIVE, ids=list(NEGATIVE))
@@ -237,4 +296,5 @@ def test_trace_and_the_incident_report_show_the_gpus_activity_and_the_co_tenants
     figures = re.findall(r"<figcaption>(.*?)</figcaption>", page)
     assert any(TENANT_SM.name in f and "batch/worker-0" in f for f in figures), figures
     assert {name for name in activity.SHOWN.values() if any(name in f and "GPM" in f for f in figures)} == set(
-        activity.SHOWN.values())
+        activity.SHOWN.values()
+    )

@@ -54,8 +54,9 @@ def env(request, tmp_path):
 
 
 def stagetrace(env, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def closed_port() -> int:
@@ -74,11 +75,28 @@ def test_help_never_shows_a_credential(env):
 
 def test_errors_about_an_unreachable_server_never_show_its_password(env):
     port = closed_port()
-    for args in (["trace", "r1", "--store", f"http://alice@127.0.0.1:{port}/db"],
-                 ["agent", "--store", f"http://alice@127.0.0.1:{port}/db", "--collectors", "rdma", "--sysfs", str(SYSFS),
-                  "--otlp", "none", "--otlp-grpc", "none", "--query-listen", "none", "--listen", "127.0.0.1:0"],
-                 # a password in the DSN itself is the user's choice to put on a command line; errors still hide it
-                 ["schema", "--store", f"http://alice:{SECRETS['STAGETRACE_STORE_PASSWORD']}@127.0.0.1:{port}/db"]):  # fmt: skip
+    for args in (
+        ["trace", "r1", "--store", f"http://alice@127.0.0.1:{port}/db"],
+        [
+            "agent",
+            "--store",
+            f"http://alice@127.0.0.1:{port}/db",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--otlp",
+            "none",
+            "--otlp-grpc",
+            "none",
+            "--query-listen",
+            "none",
+            "--listen",
+            "127.0.0.1:0",
+        ],
+        # a password in the DSN itself is the user's choice to put on a command line; errors still hide it
+        ["schema", "--store", f"http://alice:{SECRETS['STAGETRACE_STORE_PASSWORD']}@127.0.0.1:{port}/db"],
+    ):
         result = stagetrace(env, *args)
         assert result.returncode != 0
         assert "alice@127.0.0.1" in result.stderr, result.stderr  # it names the server, without the password
@@ -89,16 +107,41 @@ def test_errors_about_an_unreachable_server_never_show_its_password(env):
 def test_the_running_agent_shows_its_token_nowhere(env, tmp_path):
     log = tmp_path / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-         "--store", f"chdb://{tmp_path / 'store'}", "--listen", "127.0.0.1:0", "--interval", "200ms",
-         "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "127.0.0.1:0"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "200ms",
+            "--otlp",
+            "127.0.0.1:0",
+            "--otlp-grpc",
+            "127.0.0.1:0",
+            "--query-listen",
+            "127.0.0.1:0",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=env,
+    )
     try:
         urls = _wait_for_urls(log, agent)
         cmdline = Path(f"/proc/{agent.pid}/cmdline").read_bytes().decode()
         assert not leaks(cmdline)
-        token = SECRETS["STAGETRACE_AGENT_TOKEN"] if "STAGETRACE_AGENT_TOKEN" in env else FILE_SECRETS["STAGETRACE_AGENT_TOKEN_FILE"]
+        token = (
+            SECRETS["STAGETRACE_AGENT_TOKEN"]
+            if "STAGETRACE_AGENT_TOKEN" in env
+            else FILE_SECRETS["STAGETRACE_AGENT_TOKEN_FILE"]
+        )
         answers = []
         for url, body in ((urls["otlp"] + "/v1/traces", b"{}"), (urls["query"] + "/?query=SELECT%201", None)):
             for header in (None, "Bearer wrong", f"Bearer {token}x", f"Basic {token}"):
@@ -167,8 +210,14 @@ def test_provisioning_errors_never_show_the_grafana_token(env, status):
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        result = stagetrace(env, "provision", "--grafana-url", f"http://127.0.0.1:{server.server_address[1]}",
-                            "--store", "http://alice@127.0.0.1:8123/db")  # fmt: skip
+        result = stagetrace(
+            env,
+            "provision",
+            "--grafana-url",
+            f"http://127.0.0.1:{server.server_address[1]}",
+            "--store",
+            "http://alice@127.0.0.1:8123/db",
+        )
     finally:
         server.shutdown()
         server.server_close()

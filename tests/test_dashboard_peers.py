@@ -42,15 +42,24 @@ def test_another_service_answering_the_same_prompts_differently_is_no_deviation(
         shadow = fleet.Fleet(store, rag.t0, service="shadow", model="other-8b")
         for prompt in (0, 1):
             for i in range(4):  # rag: four requests a prompt, one of prompt 0 deviating at decode
-                rag.request(f"rag-{prompt}-{i}", rag.at(i), "h1", prompt=prompt,
-                            differs={"decode": "fault"} if (prompt, i) == (0, 3) else None)  # fmt: skip
+                rag.request(
+                    f"rag-{prompt}-{i}",
+                    rag.at(i),
+                    "h1",
+                    prompt=prompt,
+                    differs={"decode": "fault"} if (prompt, i) == (0, 3) else None,
+                )
             for i in range(5):  # the shadow: five a prompt, all alike and unlike rag's
-                shadow.request(f"shadow-{prompt}-{i}", shadow.at(i, 30), "s1", prompt=prompt,
-                               differs={"decode": "other model"})  # fmt: skip
+                shadow.request(
+                    f"shadow-{prompt}-{i}", shadow.at(i, 30), "s1", prompt=prompt, differs={"decode": "other model"}
+                )
         rag.flush()
         shadow.flush()
-        window = QueryContext(datetime.fromtimestamp(rag.at(-1) / 1e9, timezone.utc),
-                              datetime.fromtimestamp(rag.at(10) / 1e9, timezone.utc), interval_ms=1000)  # fmt: skip
+        window = QueryContext(
+            datetime.fromtimestamp(rag.at(-1) / 1e9, timezone.utc),
+            datetime.fromtimestamp(rag.at(10) / 1e9, timezone.utc),
+            interval_ms=1000,
+        )
         overview = _panels_of(DASHBOARDS["stagetrace-overview"])
         lookup = _panels_of(DASHBOARDS["stagetrace-trace-lookup"])
         variables = {name: Variable((ALL,)) for name in ("service", "host")}

@@ -25,12 +25,27 @@ NUMERIC = re.compile(r"^(Nullable\()?(U?Int\d+|Float\d+|Decimal.*)\)?$")
 STRING = re.compile(r"^(Nullable\()?(LowCardinality\()?(Nullable\()?String\)*$")
 TIME = re.compile(r"^(Nullable\()?DateTime(64)?(\(.*\))?\)?$")
 # The Traces panel's required aliases (case-sensitive) and the type each must have.
-TRACE_COLUMNS = {"traceID": STRING, "spanID": STRING, "parentSpanID": STRING, "serviceName": STRING,
-                 "operationName": STRING, "startTime": NUMERIC, "duration": NUMERIC,
-                 "tags": re.compile(r"^Array\(Map\(String, String\)\)$"),
-                 "serviceTags": re.compile(r"^Array\(Map\(String, String\)\)$")}  # fmt: skip
-TRACE_OPTIONAL = {"kind", "statusCode", "statusMessage", "instrumentationLibraryName", "instrumentationLibraryVersion",
-                  "traceState", "logs", "references"}  # fmt: skip
+TRACE_COLUMNS = {
+    "traceID": STRING,
+    "spanID": STRING,
+    "parentSpanID": STRING,
+    "serviceName": STRING,
+    "operationName": STRING,
+    "startTime": NUMERIC,
+    "duration": NUMERIC,
+    "tags": re.compile(r"^Array\(Map\(String, String\)\)$"),
+    "serviceTags": re.compile(r"^Array\(Map\(String, String\)\)$"),
+}
+TRACE_OPTIONAL = {
+    "kind",
+    "statusCode",
+    "statusMessage",
+    "instrumentationLibraryName",
+    "instrumentationLibraryVersion",
+    "traceState",
+    "logs",
+    "references",
+}
 DEMO_HOSTS = re.compile(r"gpu-node-\d\d")
 
 
@@ -120,8 +135,12 @@ def test_trace_lookup_has_a_traces_panel_in_the_plugins_trace_format():
 
 def test_divergence_explorer_links_each_request_to_the_trace_lookup_dashboard():
     (table,) = [p for p in DASHBOARDS["stagetrace-divergences"]["panels"] if p["title"] == "Deviating requests"]
-    links = {o["matcher"]["options"]: prop["value"] for o in table["fieldConfig"]["overrides"]
-             for prop in o["properties"] if prop["id"] == "links"}  # fmt: skip
+    links = {
+        o["matcher"]["options"]: prop["value"]
+        for o in table["fieldConfig"]["overrides"]
+        for prop in o["properties"]
+        if prop["id"] == "links"
+    }
     assert set(links) == {"request_id", "baseline_request_id"}
     for field, (link, *_) in links.items():
         assert link["url"].startswith(f"/d/{_panels.TRACE_LOOKUP_UID}/")
@@ -146,8 +165,11 @@ def run(store, sql: str) -> tuple[list[str], list[str], list[list]]:
 def window(demo_store) -> QueryContext:
     ((first, last),) = demo_store.client.query("SELECT min(Timestamp), max(Timestamp) FROM otel_traces").result_rows
     utc = timezone.utc
-    return QueryContext(first.replace(tzinfo=utc) - timedelta(minutes=1), last.replace(tzinfo=utc) + timedelta(minutes=1),
-                        interval_ms=1000)  # fmt: skip
+    return QueryContext(
+        first.replace(tzinfo=utc) - timedelta(minutes=1),
+        last.replace(tzinfo=utc) + timedelta(minutes=1),
+        interval_ms=1000,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +186,12 @@ def truth_request(store, cause: str) -> str:
 def all_selected(request_id: str) -> dict[str, Variable]:
     """Every multi-value variable on All; the repeated stage panel gets one stage, as Grafana's repeat does."""
     multi = {name: Variable((ALL,)) for name in ("service", "host", "gpu", "nic")}
-    return {**multi, "stage": Variable("decode"), "request_id": Variable(request_id),
-            "other_request_id": Variable(request_id)}
+    return {
+        **multi,
+        "stage": Variable("decode"),
+        "request_id": Variable(request_id),
+        "other_request_id": Variable(request_id),
+    }
 
 
 def queries(dashboard: dict):
@@ -199,7 +225,9 @@ def column_problems(kind: str, names: list[str], types: list[str], item: dict) -
         for alias, pattern in TRACE_COLUMNS.items():
             if alias not in typed or not pattern.match(typed[alias]):
                 problems.append(f"the Traces panel needs {alias} ({pattern.pattern}), got {typed.get(alias)}")
-        problems += [f"unexpected Traces column {n}" for n in names if n not in TRACE_COLUMNS and n not in TRACE_OPTIONAL]
+        problems += [
+            f"unexpected Traces column {n}" for n in names if n not in TRACE_COLUMNS and n not in TRACE_OPTIONAL
+        ]
     elif kind == "logs":  # the plugin's logs format: a time, a body, a level
         for column, pattern in (("timestamp", TIME), ("body", STRING), ("level", STRING)):
             if column not in typed or not pattern.match(typed[column]):
@@ -209,8 +237,9 @@ def column_problems(kind: str, names: list[str], types: list[str], item: dict) -
             problems.append("a table needs columns")
         fields = [o["matcher"]["options"] for o in item["fieldConfig"]["overrides"]]
         fields += [s["displayName"] for s in item["options"].get("sortBy", [])]
-        problems += [f"an override or sort names column {f!r}, which the query does not return" for f in fields
-                     if f not in names]  # fmt: skip
+        problems += [
+            f"an override or sort names column {f!r}, which the query does not return" for f in fields if f not in names
+        ]
     return problems
 
 
@@ -222,7 +251,9 @@ def may_be_empty(sql: str, demo_metrics: set[str]) -> bool:
     """
     plotted = re.search(r"MetricName (?:= '([a-z0-9_]+)'|IN \(([^)]*)\))", sql)
     names = set(re.findall(r"[a-z0-9_]+", plotted.group(1) or plotted.group(2))) if plotted else set()
-    logs = "otel_logs" in sql or "stagetrace_logs" in sql  # the log table, or the view that reads it (schema.READ_VIEWS)
+    logs = (
+        "otel_logs" in sql or "stagetrace_logs" in sql
+    )  # the log table, or the view that reads it (schema.READ_VIEWS)
     return "stagetrace_divergences" in sql or logs or bool(names and not names & demo_metrics)
 
 
@@ -250,10 +281,16 @@ def test_selected_values_filter_every_panel(demo_store, window):
     host = "gpu-node-02"
     (gpu,) = demo_store.client.query(
         "SELECT any(Attributes['uuid']) FROM otel_metrics_gauge WHERE MetricName = 'gpu_up' "
-        "AND ResourceAttributes['host.name'] = {host:String} AND Attributes['gpu'] = '0'", parameters={"host": host}
+        "AND ResourceAttributes['host.name'] = {host:String} AND Attributes['gpu'] = '0'",
+        parameters={"host": host},
     ).result_rows[0]
-    variables = {"service": Variable(("rag-demo",)), "host": Variable((host,)), "gpu": Variable((gpu,)),
-                 "nic": Variable(("mlx5_0",)), "stage": Variable("decode")}  # fmt: skip
+    variables = {
+        "service": Variable(("rag-demo",)),
+        "host": Variable((host,)),
+        "gpu": Variable((gpu,)),
+        "nic": Variable(("mlx5_0",)),
+        "stage": Variable("decode"),
+    }
     checked = 0
     for uid in ("stagetrace-overview", "stagetrace-gpu", "stagetrace-rdma", "stagetrace-divergences"):
         for what, _, sql, _ in queries(DASHBOARDS[uid]):
@@ -285,18 +322,26 @@ def test_trace_lookup_shows_the_request_its_stages_and_the_hardware_that_failed_
     request_id = truth_request(demo_store, "rdma_local_ack_timeout_err_total")
     (summary,) = table("Request", request_id)
     assert summary["request_id"] == request_id
-    spans = demo_store.client.command("SELECT count() FROM otel_traces WHERE TraceId = {t:String}",
-                                      parameters={"t": summary["trace_id"]})  # fmt: skip
+    spans = demo_store.client.command(
+        "SELECT count() FROM otel_traces WHERE TraceId = {t:String}", parameters={"t": summary["trace_id"]}
+    )
     trace = table("Trace", request_id)
     assert len(trace) == int(spans) == 6 and {row["traceID"] for row in trace} == {summary["trace_id"]}
     assert [row["stage"] for row in table("Stages", request_id)] == [
-        "retrieval", "cache", "context_assembly", "allreduce", "decode"]  # fmt: skip
+        "retrieval",
+        "cache",
+        "context_assembly",
+        "allreduce",
+        "decode",
+    ]
     assert [row["host"] for row in table("Hosts", request_id)] == [summary["host"]]
     counters = {row["metric"]: row for row in table("Counters over the request's window", request_id)}
     assert counters["rdma_local_ack_timeout_err_total"]["during_request"] >= 1  # the injected NIC timeout
 
     xid_victim = truth_request(demo_store, "gpu_xid_errors_total")
-    xid = {row["metric"]: row for row in table("Counters over the request's window", xid_victim)}["gpu_xid_errors_total"]
+    xid = {row["metric"]: row for row in table("Counters over the request's window", xid_victim)}[
+        "gpu_xid_errors_total"
+    ]
     assert xid["during_request"] + xid["in_10_min_before"] >= 1  # the XID that corrupted its decode
     assert table("Request", xid_victim)[0]["deviates"] == "yes"
 
@@ -305,11 +350,25 @@ def test_trace_lookup_shows_the_request_its_stages_and_the_hardware_that_failed_
 # Counter arithmetic in SQL: resets and series that appear at their first event
 
 
-def _insert_counter(store, metric: str, host: str, labels: dict, samples: list[tuple[datetime, float]], start: datetime):
+def _insert_counter(
+    store, metric: str, host: str, labels: dict, samples: list[tuple[datetime, float]], start: datetime
+):
     rows = [({"host.name": host}, metric, labels, start, at, value, 2, True) for at, value in samples]
-    store.client.insert("otel_metrics_sum", rows, database=store.database, column_names=(
-        "ResourceAttributes", "MetricName", "Attributes", "StartTimeUnix", "TimeUnix", "Value",
-        "AggregationTemporality", "IsMonotonic"))  # fmt: skip
+    store.client.insert(
+        "otel_metrics_sum",
+        rows,
+        database=store.database,
+        column_names=(
+            "ResourceAttributes",
+            "MetricName",
+            "Attributes",
+            "StartTimeUnix",
+            "TimeUnix",
+            "Value",
+            "AggregationTemporality",
+            "IsMonotonic",
+        ),
+    )
 
 
 def _panel_sql(uid: str, title: str) -> str:
@@ -321,11 +380,20 @@ def test_counter_panels_treat_a_decrease_as_a_reset(demo_store):
     base = datetime(2020, 3, 1, 12, 0, tzinfo=timezone.utc)
     minute = timedelta(minutes=1)
     values = [10, 20, 5, 15, 15]  # a driver reload between 20 and 5
-    _insert_counter(demo_store, "rdma_local_ack_timeout_err_total", "reset-test", {"device": "mlx5_9", "port": "1"},
-                    [(base + i * minute, v) for i, v in enumerate(values)], base - minute)  # fmt: skip
+    _insert_counter(
+        demo_store,
+        "rdma_local_ack_timeout_err_total",
+        "reset-test",
+        {"device": "mlx5_9", "port": "1"},
+        [(base + i * minute, v) for i, v in enumerate(values)],
+        base - minute,
+    )
     context = QueryContext(base - minute, base + 10 * minute, interval_ms=60_000)
-    sql = expand(_panel_sql("stagetrace-rdma", "Retransmits and ack timeouts"), context,
-                 {"host": Variable(("reset-test",)), "nic": Variable((ALL,))})  # fmt: skip
+    sql = expand(
+        _panel_sql("stagetrace-rdma", "Retransmits and ack timeouts"),
+        context,
+        {"host": Variable(("reset-test",)), "nic": Variable((ALL,))},
+    )
     names, _, rows = run(demo_store, sql)
     per_second = [float(row[names.index("rate")]) for row in rows]
     assert min(per_second) >= 0
@@ -338,14 +406,29 @@ def test_xid_panel_counts_a_series_first_event_and_not_history_before_the_range(
     uuid_new, uuid_old = "GPU-new-0000", "GPU-old-0000"
     labels = {"gpu": "0", "model": "H200", "xid": "79"}
     # appears at its first event inside the range, then a second event
-    _insert_counter(demo_store, "gpu_xid_errors_total", "xid-test", {**labels, "uuid": uuid_new},
-                    [(base + 2 * minute, 1), (base + 3 * minute, 1), (base + 4 * minute, 2)], base)  # fmt: skip
+    _insert_counter(
+        demo_store,
+        "gpu_xid_errors_total",
+        "xid-test",
+        {**labels, "uuid": uuid_new},
+        [(base + 2 * minute, 1), (base + 3 * minute, 1), (base + 4 * minute, 2)],
+        base,
+    )
     # three events long before the range, one inside it
-    _insert_counter(demo_store, "gpu_xid_errors_total", "xid-test", {**labels, "gpu": "1", "uuid": uuid_old},
-                    [(base - 30 * minute, 3), (base + 2 * minute, 3), (base + 3 * minute, 4)], base - 60 * minute)  # fmt: skip
+    _insert_counter(
+        demo_store,
+        "gpu_xid_errors_total",
+        "xid-test",
+        {**labels, "gpu": "1", "uuid": uuid_old},
+        [(base - 30 * minute, 3), (base + 2 * minute, 3), (base + 3 * minute, 4)],
+        base - 60 * minute,
+    )
     context = QueryContext(base, base + 10 * minute, interval_ms=60_000)
-    sql = expand(_panel_sql("stagetrace-gpu", "XID events per interval"), context,
-                 {"host": Variable(("xid-test",)), "gpu": Variable((ALL,))})  # fmt: skip
+    sql = expand(
+        _panel_sql("stagetrace-gpu", "XID events per interval"),
+        context,
+        {"host": Variable(("xid-test",)), "gpu": Variable((ALL,))},
+    )
     names, _, rows = run(demo_store, sql)
     events: dict[str, float] = {}
     for row in rows:
@@ -372,7 +455,9 @@ def test_gpu_dashboard_names_the_demos_gpu_shared_through_mps(demo_store, window
     assert set(counts) == {shared}
     held = [row for row in table("Who holds each GPU") if row["allocations"] == 2]
     assert sorted((row["host"], row["gpu"], row["namespace"], row["pod"], row["mps_clients"]) for row in held) == [
-        (shared, "3", "rag-demo", "worker-0", 2), (shared, "3", "voice", "tts-0", 2)]  # fmt: skip
+        (shared, "3", "rag-demo", "worker-0", 2),
+        (shared, "3", "voice", "tts-0", 2),
+    ]
     assert len({row["uuid"] for row in held}) == 1 and len({row["device_id"] for row in held}) == 2
 
 
@@ -382,7 +467,9 @@ def test_compare_shows_the_stage_where_a_request_left_its_baseline(demo_store, w
     attribute that differs there is the algorithm."""
     request_id = truth_request(demo_store, "allreduce.algorithm")
     baseline = Explainer(demo_store).explain(request_id).to_json()["baseline"]["request_id"]  # as explain chooses it
-    sql = expand(compare.STAGES_SQL, window, {"request_id": Variable(request_id), "other_request_id": Variable(baseline)})
+    sql = expand(
+        compare.STAGES_SQL, window, {"request_id": Variable(request_id), "other_request_id": Variable(baseline)}
+    )
     names, _, rows = run(demo_store, sql)
     stages = [dict(zip(names, row)) for row in rows]
     first = next(s for s in stages if s["output"] == "different")

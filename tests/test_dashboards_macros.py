@@ -22,13 +22,21 @@ CONTEXT = QueryContext(FROM, TO, interval_ms=20_000)
     ("macro", "expansion"),
     [
         ("$__timeFilter(ts)", "ts >= toDateTime(1415792726) AND ts <= toDateTime(1447328726)"),
-        ("$__timeFilter_ms(ts)",
-         "ts >= fromUnixTimestamp64Milli(1415792726371) AND ts <= fromUnixTimestamp64Milli(1447328726371)"),
+        (
+            "$__timeFilter_ms(ts)",
+            "ts >= fromUnixTimestamp64Milli(1415792726371) AND ts <= fromUnixTimestamp64Milli(1447328726371)",
+        ),
         ("$__dateFilter(d)", "d >= toDate('2014-11-12') AND d <= toDate('2015-11-12')"),
-        ("$__dateTimeFilter(d, t)", "(d >= toDate('2014-11-12') AND d <= toDate('2015-11-12')) AND "
-                                    "(t >= toDateTime(1415792726) AND t <= toDateTime(1447328726))"),
-        ("$__dt(d, t)", "(d >= toDate('2014-11-12') AND d <= toDate('2015-11-12')) AND "
-                        "(t >= toDateTime(1415792726) AND t <= toDateTime(1447328726))"),
+        (
+            "$__dateTimeFilter(d, t)",
+            "(d >= toDate('2014-11-12') AND d <= toDate('2015-11-12')) AND "
+            "(t >= toDateTime(1415792726) AND t <= toDateTime(1447328726))",
+        ),
+        (
+            "$__dt(d, t)",
+            "(d >= toDate('2014-11-12') AND d <= toDate('2015-11-12')) AND "
+            "(t >= toDateTime(1415792726) AND t <= toDateTime(1447328726))",
+        ),
         ("$__fromTime", "toDateTime(1415792726)"),
         ("$__toTime", "toDateTime(1447328726)"),
         ("$__fromTime_ms", "fromUnixTimestamp64Milli(1415792726371)"),
@@ -40,7 +48,7 @@ CONTEXT = QueryContext(FROM, TO, interval_ms=20_000)
         ("$__interval_s", "20"),
         ("$__timeGroup(col, 5m)", "toStartOfInterval(toDateTime(col), INTERVAL 300 second)"),
     ],
-)  # fmt: skip
+)
 def test_backend_macros_expand_as_the_plugin_documents(macro, expansion):
     assert expand_macros(f"SELECT 1 WHERE {macro}", CONTEXT) == f"SELECT 1 WHERE {expansion}"
 
@@ -49,7 +57,9 @@ def test_interval_is_at_least_one_second_or_millisecond():
     short = QueryContext(FROM, TO, interval_ms=0)
     assert expand_macros("$__interval_s", short) == "1"
     assert expand_macros("$__timeInterval(c)", short) == "toStartOfInterval(toDateTime(c), INTERVAL 1 second)"
-    assert expand_macros("$__timeInterval_ms(c)", short) == "toStartOfInterval(toDateTime64(c, 3), INTERVAL 1 millisecond)"
+    assert (
+        expand_macros("$__timeInterval_ms(c)", short) == "toStartOfInterval(toDateTime64(c, 3), INTERVAL 1 millisecond)"
+    )
     # Go's int(math.Max(seconds, 1)) truncates 1.5 s to 1
     assert expand_macros("$__interval_s", QueryContext(FROM, TO, interval_ms=1500)) == "1"
 
@@ -69,10 +79,16 @@ def test_macros_in_literals_and_comments_are_left_alone():
 
 @pytest.mark.parametrize(
     ("sql", "error"),
-    [("$__timeFilter()", "expected 1 argument"), ("$__timeFilter(a, b)", "expected 1 argument"),
-     ("$__dateTimeFilter(a)", "expected 2 argument"), ("$__timeFilter", "needs 1 argument"),
-     ("$__nosuchmacro(a)", "unknown macro"), ("$__timeFilter(a", "not closed"), ("$__table", "query-builder table")],
-)  # fmt: skip
+    [
+        ("$__timeFilter()", "expected 1 argument"),
+        ("$__timeFilter(a, b)", "expected 1 argument"),
+        ("$__dateTimeFilter(a)", "expected 2 argument"),
+        ("$__timeFilter", "needs 1 argument"),
+        ("$__nosuchmacro(a)", "unknown macro"),
+        ("$__timeFilter(a", "not closed"),
+        ("$__table", "query-builder table"),
+    ],
+)
 def test_wrong_macros_are_errors_not_silently_passed_on(sql, error):
     with pytest.raises(MacroError, match=error):
         expand_macros(sql, CONTEXT)
@@ -96,8 +112,10 @@ def test_conditional_all_keeps_the_condition_otherwise():
 
 
 def test_every_conditional_all_is_replaced():
-    sql = ("select stuff from table where $__conditionalAll(fieldVal in ($fieldVal), $fieldVal) and "
-           "$__conditionalAll(fieldVal in ($fieldVal2), $fieldVal2);")  # fmt: skip
+    sql = (
+        "select stuff from table where $__conditionalAll(fieldVal in ($fieldVal), $fieldVal) and "
+        "$__conditionalAll(fieldVal in ($fieldVal2), $fieldVal2);"
+    )
     variables = {"fieldVal": Variable(("val1", "val2")), "fieldVal2": Variable((ALL,))}
     assert expand(sql, CONTEXT, variables) == "select stuff from table where fieldVal in ('val1','val2') and 1=1;"
 
@@ -132,7 +150,7 @@ def test_default_format_quotes_multi_values_and_leaves_single_values_raw():
         ("${v:glob}", "{a,b'c}"),
         ("[[v:csv]]", "a,b'c"),
     ],
-)  # fmt: skip
+)
 def test_variable_formats_match_grafanas_format_registry(reference, expansion):
     assert interpolate(reference, {"v": Variable(("a", "b'c"))}) == expansion
 
@@ -150,11 +168,17 @@ def test_all_expands_to_every_option_or_to_the_custom_all_value_unformatted():
 
 
 def test_unknown_variables_and_backend_macros_are_left_for_later():
-    assert interpolate("$nope ${nope} $__timeFilter(t) $__interval_s", {}) == "$nope ${nope} $__timeFilter(t) $__interval_s"
+    assert (
+        interpolate("$nope ${nope} $__timeFilter(t) $__interval_s", {})
+        == "$nope ${nope} $__timeFilter(t) $__interval_s"
+    )
 
 
 def test_grafana_globals_are_filled_in_by_the_frontend():
-    assert interpolate("${__from} $__to $__interval $__interval_ms", {}, CONTEXT) == "1415792726371 1447328726371 20s 20000"
+    assert (
+        interpolate("${__from} $__to $__interval $__interval_ms", {}, CONTEXT)
+        == "1415792726371 1447328726371 20s 20000"
+    )
     assert interpolate("$__interval", {}, QueryContext(FROM, TO, interval_ms=90_000)) == "1m"
     assert interpolate("$__interval", {}, QueryContext(FROM, TO, interval_ms=20)) == "20ms"
 

@@ -32,8 +32,9 @@ GETTING_STARTED = Path(__file__).resolve().parents[1] / "docs" / "getting-starte
 
 
 def _demo(*args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagetrace", "demo", *args], capture_output=True, text=True,
-                          timeout=300, env=env)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", "demo", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +74,10 @@ def recorded(run):
     by_trace = defaultdict(dict)
     for trace_id, stage, din, dout, attrs in stages:
         by_trace[trace_id][stage] = (din, dout, attrs)
-    out = {rid: {"host": host, "input": din, "output": dout, "stages": by_trace[tid]}
-           for rid, tid, host, din, dout in requests}  # fmt: skip
+    out = {
+        rid: {"host": host, "input": din, "output": dout, "stages": by_trace[tid]}
+        for rid, tid, host, din, dout in requests
+    }
     return out, truth, metrics
 
 
@@ -82,8 +85,12 @@ def _majority(values) -> str:
     return Counter(values).most_common(1)[0][0]
 
 
-_OTHER = {world.OLD_INDEX: world.NEW_INDEX, world.NEW_INDEX: world.OLD_INDEX,
-          faults.OLD_TEMPLATE: faults.NEW_TEMPLATE, faults.NEW_TEMPLATE: faults.OLD_TEMPLATE}  # fmt: skip
+_OTHER = {
+    world.OLD_INDEX: world.NEW_INDEX,
+    world.NEW_INDEX: world.OLD_INDEX,
+    faults.OLD_TEMPLATE: faults.NEW_TEMPLATE,
+    faults.NEW_TEMPLATE: faults.OLD_TEMPLATE,
+}
 
 
 def _epoch(request: dict, truth: dict | None, own: bool = False) -> tuple[str, str]:
@@ -120,9 +127,14 @@ def test_ground_truth_matches_what_was_recorded(run, recorded):
     doc = run[1]
     truth = {t["request_id"]: t for t in doc["truth"]}
     assert {rid: (t["stage"], t["cause"], t["expected"], t["nondeterministic"]) for rid, t in truth.items()} == {
-        rid: (stage, cause, bool(expected), bool(nondeterministic)) for rid, stage, cause, expected, nondeterministic in truth_rows}
-    compared = {rid: r for rid, r in requests.items()
-                if not (rid in truth and (truth[rid]["expected"] or truth[rid]["nondeterministic"]))}  # fmt: skip
+        rid: (stage, cause, bool(expected), bool(nondeterministic))
+        for rid, stage, cause, expected, nondeterministic in truth_rows
+    }
+    compared = {
+        rid: r
+        for rid, r in requests.items()
+        if not (rid in truth and (truth[rid]["expected"] or truth[rid]["nondeterministic"]))
+    }
     groups = defaultdict(list)
     for rid, r in compared.items():
         groups[(r["input"], _epoch(r, truth.get(rid)))].append(r)
@@ -137,12 +149,17 @@ def test_ground_truth_matches_what_was_recorded(run, recorded):
         assert dout != _majority(p["stages"][stage][1] for p in peers), f"{rid}: {stage} output did not change"
     for rid, r in compared.items():
         majority = _majority(p["output"] for p in groups[(r["input"], _epoch(r, truth.get(rid)))])
-        assert (r["output"] != majority) == (rid in truth), f"{rid}: a request without a fault must have the majority output"
+        assert (r["output"] != majority) == (rid in truth), (
+            f"{rid}: a request without a fault must have the majority output"
+        )
     deviations = {rid for rid, t in truth.items() if not (t["expected"] or t["nondeterministic"])}
     assert sorted(doc["deviating"]) == sorted(deviations)
     assert {truth[rid]["cause"] for rid in deviations} == {
-        cause for stage in faults.CAUSES.values() for fault, cause in stage.items()
-        if fault not in faults.EXPECTED | faults.NONDETERMINISTIC and cause != "context.template.version"}  # fmt: skip
+        cause
+        for stage in faults.CAUSES.values()
+        for fault, cause in stage.items()
+        if fault not in faults.EXPECTED | faults.NONDETERMINISTIC and cause != "context.template.version"
+    }
 
 
 def test_rollout_and_unseeded_truth_rows_say_so(run, recorded):
@@ -154,15 +171,24 @@ def test_rollout_and_unseeded_truth_rows_say_so(run, recorded):
     assert not any(t["expected"] and t["nondeterministic"] for t in truth.values())
     expected = {rid: t for rid, t in truth.items() if t["expected"]}
     assert {(t["stage"], t["cause"]) for t in expected.values()} <= {
-        ("context_assembly", "context.template.version"), ("retrieval", "retrieval.index.version")}
-    assert any(t["cause"] == "context.template.version" for t in expected.values()), "the rollout wave left expected changes"
+        ("context_assembly", "context.template.version"),
+        ("retrieval", "retrieval.index.version"),
+    }
+    assert any(t["cause"] == "context.template.version" for t in expected.values()), (
+        "the rollout wave left expected changes"
+    )
     same_template = defaultdict(list)
     for rid, r in requests.items():
         if rid not in truth:
             same_template[(r["input"], _epoch(r, None, own=True))].append(r["output"])
     for rid, t in expected.items():
-        if t["cause"] == "context.template.version" and same_template[(requests[rid]["input"], _epoch(requests[rid], t, own=True))]:
-            assert requests[rid]["output"] == _majority(same_template[(requests[rid]["input"], _epoch(requests[rid], t, own=True))])
+        if (
+            t["cause"] == "context.template.version"
+            and same_template[(requests[rid]["input"], _epoch(requests[rid], t, own=True))]
+        ):
+            assert requests[rid]["output"] == _majority(
+                same_template[(requests[rid]["input"], _epoch(requests[rid], t, own=True))]
+            )
     nondeterministic = {rid for rid, t in truth.items() if t["nondeterministic"]}
     assert {(truth[rid]["stage"], truth[rid]["cause"]) for rid in nondeterministic} == {("decode", "nondeterministic")}
     unseeded_inputs = {digest(p) for p in world.prompts(SEED, max(4, REQUESTS // 40)) if world.unseeded(p)}
@@ -180,7 +206,10 @@ def test_seedless_requests_record_a_temperature_and_no_seed(run):
                FROM {db:Identifier}.otel_traces WHERE SpanName = 'inference.request' GROUP BY 1, 2""",
             parameters={"db": store.database},
         ).result_rows
-    assert {(temperature, seeded) for temperature, seeded, _ in rows} == {("0.0", True), (str(world.UNSEEDED_TEMPERATURE), False)}
+    assert {(temperature, seeded) for temperature, seeded, _ in rows} == {
+        ("0.0", True),
+        (str(world.UNSEEDED_TEMPERATURE), False),
+    }
 
 
 def test_ring_and_tree_sums_differ_in_float32_for_the_demo_sizes():
@@ -210,7 +239,9 @@ def test_batch_size_chunking_flips_tokens_in_the_run(run, recorded):
 def test_truncation_happens_only_on_the_small_context_node(recorded):
     requests, _, _ = recorded
     small = {c.host for c in faults.plan(NODES) if c.small_context_from is not None}
-    truncated_on = {r["host"] for r in requests.values() if r["stages"]["context_assembly"][2]["context.truncated"] == "true"}
+    truncated_on = {
+        r["host"] for r in requests.values() if r["stages"]["context_assembly"][2]["context.truncated"] == "true"
+    }
     assert truncated_on == small
 
 
@@ -267,9 +298,13 @@ def test_a_tp_group_across_two_hosts_records_one_allreduce_span_per_rank(run):
                AND ServiceName = {service:String}""",
             parameters={"db": store.database, **PIPELINE},
         ).result_rows
-        hosts = dict(store.client.query("SELECT TraceId, HostName FROM {db:Identifier}.stagetrace_requests "
-                                        "WHERE ServiceName = {service:String}",
-                                        parameters={"db": store.database, **PIPELINE}).result_rows)  # fmt: skip
+        hosts = dict(
+            store.client.query(
+                "SELECT TraceId, HostName FROM {db:Identifier}.stagetrace_requests "
+                "WHERE ServiceName = {service:String}",
+                parameters={"db": store.database, **PIPELINE},
+            ).result_rows
+        )
     by_trace = defaultdict(list)
     for trace_id, *span in rows:
         by_trace[trace_id].append(span)
@@ -295,8 +330,10 @@ def test_decode_spans_name_the_weight_step(run, recorded):
     assert {host for host, step in steps if step == str(faults.RESTARTED_WEIGHTS_STEP)} == {node.host}
     assert not any("model.weights.digest" in r["stages"]["decode"][2] for r in requests.values())
     stale = [rid for rid, t in truth.items() if t["cause"] == "model.weights.step"]
-    assert stale and all(requests[rid]["stages"]["decode"][2]["model.weights.step"] == str(faults.RESTARTED_WEIGHTS_STEP)
-                         for rid in stale)  # fmt: skip
+    assert stale and all(
+        requests[rid]["stages"]["decode"][2]["model.weights.step"] == str(faults.RESTARTED_WEIGHTS_STEP)
+        for rid in stale
+    )
 
 
 @pytest.mark.parametrize("nodes", [2, 3, 4, 5, 8, 16])
@@ -318,7 +355,10 @@ def test_hosts_off_the_fleets_template_have_no_fault_of_their_own(nodes):
             assert cfg.index_change(position) is None and cfg.algorithm(position) == "ring", (cfg.host, position)
             assert not cfg.in_burst(position) and not cfg.in_seq_error_window(position), (cfg.host, position)
             assert cfg.weights_step(position) == world.FLEET_WEIGHTS_STEP, (cfg.host, position)
-            assert cfg.nic_timeouts is None or not cfg.nic_timeouts[0] <= position < cfg.nic_timeouts[1], (cfg.host, position)
+            assert cfg.nic_timeouts is None or not cfg.nic_timeouts[0] <= position < cfg.nic_timeouts[1], (
+                cfg.host,
+                position,
+            )
             assert cfg.xid_at is None or not cfg.xid_at <= position < cfg.xid_at + 0.05, (cfg.host, position)
 
 
@@ -338,8 +378,10 @@ def _timeline(dsn: str) -> tuple[list, list]:
             "FROM {db:Identifier}.stagetrace_requests WHERE ServiceName = {service:String} ORDER BY RequestId",
             parameters={"db": store.database, **PIPELINE},
         ).result_rows
-        truth = store.client.query(f"SELECT * EXCEPT Run FROM {{db:Identifier}}.{demo.TRUTH_TABLE} ORDER BY RequestId",
-                                   parameters={"db": store.database}).result_rows  # fmt: skip
+        truth = store.client.query(
+            f"SELECT * EXCEPT Run FROM {{db:Identifier}}.{demo.TRUTH_TABLE} ORDER BY RequestId",
+            parameters={"db": store.database},
+        ).result_rows
     return starts, truth
 
 
@@ -359,8 +401,9 @@ def test_same_seed_same_run_under_load(tmp_path):
     assert loaded.returncode == idle.returncode == 0, loaded.stderr + idle.stderr
     first, second = json.loads(loaded.stdout), json.loads(idle.stdout)
     assert first["requests"] == 1000 and len(first["deviating"]) > 100
-    assert any(t["expected"] and t["cause"] == "retrieval.index.version" for t in first["truth"]), \
-        "the lagging host's requests near the index wave's end, which load used to move, are in the run"  # fmt: skip
+    assert any(t["expected"] and t["cause"] == "retrieval.index.version" for t in first["truth"]), (
+        "the lagging host's requests near the index wave's end, which load used to move, are in the run"
+    )
     assert first["deviating"] == second["deviating"]
     assert first["truth"] == second["truth"]
     assert _timeline(f"chdb://{tmp_path / 'loaded'}") == _timeline(f"chdb://{tmp_path / 'idle'}")
@@ -379,7 +422,9 @@ def test_unversioned_cache_keys_serve_stale_documents_after_a_rebuild():
     assert cache.fetch(edited, new, now=100)[0] == new.docs[edited].text, "expired entries are fetched again"
 
 
-@pytest.mark.parametrize("args, message", [(["--nodes", "1"], "use 2 to 16 nodes"), (["--requests", "5"], "at least 20")])
+@pytest.mark.parametrize(
+    "args, message", [(["--nodes", "1"], "use 2 to 16 nodes"), (["--requests", "5"], "at least 20")]
+)
 def test_bad_arguments_are_one_line_errors(tmp_path, args, message):
     done = _demo(*args, "--store", f"chdb://{tmp_path / 's'}")
     assert done.returncode == 2
@@ -395,7 +440,10 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
     assert (tmp_path / "stagetrace" / "store").is_dir()
     assert "served 1000 requests" in done.stdout
     # the docs' figure for this run is what it prints
-    low, high = map(int, re.search(r"With the defaults, about (\d+)–(\d+)% of requests deviate", GETTING_STARTED.read_text()).groups())
+    low, high = map(
+        int,
+        re.search(r"With the defaults, about (\d+)–(\d+)% of requests deviate", GETTING_STARTED.read_text()).groups(),
+    )
     deviating = int(re.search(r"deviating outputs: (\d+)", done.stdout)[1])
     assert low <= deviating / 10 <= high
     commands = [line.strip() for line in done.stdout.splitlines() if line.startswith("  ") and "stagetrace " in line]
@@ -410,8 +458,9 @@ def test_default_run_prints_next_commands_that_work_when_pasted(tmp_path):
 
 def _started(dsn: str) -> str:
     with open_store(dsn) as store:
-        return store.client.command("SELECT formatDateTime(min(Started), '%Y-%m-%d %H:%i', 'UTC') "
-                                    "FROM stagetrace.stagetrace_demo_runs")
+        return store.client.command(
+            "SELECT formatDateTime(min(Started), '%Y-%m-%d %H:%i', 'UTC') FROM stagetrace.stagetrace_demo_runs"
+        )
 
 
 def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tmp_path):
@@ -421,8 +470,11 @@ def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tm
 
     def requests() -> tuple[int, int]:
         with open_store(dsn) as store:
-            return store.client.query("SELECT count(), uniqExact(RequestId) FROM stagetrace.stagetrace_requests "
-                                      "WHERE ServiceName = {service:String}", parameters=PIPELINE).result_rows[0]
+            return store.client.query(
+                "SELECT count(), uniqExact(RequestId) FROM stagetrace.stagetrace_requests "
+                "WHERE ServiceName = {service:String}",
+                parameters=PIPELINE,
+            ).result_rows[0]
 
     first = _demo(*small)
     assert first.returncode == 0, first.stderr
@@ -431,7 +483,8 @@ def test_a_second_run_into_the_same_store_is_refused_unless_fresh_or_appended(tm
     assert again.stderr.strip().splitlines() == [
         f"stagetrace demo: the store {dsn} already holds a demo run of {_started(dsn)} UTC: add --fresh to remove "
         "it first (the demo's own spans, samples and ground truth; other services' data stays), or --append to add "
-        "this run beside it"]  # fmt: skip
+        "this run beside it"
+    ]
     assert requests() == (40, 40)  # the refused run wrote nothing
     fresh = _demo(*small, "--fresh")
     assert fresh.returncode == 0, fresh.stderr
@@ -453,11 +506,15 @@ def test_the_summary_counts_add_up_and_name_what_is_no_deviation(tmp_path):
     headline = int(re.search(r"^deviating outputs: (\d+) ", done.stdout, re.M)[1])
     title = lines.index(f"# the {headline} deviating outputs by cause (ground truth: the injected fault)")
     assert lines[title + 1] == "cause\tstage\trequests\te.g."
-    rows = [line.split("\t") for line in itertools.takewhile(lambda line: "\t" in line, lines[title + 2:])]
+    rows = [line.split("\t") for line in itertools.takewhile(lambda line: "\t" in line, lines[title + 2 :])]
     assert rows and sum(int(requests) for _, _, requests, _ in rows) == headline
     with open_store(dsn) as store:
-        truth = {rid: (cause, bool(expected), bool(nondet)) for rid, cause, expected, nondet in store.client.query(
-            "SELECT RequestId, Cause, Expected, Nondeterministic FROM stagetrace.stagetrace_demo_truth").result_rows}
+        truth = {
+            rid: (cause, bool(expected), bool(nondet))
+            for rid, cause, expected, nondet in store.client.query(
+                "SELECT RequestId, Cause, Expected, Nondeterministic FROM stagetrace.stagetrace_demo_truth"
+            ).result_rows
+        }
     for cause, _, _, example in rows:  # each row's example is a fault of that cause
         assert truth[example] == (cause, False, False)
     expected = Counter(cause for cause, e, _ in truth.values() if e)

@@ -29,15 +29,27 @@ def home(tmp_path):
     """A user's environment whose default store holds the quickstart's three requests (service ``quickstart``)."""
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data"), "HOME": str(tmp_path)}
     env.pop("STAGETRACE_STORE", None)
-    done = subprocess.run([sys.executable, ROOT / "examples" / "quickstart.py"], capture_output=True, text=True,
-                          env=env, timeout=120, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, ROOT / "examples" / "quickstart.py"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     return env, f"chdb://{tmp_path / 'data' / 'stagetrace' / 'store'}"
 
 
 def _stagetrace(env, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, env=env,
-                          timeout=timeout, cwd=env["HOME"])  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=env["HOME"],
+    )
 
 
 def _group(pgid: int) -> list[int]:
@@ -50,7 +62,7 @@ def _group(pgid: int) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if int(fields[2]) == pgid and fields[0] != "Z":
             live.append(int(entry.name))
     return live
@@ -60,9 +72,15 @@ def _interrupt(env, when: str, *args: str) -> tuple[subprocess.Popen, str, float
     """Start a demo of 1000 requests in a process group of its own, Ctrl-C it ``when`` ("starting": 0.3 s in, while
     it imports and opens the store; "serving": once its nodes and their TP ranks run), and return the process, its
     stderr, and the seconds from the signal to its exit."""
-    proc = subprocess.Popen([sys.executable, "-m", "stagetrace", "demo", "--requests", "1000", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=env["HOME"],
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stagetrace", "demo", "--requests", "1000", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=env["HOME"],
+        start_new_session=True,
+    )
     if when == "starting":
         time.sleep(0.3)
     else:  # the parent, its nodes and the fabric process, and the ranks the nodes fork
@@ -88,8 +106,10 @@ def _interrupt(env, when: str, *args: str) -> tuple[subprocess.Popen, str, float
 
 def _pipeline_requests(dsn: str) -> int:
     with open_store(dsn) as store:
-        return store.client.command("SELECT count() FROM stagetrace.stagetrace_requests WHERE ServiceName = {s:String}",
-                                    parameters={"s": SERVICE_NAME})  # fmt: skip
+        return store.client.command(
+            "SELECT count() FROM stagetrace.stagetrace_requests WHERE ServiceName = {s:String}",
+            parameters={"s": SERVICE_NAME},
+        )
 
 
 def _quickstart_is_there(env) -> None:
@@ -107,8 +127,13 @@ def test_ctrl_c_is_one_line_130_and_the_next_demo_runs_without_fresh(home, when)
     assert len(stderr.splitlines()) == 1 and stderr.startswith("stagetrace demo: interrupted"), stderr
     assert "Traceback" not in stderr
     with open_store(dsn) as store:
-        states = store.client.query(f"SELECT Run, argMax(State, Updated) FROM stagetrace.{RUNS_TABLE} GROUP BY Run"
-                                    ).result_rows if when == "serving" else []  # fmt: skip
+        states = (
+            store.client.query(
+                f"SELECT Run, argMax(State, Updated) FROM stagetrace.{RUNS_TABLE} GROUP BY Run"
+            ).result_rows
+            if when == "serving"
+            else []
+        )
     if when == "serving":  # the store says what the rows it holds are
         assert [state for _, state in states] == ["interrupted"]
         assert "marks this run as interrupted" in stderr
@@ -118,8 +143,10 @@ def test_ctrl_c_is_one_line_130_and_the_next_demo_runs_without_fresh(home, when)
         assert again.stderr.strip() == "stagetrace demo: removed the data of 1 earlier demo run that did not complete"
     assert _pipeline_requests(dsn) == 40  # nothing of the interrupted run is left beside the new one
     with open_store(dsn) as store:
-        tagged = store.client.command("SELECT uniqExact(ResourceAttributes['stagetrace.demo.run']) FROM "
-                                      "stagetrace.otel_traces WHERE ServiceName != 'quickstart'")  # fmt: skip
+        tagged = store.client.command(
+            "SELECT uniqExact(ResourceAttributes['stagetrace.demo.run']) FROM "
+            "stagetrace.otel_traces WHERE ServiceName != 'quickstart'"
+        )
     assert tagged == 1
     _quickstart_is_there(env)
 
@@ -144,16 +171,19 @@ def test_fresh_removes_only_the_demos_own_data(home):
     assert _stagetrace(env, "demo", *SMALL).returncode == 0
     refused = _stagetrace(env, "demo", *SMALL)
     assert refused.returncode == 2
-    assert "add --fresh to remove it first (the demo's own spans, samples and ground truth; other services' data " \
-           "stays)" in refused.stderr  # the refusal says what --fresh removes
+    assert (
+        "add --fresh to remove it first (the demo's own spans, samples and ground truth; other services' data "
+        "stays)" in refused.stderr
+    )  # the refusal says what --fresh removes
     fresh = _stagetrace(env, "demo", *SMALL, "--fresh")
     assert fresh.returncode == 0, fresh.stderr
     _quickstart_is_there(env)
     assert _pipeline_requests(dsn) == 40
     with open_store(dsn) as store:
         quickstart = store.client.command("SELECT count() FROM stagetrace.otel_traces WHERE ServiceName = 'quickstart'")
-        requests = store.client.command("SELECT count() FROM stagetrace.stagetrace_requests WHERE ServiceName = "
-                                        "'quickstart'")  # fmt: skip
+        requests = store.client.command(
+            "SELECT count() FROM stagetrace.stagetrace_requests WHERE ServiceName = 'quickstart'"
+        )
         runs = store.client.command(f"SELECT uniqExact(Run) FROM stagetrace.{RUNS_TABLE}")
     assert quickstart == before and requests == 3 and runs == 1
 
@@ -165,9 +195,11 @@ def test_fresh_refuses_an_older_demos_rows_beside_other_data_and_names_it(home):
     with open_store(dsn) as store:  # as an older demo left it: no runs table, no run IDs
         store.client.command(f"DROP TABLE stagetrace.{RUNS_TABLE}")
         for table in ("otel_traces", "otel_metrics_gauge", "otel_metrics_sum"):
-            store.client.command(f"ALTER TABLE stagetrace.{table} UPDATE ResourceAttributes = "
-                                 "mapFilter((k, v) -> k != 'stagetrace.demo.run', ResourceAttributes) WHERE 1",
-                                 settings={"mutations_sync": 2})  # fmt: skip
+            store.client.command(
+                f"ALTER TABLE stagetrace.{table} UPDATE ResourceAttributes = "
+                "mapFilter((k, v) -> k != 'stagetrace.demo.run', ResourceAttributes) WHERE 1",
+                settings={"mutations_sync": 2},
+            )
     refused = _stagetrace(env, "demo", *SMALL, "--fresh")
     assert refused.returncode == 2 and refused.stdout == ""
     line = refused.stderr.strip()

@@ -29,21 +29,38 @@ def _answers(dsn: str, explained: list[str], service: str) -> dict:
         reports = {rid: explainer.explain(rid).to_json() for rid in explained}
     return {
         "deviating": sum(t["requests"] for t in found["tally"] if t["service"] == service),
-        "entries": {d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"], _top(d["top_cause"]))
-                    for g in found["groups"] for d in g["deviating"] if d["service"] == service},
+        "entries": {
+            d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"], _top(d["top_cause"]))
+            for g in found["groups"]
+            for d in g["deviating"]
+            if d["service"] == service
+        },
         "rollouts": [r["summary"] for r in found["rollouts"] if r["service"] == service],
-        "tally": sorted((t["cause"], t["stage"], t["requests"], tuple(t["hosts"])) for t in found["tally"]
-                        if t["service"] == service),
-        "explain": {rid: (r["diverged"], r["first_divergent_stage"], r["baseline"]["request_id"] if r["baseline"]
-                          else None, _top(next((c for c in r["causes"] if not c["weak"]), None)))
-                    for rid, r in reports.items()},
-    }  # fmt: skip
+        "tally": sorted(
+            (t["cause"], t["stage"], t["requests"], tuple(t["hosts"]))
+            for t in found["tally"]
+            if t["service"] == service
+        ),
+        "explain": {
+            rid: (
+                r["diverged"],
+                r["first_divergent_stage"],
+                r["baseline"]["request_id"] if r["baseline"] else None,
+                _top(next((c for c in r["causes"] if not c["weak"]), None)),
+            )
+            for rid, r in reports.items()
+        },
+    }
 
 
 def test_the_quickstart_beside_the_demo_moves_none_of_its_answers(tmp_path):
     dsn = f"chdb://{tmp_path / 'store'}"
-    done = subprocess.run([sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "demo", "--requests", "300", "--store", dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     truth = json.loads(done.stdout)["truth"]
     with open_store(dsn) as store:
@@ -51,18 +68,29 @@ def test_the_quickstart_beside_the_demo_moves_none_of_its_answers(tmp_path):
         (service,) = store.client.query(
             "SELECT ServiceName FROM {db:Identifier}.stagetrace_requests WHERE RequestId IN {ids:Array(String)} "
             "GROUP BY ServiceName ORDER BY count() DESC LIMIT 1",
-            parameters={"db": store.database, "ids": [t["request_id"] for t in truth]}).result_rows[0]  # fmt: skip
-        every = [r for (r,) in store.client.query(
-            "SELECT DISTINCT RequestId FROM {db:Identifier}.stagetrace_requests WHERE ServiceName = {s:String} "
-            "ORDER BY RequestId", parameters={"db": store.database, "s": service}).result_rows]  # fmt: skip
+            parameters={"db": store.database, "ids": [t["request_id"] for t in truth]},
+        ).result_rows[0]
+        every = [
+            r
+            for (r,) in store.client.query(
+                "SELECT DISTINCT RequestId FROM {db:Identifier}.stagetrace_requests WHERE ServiceName = {s:String} "
+                "ORDER BY RequestId",
+                parameters={"db": store.database, "s": service},
+            ).result_rows
+        ]
     # every request the demo made deviate, and some that it did not
     faulty = [t["request_id"] for t in truth if t["request_id"] in set(every)]
     others = [r for r in every if r not in set(faulty)][::10]
     alone = _answers(dsn, faulty + others, service)
     assert alone["deviating"] > 20 and alone["rollouts"]
 
-    quickstart = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], capture_output=True,
-                                text=True, timeout=300, env={**os.environ, "STAGETRACE_STORE": dsn})  # fmt: skip
+    quickstart = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "STAGETRACE_STORE": dsn},
+    )
     assert quickstart.returncode == 0, quickstart.stderr
     together = _answers(dsn, faulty + others, service)
     for view in alone:

@@ -50,8 +50,13 @@ def _generator():
 
 def _objects() -> list[dict]:
     """Every Kubernetes object under deploy/kubernetes (the Kustomization is kustomize's, not the API's)."""
-    return [doc for path in sorted(KUBERNETES.glob("*.yaml")) if path.name != "kustomization.yaml"
-            for doc in yaml.safe_load_all(path.read_text()) if doc]  # fmt: skip
+    return [
+        doc
+        for path in sorted(KUBERNETES.glob("*.yaml"))
+        if path.name != "kustomization.yaml"
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc
+    ]
 
 
 def _one(kind: str, name: str) -> dict:
@@ -106,8 +111,16 @@ def test_every_object_validates_against_the_kubernetes_schema():
             except jsonschema.ValidationError as exc:
                 pytest.fail(f"{where}: {'.'.join(map(str, exc.absolute_path))}: {exc.message}")
     kinds = {o["kind"] for o in objects}
-    assert {"Namespace", "DaemonSet", "Deployment", "Service", "ServiceMonitor", "PrometheusRule", "ConfigMap",
-            "NetworkPolicy"} <= kinds  # fmt: skip
+    assert {
+        "Namespace",
+        "DaemonSet",
+        "Deployment",
+        "Service",
+        "ServiceMonitor",
+        "PrometheusRule",
+        "ConfigMap",
+        "NetworkPolicy",
+    } <= kinds
     assert all(o["metadata"].get("namespace") == "stagetrace" for o in objects if o["kind"] != "Namespace")
 
 
@@ -116,10 +129,16 @@ def test_each_service_monitor_scrapes_a_port_its_service_and_pods_have():
     monitors = [o for o in objects if o["kind"] == "ServiceMonitor"]
     assert {m["metadata"]["name"] for m in monitors} == {"stagetrace-agent", "stagetrace-analyser"}
     for monitor in monitors:
-        (service,) = [o for o in objects if o["kind"] == "Service"
-                      and _matches(monitor["spec"]["selector"]["matchLabels"], o["metadata"]["labels"])]  # fmt: skip
-        (workload,) = [o for o in objects if o["kind"] in ("DaemonSet", "Deployment")
-                       and _matches(service["spec"]["selector"], _pod_labels(o))]  # fmt: skip
+        (service,) = [
+            o
+            for o in objects
+            if o["kind"] == "Service" and _matches(monitor["spec"]["selector"]["matchLabels"], o["metadata"]["labels"])
+        ]
+        (workload,) = [
+            o
+            for o in objects
+            if o["kind"] in ("DaemonSet", "Deployment") and _matches(service["spec"]["selector"], _pod_labels(o))
+        ]
         container = _container(workload)
         container_ports = {p["name"] for p in container["ports"]}
         assert {p["targetPort"] for p in service["spec"]["ports"]} <= container_ports
@@ -152,8 +171,9 @@ def test_the_prometheus_rule_is_the_rules_file_and_passes_promtool(component, tm
 
 
 def test_the_dashboard_config_maps_hold_exactly_the_generated_dashboards():
-    maps = [o for o in _objects()
-            if o["kind"] == "ConfigMap" and o["metadata"]["labels"].get("grafana_dashboard") == "1"]  # fmt: skip
+    maps = [
+        o for o in _objects() if o["kind"] == "ConfigMap" and o["metadata"]["labels"].get("grafana_dashboard") == "1"
+    ]
     held = {name: text.encode() for m in maps for name, text in m["data"].items()}
     assert held == {p.name: p.read_bytes() for p in (ROOT / "dashboards" / "generated").glob("*.json")}
     assert all(len(m["data"]) == 1 for m in maps)  # one dashboard each: the reason is in deploy/generate.py
@@ -189,8 +209,11 @@ def test_every_command_line_parses_with_the_cli():
 
 
 def test_every_setting_named_in_deploy_is_one_the_code_reads():
-    code = "".join(p.read_text() for folder in ("src/stagetrace", "collectors", "exporters", "dashboards")
-                   for p in (ROOT / folder).rglob("*.py"))  # fmt: skip
+    code = "".join(
+        p.read_text()
+        for folder in ("src/stagetrace", "collectors", "exporters", "dashboards")
+        for p in (ROOT / folder).rglob("*.py")
+    )
     named = set()
     for path in [*KUBERNETES.glob("*.yaml"), *UNITS.values(), DEPLOY / "Dockerfile"]:
         named |= set(re.findall(r"\b(STAGETRACE_\w+|CUDA_MPS_PIPE_DIRECTORY|XDG_STATE_HOME)\b", path.read_text()))
@@ -211,8 +234,9 @@ def test_the_agents_listeners_off_loopback_have_a_token_the_agent_accepts(tmp_pa
         if args.command != "agent":
             continue
         guarded = [getattr(args, flag) for flag in ("otlp", "otlp_grpc", "query_listen")]
-        exposed = [a for a in guarded
-                   if a.lower() not in ("none", "off") and not httpd.is_loopback(httpd.parse_listen(a)[0])]  # fmt: skip
+        exposed = [
+            a for a in guarded if a.lower() not in ("none", "off") and not httpd.is_loopback(httpd.parse_listen(a)[0])
+        ]
         if not exposed:
             continue
         assert where == "DaemonSet stagetrace-agent", f"{where} opens {exposed} without a token"
@@ -241,9 +265,14 @@ def test_the_agent_pod_is_confined_as_the_issue_asks():
     assert context["capabilities"] == {"drop": ["ALL"]}  # nothing added: the reasons are beside it
     assert spec["runtimeClassName"] == "nvidia" and spec["nodeSelector"] and spec["tolerations"]
     # the host's files it reads are read-only; the one it writes is the spool's
-    assert _host_volumes(daemonset) == {"/sys": True, "/var/lib/kubelet/pod-resources": True, "/run/nvidia/mps": True,
-                                        "/var/log/pods": True, "/var/log/containers": True,
-                                        "/var/lib/stagetrace": False}  # fmt: skip
+    assert _host_volumes(daemonset) == {
+        "/sys": True,
+        "/var/lib/kubelet/pod-resources": True,
+        "/run/nvidia/mps": True,
+        "/var/log/pods": True,
+        "/var/log/containers": True,
+        "/var/lib/stagetrace": False,
+    }
     assert spec["hostPID"] and spec["hostNetwork"]  # the GPU tenants' PIDs, the NICs' ioctls: reasons beside them
     analyser = _one("Deployment", "stagetrace-analyser")
     assert analyser["spec"]["replicas"] == 1 and analyser["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"]
@@ -262,8 +291,13 @@ def test_the_units_are_hardened_and_write_only_the_store():
     assert set(UNITS) == {"stagetrace-agent.service", "stagetrace-analyser.service"}
     for name, path in UNITS.items():
         unit = _directives(path)
-        for key, value in {"ProtectSystem": "strict", "NoNewPrivileges": "yes", "PrivateTmp": "yes",
-                           "CapabilityBoundingSet": "", "AmbientCapabilities": ""}.items():  # fmt: skip
+        for key, value in {
+            "ProtectSystem": "strict",
+            "NoNewPrivileges": "yes",
+            "PrivateTmp": "yes",
+            "CapabilityBoundingSet": "",
+            "AmbientCapabilities": "",
+        }.items():
             assert unit.get(key) == [value], f"{name}: {key}"
         assert "ReadWritePaths" not in unit, name
     agent, analyser = _directives(UNITS["stagetrace-agent.service"]), _directives(UNITS["stagetrace-analyser.service"])
@@ -307,8 +341,12 @@ def checkov() -> Path:
     if not binary.exists():
         try:
             subprocess.run([sys.executable, "-m", "venv", "--clear", home], check=True, capture_output=True)
-            subprocess.run([home / "bin" / "python", "-m", "pip", "install", "-q", CHECKOV], check=True,
-                           capture_output=True, timeout=900)  # fmt: skip
+            subprocess.run(
+                [home / "bin" / "python", "-m", "pip", "install", "-q", CHECKOV],
+                check=True,
+                capture_output=True,
+                timeout=900,
+            )
         except (subprocess.SubprocessError, OSError) as exc:
             shutil.rmtree(home, ignore_errors=True)
             message = f"checkov ({CHECKOV}) could not be installed: {getattr(exc, 'stderr', b'') or exc}"
@@ -319,8 +357,18 @@ def checkov() -> Path:
 
 
 def test_checkov_finds_nothing_to_fix_in_deploy(checkov):
-    command = [checkov, "--directory", DEPLOY, "--framework", "kubernetes", "dockerfile", "secrets",
-               "--skip-download", "--output", "json"]  # fmt: skip
+    command = [
+        checkov,
+        "--directory",
+        DEPLOY,
+        "--framework",
+        "kubernetes",
+        "dockerfile",
+        "secrets",
+        "--skip-download",
+        "--output",
+        "json",
+    ]
     scanned = subprocess.run(command, capture_output=True, text=True, timeout=600)
     reports = json.loads(scanned.stdout)
     reports = reports if isinstance(reports, list) else [reports]

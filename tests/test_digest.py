@@ -16,10 +16,22 @@ def test_digest_is_short_hex_and_stable_across_processes():
     assert digest("héllo") == hashlib.blake2b(frame, digest_size=16).hexdigest()
 
 
-@pytest.mark.parametrize("a, b", [
-    (1, 1.0), (1, True), (1, "1"), (None, ""), ([1, 2], [2, 1]), (["ab"], ["a", "b"]), ("a", b"a"),
-    ({"a": 1}, [["a", 1]]), (0.0, -0.0), ((1,), [1, None]), ({"k": [1]}, {"k": [1.0]}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        (1, 1.0),
+        (1, True),
+        (1, "1"),
+        (None, ""),
+        ([1, 2], [2, 1]),
+        (["ab"], ["a", "b"]),
+        ("a", b"a"),
+        ({"a": 1}, [["a", 1]]),
+        (0.0, -0.0),
+        ((1,), [1, None]),
+        ({"k": [1]}, {"k": [1.0]}),
+    ],
+)
 def test_different_content_gives_different_digests(a, b):
     assert digest(a) != digest(b)
 

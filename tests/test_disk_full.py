@@ -38,8 +38,16 @@ FULL_FOR_S = 3.0
 SPANS_PER_REQUEST = 20
 
 # what each start and stop of the agent says, not the episodes
-STARTS_AND_STOPS = ("serving http", "running at low priority", "refusing writes while free space", "receiving OTLP",
-                    "analysing divergences", "stopping", "wait in the spool", "from an earlier run; replaying")
+STARTS_AND_STOPS = (
+    "serving http",
+    "running at low priority",
+    "refusing writes while free space",
+    "receiving OTLP",
+    "analysing divergences",
+    "stopping",
+    "wait in the spool",
+    "from an earlier run; replaying",
+)
 
 _FILLER = r"""
 import os, sys, time
@@ -86,14 +94,39 @@ class Agent:
     def start(self) -> None:
         self.starts += 1
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-             "--store", f"chdb://{self.store}", "--listen", "127.0.0.1:0", "--interval", "1s",
-             "--otlp", f"127.0.0.1:{self.port}", "--otlp-grpc", "none", "--query-listen", "none",
-             *(["--min-free-space", self.reserve] if self.reserve else [])],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("w"), env=ENV,
-        )  # fmt: skip
-        wait_for("the agent's OTLP line", lambda: "receiving OTLP/HTTP" in self.log.read_text(), timeout=60,
-                 process=self.process)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--collectors",
+                "rdma",
+                "--sysfs",
+                str(SYSFS),
+                "--store",
+                f"chdb://{self.store}",
+                "--listen",
+                "127.0.0.1:0",
+                "--interval",
+                "1s",
+                "--otlp",
+                f"127.0.0.1:{self.port}",
+                "--otlp-grpc",
+                "none",
+                "--query-listen",
+                "none",
+                *(["--min-free-space", self.reserve] if self.reserve else []),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+            env=ENV,
+        )
+        wait_for(
+            "the agent's OTLP line",
+            lambda: "receiving OTLP/HTTP" in self.log.read_text(),
+            timeout=60,
+            process=self.process,
+        )
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -127,9 +160,13 @@ class Sender(threading.Thread):
         ids = []
         for i in range(SPANS_PER_REQUEST):
             span_id = ((self.n + 1) << 56) | (k * SPANS_PER_REQUEST + i + 1)
-            span = scope.spans.add(name="disk-full", trace_id=((self.n + 1) << 64 | (k + 1)).to_bytes(16, "big"),
-                                   span_id=span_id.to_bytes(8, "big"), start_time_unix_nano=now,
-                                   end_time_unix_nano=now + 1000)  # fmt: skip
+            span = scope.spans.add(
+                name="disk-full",
+                trace_id=((self.n + 1) << 64 | (k + 1)).to_bytes(16, "big"),
+                span_id=span_id.to_bytes(8, "big"),
+                start_time_unix_nano=now,
+                end_time_unix_nano=now + 1000,
+            )
             span.attributes.add(key="payload", value={"string_value": os.urandom(24).hex()})
             ids.append(f"{span_id:016x}")
         return request.SerializeToString(), ids
@@ -139,8 +176,9 @@ class Sender(threading.Thread):
         while not self.stop.is_set():
             body, ids = self.body(k)
             while not self.stop.is_set():
-                post = urllib.request.Request(self.url, data=body, method="POST",
-                                              headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+                post = urllib.request.Request(
+                    self.url, data=body, method="POST", headers={"Content-Type": "application/x-protobuf"}
+                )
                 try:
                     with urllib.request.urlopen(post, timeout=30) as answer:
                         answer.read()
@@ -161,14 +199,18 @@ def assert_stored_once(store: Path, senders, at_least: int, log: str) -> None:
     """Every span the senders had acknowledged is in the store exactly once, and no span twice (not even one sent
     but never acknowledged); ``at_least`` acknowledged, so that the episode had traffic to lose."""
     with open_store(f"chdb://{store}") as opened:
-        counts = dict(opened.client.query("SELECT lower(SpanId), count() FROM stagetrace.otel_traces "
-                                          "WHERE SpanName = 'disk-full' GROUP BY SpanId").result_rows)  # fmt: skip
+        counts = dict(
+            opened.client.query(
+                "SELECT lower(SpanId), count() FROM stagetrace.otel_traces WHERE SpanName = 'disk-full' GROUP BY SpanId"
+            ).result_rows
+        )
     acknowledged = [span_id for sender in senders for span_id in sender.acknowledged]
     assert len(acknowledged) > at_least
     missing = [span_id for span_id in acknowledged if span_id not in counts]
     assert not missing, f"{len(missing)} acknowledged spans are not in the store, e.g. {missing[:5]}\n{log}"
     assert {span_id: counts[span_id] for span_id in acknowledged} == dict.fromkeys(acknowledged, 1)
     assert set(counts.values()) == {1}, {k: v for k, v in counts.items() if v > 1}
+
 
 def test_a_full_disk_five_times_refuses_early_logs_little_and_loses_no_acknowledged_span(small_fs, tmp_path):
     agent = Agent(small_fs, tmp_path)
@@ -183,9 +225,19 @@ def test_a_full_disk_five_times_refuses_early_logs_little_and_loses_no_acknowled
         for episode in range(EPISODES):
             time.sleep(1.0)
             began = time.time()
-            filler = subprocess.Popen([sys.executable, "-c", _FILLER, str(small_fs / "filler"), str(FILL_MIB_PER_S),
-                                       str((RESERVE_MIB + 16) << 20)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True)  # fmt: skip
+            filler = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    _FILLER,
+                    str(small_fs / "filler"),
+                    str(FILL_MIB_PER_S),
+                    str((RESERVE_MIB + 16) << 20),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             line = filler.stdout.readline().split()
             assert line and line[0] == "full", line
             full_at = float(line[1])
@@ -202,8 +254,14 @@ def test_a_full_disk_five_times_refuses_early_logs_little_and_loses_no_acknowled
             again = freed + 30 * SPANS_PER_REQUEST  # thirty requests answered 200 after the disk was freed
             wait_for("acknowledgements again", lambda: sum(len(s.acknowledged) for s in senders) > again, timeout=60)
             refused = sorted(t for s in senders for t in s.refusals if t >= began)
-            episodes.append({"refused": len(refused), "first_refusal": refused[0] if refused else None,
-                             "full_at": full_at, "began": began})  # fmt: skip
+            episodes.append(
+                {
+                    "refused": len(refused),
+                    "first_refusal": refused[0] if refused else None,
+                    "full_at": full_at,
+                    "began": began,
+                }
+            )
     finally:
         stop.set()
         for sender in senders:

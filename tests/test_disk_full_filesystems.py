@@ -108,9 +108,13 @@ class Sender(threading.Thread):
             root = None
             for i in range(SPANS_A_REQUEST):
                 span_id = ((self.n + 1) << 56) | ((k * REQUESTS_A_BODY + r) * SPANS_A_REQUEST + i + 1)
-                span = scope.spans.add(name="disk-full" if root is None else "disk-full-stage", trace_id=trace,
-                                       span_id=span_id.to_bytes(8, "big"), start_time_unix_nano=now + i,
-                                       end_time_unix_nano=now + 1000)  # fmt: skip
+                span = scope.spans.add(
+                    name="disk-full" if root is None else "disk-full-stage",
+                    trace_id=trace,
+                    span_id=span_id.to_bytes(8, "big"),
+                    start_time_unix_nano=now + i,
+                    end_time_unix_nano=now + 1000,
+                )
                 if root is None:
                     root = span.span_id
                     span.attributes.add(key="stagetrace.request.id", value={"string_value": request_id})
@@ -128,8 +132,9 @@ class Sender(threading.Thread):
         while not self.stop.is_set():
             body, spans, requests, stages = self.body(k)
             while not self.stop.is_set():
-                post = urllib.request.Request(self.url, data=body, method="POST",
-                                              headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+                post = urllib.request.Request(
+                    self.url, data=body, method="POST", headers={"Content-Type": "application/x-protobuf"}
+                )
                 try:
                     with urllib.request.urlopen(post, timeout=30) as answer:
                         answer.read()
@@ -148,12 +153,12 @@ class Sender(threading.Thread):
 
 _STORED = {
     "spans": "SELECT lower(SpanId), count() FROM stagetrace.otel_traces WHERE startsWith(SpanName, 'disk-full') "
-             "GROUP BY SpanId",
+    "GROUP BY SpanId",
     "requests": "SELECT RequestId, count() FROM stagetrace.stagetrace_requests "
-                "WHERE startsWith(RequestId, 'disk-full-') GROUP BY RequestId",
+    "WHERE startsWith(RequestId, 'disk-full-') GROUP BY RequestId",
     "stages": "SELECT lower(SpanId), count() FROM stagetrace.stagetrace_stages WHERE SpanName = 'disk-full-stage' "
-              "GROUP BY SpanId",
-}  # fmt: skip
+    "GROUP BY SpanId",
+}
 
 
 def episode(disk, logs) -> dict:
@@ -166,8 +171,12 @@ def episode(disk, logs) -> dict:
         sender.start()
     try:
         time.sleep(BEFORE_S)
-        filler = subprocess.Popen([sys.executable, "-c", _FILLER, str(disk / "ballast")], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)  # fmt: skip
+        filler = subprocess.Popen(
+            [sys.executable, "-c", _FILLER, str(disk / "ballast")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert filler.stdout.readline().startswith("full")
         time.sleep(FULL_S)
         filler.stdin.write("\n")
@@ -207,5 +216,8 @@ def test_a_full_disk_loses_no_acknowledged_span_nor_derived_row_on(kind, tmp_pat
         assert not outcome["errors"], (n, outcome["errors"])
         assert outcome["spans acknowledged"] > 20_000, (n, summary)  # traffic to lose, in every episode
         lost = {k: v for k, v in outcome.items() if k.endswith(("missing", "twice")) and v}
-        assert not lost, (f"episode {n} on {kind}: {lost}", summary, [line for line in outcome["log"].splitlines()
-                                                                      if "store:" in line])  # fmt: skip
+        assert not lost, (
+            f"episode {n} on {kind}: {lost}",
+            summary,
+            [line for line in outcome["log"].splitlines() if "store:" in line],
+        )

@@ -31,10 +31,18 @@ from stagetrace.exporters.otlp_grpc import OtlpGrpcServer
 GIB = 1 << 30
 
 
-@pytest.mark.parametrize("text, reserve", [("512MiB", Reserve(512 << 20)), ("2GiB", Reserve(2 * GIB)),
-                                           ("1000000", Reserve(1_000_000)), ("1.5 GB", Reserve(1_500_000_000)),
-                                           ("5%", Reserve(fraction=0.05)), ("0.5 %", Reserve(fraction=0.005)),
-                                           ("0", Reserve())])  # fmt: skip
+@pytest.mark.parametrize(
+    "text, reserve",
+    [
+        ("512MiB", Reserve(512 << 20)),
+        ("2GiB", Reserve(2 * GIB)),
+        ("1000000", Reserve(1_000_000)),
+        ("1.5 GB", Reserve(1_500_000_000)),
+        ("5%", Reserve(fraction=0.05)),
+        ("0.5 %", Reserve(fraction=0.005)),
+        ("0", Reserve()),
+    ],
+)
 def test_a_reserve_is_a_size_or_a_percentage(text, reserve):
     assert parse_reserve(text) == reserve
 
@@ -93,7 +101,8 @@ def test_a_reserve_of_zero_checks_nothing(tmp_path):
 
 
 def test_without_room_the_writer_refuses_requests_keeps_batches_out_of_the_spool_and_the_engine_refuses_inserts(
-        store, caplog):  # fmt: skip
+    store, caplog
+):
     path = store.location.path
     headroom = Headroom({"store": path, "spool": f"{path}.spool"}, full(path), every_s=0.05)
     writer = DurableWriter(store, "metrics", headroom=headroom)
@@ -121,8 +130,9 @@ def test_the_receivers_answer_503_and_unavailable_with_retry_below_the_reserve_a
     core = OtlpReceiver(store, "127.0.0.1:0", headroom=headroom)
     server = OtlpGrpcServer(core, "127.0.0.1:0")
     body = encode_spans(spans(1)).SerializeToString()
-    post = urllib.request.Request(f"{core.url}/v1/traces", data=body, method="POST",
-                                  headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+    post = urllib.request.Request(
+        f"{core.url}/v1/traces", data=body, method="POST", headers={"Content-Type": "application/x-protobuf"}
+    )
     try:
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(post, timeout=10)

@@ -48,8 +48,14 @@ def _two_faults(store):
                         weights.append(request_id)
                     else:
                         settings, differs = None, None
-                    fl.request(request_id, fl.at(minute, seconds=20 * k + n % 20), host, prompt=prompt,
-                               settings=settings, differs=differs)
+                    fl.request(
+                        request_id,
+                        fl.at(minute, seconds=20 * k + n % 20),
+                        host,
+                        prompt=prompt,
+                        settings=settings,
+                        differs=differs,
+                    )
                     n += 1
     fl.flush()
     return fl, stale, weights
@@ -70,8 +76,9 @@ def test_the_report_is_data_that_record_stores_and_find_prints(store):
     assert report.analysed == len(by_id) == report.deviating
     assert {(by_id[r].stage, by_id[r].top.name, by_id[r].host) for r in stale} == {("retrieval", INDEX, "a")}
     assert {(by_id[r].stage, by_id[r].top.name, by_id[r].host) for r in weights} == {("decode", STEP, "c")}
-    assert all(d in next(g for g in report.groups if g.input_digest == d.input_digest).deviating
-               for d in report.requests)  # each request is in its input's group
+    assert all(
+        d in next(g for g in report.groups if g.input_digest == d.input_digest).deviating for d in report.requests
+    )  # each request is in its input's group
     assert _stored(store) == set()  # computing stores nothing
 
     divergences.record(store, report)
@@ -80,4 +87,5 @@ def test_the_report_is_data_that_record_stores_and_find_prints(store):
     printed = divergences.find(store, since, until_ns=until, limit=None)
     assert json.dumps(printed) == json.dumps(report.to_json())  # the same keys, in the same order
     assert [i["request_id"] for g in printed["groups"] for i in g["deviating"]] == [
-        d.request_id for g in report.groups for d in g.deviating]
+        d.request_id for g in report.groups for d in g.deviating
+    ]

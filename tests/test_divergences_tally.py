@@ -40,9 +40,14 @@ def _older_and_newer(store, older: tuple[str, dict | None, dict], prefix: str = 
                     at = fl.at(minute, seconds=20 * k + n % 20)
                     faulty = host == older[0] and minute < 5
                     other_weights = host == "c" and minute >= 5
-                    fl.request(f"{prefix}{n}", at, host, prompt=prompt,
-                               settings=older[1] if faulty else {STEP: 1100} if other_weights else None,
-                               differs=older[2] if faulty else {"decode": "w"} if other_weights else None)  # fmt: skip
+                    fl.request(
+                        f"{prefix}{n}",
+                        at,
+                        host,
+                        prompt=prompt,
+                        settings=older[1] if faulty else {STEP: 1100} if other_weights else None,
+                        differs=older[2] if faulty else {"decode": "w"} if other_weights else None,
+                    )
                     (old if faulty else new if other_weights else []).append(f"{prefix}{n}")
                     n += 1
     fl.flush()
@@ -93,7 +98,8 @@ def test_the_tally_covers_every_deviating_request_and_the_count_ignores_the_limi
         header = text.splitlines()[0]
         assert header.startswith(f"{len(old) + len(new)} deviating requests in the last 3h"), header
         assert (f"the latest {result['analysed']} analysed in full (--limit 0 analyses all)" in header) == (
-            limit is not None), header
+            limit is not None
+        ), header
         analysed = next(t["analysed"] for t in result["tally"] if t["cause"] == INDEX)
         assert f"{INDEX}\tretrieval\t{len(old)}\t{analysed}\ta\t" in text, text
 
@@ -114,8 +120,10 @@ def test_past_the_tally_bound_the_tally_covers_the_analysed_and_says_so(store, m
     assert sum(t["requests"] for t in result["tally"]) == result["analysed"] == 5
     piped = io.StringIO()
     divergence_groups(Output(Console(file=piped)), result, "3h")
-    assert (f"the tally below covers the 5 analysed in full, not all {len(old) + len(new)}: so many take long to "
-            "tally one by one (--limit 0 tallies all)") in piped.getvalue()
+    assert (
+        f"the tally below covers the 5 analysed in full, not all {len(old) + len(new)}: so many take long to "
+        "tally one by one (--limit 0 tallies all)"
+    ) in piped.getvalue()
     assert _find(store, fl, None)["tally_covers"] == "analysed"  # --limit 0: every one analysed, so tallied
 
 

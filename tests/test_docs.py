@@ -54,8 +54,13 @@ def _build(where: Path, appended: str = "") -> subprocess.CompletedProcess:
     shutil.copy(ROOT / "mkdocs.yml", where / "mkdocs.yml")
     if appended:
         (where / "docs" / "index.md").write_text((where / "docs" / "index.md").read_text() + f"\n{appended}\n")
-    return subprocess.run([Path(sys.executable).with_name("zensical"), "build", "--strict"], cwd=where,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [Path(sys.executable).with_name("zensical"), "build", "--strict"],
+        cwd=where,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def build_site(where: Path) -> Path:
@@ -80,8 +85,12 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
 
 # A pointer from the code to the docs: a page of docs/, and maybe a heading on it.
 POINTER = re.compile(r"docs/([a-z0-9-]+\.md)(?:#([a-z0-9-]+))?")
-CODE = [p for folder in ("src", "collectors", "exporters", "dashboards", "tests", "benchmarks")
-        for p in sorted((ROOT / folder).rglob("*.py")) if p.name != "test_docs.py"]  # fmt: skip
+CODE = [
+    p
+    for folder in ("src", "collectors", "exporters", "dashboards", "tests", "benchmarks")
+    for p in sorted((ROOT / folder).rglob("*.py"))
+    if p.name != "test_docs.py"
+]
 
 
 def _anchors(page: Path) -> set[str]:
@@ -95,13 +104,20 @@ def _anchors(page: Path) -> set[str]:
 def test_what_the_codes_comments_cite_is_in_the_repository_and_resolves():
     """Comments and docstrings cite the design's rules on docs/ pages (docs/design.md for contributors), never a
     file outside the repository (a DESIGN.md, reference/*.md), and every page and heading they name exists."""
-    outside = [f"{p.relative_to(ROOT)}:{n}" for p in CODE for n, line in enumerate(p.read_text().splitlines(), 1)
-               if re.search(r"DESIGN\.md|reference/[a-z_]+\.md", line)]  # fmt: skip
+    outside = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in CODE
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"DESIGN\.md|reference/[a-z_]+\.md", line)
+    ]
     assert not outside, f"pointers to files outside the repository: {outside}"
     pointers = {(p.relative_to(ROOT), page, anchor) for p in CODE for page, anchor in POINTER.findall(p.read_text())}
     assert any(page == "design.md" and anchor for _, page, anchor in pointers)
-    broken = [f"{where}: docs/{page}" + (f"#{anchor}" if anchor else "") for where, page, anchor in sorted(pointers)
-              if not (DOCS / page).is_file() or (anchor and anchor not in _anchors(DOCS / page))]  # fmt: skip
+    broken = [
+        f"{where}: docs/{page}" + (f"#{anchor}" if anchor else "")
+        for where, page, anchor in sorted(pointers)
+        if not (DOCS / page).is_file() or (anchor and anchor not in _anchors(DOCS / page))
+    ]
     assert not broken, f"pointers that do not resolve: {broken}"
 
 
@@ -122,8 +138,12 @@ def test_instructions_carry_no_commit_hashes():
     """A measurement says when it was taken and where its run is (benchmarks/RESULTS.md), not which commit: a hash
     in the middle of an instruction means nothing to a reader."""
     pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
-    found = [f"{page.name}: {m.group(0)}" for page in pages if page.name != "explain.md"  # see above
-             for m in re.finditer(r"\b(?:at|commit|when) [0-9a-f]{7,12}\b", page.read_text())]  # fmt: skip
+    found = [
+        f"{page.name}: {m.group(0)}"
+        for page in pages
+        if page.name != "explain.md"  # see above
+        for m in re.finditer(r"\b(?:at|commit|when) [0-9a-f]{7,12}\b", page.read_text())
+    ]
     assert not found, found
 
 
@@ -148,8 +168,9 @@ def test_code_blocks_fit_or_wrap_in_the_site(component, tmp_path, width):
     for page in ("index.html", "getting-started/index.html", "grafana/index.html", "otlp/index.html"):
         probe = site / page.replace("index.html", "probe.html")
         probe.write_text((site / page).read_text().replace("</body>", _CODE_PROBE + "</body>"))
-        loaded = browser(component, f"--window-size={width},900", "--virtual-time-budget=2000", "--dump-dom",
-                         probe.as_uri())  # fmt: skip
+        loaded = browser(
+            component, f"--window-size={width},900", "--virtual-time-budget=2000", "--dump-dom", probe.as_uri()
+        )
         assert loaded.returncode == 0, loaded.stderr
         scrolled = json.loads(re.search(r'<pre id="probe">(.*?)</pre>', loaded.stdout, flags=re.S)[1])
         assert scrolled == [], (page, width, scrolled)

@@ -17,8 +17,22 @@ T0 = 1_700_000_000_000_000_000
 
 def gauge_rows(n: int, poisoned: set[int] = frozenset()) -> list[tuple]:
     """``n`` gauge rows in the metric writer's layout; ``poisoned`` rows carry a value no Float64 column takes."""
-    return [({"host.name": "node-a"}, "agent", "scope", "1", "gpu_temperature_celsius", "", "", {"gpu": str(i)}, 0,
-             T0 + i, "not a number" if i in poisoned else float(i)) for i in range(n)]  # fmt: skip
+    return [
+        (
+            {"host.name": "node-a"},
+            "agent",
+            "scope",
+            "1",
+            "gpu_temperature_celsius",
+            "",
+            "",
+            {"gpu": str(i)},
+            0,
+            T0 + i,
+            "not a number" if i in poisoned else float(i),
+        )
+        for i in range(n)
+    ]
 
 
 def stored_gpus(store) -> list[int]:
@@ -84,8 +98,9 @@ def trace_request(n: int, spans: int = 3) -> bytes:
     request = ExportTraceServiceRequest()
     scope = request.resource_spans.add().scope_spans.add()
     for k in range(spans):
-        span = scope.spans.add(name=f"stage-{k}", trace_id=(n + 1).to_bytes(16, "big"),
-                               span_id=(n * spans + k + 1).to_bytes(8, "big"))  # fmt: skip
+        span = scope.spans.add(
+            name=f"stage-{k}", trace_id=(n + 1).to_bytes(16, "big"), span_id=(n * spans + k + 1).to_bytes(8, "big")
+        )
         span.start_time_unix_nano, span.end_time_unix_nano = T0 + k, T0 + k + 10
     return request.SerializeToString()
 
@@ -99,7 +114,9 @@ def test_requests_written_ahead_in_an_outage_are_stored_each_once_in_few_inserts
     inserts = []
     insert = store.client.insert
     # rows per insert, whether they are sent as rows or as columns
-    store.client.insert = lambda *a, **k: inserts.append(len(a[1][0] if k.get("column_oriented") else a[1])) or insert(*a, **k)
+    store.client.insert = lambda *a, **k: (
+        inserts.append(len(a[1][0] if k.get("column_oriented") else a[1])) or insert(*a, **k)
+    )
     try:
         store.client.command("RENAME TABLE stagetrace.otel_traces TO stagetrace.traces_away")
         for n in range(40):
@@ -110,8 +127,10 @@ def test_requests_written_ahead_in_an_outage_are_stored_each_once_in_few_inserts
     finally:
         store.client.insert = insert
         writer.close()
-    assert stored_spans(store) == 120 and store.client.command(
-        "SELECT uniqExact(SpanId) FROM stagetrace.otel_traces") == 120  # fmt: skip
+    assert (
+        stored_spans(store) == 120
+        and store.client.command("SELECT uniqExact(SpanId) FROM stagetrace.otel_traces") == 120
+    )
     assert sum(n for n in inserts) == 120 and len(inserts) < 40  # many requests, one insert (at most a few)
 
 
@@ -128,8 +147,10 @@ def test_a_backlog_is_stored_in_inserts_of_whole_requests_of_up_to_the_group_s_r
         assert writer.flush()
     finally:
         writer.close()
-    parts = store.client.query("SELECT rows FROM system.parts WHERE database = 'stagetrace' AND table = 'otel_traces' "
-                               "AND active ORDER BY min_block_number").result_columns[0]  # fmt: skip
+    parts = store.client.query(
+        "SELECT rows FROM system.parts WHERE database = 'stagetrace' AND table = 'otel_traces' "
+        "AND active ORDER BY min_block_number"
+    ).result_columns[0]
     assert parts == [20, 20, 10] and stored_spans(store) == 50
 
 
@@ -173,7 +194,9 @@ def test_a_full_spool_refuses_new_requests_and_drops_none_it_acknowledged(store,
         writer.close()
     # the spell in two lines, not a line per refused request
     assert sum("is full" in m for m in caplog.messages) == 1
-    assert [m for m in caplog.messages if "takes requests again" in m][0].endswith("(full meanwhile: refused 47 requests)")
+    assert [m for m in caplog.messages if "takes requests again" in m][0].endswith(
+        "(full meanwhile: refused 47 requests)"
+    )
 
 
 def test_a_running_writer_adopts_what_a_writer_that_is_gone_wrote_ahead(store):
@@ -201,7 +224,9 @@ def test_a_running_writer_adopts_what_a_writer_that_is_gone_wrote_ahead(store):
 # --- a store without room: ClickHouse's NOT_ENOUGH_SPACE ------------------------------------------------------
 
 
-def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_and_stores_it_once_later(tmp_path, caplog):
+def test_a_server_store_answering_not_enough_space_keeps_every_request_spooled_and_stores_it_once_later(
+    tmp_path, caplog
+):
     """A ClickHouse server whose disk is below its free-space guard answers inserts with NOT_ENOUGH_SPACE (code
     243): the store is unavailable, not the rows. Nothing is split or dropped; the requests wait in the spool, the
     failure is one log line, and they land once the server takes inserts again. The server is ClickHouse's HTTP

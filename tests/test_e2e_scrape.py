@@ -29,14 +29,36 @@ def scrape(tmp_path: Path, kubelet_socket: Path) -> str:
     # NCCL dumps older than five minutes are stale by design: copies with a fresh mtime (not copy2's old one).
     nccl = shutil.copytree(FIXTURES / "nccl", tmp_path / "nccl", copy_function=shutil.copy)
     done = subprocess.run(
-        [sys.executable, "-m", "stagetrace", "collect", "--once", "--collectors",
-         "gpu,mps,rdma,ethtool,nccl,kubernetes",
-         "--sysfs", str(FIXTURES / "sys"), "--nvml-fixture", str(FIXTURES / "nvml"),
-         "--mps-fixture", str(FIXTURES / "mps"), "--ethtool-fixture", str(FIXTURES / "ethtool" / "statistics.json"),
-         "--nccl-dir", str(nccl), "--kubelet-socket", str(kubelet_socket),
-         "--procfs", str(FIXTURES / "proc"), "--kubelet-log-dir", str(FIXTURES / "log")],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "STAGETRACE_HOST": "fixture-node"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "collect",
+            "--once",
+            "--collectors",
+            "gpu,mps,rdma,ethtool,nccl,kubernetes",
+            "--sysfs",
+            str(FIXTURES / "sys"),
+            "--nvml-fixture",
+            str(FIXTURES / "nvml"),
+            "--mps-fixture",
+            str(FIXTURES / "mps"),
+            "--ethtool-fixture",
+            str(FIXTURES / "ethtool" / "statistics.json"),
+            "--nccl-dir",
+            str(nccl),
+            "--kubelet-socket",
+            str(kubelet_socket),
+            "--procfs",
+            str(FIXTURES / "proc"),
+            "--kubelet-log-dir",
+            str(FIXTURES / "log"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "STAGETRACE_HOST": "fixture-node"},
+    )
     assert done.returncode == 0, done.stderr
     assert "stagetrace:" not in done.stderr, done.stderr  # no GPU of this node is shared or counted twice
     return "".join(
@@ -48,8 +70,11 @@ def test_fixture_node_scrape_matches_expected(tmp_path, kubelet):
     scraped = scrape(tmp_path, kubelet(KUBELET))
     if os.environ.get("STAGETRACE_UPDATE_GOLDEN") == "1":
         EXPECTED.write_text(scraped)
-    diff = "".join(difflib.unified_diff(EXPECTED.read_text().splitlines(True), scraped.splitlines(True),
-                                        "expected.prom", "scraped"))  # fmt: skip
+    diff = "".join(
+        difflib.unified_diff(
+            EXPECTED.read_text().splitlines(True), scraped.splitlines(True), "expected.prom", "scraped"
+        )
+    )
     assert not diff, diff
     assert 'stagetrace_collector_success{collector="nccl",host="fixture-node"} 1.0' in scraped
     assert 'stagetrace_collector_success{collector="gpu",host="fixture-node"} 1.0' in scraped
@@ -58,6 +83,7 @@ def test_fixture_node_scrape_matches_expected(tmp_path, kubelet):
 
 def test_expected_scrape_passes_promtool_check_metrics(component):
     promtool = component("promtool", package="prometheus")
-    checked = subprocess.run([promtool, "check", "metrics"], input=EXPECTED.read_text(), capture_output=True,
-                             text=True, timeout=60)  # fmt: skip
+    checked = subprocess.run(
+        [promtool, "check", "metrics"], input=EXPECTED.read_text(), capture_output=True, text=True, timeout=60
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -39,15 +39,20 @@ def send(receiver, scenario: str, engine: Path = SGLANG) -> None:
 
 
 def post(receiver, message: ExportTraceServiceRequest) -> None:
-    request = urllib.request.Request(f"{receiver.url}/v1/traces", data=message.SerializeToString(), method="POST",
-                                     headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{receiver.url}/v1/traces",
+        data=message.SerializeToString(),
+        method="POST",
+        headers={"Content-Type": "application/x-protobuf"},
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
 
 
 def stages(store) -> list[tuple]:
-    return store.client.query("SELECT SpanName, Stage, Rank, ServiceName FROM stagetrace.stagetrace_stages "
-                              "ORDER BY SpanName, Rank").result_rows  # fmt: skip
+    return store.client.query(
+        "SELECT SpanName, Stage, Rank, ServiceName FROM stagetrace.stagetrace_stages ORDER BY SpanName, Rank"
+    ).result_rows
 
 
 def test_sglang_tp2_stages_are_per_rank(store, receiver):
@@ -56,15 +61,22 @@ def test_sglang_tp2_stages_are_per_rank(store, receiver):
     send(receiver, "unified-tp2")
     rows = stages(store)
     assert [(n, s, r) for n, s, r, _ in rows if n in ("prefill_forward", "decode_forward", "decode_loop")] == [
-        ("decode_forward", "decode", "0"), ("decode_forward", "decode", "1"),
-        ("decode_loop", "decode", "0"), ("decode_loop", "decode", "1"),
-        ("prefill_forward", "decode", "0"), ("prefill_forward", "decode", "1"),
-    ]  # fmt: skip
+        ("decode_forward", "decode", "0"),
+        ("decode_forward", "decode", "1"),
+        ("decode_loop", "decode", "0"),
+        ("decode_loop", "decode", "1"),
+        ("prefill_forward", "decode", "0"),
+        ("prefill_forward", "decode", "1"),
+    ]
     # the tokenizer thread has no rank: its stage keeps none
     assert [r for n, _, r, _ in rows if n == "tokenize"] == [""]
     # the spans as stored carry the inherited rank under stagetrace's name, and SGLang's own attributes unchanged
-    stored = dict(store.client.query("SELECT SpanName, SpanAttributes FROM stagetrace.otel_traces WHERE "
-                                     "position(SpanName, '[TP 1]') > 0 OR SpanName = 'tokenize'").result_rows)
+    stored = dict(
+        store.client.query(
+            "SELECT SpanName, SpanAttributes FROM stagetrace.otel_traces WHERE "
+            "position(SpanName, '[TP 1]') > 0 OR SpanName = 'tokenize'"
+        ).result_rows
+    )
     assert stored["tokenize"] == {}
     assert [a["tp_rank"] for n, a in stored.items() if n != "tokenize"] == ["1"]
 
@@ -80,7 +92,8 @@ def test_sglang_sampled_request_without_an_exported_seed_is_not_called_nondeterm
     from stagetrace.analysis.explain import unknown_seed
 
     assert unknown_seed(lookup.by_request_id(store, RID)) == (
-        "gen_ai.request.temperature 0.7, and SGLang does not record the seed")
+        "gen_ai.request.temperature 0.7, and SGLang does not record the seed"
+    )
 
 
 def test_a_disaggregated_request_is_found_by_its_id_with_its_prefill_and_its_decode(store, receiver):
@@ -106,9 +119,13 @@ def test_a_disaggregated_request_is_found_by_its_id_with_its_prefill_and_its_dec
     for attempt in range(2):
         message = ExportTraceServiceRequest()
         scope = message.resource_spans.add().scope_spans.add()
-        span = scope.spans.add(name=f"attempt-{attempt}", trace_id=(attempt + 7).to_bytes(16, "big"),
-                               span_id=(attempt + 7).to_bytes(8, "big"), start_time_unix_nano=10**18 + attempt * 10**9,
-                               end_time_unix_nano=10**18 + attempt * 10**9 + 1000)  # fmt: skip
+        span = scope.spans.add(
+            name=f"attempt-{attempt}",
+            trace_id=(attempt + 7).to_bytes(16, "big"),
+            span_id=(attempt + 7).to_bytes(8, "big"),
+            start_time_unix_nano=10**18 + attempt * 10**9,
+            end_time_unix_nano=10**18 + attempt * 10**9 + 1000,
+        )
         span.attributes.add(key="stagetrace.request.id", value={"string_value": retried})
         post(receiver, message)
     receiver.writer.flush()
@@ -121,10 +138,25 @@ def test_the_kv_transfer_of_a_disaggregated_request_is_its_cache_stage(store, re
     send(receiver, "prefill")
     send(receiver, "decode")
     by_name = {name: stage for name, stage, _, _ in stages(store)}
-    assert {n: by_name.get(n) for n in ("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap",
-                                        "decode_transferred", "mooncake_transfer_kv")} == dict.fromkeys(
-        ("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap", "decode_transferred",
-         "mooncake_transfer_kv"), "cache")  # fmt: skip
+    assert {
+        n: by_name.get(n)
+        for n in (
+            "prefill_bootstrap",
+            "prefill_transfer_kv_cache",
+            "decode_bootstrap",
+            "decode_transferred",
+            "mooncake_transfer_kv",
+        )
+    } == dict.fromkeys(
+        (
+            "prefill_bootstrap",
+            "prefill_transfer_kv_cache",
+            "decode_bootstrap",
+            "decode_transferred",
+            "mooncake_transfer_kv",
+        ),
+        "cache",
+    )
     assert by_name["prefill_forward"] == by_name["decode_forward"] == "decode"
     assert not any(" Req " in name or "Scheduler" in name for name in by_name), by_name
 
@@ -132,8 +164,16 @@ def test_the_kv_transfer_of_a_disaggregated_request_is_its_cache_stage(store, re
 # -- vLLM 0.33.0 (tests/fixtures/vllm/README.md): ``vllm serve`` with three requests behind an application that sent
 # traceparent and one sent straight to it; the ``LLM`` class with one request
 VLLM_REQUESTS = {"chatcmpl-53a1", "chatcmpl-53a2", "chatcmpl-53a3", "chatcmpl-53b1", "53c1"}
-VLLM_START_UP = {"API server setup", "Overall Loading", "AsyncMPClient init", "EngineCoreProc init", "Executor init",
-                 "Worker init", "Load model", "SyncMPClient init"}  # fmt: skip
+VLLM_START_UP = {
+    "API server setup",
+    "Overall Loading",
+    "AsyncMPClient init",
+    "EngineCoreProc init",
+    "Executor init",
+    "Worker init",
+    "Load model",
+    "SyncMPClient init",
+}
 
 
 def vllm_requests() -> dict[str, dict]:
@@ -146,8 +186,11 @@ def vllm_requests() -> dict[str, dict]:
                 attributes = {a.key: a.value.string_value for a in span.attributes}
                 if span.name == "llm_request":
                     out[attributes["gen_ai.request.id"]] = {
-                        "trace_id": span.trace_id, "parent_span_id": span.parent_span_id,
-                        "start": span.start_time_unix_nano, "end": span.end_time_unix_nano}  # fmt: skip
+                        "trace_id": span.trace_id,
+                        "parent_span_id": span.parent_span_id,
+                        "start": span.start_time_unix_nano,
+                        "end": span.end_time_unix_nano,
+                    }
     return out
 
 
@@ -159,8 +202,9 @@ def app_roots(receiver, service: str, roots) -> None:
     resource.resource.attributes.add(key="service.name", value={"string_value": service})
     scope = resource.scope_spans.add()
     for trace_id, span_id, start, end, attributes in roots:
-        span = scope.spans.add(name="chat", trace_id=trace_id, span_id=span_id, start_time_unix_nano=start,
-                               end_time_unix_nano=end)  # fmt: skip
+        span = scope.spans.add(
+            name="chat", trace_id=trace_id, span_id=span_id, start_time_unix_nano=start, end_time_unix_nano=end
+        )
         for key, value in attributes.items():
             span.attributes.add(key=key, value={"string_value": value})
     post(receiver, message)
@@ -186,7 +230,11 @@ def test_vllm_requests_are_found_by_their_id_and_its_start_up_roots_are_not_requ
         assert [(s.name, s.stage) for s in trace.spans] == [("llm_request", "decode")], request_id
     assert {(n, s) for n, s, _, svc in stages(store) if svc == "vllm"} == {("llm_request", "decode")}
     assert {n for n, s, _, svc in stages(store) if svc == "sglang" and s == "decode"} == {
-        "prefill_forward", "chunked_prefill", "decode_forward", "decode_loop"}
+        "prefill_forward",
+        "chunked_prefill",
+        "decode_forward",
+        "decode_loop",
+    }
     # the Python twin says the same of every stored span
     rows = store.client.query("SELECT SpanName, SpanAttributes FROM stagetrace.otel_traces").result_rows
     assert {n for n, a in rows if conventions.is_not_request(n, a)} & VLLM_START_UP == VLLM_START_UP
@@ -200,24 +248,43 @@ def test_a_vllm_request_s_model_is_the_one_its_operator_declared_on_the_resource
     resource: the span's own wins."""
     send(receiver, "serve", VLLM)
     send(receiver, "unified-tp2")
-    app_roots(receiver, "other-app", [(b"\x0b" * 16, b"\x0c" * 8, 10**18, 10**18 + 1000,
-                                       {"stagetrace.request.id": "app-1", "gen_ai.request.model": "on-the-span"})])
+    app_roots(
+        receiver,
+        "other-app",
+        [
+            (
+                b"\x0b" * 16,
+                b"\x0c" * 8,
+                10**18,
+                10**18 + 1000,
+                {"stagetrace.request.id": "app-1", "gen_ai.request.model": "on-the-span"},
+            )
+        ],
+    )
     message = ExportTraceServiceRequest()  # the same app's resource declaring another model
     resource = message.resource_spans.add()
     resource.resource.attributes.add(key="gen_ai.request.model", value={"string_value": "on-the-resource"})
-    span = resource.scope_spans.add().spans.add(name="chat", trace_id=b"\x0d" * 16, span_id=b"\x0e" * 8,
-                                                start_time_unix_nano=10**18, end_time_unix_nano=10**18 + 1)
+    span = resource.scope_spans.add().spans.add(
+        name="chat",
+        trace_id=b"\x0d" * 16,
+        span_id=b"\x0e" * 8,
+        start_time_unix_nano=10**18,
+        end_time_unix_nano=10**18 + 1,
+    )
     span.attributes.add(key="stagetrace.request.id", value={"string_value": "app-2"})
     span.attributes.add(key="gen_ai.request.model", value={"string_value": "on-the-span"})
     post(receiver, message)
     receiver.writer.flush()
     models = dict(store.client.query("SELECT RequestId, Model FROM stagetrace.stagetrace_requests").result_rows)
     assert {r: m for r, m in models.items() if r.startswith("chatcmpl-")} == dict.fromkeys(
-        ("chatcmpl-53a1", "chatcmpl-53a2", "chatcmpl-53a3", "chatcmpl-53b1"), "Qwen/Qwen3-0.6B")
+        ("chatcmpl-53a1", "chatcmpl-53a2", "chatcmpl-53a3", "chatcmpl-53b1"), "Qwen/Qwen3-0.6B"
+    )
     assert models[RID] == "Qwen/Qwen3-0.6B" and models["app-1"] == models["app-2"] == "on-the-span"
     # the Python twin reads each stored root as the view did
-    rows = store.client.query("SELECT SpanAttributes, ResourceAttributes, SpanAttributes['gen_ai.request.id'] "
-                              "FROM stagetrace.otel_traces WHERE SpanName = 'llm_request'").result_rows
+    rows = store.client.query(
+        "SELECT SpanAttributes, ResourceAttributes, SpanAttributes['gen_ai.request.id'] "
+        "FROM stagetrace.otel_traces WHERE SpanName = 'llm_request'"
+    ).result_rows
     assert {conventions.model_of(a, r) for a, r, _ in rows} == {"Qwen/Qwen3-0.6B"}
     assert {conventions.model_of(a) for a, r, _ in rows} == {""}
 
@@ -237,15 +304,40 @@ def test_a_vllm_request_sampled_with_an_unknown_seed_is_compared_and_said_to_hav
     send(receiver, "serve", VLLM)
     found = vllm_requests()
     digest = "1f" * 16
-    app_roots(receiver, "rag-app", [
-        (found[r]["trace_id"], found[r]["parent_span_id"], found[r]["start"] - 10**6, found[r]["end"] + 10**6,
-         {"stagetrace.input.digest": digest, "stagetrace.output.digest": output})
-        for r, output in (("chatcmpl-53a1", "aa" * 16), ("chatcmpl-53a2", "aa" * 16), ("chatcmpl-53a3", "bb" * 16))])
+    app_roots(
+        receiver,
+        "rag-app",
+        [
+            (
+                found[r]["trace_id"],
+                found[r]["parent_span_id"],
+                found[r]["start"] - 10**6,
+                found[r]["end"] + 10**6,
+                {"stagetrace.input.digest": digest, "stagetrace.output.digest": output},
+            )
+            for r, output in (("chatcmpl-53a1", "aa" * 16), ("chatcmpl-53a2", "aa" * 16), ("chatcmpl-53a3", "bb" * 16))
+        ],
+    )
     start = found["chatcmpl-53a1"]["start"]
-    app_roots(receiver, "chat-app", [
-        (bytes([0xC0, n]) * 8, bytes([0xC1, n]) * 4, start + n * 10**6, start + n * 10**6 + 10**5,
-         {"stagetrace.request.id": f"chat-{n}", "stagetrace.input.digest": digest, "gen_ai.request.temperature": "0.7",
-          "stagetrace.output.digest": ("cc" if n < 2 else "dd") * 16}) for n in range(3)])  # fmt: skip
+    app_roots(
+        receiver,
+        "chat-app",
+        [
+            (
+                bytes([0xC0, n]) * 8,
+                bytes([0xC1, n]) * 4,
+                start + n * 10**6,
+                start + n * 10**6 + 10**5,
+                {
+                    "stagetrace.request.id": f"chat-{n}",
+                    "stagetrace.input.digest": digest,
+                    "gen_ai.request.temperature": "0.7",
+                    "stagetrace.output.digest": ("cc" if n < 2 else "dd") * 16,
+                },
+            )
+            for n in range(3)
+        ],
+    )
 
     report = Explainer(store).explain("chatcmpl-53a3").to_json()
     assert report["diverged"] and not report["nondeterministic"], report["summary"]
@@ -281,15 +373,22 @@ def test_sglang_pipeline_stages_keep_their_tp_ranks_apart_and_the_dp_replica_rea
     send(receiver, "unified-tp2")
     rows = stages(store)
     assert sorted(r for n, _, r, svc in rows if n == "decode_forward" and svc == "sglang-pp") == [
-        "0", "0@pp1", "1", "1@pp1"]
+        "0",
+        "0@pp1",
+        "1",
+        "1@pp1",
+    ]
     assert sorted(r for n, _, r, svc in rows if n == "decode_forward" and svc == "sglang") == ["0", "1"]
-    stored = store.client.query("SELECT SpanName, Rank, Attributes['parallel.dp_rank'], ServiceName "
-                                "FROM stagetrace.stagetrace_stages").result_rows
+    stored = store.client.query(
+        "SELECT SpanName, Rank, Attributes['parallel.dp_rank'], ServiceName FROM stagetrace.stagetrace_stages"
+    ).result_rows
     assert {dp for n, _, dp, svc in stored if svc == "sglang-pp" and n != "tokenize"} == {"1"}
     assert [dp for n, _, dp, svc in stored if n == "tokenize"] == ["", ""]  # the tokenizer thread has no replica
     # the twin reads each stored span's rank as the view did; ranks order by pipeline stage, then TP rank
-    spans = store.client.query("SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'decode_forward' "
-                               "AND ServiceName = 'sglang-pp'").result_columns[0]
+    spans = store.client.query(
+        "SELECT SpanAttributes FROM stagetrace.otel_traces WHERE SpanName = 'decode_forward' "
+        "AND ServiceName = 'sglang-pp'"
+    ).result_columns[0]
     ranks = sorted((conventions.rank_of(a) for a in spans), key=conventions.rank_order)
     assert ranks == ["0", "1", "0@pp1", "1@pp1"]
     # the request is one request, its rank a stage's key and not a cause: dp rank names where it ran
@@ -314,8 +413,13 @@ def dynamo_roots(scenario: str) -> list[dict]:
             for span in (s for scope in resource["scopeSpans"] for s in scope["spans"]):
                 attributes = {a["key"]: next(iter(a["value"].values())) for a in span.get("attributes", [])}
                 if span["name"] == "http-request" and attributes.get("target") == "request_span":
-                    roots.append({"trace_id": base64.b64decode(span["traceId"]).hex(),
-                                  "start": int(span["startTimeUnixNano"]), **attributes})  # fmt: skip
+                    roots.append(
+                        {
+                            "trace_id": base64.b64decode(span["traceId"]).hex(),
+                            "start": int(span["startTimeUnixNano"]),
+                            **attributes,
+                        }
+                    )
     return sorted(roots, key=lambda r: r["start"])
 
 
@@ -344,11 +448,14 @@ def test_dynamo_requests_are_found_by_their_id_with_the_worker_s_decode_stage(st
     assert dynamo == sorted(expected.items()) and len(dynamo) == 10, dynamo
     assert {m for _, m in dynamo} == {"tiny-chat", ""}
     # the Python twin reads each stored Dynamo root's model as the view did
-    rows = store.client.query("SELECT SpanName, SpanAttributes, ResourceAttributes FROM stagetrace.otel_traces "
-                              "WHERE ServiceName = 'dynamo-frontend' AND ParentSpanId = ''").result_rows
+    rows = store.client.query(
+        "SELECT SpanName, SpanAttributes, ResourceAttributes FROM stagetrace.otel_traces "
+        "WHERE ServiceName = 'dynamo-frontend' AND ParentSpanId = ''"
+    ).result_rows
     assert {conventions.model_of(a, r, n) for n, a, r in rows} == {"tiny-chat", ""}
     assert sorted(conventions.model_of(a, r, n) for n, a, r in rows if conventions.is_dynamo_request(n, a)) == sorted(
-        m for r, m in dynamo if r not in UUID_IDS)  # the roots below an app's span have a parent
+        m for r, m in dynamo if r not in UUID_IDS
+    )  # the roots below an app's span have a parent
 
     for scenario in DYNAMO_SCENARIOS:
         for root in dynamo_roots(scenario):
@@ -361,8 +468,9 @@ def test_dynamo_requests_are_found_by_their_id_with_the_worker_s_decode_stage(st
             assert [n for n in names if n[2]] == [("handle_payload", "dynamo-worker", "decode")], names
             # the worker's span hangs below the frontend's route span, in the trace's order
             position = {s.span_id: n for n, s in enumerate(trace.spans)}
-            assert all(position[s.parent_span_id] < position[s.span_id] for s in trace.spans
-                       if s.parent_span_id in position)  # fmt: skip
+            assert all(
+                position[s.parent_span_id] < position[s.span_id] for s in trace.spans if s.parent_span_id in position
+            )
             # where the client named it, by that name only; else the response's id names it too, Dynamo's
             # request_id behind its prefix
             prefix = "cmpl-" if root["uri"] == "/v1/completions" else "chatcmpl-"
@@ -404,13 +512,36 @@ def test_a_seeded_dynamo_request_is_not_called_nondeterministic_and_its_sampling
     send(receiver, "serve", DYNAMO)
     seeded = dynamo_roots("serve")[2]["request_id"]
     start = dynamo_roots("serve")[2]["start"]
-    app_roots(receiver, "chat-app", [(b"\xc0" * 16, b"\xc1" * 8, start, start + 10**6,
-                                      {"stagetrace.request.id": "chat-1", "gen_ai.request.temperature": "0.7"})])
+    app_roots(
+        receiver,
+        "chat-app",
+        [
+            (
+                b"\xc0" * 16,
+                b"\xc1" * 8,
+                start,
+                start + 10**6,
+                {"stagetrace.request.id": "chat-1", "gen_ai.request.temperature": "0.7"},
+            )
+        ],
+    )
     behind = dynamo_roots("serve")[3]  # the app's span record.py named in its traceparent, as the app records it
-    app_roots(receiver, "rag-app", [(bytes.fromhex(APP_TRACES[0]), (0xA4).to_bytes(8, "big"), behind["start"] - 10**6,
-                                     behind["start"] + 10**9, {"llm.invocation_parameters":
-                                                               '{"temperature": 0.7, "seed": 42}'})])  # fmt: skip
-    marked = dict(store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows)
+    app_roots(
+        receiver,
+        "rag-app",
+        [
+            (
+                bytes.fromhex(APP_TRACES[0]),
+                (0xA4).to_bytes(8, "big"),
+                behind["start"] - 10**6,
+                behind["start"] + 10**9,
+                {"llm.invocation_parameters": '{"temperature": 0.7, "seed": 42}'},
+            )
+        ],
+    )
+    marked = dict(
+        store.client.query("SELECT RequestId, Nondeterministic FROM stagetrace.stagetrace_requests").result_rows
+    )
     assert marked.pop("chat-1") == "gen_ai.request.temperature 0.7 without a seed"
     assert set(marked.values()) == {""} and seeded in marked
     assert Explainer(store).explain(UUID_IDS[0]).to_json()["seed_unknown"] is None

@@ -75,7 +75,9 @@ def test_the_collectors_settings_read_registered_variables_with_the_registered_d
             assert registered is not None, f"{setting.flag}: {name} is not registered"
             shown = setting.shown_default or (setting.default if isinstance(setting.default, str) else "")
             if shown and name != ev.STAGETRACE_NCCL_DIR:  # its default is the next variable, NCCL's own
-                assert registered.default.replace("`", "") == shown, f"{name}: registered {registered.default}, reads {shown}"
+                assert registered.default.replace("`", "") == shown, (
+                    f"{name}: registered {registered.default}, reads {shown}"
+                )
 
 
 def test_the_reading_sites_name_variables_through_the_registry_s_constants():

@@ -42,13 +42,23 @@ def scrapes(fleet) -> list[int]:
 
 def marker(fleet, host: str) -> None:
     """A counter every host writes at every scrape (its scrape times)."""
-    fleet.counter(host, "gpu_energy_joules_total", {"gpu": "0", "uuid": f"GPU-{host}-0"}, fleet.at(0),
-                  fleet.at(MINUTES), every_ns=EVERY, value=1000, rises=tuple((t, 50) for t in scrapes(fleet)))  # fmt: skip
+    fleet.counter(
+        host,
+        "gpu_energy_joules_total",
+        {"gpu": "0", "uuid": f"GPU-{host}-0"},
+        fleet.at(0),
+        fleet.at(MINUTES),
+        every_ns=EVERY,
+        value=1000,
+        rises=tuple((t, 50) for t in scrapes(fleet)),
+    )
 
 
 def gauge(fleet, host: str, name: str, labels: dict, values: dict[int, float]) -> None:
-    rows = [({"host.name": host}, "stagetrace-agent", "stagetrace.collectors", "", name, "", "", labels, 0, t, float(v))
-            for t, v in sorted(values.items())]  # fmt: skip
+    rows = [
+        ({"host.name": host}, "stagetrace-agent", "stagetrace.collectors", "", name, "", "", labels, 0, t, float(v))
+        for t, v in sorted(values.items())
+    ]
     fleet.store.client.insert("otel_metrics_gauge", rows, column_names=METRIC_COLUMNS, database=fleet.store.database)
 
 
@@ -62,10 +72,18 @@ def xid_before(fleet, stage_at: tuple[int, int]) -> tuple[int, int]:
     event, later = stage_at[0] - 5_300 * fl.MS, stage_at[1] + 20 * fl.SECOND
     labels = {"gpu": "0", "uuid": "GPU-node-a-0", "xid": "79"}
     born = first_scrape_at_or_after(fleet, event)
-    fleet.counter("node-a", "gpu_xid_errors_total", labels, born, fleet.at(MINUTES), every_ns=EVERY, value=1,
-                  rises=((later, 1),))  # fmt: skip
-    fleet.counter("node-b", "gpu_xid_errors_total", {**labels, "uuid": "GPU-node-b-0"}, born, fleet.at(MINUTES),
-                  every_ns=EVERY, value=1)  # fmt: skip
+    fleet.counter(
+        "node-a", "gpu_xid_errors_total", labels, born, fleet.at(MINUTES), every_ns=EVERY, value=1, rises=((later, 1),)
+    )
+    fleet.counter(
+        "node-b",
+        "gpu_xid_errors_total",
+        {**labels, "uuid": "GPU-node-b-0"},
+        born,
+        fleet.at(MINUTES),
+        every_ns=EVERY,
+        value=1,
+    )
     return event, 1
 
 
@@ -74,10 +92,14 @@ def ack_timeout_straddling(fleet, stage_at: tuple[int, int]) -> tuple[int, int]:
     names only mlx5_0) and node-b's mlx5_0 at the same moment, and node-a's mlx5_0 again a minute later."""
     event = stage_at[0] + 10 * fl.MS
     name = "rdma_local_ack_timeout_err_total"
-    for host, device, rises in (("node-a", "mlx5_0", ((event, 3), (event + 60 * fl.SECOND, 2))),
-                                ("node-a", "mlx5_1", ((event, 7),)), ("node-b", "mlx5_0", ((event, 5),))):  # fmt: skip
-        fleet.counter(host, name, {"device": device, "port": "1"}, fleet.at(0), fleet.at(MINUTES), every_ns=EVERY,
-                      rises=rises)  # fmt: skip
+    for host, device, rises in (
+        ("node-a", "mlx5_0", ((event, 3), (event + 60 * fl.SECOND, 2))),
+        ("node-a", "mlx5_1", ((event, 7),)),
+        ("node-b", "mlx5_0", ((event, 5),)),
+    ):
+        fleet.counter(
+            host, name, {"device": device, "port": "1"}, fleet.at(0), fleet.at(MINUTES), every_ns=EVERY, rises=rises
+        )
     return event, 3
 
 
@@ -86,9 +108,13 @@ def slowdown_while(fleet, stage_at: tuple[int, int]) -> tuple[int, int]:
     once; node-a's again 30 s later."""
     inside = next(t for t in scrapes(fleet) if stage_at[0] <= t <= stage_at[1])
     for host, active in (("node-a", {inside, inside + 30 * fl.SECOND}), ("node-b", {inside})):
-        gauge(fleet, host, "gpu_clock_event_active",
-              {"gpu": "0", "uuid": f"GPU-{host}-0", "reason": "hw_thermal_slowdown"},
-              {t: 1.0 if t in active else 0.0 for t in scrapes(fleet)})  # fmt: skip
+        gauge(
+            fleet,
+            host,
+            "gpu_clock_event_active",
+            {"gpu": "0", "uuid": f"GPU-{host}-0", "reason": "hw_thermal_slowdown"},
+            {t: 1.0 if t in active else 0.0 for t in scrapes(fleet)},
+        )
     return inside, 1
 
 
@@ -127,8 +153,11 @@ def test_the_sentence_and_the_chart_cite_the_same_window_and_rise(store, case):
     assert (top["kind"], top["name"], top["device"], top["host"]) == ("hardware", metric, device, "node-a"), top
     assert report["baseline"]["request_id"] != "odd"
 
-    found = re.match(rf"{stage_name} diverged: {metric} (?:rose by|was) (\S+) (.+?) on {device} \(node-a\), "
-                     r"not for the baseline", report["summary"])  # fmt: skip
+    found = re.match(
+        rf"{stage_name} diverged: {metric} (?:rose by|was) (\S+) (.+?) on {device} \(node-a\), "
+        r"not for the baseline",
+        report["summary"],
+    )
     assert found, report["summary"]
     cited, words = float(found[1]), found[2]
     assert cited == size
@@ -136,8 +165,11 @@ def test_the_sentence_and_the_chart_cite_the_same_window_and_rise(store, case):
     assert said[0] <= event <= said[1], (words, "the words hold the time the change happened")
     assert {"xid-before": "in the", "ack-timeout-straddling": "between", "slowdown-while": "while"}[case] in words
 
-    [svg] = [svg for svg, caption in figures(html) if f"aria-label=\"{metric}\"" in svg and device in caption
-             and "node-a" in caption]  # fmt: skip
+    [svg] = [
+        svg
+        for svg, caption in figures(html)
+        if f'aria-label="{metric}"' in svg and device in caption and "node-a" in caption
+    ]
     chart = Chart(svg)
     px = chart.ns_per_px
     rounding = 100 * fl.MS  # the sentence's tenths of a second, rounded outwards
@@ -154,8 +186,10 @@ def test_the_sentence_and_the_chart_cite_the_same_window_and_rise(store, case):
     stage = chart.band("stage")
     assert stage[0] <= start + px and end - px <= stage[1], (stage, (start, end))
     (window_left, window_right), (stage_left, stage_right) = chart.drawn("window"), chart.drawn("stage")
-    assert window_left <= stage_left and stage_right <= window_right, ((window_left, window_right),
-                                                                       (stage_left, stage_right))  # fmt: skip
+    assert window_left <= stage_left and stage_right <= window_right, (
+        (window_left, window_right),
+        (stage_left, stage_right),
+    )
     # the marked rise starts and ends where the sentence's numbers put it
     rise = chart.band("rise")
     widened = MIN_SHADE_PX * px / 2
@@ -178,8 +212,9 @@ def test_the_sentence_and_the_chart_cite_the_same_window_and_rise(store, case):
         assert len(outside) == len(steps) - 1, "the series' later step is drawn outside the window"
     else:  # a gauge: its value at the marked time is the one cited
         at = [(chart.time(x), chart.value(y)) for x, y in chart.points()]
-        assert any(rise[0] - widened - px <= t <= rise[1] + widened + px and v == pytest.approx(cited, rel=0.02)
-                   for t, v in at), at  # fmt: skip
+        assert any(
+            rise[0] - widened - px <= t <= rise[1] + widened + px and v == pytest.approx(cited, rel=0.02) for t, v in at
+        ), at
         assert any(v == pytest.approx(cited, rel=0.02) and not drawn[0] - px <= t <= drawn[1] + px for t, v in at)
 
 
@@ -196,16 +231,30 @@ def test_the_stage_outline_stays_inside_the_shaded_window(window_s, where):
     frame = (0, 120 * second)
     window = (60 * second, 60 * second + round(window_s * second))
     stage_ns = min(30 * 10**6, window[1] - window[0])
-    begins = {"at the start": window[0], "in the middle": (window[0] + window[1] - stage_ns) // 2,
-              "at the end": window[1] - stage_ns}[where]  # fmt: skip
+    begins = {
+        "at the start": window[0],
+        "in the middle": (window[0] + window[1] - stage_ns) // 2,
+        "at the end": window[1] - stage_ns,
+    }[where]
     stage = (begins, begins + stage_ns)
     times = list(range(0, frame[1] + 1, 2 * second))
-    chart = Chart(series_svg(times, [float(t >= 61 * second) for t in times], window, "gpu_xid_errors_total",
-                             frame=frame, counter=True, stage=stage))  # fmt: skip
+    chart = Chart(
+        series_svg(
+            times,
+            [float(t >= 61 * second) for t in times],
+            window,
+            "gpu_xid_errors_total",
+            frame=frame,
+            counter=True,
+            stage=stage,
+        )
+    )
     px = chart.ns_per_px
     (window_left, window_right), (stage_left, stage_right) = chart.drawn("window"), chart.drawn("stage")
-    assert window_left <= stage_left and stage_right <= window_right, ((window_left, window_right),
-                                                                       (stage_left, stage_right))  # fmt: skip
+    assert window_left <= stage_left and stage_right <= window_right, (
+        (window_left, window_right),
+        (stage_left, stage_right),
+    )
     assert float(chart.root.find(f"{SVG}rect[@class='stage']").get("width")) >= MIN_SHADE_PX
     drawn, outlined = chart.band("window"), chart.band("stage")
     assert drawn[0] - px <= window[0] and window[1] <= drawn[1] + px

@@ -26,16 +26,27 @@ from stagetrace.tracing import PIPELINE_STAGES
 PROMPT = {"prompt": "why is the sky blue?", "seed": 7, "model": "m"}
 
 
-def record(store, request_id: str, host: str = "node-a", deviate_at: str | None = None,
-           attributes: dict | None = None, gpu: str = "GPU-a", prompt=PROMPT) -> None:  # fmt: skip
+def record(
+    store,
+    request_id: str,
+    host: str = "node-a",
+    deviate_at: str | None = None,
+    attributes: dict | None = None,
+    gpu: str = "GPU-a",
+    prompt=PROMPT,
+) -> None:
     """One five-stage request; from ``deviate_at`` on, every stage's output differs from the agreeing ones'."""
     stagetrace.configure(store=store, host_name=host, service_name="rag")
     attributes = attributes or {}
     with stagetrace.request(request_id, input=prompt) as req:
         data, diverged = prompt["prompt"], False
         for name in PIPELINE_STAGES:
-            attrs = {"acme.shard.layout": "rows", **({"gpu.uuid": gpu} if name == "decode" else {}),
-                     **({"net.rdma.devices": ["mlx5_0"]} if name == "allreduce" else {}), **attributes.get(name, {})}  # fmt: skip
+            attrs = {
+                "acme.shard.layout": "rows",
+                **({"gpu.uuid": gpu} if name == "decode" else {}),
+                **({"net.rdma.devices": ["mlx5_0"]} if name == "allreduce" else {}),
+                **attributes.get(name, {}),
+            }
             with stagetrace.stage(name, input=data, attributes=attrs) as st:
                 diverged = diverged or name == deviate_at
                 data = f"{name}({data})" + ("*" if diverged else "")
@@ -46,8 +57,21 @@ def record(store, request_id: str, host: str = "node-a", deviate_at: str | None 
 
 def sample(store, host: str, name: str, labels: dict, value: float, t_ns: int | None = None) -> None:
     t_ns = t_ns or time.time_ns()
-    row = ({"host.name": host}, "stagetrace-agent", "stagetrace.collectors", "", name, "", "", labels, t_ns - 10**12,
-           t_ns, float(value), 2, True)  # fmt: skip
+    row = (
+        {"host.name": host},
+        "stagetrace-agent",
+        "stagetrace.collectors",
+        "",
+        name,
+        "",
+        "",
+        labels,
+        t_ns - 10**12,
+        t_ns,
+        float(value),
+        2,
+        True,
+    )
     store.client.insert("otel_metrics_sum", [row], column_names=SUM_COLUMNS, database=store.database)
 
 
@@ -65,9 +89,16 @@ def test_each_stage_as_origin_with_an_attribute_never_heard_of(store, stage):
     assert report["baseline"]["how"] == "majority" and report["baseline"]["support"] == 4
     top = report["causes"][0]
     assert (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) == (
-        "attribute", stage, "acme.shard.layout", "columns", "rows")
-    assert report["summary"] == (f"{stage} diverged: acme.shard.layout columns vs rows "
-                                 f"(baseline: request {report['baseline']['request_id']}, 4 of 5 requests)")
+        "attribute",
+        stage,
+        "acme.shard.layout",
+        "columns",
+        "rows",
+    )
+    assert report["summary"] == (
+        f"{stage} diverged: acme.shard.layout columns vs rows "
+        f"(baseline: request {report['baseline']['request_id']}, 4 of 5 requests)"
+    )
     assert not report["stage_input_differed"]
 
 
@@ -87,14 +118,27 @@ def test_hardware_only_cause_on_the_same_device(store):
     assert report["first_divergent_stage"] == "decode"
     assert [c["kind"] for c in report["causes"]] == ["hardware"], "no attribute differs"
     top = report["causes"][0]
-    assert (top["name"], top["value"], top["baseline_value"], top["device"]) == ("gpu_xid_errors_total", "+1", "+0", "GPU-a")
+    assert (top["name"], top["value"], top["baseline_value"], top["device"]) == (
+        "gpu_xid_errors_total",
+        "+1",
+        "+0",
+        "GPU-a",
+    )
     # the XID's first sample was written before "odd" started: the sentence says so, not "while it ran"
-    assert re.match(r"decode diverged: gpu_xid_errors_total rose by 1 in the [\d.]+ m?s before decode started "
-                    r"on GPU-a \(node-a\), not for the baseline", report["summary"]), report["summary"]
+    assert re.match(
+        r"decode diverged: gpu_xid_errors_total rose by 1 in the [\d.]+ m?s before decode started "
+        r"on GPU-a \(node-a\), not for the baseline",
+        report["summary"],
+    ), report["summary"]
     # the trace lookup shows the same hardware context, and none for a request before the XID
     [rise] = context(store, lookup.by_request_id(store, "odd"))
     assert (rise["stage"], rise["device"], rise["metric"], rise["labels"]["xid"], rise["increase"]) == (
-        "decode", "GPU-a", "gpu_xid_errors_total", "48", 1.0)
+        "decode",
+        "GPU-a",
+        "gpu_xid_errors_total",
+        "48",
+        1.0,
+    )
     assert context(store, lookup.by_request_id(store, "ok-0")) == []
 
 
@@ -118,7 +162,10 @@ def test_agreeing_request_says_so(store):
     report = explain(store, "ok-1")
     assert report["diverged"] is False and report["causes"] == []
     assert report["baseline"]["how"] == "majority"
-    assert report["summary"] == f"the output agrees with the baseline (baseline: request {report['baseline']['request_id']}, 3 of 3 requests)"
+    assert (
+        report["summary"]
+        == f"the output agrees with the baseline (baseline: request {report['baseline']['request_id']}, 3 of 3 requests)"
+    )
 
 
 def test_request_with_no_peers(store):
@@ -150,7 +197,12 @@ def test_divergences_groups_and_persists(store):
     assert found["deviating"] == 1
     [group] = found["groups"]
     [item] = group["deviating"]
-    assert (group["support"], group["requests"], item["request_id"], item["first_divergent_stage"]) == (4, 5, "odd", "context_assembly")
+    assert (group["support"], group["requests"], item["request_id"], item["first_divergent_stage"]) == (
+        4,
+        5,
+        "odd",
+        "context_assembly",
+    )
     assert item["top_cause"]["name"] == "context.max_tokens"
     rows = store.client.query(
         "SELECT RequestId, FirstDivergentStage, TopCauseName, TopCauseValue, BaselineHow FROM {db:Identifier}.stagetrace_divergences FINAL",
@@ -158,13 +210,16 @@ def test_divergences_groups_and_persists(store):
     ).result_rows
     assert rows == [("odd", "context_assembly", "context.max_tokens", "512", "majority")]
     divergences.find(store, 3600 * 10**9)
-    count = store.client.command("SELECT count() FROM {db:Identifier}.stagetrace_divergences FINAL", parameters={"db": store.database})
+    count = store.client.command(
+        "SELECT count() FROM {db:Identifier}.stagetrace_divergences FINAL", parameters={"db": store.database}
+    )
     assert count == 1, "re-running replaces the rows"
 
 
 def _cli(*args, store_dsn):
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args, "--store", store_dsn], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args, "--store", store_dsn], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_explain_json_unknown_id_and_agreeing(store_dsn):
@@ -178,7 +233,15 @@ def test_cli_explain_json_unknown_id_and_agreeing(store_dsn):
     done = _cli("explain", "odd", "--json", store_dsn=store_dsn)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert set(report) >= {"request_id", "trace_id", "baseline", "diverged", "first_divergent_stage", "causes", "summary"}
+    assert set(report) >= {
+        "request_id",
+        "trace_id",
+        "baseline",
+        "diverged",
+        "first_divergent_stage",
+        "causes",
+        "summary",
+    }
     assert report["causes"][0]["name"] == "retrieval.index.version"
     text = _cli("explain", "odd", store_dsn=store_dsn)
     assert text.returncode == 0 and "retrieval diverged: retrieval.index.version v2 vs (unset)" in text.stdout
@@ -208,8 +271,11 @@ def test_divergences_with_nothing_in_its_window_names_the_since_that_finds_the_o
     empty = _cli("divergences", store_dsn=store_dsn)
     assert empty.returncode == 0 and empty.stdout.startswith("0 deviating requests in the last 1h"), empty.stdout
     [hint] = empty.stderr.strip().splitlines()
-    found = re.fullmatch(r"stagetrace divergences: no request in the last 1h; the store's latest started "
-                         r"([\d.]+) h ago: try --since (\d+)h", hint)  # fmt: skip
+    found = re.fullmatch(
+        r"stagetrace divergences: no request in the last 1h; the store's latest started "
+        r"([\d.]+) h ago: try --since (\d+)h",
+        hint,
+    )
     assert found and 2.4 <= float(found[1]) <= 2.6 and found[2] == "4", hint
     wider = _cli("divergences", "--since", f"{found[2]}h", "--json", store_dsn=store_dsn)
     assert wider.returncode == 0 and wider.stderr == "", wider.stderr

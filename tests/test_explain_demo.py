@@ -33,9 +33,27 @@ def runs(tmp_path_factory):
     started = {}
     for seed in SEEDS:
         dsn = f"chdb://{tmp_path_factory.mktemp(f'seed{seed}') / 'store'}"
-        started[seed] = dsn, subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "demo", "--requests", str(REQUESTS), "--seed", str(seed), "--json",
-             "--store", dsn], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        started[seed] = (
+            dsn,
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "stagetrace",
+                    "demo",
+                    "--requests",
+                    str(REQUESTS),
+                    "--seed",
+                    str(seed),
+                    "--json",
+                    "--store",
+                    dsn,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+        )
     out = {}
     for seed, (dsn, proc) in started.items():
         stdout, stderr = proc.communicate(timeout=600)
@@ -79,9 +97,13 @@ def test_first_stage_and_top_cause_match_the_ground_truth(runs, found):
             confusion[(label + (" (expected)" if truth.get(request_id, {}).get("expected") else ""), "(reported)")] += 1
         off += len(missed) + len(extra)
         if missed or extra:
-            wrong_sets.append(f"seed {seed}: {len(missed)} missed {dict(Counter(deviations[r]['cause'] for r in missed))}, "
-                              f"{len(extra)} reported without a fault")  # fmt: skip
-    print(f"\n{total} deviating requests over seeds {SEEDS}: first stage {stage_right / total:.1%}, top cause {cause_right / total:.1%}")
+            wrong_sets.append(
+                f"seed {seed}: {len(missed)} missed {dict(Counter(deviations[r]['cause'] for r in missed))}, "
+                f"{len(extra)} reported without a fault"
+            )
+    print(
+        f"\n{total} deviating requests over seeds {SEEDS}: first stage {stage_right / total:.1%}, top cause {cause_right / total:.1%}"
+    )
     for (expected, got), n in sorted(confusion.items(), key=lambda kv: -kv[1]):
         print(f"  injected {expected:34} ranked first {got!s:34} {n}")
     # The demo's clock is simulated, so this is the same on every run of a seed. The truth says the fleet moved
@@ -90,8 +112,9 @@ def test_first_stage_and_top_cause_match_the_ground_truth(runs, found):
     # one request is compared with the old epoch (seed 2: one request of the small-context host, at the template's
     # move, missed); nothing else may differ.
     assert off <= 0.01 * total, "the deviating requests are those with an injected fault: " + "; ".join(wrong_sets)
-    assert len({cause for cause, got in confusion if got != "(reported)"}) == DEVIATION_CAUSES, \
-        "every kind of fault is in the test"  # fmt: skip
+    assert len({cause for cause, got in confusion if got != "(reported)"}) == DEVIATION_CAUSES, (
+        "every kind of fault is in the test"
+    )
     assert stage_right / total >= 0.98
     assert cause_right / total >= 0.95
 

@@ -33,7 +33,9 @@ def test_spans_land_with_the_collector_column_values(store):
     exporter = ClickHouseSpanExporter(store=store)
     provider = _provider(exporter, SimpleSpanProcessor)
     tracer = provider.get_tracer("test-scope", "1.2")
-    with tracer.start_as_current_span("root", kind=SpanKind.SERVER, attributes={"n": 3, "ok": True, "ids": [1, 2]}) as root:
+    with tracer.start_as_current_span(
+        "root", kind=SpanKind.SERVER, attributes={"n": 3, "ok": True, "ids": [1, 2]}
+    ) as root:
         root.add_event("tokenized", {"tokens": 17})
         with tracer.start_as_current_span("child", links=[Link(root.get_span_context(), {"why": "retry"})]) as child:
             child.set_status(Status(StatusCode.ERROR, "boom"))
@@ -52,8 +54,13 @@ def test_spans_land_with_the_collector_column_values(store):
     assert child_row["Links.SpanId"] == [root_row["SpanId"]] and child_row["Links.Attributes"] == [{"why": "retry"}]
     assert 0 < child_row["Duration"] <= root_row["Duration"]
     # the materialized view keeps the trace-ID lookup table current
-    assert store.client.command("SELECT count() FROM stagetrace.otel_traces_trace_id_ts WHERE TraceId = {t:String}",
-                                parameters={"t": root_row["TraceId"]}) >= 1  # fmt: skip
+    assert (
+        store.client.command(
+            "SELECT count() FROM stagetrace.otel_traces_trace_id_ts WHERE TraceId = {t:String}",
+            parameters={"t": root_row["TraceId"]},
+        )
+        >= 1
+    )
     provider.shutdown()
 
 
@@ -124,14 +131,23 @@ def test_a_span_with_float_times_is_stored_with_integer_nanoseconds(store):
     span = TracerProvider().get_tracer("t").start_span("floaty", start_time=1.7e18)
     span.end(end_time=1.7e18 + 2560.0)  # floats this large step by 256 ns
     assert exporter.export([span]) is SpanExportResult.SUCCESS
-    assert store.client.query("SELECT toUnixTimestamp64Nano(Timestamp), Duration FROM stagetrace.otel_traces "
-                              "WHERE SpanName = 'floaty'").result_rows == [(1_700_000_000_000_000_000, 2560)]  # fmt: skip
+    assert store.client.query(
+        "SELECT toUnixTimestamp64Nano(Timestamp), Duration FROM stagetrace.otel_traces WHERE SpanName = 'floaty'"
+    ).result_rows == [(1_700_000_000_000_000_000, 2560)]
     exporter.shutdown()
 
 
-@pytest.mark.parametrize("value, stored", [
-    ("x", "x"), (True, "true"), (7, "7"), (0.5, "0.5"), (["a", "b"], '["a","b"]'), ((1.5, 2.0), "[1.5,2.0]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "value, stored",
+    [
+        ("x", "x"),
+        (True, "true"),
+        (7, "7"),
+        (0.5, "0.5"),
+        (["a", "b"], '["a","b"]'),
+        ((1.5, 2.0), "[1.5,2.0]"),
+    ],
+)
 def test_attribute_values_of_every_otel_type(store, value, stored):
     exporter = ClickHouseSpanExporter(store=store)
     provider = _provider(exporter, SimpleSpanProcessor)
@@ -152,10 +168,17 @@ def test_rows_from_sdk_spans_and_from_plain_readable_spans_agree():
     live.add_event("ev", {"k": True}, timestamp=5)
     live.end(end_time=live.start_time + 10)
     plain = ReadableSpan(
-        "s", context=live.context, resource=live.resource, attributes={"a": 1, "b": ("x",)},
-        events=(Event("ev", {"k": True}, timestamp=5),), start_time=live.start_time, end_time=live.end_time,
-        instrumentation_scope=live.instrumentation_scope, kind=live.kind, status=live.status,
-    )  # fmt: skip
+        "s",
+        context=live.context,
+        resource=live.resource,
+        attributes={"a": 1, "b": ("x",)},
+        events=(Event("ev", {"k": True}, timestamp=5),),
+        start_time=live.start_time,
+        end_time=live.end_time,
+        instrumentation_scope=live.instrumentation_scope,
+        kind=live.kind,
+        status=live.status,
+    )
     assert span_row(live, Resources()) == span_row(plain, Resources())
 
     class PublicOnly:  # another SDK's span: only ReadableSpan's public properties
@@ -179,8 +202,9 @@ def test_rows_keep_links_trace_state_and_parent_on_both_paths():
     state = TraceState([("vendor", "v1")])
     parent = SpanContext(0xAB, 0xCD, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     own = SpanContext(0xAB, 0xEF, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
-    span = ReadableSpan("s", context=own, parent=parent, links=(Link(parent, {"why": "retry"}),),
-                        start_time=100, end_time=90)  # fmt: skip
+    span = ReadableSpan(
+        "s", context=own, parent=parent, links=(Link(parent, {"why": "retry"}),), start_time=100, end_time=90
+    )
     row = dict(zip(COLUMNS, span_row(span, Resources())))
     assert (row["TraceId"], row["SpanId"], row["ParentSpanId"]) == (f"{0xAB:032x}", f"{0xEF:016x}", f"{0xCD:016x}")
     assert row["TraceState"] == "vendor=v1" and row["Links.TraceState"] == ["vendor=v1"]

@@ -27,8 +27,12 @@ from stagetrace.demo import fabric
 PROMETHEUS_RULES = Path(alert_rules.__file__).parent / "prometheus" / "hardware.rules.yml"
 SCRAPE = timedelta(seconds=fabric.SCRAPE_S)
 RULES = {rule.uid: rule for rule in alert_rules.RULES}
-PANELS = {(uid, panel["title"]): panel["targets"][0]["rawSql"] for uid, dashboard in build_all().items()
-          for panel in dashboard["panels"] if panel.get("targets")}  # fmt: skip
+PANELS = {
+    (uid, panel["title"]): panel["targets"][0]["rawSql"]
+    for uid, dashboard in build_all().items()
+    for panel in dashboard["panels"]
+    if panel.get("targets")
+}
 
 
 def rows(store, sql: str, since: datetime, until: datetime, interval: timedelta = SCRAPE) -> list[dict]:
@@ -47,11 +51,20 @@ def at(text: str) -> datetime:
 @pytest.fixture(scope="module")
 def truth(demo_store) -> dict[str, list[dict]]:
     found = defaultdict(list)
-    result = demo_store.client.query(f"SELECT Kind, Host, Device, Start, End, Step, Detail FROM {fabric.TRUTH_TABLE} "
-                                     "ORDER BY Start, Host")  # fmt: skip
+    result = demo_store.client.query(
+        f"SELECT Kind, Host, Device, Start, End, Step, Detail FROM {fabric.TRUTH_TABLE} ORDER BY Start, Host"
+    )
     for kind, host, device, start, end, step, detail in result.result_rows:
-        found[kind].append({"host": host, "device": device, "start": start.replace(tzinfo=timezone.utc),
-                            "end": end.replace(tzinfo=timezone.utc), "step": step, "detail": detail})  # fmt: skip
+        found[kind].append(
+            {
+                "host": host,
+                "device": device,
+                "start": start.replace(tzinfo=timezone.utc),
+                "end": end.replace(tzinfo=timezone.utc),
+                "step": step,
+                "detail": detail,
+            }
+        )
     return found
 
 
@@ -91,7 +104,12 @@ def test_loss_and_the_allreduce_time_rise_together_on_the_slow_rail(demo_store, 
     rose = {(r["port"], r["counter"]) for r in loss if r["rate"] > 0 and during[0] <= at(r["time"]) < during[1]}
     slow_rail = {f"{e['host']} {e['device']}/1" for e in truth["rail_degraded"]}
     assert {port for port, _ in rose} == slow_rail
-    assert {counter for _, counter in rose} >= {"out_of_sequence", "packet_seq_err", "roce_adp_retrans", "symbol_errors"}
+    assert {counter for _, counter in rose} >= {
+        "out_of_sequence",
+        "packet_seq_err",
+        "roce_adp_retrans",
+        "symbol_errors",
+    }
     assert not [r for r in loss if r["rate"] > 0 and before[0] <= at(r["time"]) < before[1]]
 
 
@@ -110,8 +128,12 @@ def test_a_tp_host_that_drops_out_degrades_its_group_within_two_scrapes(demo_sto
     after = evaluated(down["end"] + window + SCRAPE)
     assert all(r["missing_ranks"] <= rule.threshold for r in after) and after
 
-    seen = rows(demo_store, PANELS[("stagetrace-fabric", "TP hosts, last seen")], down["end"] - window,
-                down["end"] - timedelta(seconds=1))  # fmt: skip
+    seen = rows(
+        demo_store,
+        PANELS[("stagetrace-fabric", "TP hosts, last seen")],
+        down["end"] - window,
+        down["end"] - timedelta(seconds=1),
+    )
     assert [r["host"] for r in seen] == [down["host"], fabric.TP_HOSTS[0]]  # the host that dropped out first
     assert at(seen[0]["last_seen"]) < down["start"] and at(seen[0]["last_scraped"]) < down["start"]
 
@@ -135,7 +157,9 @@ def _promtool_series(store, hosts: tuple[str, ...], t0: datetime) -> list[dict]:
             series.setdefault(f"{name}{{{labels}}}", ["_"] * ticks)[tick] = repr(float(value))
             scraped[host].add(tick)
     for host in hosts:
-        series[f'up{{job="stagetrace",instance="{host}:9464"}}'] = ["1" if t in scraped[host] else "0" for t in range(ticks)]
+        series[f'up{{job="stagetrace",instance="{host}:9464"}}'] = [
+            "1" if t in scraped[host] else "0" for t in range(ticks)
+        ]
     return [{"series": name, "values": " ".join(values)} for name, values in sorted(series.items())]
 
 
@@ -148,8 +172,12 @@ def test_prometheus_rules_fire_on_the_demos_fabric_and_only_there(demo_store, tr
     def offset(moment: datetime) -> str:
         return f"{int((moment - t0).total_seconds())}s"
 
-    templates = {rule["alert"]: rule["annotations"] for group in yaml.safe_load(PROMETHEUS_RULES.read_text())["groups"]
-                 for rule in group["rules"] if "alert" in rule}  # fmt: skip
+    templates = {
+        rule["alert"]: rule["annotations"]
+        for group in yaml.safe_load(PROMETHEUS_RULES.read_text())["groups"]
+        for rule in group["rules"]
+        if "alert" in rule
+    }
 
     def annotations(name: str, labels: dict) -> dict:
         """The rule's annotations with the labels and the slow link's rate filled in, as Prometheus renders them."""
@@ -160,33 +188,46 @@ def test_prometheus_rules_fire_on_the_demos_fabric_and_only_there(demo_store, tr
         return out
 
     def alerts(name: str, moment: datetime, expected: list[dict]) -> dict:
-        return {"eval_time": offset(moment), "alertname": name,
-                "exp_alerts": [{"exp_labels": e, "exp_annotations": annotations(name, e)} for e in expected]}
+        return {
+            "eval_time": offset(moment),
+            "alertname": name,
+            "exp_alerts": [{"exp_labels": e, "exp_annotations": annotations(name, e)} for e in expected],
+        }
 
     slow = [{"severity": "warning", "host": e["host"], "device": e["device"], "port": "1"} for e in degraded]
     lost = [{"severity": "critical", "job": "stagetrace", "instance": f"{down['host']}:9464"}]
     test = {
         "rule_files": [str(PROMETHEUS_RULES)],
         "evaluation_interval": f"{fabric.SCRAPE_S}s",
-        "tests": [{
-            "interval": f"{fabric.SCRAPE_S}s",
-            "input_series": _promtool_series(demo_store, fabric.TP_HOSTS, t0),
-            "alert_rule_test": [
-                alerts("StagetraceNodeDown", down["start"] - SCRAPE, []),
-                alerts("StagetraceNodeDown", down["start"] + 2 * SCRAPE, lost),  # within two scrape intervals
-                alerts("StagetraceNodeDown", down["end"] + 2 * SCRAPE, []),
-                alerts("StagetraceRdmaLinkBelowPeers", degraded[0]["start"] + timedelta(minutes=4), []),
-                alerts("StagetraceRdmaLinkBelowPeers", degraded[0]["start"] + timedelta(minutes=5, seconds=30), slow),
-                alerts("StagetraceRdmaLinkBelowPeers", degraded[0]["end"] + 2 * SCRAPE, []),
-                alerts("StagetraceRdmaLinkRenegotiatedDown", degraded[0]["start"] + timedelta(minutes=5, seconds=30),
-                       slow),
-                alerts("StagetraceRdmaRailsUnbalanced", degraded[0]["start"] + timedelta(minutes=5, seconds=30), []),
-            ],
-        }],
-    }  # fmt: skip
+        "tests": [
+            {
+                "interval": f"{fabric.SCRAPE_S}s",
+                "input_series": _promtool_series(demo_store, fabric.TP_HOSTS, t0),
+                "alert_rule_test": [
+                    alerts("StagetraceNodeDown", down["start"] - SCRAPE, []),
+                    alerts("StagetraceNodeDown", down["start"] + 2 * SCRAPE, lost),  # within two scrape intervals
+                    alerts("StagetraceNodeDown", down["end"] + 2 * SCRAPE, []),
+                    alerts("StagetraceRdmaLinkBelowPeers", degraded[0]["start"] + timedelta(minutes=4), []),
+                    alerts(
+                        "StagetraceRdmaLinkBelowPeers", degraded[0]["start"] + timedelta(minutes=5, seconds=30), slow
+                    ),
+                    alerts("StagetraceRdmaLinkBelowPeers", degraded[0]["end"] + 2 * SCRAPE, []),
+                    alerts(
+                        "StagetraceRdmaLinkRenegotiatedDown",
+                        degraded[0]["start"] + timedelta(minutes=5, seconds=30),
+                        slow,
+                    ),
+                    alerts(
+                        "StagetraceRdmaRailsUnbalanced", degraded[0]["start"] + timedelta(minutes=5, seconds=30), []
+                    ),
+                ],
+            }
+        ],
+    }
     (tmp_path / "demo.test.yml").write_text(yaml.safe_dump(test, sort_keys=False))
-    done = subprocess.run([promtool, "test", "rules", "demo.test.yml"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [promtool, "test", "rules", "demo.test.yml"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
 
@@ -196,19 +237,24 @@ def test_the_gpu_that_missed_a_step_is_named_with_its_step_and_alerted(demo_stor
     window = timedelta(seconds=rule.window_s)
 
     def behind(now: datetime) -> list[dict]:
-        return [r for r in rows(demo_store, rule.sql, now - window, now)
-                if r["service"] == fabric.ROLLOUT_SERVICE and r["steps_behind"] > rule.threshold]  # fmt: skip
+        return [
+            r
+            for r in rows(demo_store, rule.sql, now - window, now)
+            if r["service"] == fabric.ROLLOUT_SERVICE and r["steps_behind"] > rule.threshold
+        ]
 
     during = missed["start"] + timedelta(seconds=90)
-    assert [(r["host"], r["gpu"], r["fleet_step"]) for r in behind(during)] == \
-        [(missed["host"], missed["device"], str(missed["step"]))]  # fmt: skip
+    assert [(r["host"], r["gpu"], r["fleet_step"]) for r in behind(during)] == [
+        (missed["host"], missed["device"], str(missed["step"]))
+    ]
     assert behind(missed["start"] - timedelta(seconds=1)) == []
     assert behind(missed["end"] + window) == []
 
     board = rows(demo_store, PANELS[("stagetrace-weights", "Step served per GPU")], during - window, during)
     lagging = [r for r in board if r["steps_behind"] > 0 and r["service"] == fabric.ROLLOUT_SERVICE]
-    assert [(r["gpu"], r["step"], r["fleet_step"]) for r in lagging] == \
-        [(missed["device"], missed["step"] - 1, missed["step"])]  # fmt: skip
+    assert [(r["gpu"], r["step"], r["fleet_step"]) for r in lagging] == [
+        (missed["device"], missed["step"] - 1, missed["step"])
+    ]
     others = [r for r in board if r["service"] == fabric.ROLLOUT_SERVICE and r["gpu"] != missed["device"]]
     assert len(others) == len(fabric.ROLLOUT_HOSTS) - 1
     for r in others:  # the step arrived with the sync that carried it

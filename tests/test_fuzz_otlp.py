@@ -26,8 +26,13 @@ from hypothesis import strategies as st
 SYSFS = Path(__file__).parent / "fixtures" / "node" / "sys"
 EXAMPLES = int(os.environ.get("STAGETRACE_FUZZ_EXAMPLES", "150"))
 ANSWERS = {200, 400, 404, 405, 411, 413, 415, 503}
-SPAN = {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174", "name": "fuzz",
-        "startTimeUnixNano": "1", "endTimeUnixNano": "2"}  # fmt: skip
+SPAN = {
+    "traceId": "5b8efff798038103d269b633813fc60c",
+    "spanId": "eee19b7ec3c1b174",
+    "name": "fuzz",
+    "startTimeUnixNano": "1",
+    "endTimeUnixNano": "2",
+}
 
 
 def _valid_protobuf() -> bytes:
@@ -44,11 +49,32 @@ def agent(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz-agent")
     log = tmp / "agent.log"
     process = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-         "--store", f"chdb://{tmp / 'store'}", "--listen", "127.0.0.1:0", "--interval", "1s",
-         "--otlp", "127.0.0.1:0", "--otlp-grpc", "127.0.0.1:0", "--query-listen", "none"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env={**os.environ, "STAGETRACE_HOST": "fuzz"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--store",
+            f"chdb://{tmp / 'store'}",
+            "--listen",
+            "127.0.0.1:0",
+            "--interval",
+            "1s",
+            "--otlp",
+            "127.0.0.1:0",
+            "--otlp-grpc",
+            "127.0.0.1:0",
+            "--query-listen",
+            "none",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env={**os.environ, "STAGETRACE_HOST": "fuzz"},
+    )
     deadline = time.monotonic() + 60
     while not (found := re.search(r"receiving OTLP/HTTP at http://([\d.]+):(\d+)/v1", log.read_text())):
         assert process.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -66,24 +92,68 @@ def _json_body(value) -> bytes:
 
 json_docs = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(max_size=16),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["resourceSpans", "scopeSpans", "spans", "attributes", "key", "value", "traceId", "spanId",
-                         "arrayValue", "values", "resourceMetrics", "gauge", "dataPoints"]) | st.text(max_size=8),
-        inner, max_size=5),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "resourceSpans",
+                    "scopeSpans",
+                    "spans",
+                    "attributes",
+                    "key",
+                    "value",
+                    "traceId",
+                    "spanId",
+                    "arrayValue",
+                    "values",
+                    "resourceMetrics",
+                    "gauge",
+                    "dataPoints",
+                ]
+            )
+            | st.text(max_size=8),
+            inner,
+            max_size=5,
+        )
+    ),
     max_leaves=30,
-)  # fmt: skip
+)
 corrupted = st.binary(min_size=1, max_size=64).map(
     lambda noise: bytes(b ^ noise[i % len(noise)] if i % 13 == 0 else b for i, b in enumerate(VALID))
 )
 huge_attribute = st.integers(1, 4).map(
-    lambda n: _json_body({"resourceSpans": [{"scopeSpans": [{"spans": [
-        {**SPAN, "attributes": [{"key": f"k{i}", "value": {"stringValue": "v" * (10**n)}} for i in range(10**n // 10 + 1)]}
-    ]}]}]})
-)  # fmt: skip
+    lambda n: _json_body(
+        {
+            "resourceSpans": [
+                {
+                    "scopeSpans": [
+                        {
+                            "spans": [
+                                {
+                                    **SPAN,
+                                    "attributes": [
+                                        {"key": f"k{i}", "value": {"stringValue": "v" * (10**n)}}
+                                        for i in range(10**n // 10 + 1)
+                                    ],
+                                }
+                            ]
+                        }
+                    ]
+                }
+            ]
+        }
+    )
+)
 bodies = st.one_of(
-    st.binary(max_size=4096), json_docs.map(_json_body), corrupted, huge_attribute,
-    st.just(VALID), st.just(VALID[: len(VALID) // 2]), st.just(_json_body({"resourceSpans": [{"scopeSpans": [{"spans": [SPAN]}]}]})),
-)  # fmt: skip
+    st.binary(max_size=4096),
+    json_docs.map(_json_body),
+    corrupted,
+    huge_attribute,
+    st.just(VALID),
+    st.just(VALID[: len(VALID) // 2]),
+    st.just(_json_body({"resourceSpans": [{"scopeSpans": [{"spans": [SPAN]}]}]})),
+)
 header_text = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
 
 
@@ -92,19 +162,33 @@ def sometimes(usual, odd):
     return st.one_of(usual, usual, usual, usual, odd)
 
 
-requests = st.fixed_dictionaries({
-    "body": bodies,
-    # mostly what the receiver serves, so most requests reach the decoder rather than a 404/405/415
-    "path": st.sampled_from(["/v1/traces"] * 5 + ["/v1/metrics"] * 4 + ["/v1/logs"] * 3
-                            + ["/v1/traces/", "/v1/profiles", "/", "/v1/traces?x=%00"]),
-    "method": st.sampled_from(["POST"] * 15 + ["GET", "PUT"]),
-    "content_type": sometimes(st.sampled_from(["application/x-protobuf"] * 8 + ["application/json"] * 8
-                                    + ["application/json; charset=utf-8", "text/plain", ""]), header_text),
-    # "match": the header names the compression the body really has (None for none)
-    "encoding": sometimes(st.sampled_from(["match"] * 8 + [None, "gzip", "deflate", "identity", "br"]), header_text),
-    "compress": st.sampled_from([None, "gzip", "deflate", "truncated-gzip"]),
-    "length": st.sampled_from(["exact", "exact", "exact", "missing", "short", "bogus"]),
-})  # fmt: skip
+requests = st.fixed_dictionaries(
+    {
+        "body": bodies,
+        # mostly what the receiver serves, so most requests reach the decoder rather than a 404/405/415
+        "path": st.sampled_from(
+            ["/v1/traces"] * 5
+            + ["/v1/metrics"] * 4
+            + ["/v1/logs"] * 3
+            + ["/v1/traces/", "/v1/profiles", "/", "/v1/traces?x=%00"]
+        ),
+        "method": st.sampled_from(["POST"] * 15 + ["GET", "PUT"]),
+        "content_type": sometimes(
+            st.sampled_from(
+                ["application/x-protobuf"] * 8
+                + ["application/json"] * 8
+                + ["application/json; charset=utf-8", "text/plain", ""]
+            ),
+            header_text,
+        ),
+        # "match": the header names the compression the body really has (None for none)
+        "encoding": sometimes(
+            st.sampled_from(["match"] * 8 + [None, "gzip", "deflate", "identity", "br"]), header_text
+        ),
+        "compress": st.sampled_from([None, "gzip", "deflate", "truncated-gzip"]),
+        "length": st.sampled_from(["exact", "exact", "exact", "missing", "short", "bogus"]),
+    }
+)
 
 
 def _send(agent, r: dict) -> int:
@@ -120,7 +204,9 @@ def _send(agent, r: dict) -> int:
         conn.putrequest(r["method"], r["path"], skip_accept_encoding=True)
         if r["content_type"]:
             conn.putheader("Content-Type", r["content_type"])
-        encoding = {"truncated-gzip": "gzip"}.get(r["compress"], r["compress"]) if r["encoding"] == "match" else r["encoding"]
+        encoding = (
+            {"truncated-gzip": "gzip"}.get(r["compress"], r["compress"]) if r["encoding"] == "match" else r["encoding"]
+        )
         if encoding:
             conn.putheader("Content-Encoding", encoding)
         if r["length"] == "exact":
@@ -143,8 +229,12 @@ def test_the_otlp_endpoint_survives_fuzzing(agent):
     statuses: dict[int, int] = {}
     started = time.monotonic()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])  # fmt: skip
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    )
     @given(requests)
     def one(r):
         status = _send(agent, r)
@@ -156,8 +246,15 @@ def test_the_otlp_endpoint_survives_fuzzing(agent):
     elapsed = time.monotonic() - started
     print(f"\nfuzz: {sum(statuses.values())} requests in {elapsed:.1f} s, answers {dict(sorted(statuses.items()))}")
     # still serving: a valid request is taken, /metrics answers
-    valid = {"body": VALID, "path": "/v1/traces", "method": "POST", "content_type": "application/x-protobuf",
-             "encoding": None, "compress": None, "length": "exact"}  # fmt: skip
+    valid = {
+        "body": VALID,
+        "path": "/v1/traces",
+        "method": "POST",
+        "content_type": "application/x-protobuf",
+        "encoding": None,
+        "compress": None,
+        "length": "exact",
+    }
     assert _send(agent, valid) == 200
     with urllib.request.urlopen(agent["metrics"], timeout=10) as response:
         assert b"stagetrace_collector_success" in response.read()

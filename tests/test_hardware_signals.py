@@ -37,8 +37,19 @@ def write(store, host: str, name: str, labels: dict, values: dict[int, float], g
     """One series: ``values`` maps scrape index to value."""
     rows = []
     for i, value in sorted(values.items()):
-        row = ({"host.name": host}, "stagetrace-agent", "stagetrace.collectors", "", name, "", "", labels,
-               0 if gauge else T0 - INTERVAL, at(i), float(value))  # fmt: skip
+        row = (
+            {"host.name": host},
+            "stagetrace-agent",
+            "stagetrace.collectors",
+            "",
+            name,
+            "",
+            "",
+            labels,
+            0 if gauge else T0 - INTERVAL,
+            at(i),
+            float(value),
+        )
         rows.append(row if gauge else (*row, 2, True))
     table, columns = ("otel_metrics_gauge", METRIC_COLUMNS) if gauge else ("otel_metrics_sum", SUM_COLUMNS)
     store.client.insert(table, rows, column_names=columns, database=store.database)
@@ -50,8 +61,14 @@ def node(store, host: str = "node-a", ports: dict[str, str] | None = None) -> No
     for device, netdev in ports.items():
         labels = {"device": device, "port": "1"}
         write(store, host, "rdma_port_transmit_bytes_total", labels, {i: i * 10**9 for i in range(SCRAPES)})
-        write(store, host, "rdma_port_info", {**labels, "netdev": netdev, "link_layer": "Ethernet"},
-              {i: 1 for i in range(SCRAPES)}, gauge=True)  # fmt: skip
+        write(
+            store,
+            host,
+            "rdma_port_info",
+            {**labels, "netdev": netdev, "link_layer": "Ethernet"},
+            {i: 1 for i in range(SCRAPES)},
+            gauge=True,
+        )
 
 
 def cumulative(rate_per_s, seed: int = 0, jitter: float = 0.3, start: float = 10**6) -> dict[int, float]:
@@ -103,11 +120,21 @@ def test_a_rise_s_timing_says_where_in_the_window_it_happened(store):
     device of the host at the same scrape is not the span's."""
     node(store, ports={"mlx5_0": "eth0", "mlx5_1": "eth1"})
     write(store, "node-a", "gpu_energy_joules_total", {"gpu": "0", "uuid": "GPU-a"}, {i: i for i in range(SCRAPES)})
-    write(store, "node-a", "gpu_ecc_errors_total", {"gpu": "0", "uuid": "GPU-a", "type": "uncorrected"},
-          {i: 0 if i < STAGE_AT - 1 else 1 for i in range(SCRAPES)})  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "gpu_ecc_errors_total",
+        {"gpu": "0", "uuid": "GPU-a", "type": "uncorrected"},
+        {i: 0 if i < STAGE_AT - 1 else 1 for i in range(SCRAPES)},
+    )
     for device in ("mlx5_0", "mlx5_1"):
-        write(store, "node-a", "rdma_link_downed_total", {"device": device, "port": "1"},
-              {i: 0 if i <= STAGE_AT else 1 for i in range(SCRAPES)})  # fmt: skip
+        write(
+            store,
+            "node-a",
+            "rdma_link_downed_total",
+            {"device": device, "port": "1"},
+            {i: 0 if i <= STAGE_AT else 1 for i in range(SCRAPES)},
+        )
     found = {r.metric: r for r in rises(store, gpus=["GPU-a"], nics=["mlx5_0"])}
     ecc, link = found["gpu_ecc_errors_total"], found["rdma_link_downed_total"]
     assert ecc.timing.window_ns == (at(STAGE_AT - 3), at(STAGE_AT + 1))
@@ -121,8 +148,13 @@ def test_a_rise_s_timing_says_where_in_the_window_it_happened(store):
 def test_without_a_netdev_mapping_the_netdev_name_itself_joins(store):
     node(store, ports={})  # no RDMA port series on the host
     write(store, "node-a", "gpu_energy_joules_total", {"gpu": "0", "uuid": "GPU-a"}, {i: i for i in range(SCRAPES)})
-    write(store, "node-a", "nic_pfc_pause_frames_total", pfc(),
-          cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1)))  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "nic_pfc_pause_frames_total",
+        pfc(),
+        cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1)),
+    )
     assert [r.device for r in rises(store, nics=["eth0"])] == ["eth0"]
     assert rises(store, nics=["mlx5_0"]) == []
 
@@ -132,16 +164,22 @@ def test_pause_frames_at_their_usual_rate_are_not_a_storm(store, rate):
     node(store)
     for seed, direction in enumerate(("rx", "tx")):
         write(store, "node-a", "nic_pfc_pause_frames_total", pfc(direction), cumulative(lambda i: rate, seed=seed))
-        write(store, "node-a", "nic_pfc_pause_duration_seconds_total", pfc(direction),
-              {i: v * 1e-5 for i, v in cumulative(lambda i: rate, seed=seed).items()})  # 10 µs per frame  # fmt: skip
+        write(
+            store,
+            "node-a",
+            "nic_pfc_pause_duration_seconds_total",
+            pfc(direction),
+            {i: v * 1e-5 for i, v in cumulative(lambda i: rate, seed=seed).items()},
+        )  # 10 µs per frame
     assert rises(store, nics=["mlx5_0"]) == []
 
 
 def test_a_small_rise_from_no_pausing_is_not_a_storm(store):
     """Usually no pause at all: a few frames during the stage are still below any storm's rate."""
     node(store)
-    write(store, "node-a", "nic_pfc_pause_frames_total", pfc(),
-          cumulative(lambda i: 2 if i in IN_WINDOW else 0, jitter=0))  # fmt: skip
+    write(
+        store, "node-a", "nic_pfc_pause_frames_total", pfc(), cumulative(lambda i: 2 if i in IN_WINDOW else 0, jitter=0)
+    )
     assert rises(store, nics=["mlx5_0"]) == []
 
 
@@ -157,8 +195,13 @@ def test_paused_time_storm_counts(store):
 
 def test_pause_storm_events_count_and_rank_above_a_frame_storm(store):
     node(store)
-    write(store, "node-a", "nic_pfc_pause_frames_total", pfc(),
-          cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1)))  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "nic_pfc_pause_frames_total",
+        pfc(),
+        cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1)),
+    )
     for level, events in (("error", 2), ("warning", 3)):
         before = STAGE_AT - 1  # the event counter rose in the window: during the stage's interval
         values = {i: (events if i > STAGE_AT else 0) for i in range(SCRAPES)}
@@ -175,8 +218,13 @@ def test_pause_storm_events_count_and_rank_above_a_frame_storm(store):
 
 def test_pause_storm_events_long_before_the_stage_do_not_count(store):
     node(store)
-    write(store, "node-a", "nic_pause_storm_events_total", {"netdev": "eth0", "level": "error"},
-          {i: (1 if i > 5 else 0) for i in range(SCRAPES)})  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "nic_pause_storm_events_total",
+        {"netdev": "eth0", "level": "error"},
+        {i: (1 if i > 5 else 0) for i in range(SCRAPES)},
+    )
     assert rises(store, nics=["mlx5_0"]) == []
 
 
@@ -186,8 +234,13 @@ def test_nic_series_of_another_host_or_another_netdev_do_not_count(store):
     storm = cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1))
     write(store, "node-a", "nic_pfc_pause_frames_total", pfc(netdev="eth1"), storm)  # mlx5_1's netdev
     write(store, "node-b", "nic_pfc_pause_frames_total", pfc(netdev="eth0"), storm)  # node-b's mlx5_0
-    write(store, "node-b", "nic_pause_storm_events_total", {"netdev": "eth0", "level": "error"},
-          {i: (1 if i > STAGE_AT else 0) for i in range(SCRAPES)})  # fmt: skip
+    write(
+        store,
+        "node-b",
+        "nic_pause_storm_events_total",
+        {"netdev": "eth0", "level": "error"},
+        {i: (1 if i > STAGE_AT else 0) for i in range(SCRAPES)},
+    )
     assert rises(store, nics=["mlx5_0"]) == []
     # each where it happened
     assert [(r.metric, r.device) for r in rises(store, nics=["mlx5_1"])] == [("nic_pfc_pause_frames_total", "mlx5_1")]
@@ -199,8 +252,13 @@ def test_nic_series_of_another_host_or_another_netdev_do_not_count(store):
 
 def test_nic_discards_count(store):
     node(store)
-    write(store, "node-a", "nic_discards_total", {"netdev": "eth0", "direction": "rx"},
-          {i: (7 if i > STAGE_AT else 0) for i in range(SCRAPES)})  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "nic_discards_total",
+        {"netdev": "eth0", "direction": "rx"},
+        {i: (7 if i > STAGE_AT else 0) for i in range(SCRAPES)},
+    )
     [rise] = rises(store, nics=["mlx5_0"])
     assert (rise.metric, rise.device, rise.delta) == ("nic_discards_total", "mlx5_0", 7)
 
@@ -290,20 +348,29 @@ def busy_host(store) -> None:
     write(store, "node-a", "gpu_xid_errors_total", {**gpu, "xid": "48"}, {i: 1 for i in range(STAGE_AT + 1, SCRAPES)})
     for kind in ("corrected", "uncorrected"):
         write(store, "node-a", "gpu_ecc_errors_total", {**gpu, "type": kind}, {i: 0 for i in range(SCRAPES)})
-    write(store, "node-a", "rdma_local_ack_timeout_err_total", {"device": "mlx5_0", "port": "1"},
-          {i: 0 for i in range(SCRAPES)})  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "rdma_local_ack_timeout_err_total",
+        {"device": "mlx5_0", "port": "1"},
+        {i: 0 for i in range(SCRAPES)},
+    )
     write(store, "node-a", "nic_pfc_pause_frames_total", pfc(), cumulative(lambda i: NORMAL_PAUSES))
     write(store, "node-a", "nic_ethtool_rx_bytes_phy_total", {"netdev": "eth0"}, {i: i for i in range(SCRAPES)})
     write(store, "node-a", "nccl_collective_time_seconds", nccl(), jittered(NCCL_USUAL), gauge=True)
     write(store, "node-a", "nccl_collective_bus_bandwidth_bytes_per_second", nccl(), jittered(1e11), gauge=True)
 
 
-@pytest.mark.parametrize("signal", [
-    Signal("gpu_xid_errors_total", GPU, 1.0, lookback=3),
-    Signal("gpu_ecc_errors_total", GPU, 0.95, where=(("type", ("uncorrected",)),)),
-    Signal("rdma_.*_timeout_.*_total", NIC, 0.9, pattern=True),
-    Signal("nccl_collective_time_seconds", GPU, 0.55, gauge=True, ratio_above=3),
-], ids=["name", "name-and-label", "pattern", "gauge"])  # fmt: skip
+@pytest.mark.parametrize(
+    "signal",
+    [
+        Signal("gpu_xid_errors_total", GPU, 1.0, lookback=3),
+        Signal("gpu_ecc_errors_total", GPU, 0.95, where=(("type", ("uncorrected",)),)),
+        Signal("rdma_.*_timeout_.*_total", NIC, 0.9, pattern=True),
+        Signal("nccl_collective_time_seconds", GPU, 0.55, gauge=True, ratio_above=3),
+    ],
+    ids=["name", "name-and-label", "pattern", "gauge"],
+)
 def test_a_single_signal_reads_only_its_own_series(store, signal):
     busy_host(store)
     spy = Spy(store)
@@ -319,8 +386,11 @@ def test_the_signals_read_only_what_some_signal_accepts_and_the_netdev_map(store
     Samples(spy, ["node-a"], at(0), at(SCRAPES - 1))
     names = {name for name, _ in spy.read}
     assert {"gpu_xid_errors_total", "nic_pfc_pause_frames_total", "nccl_collective_time_seconds"} <= names
-    strays = {name for name, labels in spy.read
-              if name != "rdma_port_info" and not any(s.accepts(name, labels) for s in SIGNALS)}  # fmt: skip
+    strays = {
+        name
+        for name, labels in spy.read
+        if name != "rdma_port_info" and not any(s.accepts(name, labels) for s in SIGNALS)
+    }
     assert strays == set()
     assert ("gpu_ecc_errors_total", "corrected") not in {(n, labels.get("type")) for n, labels in spy.read}
 
@@ -335,8 +405,13 @@ def test_windows_are_still_the_hosts_scrapes_when_only_one_signal_is_read(store)
 
 def test_a_nic_signal_alone_reads_its_series_and_the_netdev_map_only(store):
     busy_host(store)
-    write(store, "node-a", "nic_pfc_pause_frames_total", pfc(direction="tx"),
-          cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1)))  # fmt: skip
+    write(
+        store,
+        "node-a",
+        "nic_pfc_pause_frames_total",
+        pfc(direction="tx"),
+        cumulative(lambda i: NORMAL_PAUSES * (STORM if i in IN_WINDOW else 1)),
+    )
     [signal] = [s for s in SIGNALS if s.metric == "nic_pfc_pause_frames_total"]
     spy = Spy(store)
     samples = Samples(spy, ["node-a"], at(0), at(SCRAPES - 1), signals=(signal,))

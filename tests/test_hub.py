@@ -39,6 +39,8 @@ Agent, stagetrace, BASE_ENV, ENV, SYSFS = agents.Agent, agents.stagetrace, agent
 FIXTURES = Path(__file__).parent / "fixtures"
 VLLM = FIXTURES / "vllm" / "llm_request.json"
 VLLM_ID = "chatcmpl-9f1c2e7a4b5d4e3f8a6b1c2d3e4f5a6b"
+
+
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory):
     running = Agent(tmp_path_factory.mktemp("hub"))
@@ -53,8 +55,9 @@ def send_request(otlp: str, request_id: str, compression=Compression.NoCompressi
     exporter = OTLPSpanExporter(f"{otlp}/v1/traces", compression=compression, headers=headers, timeout=10)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("rag-api")
-    with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER,
-                                      attributes={"stagetrace.request.id": request_id}) as root:  # fmt: skip
+    with tracer.start_as_current_span(
+        "inference.request", kind=SpanKind.SERVER, attributes={"stagetrace.request.id": request_id}
+    ) as root:
         for stage in ("retrieval", "decode"):
             with tracer.start_as_current_span(stage, attributes={"stagetrace.stage": stage}):
                 time.sleep(0.002)
@@ -89,28 +92,49 @@ def test_otlp_json_posted_raw_is_found_by_request_id(agent):
     span["traceId"], span["spanId"] = "5" * 32, "6" * 16
     span["attributes"] = [a for a in span["attributes"] if a["key"] != "gen_ai.request.id"]
     span["attributes"].append({"key": "stagetrace.request.id", "value": {"stringValue": "json-1"}})
-    request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=json.dumps(document).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{agent.endpoints['otlp']}/v1/traces",
+        data=json.dumps(document).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=10) as response:
         assert (response.status, json.load(response)) == (200, {})
     assert trace_json("json-1", agent.dsn)["trace_id"] == "5" * 32
 
 
 def test_a_vllm_llm_request_span_is_found_by_its_request_id_with_its_engine_timings(agent):
-    request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=VLLM.read_bytes(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{agent.endpoints['otlp']}/v1/traces", data=VLLM.read_bytes(), headers={"Content-Type": "application/json"}
+    )
     urllib.request.urlopen(request, timeout=10).close()
     found = trace_json(VLLM_ID, agent.dsn)
     (span,) = found["spans"]
-    assert (found["request_id"], found["service"], span["name"], span["kind"]) == (VLLM_ID, "vllm", "llm_request", "Server")
-    assert span["engine_ms"] == pytest.approx({"time_in_queue": 12.3, "time_to_first_token": 87.1,
-                                               "time_in_model_prefill": 74.8, "time_in_model_decode": 1203.4,
-                                               "time_in_model_inference": 1278.2, "e2e": 1292.1})  # fmt: skip
-    assert span["attributes"]["gen_ai.usage.completion_tokens"] == "128" and span["duration_ms"] == pytest.approx(1292.1)
+    assert (found["request_id"], found["service"], span["name"], span["kind"]) == (
+        VLLM_ID,
+        "vllm",
+        "llm_request",
+        "Server",
+    )
+    assert span["engine_ms"] == pytest.approx(
+        {
+            "time_in_queue": 12.3,
+            "time_to_first_token": 87.1,
+            "time_in_model_prefill": 74.8,
+            "time_in_model_decode": 1203.4,
+            "time_in_model_inference": 1278.2,
+            "e2e": 1292.1,
+        }
+    )
+    assert span["attributes"]["gen_ai.usage.completion_tokens"] == "128" and span["duration_ms"] == pytest.approx(
+        1292.1
+    )
     shown = stagetrace("trace", VLLM_ID, "--store", agent.dsn)
     assert shown.returncode == 0, shown.stderr
     assert f"request {VLLM_ID}" in shown.stdout and "llm_request" in shown.stdout
-    assert "llm_request (vllm): queue 12.3 · ttft 87.1 · prefill 74.8 · decode 1203.4 · inference 1278.2 · e2e 1292.1 ms" in shown.stdout
+    assert (
+        "llm_request (vllm): queue 12.3 · ttft 87.1 · prefill 74.8 · decode 1203.4 · inference 1278.2 · e2e 1292.1 ms"
+        in shown.stdout
+    )
 
 
 def test_with_a_propagated_traceparent_the_engine_span_joins_the_pipeline_trace(agent):
@@ -125,8 +149,11 @@ def test_with_a_propagated_traceparent_the_engine_span_joins_the_pipeline_trace(
             attribute["value"]["stringValue"] = engine_id
     now = time.time_ns()
     span.update(startTimeUnixNano=str(now - 2_000_000_000), endTimeUnixNano=str(now - 700_000_000))
-    request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=json.dumps(document).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"{agent.endpoints['otlp']}/v1/traces",
+        data=json.dumps(document).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     urllib.request.urlopen(request, timeout=10).close()
     for _ in range(40):  # by the app's request ID: the engine span is in the pipeline's trace, under its root
         joined = trace_json("pipeline-7", agent.dsn)
@@ -144,9 +171,11 @@ def test_clickhouse_connect_reads_through_the_agent_and_writes_are_refused(agent
     send_request(agent.endpoints["otlp"], "cc-1")
     client = clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port)
     for _ in range(40):  # the views' rows land just after the span's: wait for both
-        rows = client.query("SELECT SpanName, SpanKind, SpanAttributes FROM stagetrace.otel_traces "
-                            "WHERE SpanAttributes['stagetrace.request.id'] = {rid:String}",
-                            parameters={"rid": "cc-1"}).result_rows  # fmt: skip
+        rows = client.query(
+            "SELECT SpanName, SpanKind, SpanAttributes FROM stagetrace.otel_traces "
+            "WHERE SpanAttributes['stagetrace.request.id'] = {rid:String}",
+            parameters={"rid": "cc-1"},
+        ).result_rows
         if rows and client.command("SELECT count() FROM stagetrace.stagetrace_requests WHERE RequestId = 'cc-1'"):
             break
         time.sleep(0.5)
@@ -169,13 +198,15 @@ def test_clickhouse_connect_reads_through_the_agent_and_writes_are_refused(agent
 
 
 def test_the_endpoint_speaks_plain_clickhouse_http(agent):
-    query = urllib.parse.urlencode({"query": "SELECT {n:UInt8} + 1 AS x, {s:String} AS s FORMAT JSONEachRow",
-                                    "param_n": "41", "param_s": "it's"})  # fmt: skip
+    query = urllib.parse.urlencode(
+        {"query": "SELECT {n:UInt8} + 1 AS x, {s:String} AS s FORMAT JSONEachRow", "param_n": "41", "param_s": "it's"}
+    )
     with urllib.request.urlopen(f"{agent.endpoints['query']}/?{query}", timeout=10) as response:
         assert json.loads(response.read()) == {"x": 42, "s": "it's"}
         assert response.headers["X-ClickHouse-Format"] == "JSONEachRow"
-    request = urllib.request.Request(f"{agent.endpoints['query']}/?database=stagetrace",
-                                     data=b"SELECT count() > 0 FROM otel_metrics_sum")  # fmt: skip
+    request = urllib.request.Request(
+        f"{agent.endpoints['query']}/?database=stagetrace", data=b"SELECT count() > 0 FROM otel_metrics_sum"
+    )
     with urllib.request.urlopen(request, timeout=10) as response:  # a POST body, the default format
         assert response.read() == b"1\n" and response.headers["X-ClickHouse-Format"] == "TabSeparated"
 
@@ -185,17 +216,33 @@ def test_trace_and_schema_work_while_the_agent_holds_the_store(agent):
     printed = stagetrace("schema", "--print", "--store", agent.dsn)
     assert printed.returncode == 0 and "CREATE TABLE IF NOT EXISTS `stagetrace`.`otel_traces`" in printed.stdout
     applied = stagetrace("schema", "--store", agent.dsn)
-    assert (applied.returncode, applied.stdout.strip()) == (0, f"schema version {schema.SCHEMA_VERSION} already up to date in {agent.dsn}")
+    assert (applied.returncode, applied.stdout.strip()) == (
+        0,
+        f"schema version {schema.SCHEMA_VERSION} already up to date in {agent.dsn}",
+    )
     assert trace_json("schema-1", agent.dsn)["request_id"] == "schema-1"
     missing = stagetrace("trace", "no-such-request", "--store", agent.dsn)
-    assert missing.returncode == 1 and missing.stderr == f"stagetrace: no request with id 'no-such-request' in {agent.dsn}\n"
-
+    assert (
+        missing.returncode == 1
+        and missing.stderr == f"stagetrace: no request with id 'no-such-request' in {agent.dsn}\n"
+    )
 
 
 # What a lookup through the agent needs none of: the embedded engine and its driver, the span SDK, the collectors'
 # libraries, array libraries. Each costs tens of milliseconds of start-up on a command run in loops and scripts.
-HEAVY = {"chdb", "clickhouse_connect", "numpy", "pyarrow", "pandas", "opentelemetry", "prometheus_client", "pynvml",
-         "grpc", "google", "torch"}  # fmt: skip
+HEAVY = {
+    "chdb",
+    "clickhouse_connect",
+    "numpy",
+    "pyarrow",
+    "pandas",
+    "opentelemetry",
+    "prometheus_client",
+    "pynvml",
+    "grpc",
+    "google",
+    "torch",
+}
 LOADED_BY_MAIN = """
 import contextlib, io, json, sys
 from stagetrace.cli import main
@@ -210,13 +257,15 @@ def test_trace_through_the_agent_loads_neither_the_embedded_engine_nor_heavy_lib
     send_request(agent.endpoints["otlp"], "light-1")
     trace_json("light-1", agent.dsn)  # stored
     args = ["trace", "light-1", "--store", agent.dsn, *(["--json"] if output == "--json" else [])]
-    result = subprocess.run([sys.executable, "-c", LOADED_BY_MAIN, *args], capture_output=True, text=True,
-                            env=ENV, timeout=120)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", LOADED_BY_MAIN, *args], capture_output=True, text=True, env=ENV, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     run = json.loads(result.stdout)
     assert run["code"] == 0 and "light-1" in run["out"] and "decode" in run["out"]
     assert HEAVY & set(run["loaded"]) == set()
     assert ("rich" in run["loaded"]) == (output == "text")  # the table is drawn with rich; JSON needs none of it
+
 
 def test_open_store_falls_back_read_only_and_refuses_writes_in_one_line(agent):
     with pytest.raises(StoreLockedError, match="is in use by process"):
@@ -226,9 +275,11 @@ def test_open_store_falls_back_read_only_and_refuses_writes_in_one_line(agent):
         with pytest.raises(StoreError) as refused:
             store.client.insert("otel_traces", [("x",)], column_names=["SpanName"], database="stagetrace")
     message = str(refused.value)
-    assert message == (f"store {agent.dsn} is held by the stagetrace agent (pid {agent.process.pid}), which shares it "
-                       f"read-only: stop the agent to write to it, or send spans over OTLP to "
-                       f"{agent.endpoints['otlp']}/v1/traces or {agent.endpoints['otlp_grpc']} (gRPC)")  # fmt: skip
+    assert message == (
+        f"store {agent.dsn} is held by the stagetrace agent (pid {agent.process.pid}), which shares it "
+        f"read-only: stop the agent to write to it, or send spans over OTLP to "
+        f"{agent.endpoints['otlp']}/v1/traces or {agent.endpoints['otlp_grpc']} (gRPC)"
+    )
     demo = stagetrace("demo", "--requests", "20", "--nodes", "2", "--store", agent.dsn)
     assert demo.returncode == 2 and demo.stderr == f"stagetrace: {message}\n"
 
@@ -254,16 +305,21 @@ def test_a_token_guards_otlp_and_queries(tmp_path):
     try:
         assert json.loads((guarded.store / "agent.json").read_text())["token"] is True
         assert "s3cret" not in (guarded.store / "agent.json").read_text()
-        bare = urllib.request.Request(f"{guarded.endpoints['otlp']}/v1/traces", data=b"",
-                                      headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        bare = urllib.request.Request(
+            f"{guarded.endpoints['otlp']}/v1/traces", data=b"", headers={"Content-Type": "application/x-protobuf"}
+        )
         with pytest.raises(urllib.error.HTTPError) as unauthorized:
             urllib.request.urlopen(bare, timeout=10)
         assert unauthorized.value.code == 401
         send_request(guarded.endpoints["otlp"], "tok-1", headers={"Authorization": "Bearer s3cret-token"})
         without = stagetrace("trace", "tok-1", "--store", guarded.dsn)
         assert without.returncode == 2 and without.stderr.strip().endswith(
-            "whose query endpoint needs a token: set STAGETRACE_AGENT_TOKEN or STAGETRACE_AGENT_TOKEN_FILE")
-        assert trace_json("tok-1", guarded.dsn, env={"STAGETRACE_AGENT_TOKEN_FILE": str(token_file)})["request_id"] == "tok-1"
+            "whose query endpoint needs a token: set STAGETRACE_AGENT_TOKEN or STAGETRACE_AGENT_TOKEN_FILE"
+        )
+        assert (
+            trace_json("tok-1", guarded.dsn, env={"STAGETRACE_AGENT_TOKEN_FILE": str(token_file)})["request_id"]
+            == "tok-1"
+        )
         with pytest.raises(DatabaseError) as denied:
             clickhouse_connect.get_client(host="127.0.0.1", port=guarded.query_port)
         assert denied.value.code == 516
@@ -280,46 +336,70 @@ def test_a_taken_otlp_or_query_address_exits_2_with_one_line(tmp_path):
         taken.listen()
         address = "127.0.0.1:%d" % taken.getsockname()[1]
         for flag, what in (("--otlp", "OTLP"), ("--otlp-grpc", "OTLP/gRPC"), ("--query-listen", "queries")):
-            free = {"--otlp": "127.0.0.1:0", "--otlp-grpc": "127.0.0.1:0", "--query-listen": "127.0.0.1:0",
-                    flag: address}
-            result = stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", "127.0.0.1:0",
-                                "--store", f"chdb://{tmp_path / 'store'}", *(a for f in free.items() for a in f))  # fmt: skip
-            assert (result.returncode, result.stderr.strip().splitlines()) == (2, [
-                f"stagetrace agent: cannot listen on {address} for {what}: Address already in use "
-                f"(choose another with {flag}, or {flag} none)"])  # fmt: skip
+            free = {
+                "--otlp": "127.0.0.1:0",
+                "--otlp-grpc": "127.0.0.1:0",
+                "--query-listen": "127.0.0.1:0",
+                flag: address,
+            }
+            result = stagetrace(
+                "agent",
+                "--collectors",
+                "rdma",
+                "--sysfs",
+                str(SYSFS),
+                "--listen",
+                "127.0.0.1:0",
+                "--store",
+                f"chdb://{tmp_path / 'store'}",
+                *(a for f in free.items() for a in f),
+            )
+            assert (result.returncode, result.stderr.strip().splitlines()) == (
+                2,
+                [
+                    f"stagetrace agent: cannot listen on {address} for {what}: Address already in use "
+                    f"(choose another with {flag}, or {flag} none)"
+                ],
+            )
     assert not (tmp_path / "store" / "agent.json").exists()
 
 
-@pytest.mark.parametrize("sql, fmt", [
-    ("SELECT 1", None),
-    ("  select 1 format JSONEachRow ;  ", "JSONEachRow"),
-    ("WITH 1 AS x SELECT x\n FORMAT Native", "Native"),
-    ("(SELECT 1) UNION ALL (SELECT 2)", None),
-    ("SHOW TABLES FROM stagetrace", None),
-    ("DESCRIBE TABLE stagetrace.otel_traces", None),
-    ("EXISTS TABLE stagetrace.otel_traces", None),
-    ("-- a comment; with a semicolon\nSELECT ';', 'INTO OUTFILE', `a;b` FROM t /* ; DROP */", None),
-    ("SELECT 'it''s; \\' ; still a string'", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sql, fmt",
+    [
+        ("SELECT 1", None),
+        ("  select 1 format JSONEachRow ;  ", "JSONEachRow"),
+        ("WITH 1 AS x SELECT x\n FORMAT Native", "Native"),
+        ("(SELECT 1) UNION ALL (SELECT 2)", None),
+        ("SHOW TABLES FROM stagetrace", None),
+        ("DESCRIBE TABLE stagetrace.otel_traces", None),
+        ("EXISTS TABLE stagetrace.otel_traces", None),
+        ("-- a comment; with a semicolon\nSELECT ';', 'INTO OUTFILE', `a;b` FROM t /* ; DROP */", None),
+        ("SELECT 'it''s; \\' ; still a string'", None),
+    ],
+)
 def test_read_statements_are_admitted(sql, fmt):
     assert read_only_format(sql) == fmt
 
 
-@pytest.mark.parametrize("sql", [
-    "INSERT INTO t VALUES (1)",
-    "/* SELECT */ DROP TABLE t",
-    "SELECT 1; DROP TABLE t",
-    "SELECT 1;; SELECT 2",
-    "SELECT 1 INTO OUTFILE '/tmp/x'",
-    "SELECT 1 /* unterminated ; DROP TABLE t",
-    "SELECT 'unterminated ; DROP TABLE t",
-    "ALTER TABLE t DELETE WHERE 1",
-    "SET readonly = 0",
-    "OPTIMIZE TABLE t",
-    "SYSTEM FLUSH LOGS",
-    "",
-    " ; ",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "INSERT INTO t VALUES (1)",
+        "/* SELECT */ DROP TABLE t",
+        "SELECT 1; DROP TABLE t",
+        "SELECT 1;; SELECT 2",
+        "SELECT 1 INTO OUTFILE '/tmp/x'",
+        "SELECT 1 /* unterminated ; DROP TABLE t",
+        "SELECT 'unterminated ; DROP TABLE t",
+        "ALTER TABLE t DELETE WHERE 1",
+        "SET readonly = 0",
+        "OPTIMIZE TABLE t",
+        "SYSTEM FLUSH LOGS",
+        "",
+        " ; ",
+    ],
+)
 def test_everything_else_is_refused(sql):
     with pytest.raises(Refused):
         read_only_format(sql)
@@ -339,9 +419,13 @@ def test_provisioning_an_embedded_store_points_grafana_at_the_agent_that_serves_
     assert (data["host"], data["port"], data["protocol"]) == ("127.0.0.1", agent.query_port, "http")
     send_request(agent.endpoints["otlp"], "grafana-1")
     trace_json("grafana-1", agent.dsn)
-    client = clickhouse_connect.get_client(host=data["host"], port=data["port"], username=data["username"],
-                                           database=data["defaultDatabase"])  # fmt: skip
-    assert client.command("SELECT count() FROM otel_traces WHERE SpanAttributes['stagetrace.request.id'] = 'grafana-1'") >= 1
+    client = clickhouse_connect.get_client(
+        host=data["host"], port=data["port"], username=data["username"], database=data["defaultDatabase"]
+    )
+    assert (
+        client.command("SELECT count() FROM otel_traces WHERE SpanAttributes['stagetrace.request.id'] = 'grafana-1'")
+        >= 1
+    )
 
 
 def test_the_read_commands_client_returns_what_clickhouse_connect_returns(agent):
@@ -360,8 +444,9 @@ def test_the_read_commands_client_returns_what_clickhouse_connect_returns(agent)
                     arrayJoin([1, 2]) AS row"""
     parameters = {"s": "it's a \\ back\tslash\nline", "n": -42, "a": ["x'y", "z\\w", ""]}
     ours = AgentClient(url.hostname, url.port, None, "stagetrace")
-    theirs = clickhouse_connect.get_client(host=url.hostname, port=url.port, compress=False,
-                                           autogenerate_session_id=False)  # fmt: skip
+    theirs = clickhouse_connect.get_client(
+        host=url.hostname, port=url.port, compress=False, autogenerate_session_id=False
+    )
     try:
         expected = theirs.query(sql, parameters=parameters)
         got = ours.query(sql, parameters=parameters)
@@ -374,8 +459,22 @@ def test_the_read_commands_client_returns_what_clickhouse_connect_returns(agent)
 
 
 def _agent_exit(tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return stagetrace("agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--listen", "127.0.0.1:0", "--otlp",
-                      "none", "--otlp-grpc", "none", "--store", f"chdb://{tmp_path / 'store'}", *args)  # fmt: skip
+    return stagetrace(
+        "agent",
+        "--collectors",
+        "rdma",
+        "--sysfs",
+        str(SYSFS),
+        "--listen",
+        "127.0.0.1:0",
+        "--otlp",
+        "none",
+        "--otlp-grpc",
+        "none",
+        "--store",
+        f"chdb://{tmp_path / 'store'}",
+        *args,
+    )
 
 
 def test_a_token_file_others_can_read_is_refused_in_one_line(tmp_path):
@@ -383,8 +482,11 @@ def test_a_token_file_others_can_read_is_refused_in_one_line(tmp_path):
     token_file.write_text("s3cret-token\n")
     token_file.chmod(0o644)
     refused = _agent_exit(tmp_path, "--token-file", str(token_file))
-    assert (refused.returncode, refused.stderr) == (2, f"stagetrace agent: the token file {token_file} can be read by "
-                                                       f"other users (mode 644): chmod 600 {token_file}\n")  # fmt: skip
+    assert (refused.returncode, refused.stderr) == (
+        2,
+        f"stagetrace agent: the token file {token_file} can be read by "
+        f"other users (mode 644): chmod 600 {token_file}\n",
+    )
     assert "s3cret" not in refused.stderr
 
 
@@ -393,7 +495,8 @@ def test_the_query_endpoint_does_not_open_off_loopback_without_a_token(tmp_path)
     assert refused.returncode == 2 and refused.stderr.splitlines() == [
         "stagetrace agent: the query endpoint would read the store for anyone who can reach 0.0.0.0:0: give it a "
         "token (--token-file) or require client certificates (--web-config-file), keep it on loopback, or accept "
-        "that with --query-open"]  # fmt: skip
+        "that with --query-open"
+    ]
     opened = Agent(tmp_path / "open", "--query-listen", "0.0.0.0:0", "--query-open")
     try:
         assert urllib.request.urlopen(f"http://127.0.0.1:{opened.query_port}/ping", timeout=5).read() == b"Ok.\n"
@@ -405,7 +508,10 @@ def test_the_query_endpoint_does_not_open_off_loopback_without_a_token(tmp_path)
 def test_the_store_and_agent_json_are_the_owners_alone_and_a_looser_store_is_named_once(tmp_path):
     fresh = Agent(tmp_path / "fresh")
     try:
-        assert (fresh.store.stat().st_mode & 0o777, (fresh.store / "agent.json").stat().st_mode & 0o777) == (0o700, 0o600)
+        assert (fresh.store.stat().st_mode & 0o777, (fresh.store / "agent.json").stat().st_mode & 0o777) == (
+            0o700,
+            0o600,
+        )
     finally:
         log = fresh.stop()
     assert "can be read by other users" not in log

@@ -53,49 +53,59 @@ def _tree(root, files: dict[str, str]) -> None:
 
 
 def test_the_checker_finds_a_loop_through_a_function_s_import_and_a_relative_one(tmp_path):
-    _tree(tmp_path, {
-        "src/stagetrace/__init__.py": "",
-        "src/stagetrace/a.py": "from stagetrace.b import thing\n",
-        "src/stagetrace/b.py": "def thing():\n    from stagetrace import a\n    return a\n",
-        "src/stagetrace/c.py": "from . import d\n",
-        "src/stagetrace/d.py": "from .c import value\n",
-        "src/stagetrace/e.py": "import stagetrace.a\nimport numpy\n",  # into a loop, not part of one
-        "exporters/__init__.py": "",
-    })
+    _tree(
+        tmp_path,
+        {
+            "src/stagetrace/__init__.py": "",
+            "src/stagetrace/a.py": "from stagetrace.b import thing\n",
+            "src/stagetrace/b.py": "def thing():\n    from stagetrace import a\n    return a\n",
+            "src/stagetrace/c.py": "from . import d\n",
+            "src/stagetrace/d.py": "from .c import value\n",
+            "src/stagetrace/e.py": "import stagetrace.a\nimport numpy\n",  # into a loop, not part of one
+            "exporters/__init__.py": "",
+        },
+    )
     edges = import_graph.graph(tmp_path)
     assert edges["stagetrace.e"] == {"stagetrace.a"}  # another package's import is no node
     assert import_graph.cycles(edges) == [["stagetrace.a", "stagetrace.b"], ["stagetrace.c", "stagetrace.d"]]
 
 
 def test_a_package_that_imports_its_submodules_is_no_loop_but_using_its_names_is(tmp_path):
-    _tree(tmp_path, {
-        "src/stagetrace/__init__.py": "",
-        "src/stagetrace/demo/__init__.py": "from stagetrace.demo import world\n"
-                                           "from stagetrace.demo.pipeline import run\n",
-        "src/stagetrace/demo/world.py": "",
-        "src/stagetrace/demo/pipeline.py": "from stagetrace.demo import world\n\ndef run():\n    pass\n",
-        "collectors/__init__.py": "from stagetrace.collectors.base import Collector\n\ndef available():\n    pass\n",
-        "collectors/base.py": "class Collector:\n"
-                              "    def settings(self):\n"
-                              "        from stagetrace.collectors import available\n",
-    })
+    _tree(
+        tmp_path,
+        {
+            "src/stagetrace/__init__.py": "",
+            "src/stagetrace/demo/__init__.py": "from stagetrace.demo import world\n"
+            "from stagetrace.demo.pipeline import run\n",
+            "src/stagetrace/demo/world.py": "",
+            "src/stagetrace/demo/pipeline.py": "from stagetrace.demo import world\n\ndef run():\n    pass\n",
+            "collectors/__init__.py": "from stagetrace.collectors.base import Collector\n\ndef available():\n    pass\n",
+            "collectors/base.py": "class Collector:\n"
+            "    def settings(self):\n"
+            "        from stagetrace.collectors import available\n",
+        },
+    )
     loops = import_graph.cycles(import_graph.graph(tmp_path))
     assert loops == [["stagetrace.collectors", "stagetrace.collectors.base"]]
 
 
 def test_the_checker_finds_an_import_up_into_the_collectors_and_lets_an_assembler_through(tmp_path):
-    _tree(tmp_path, {
-        "src/stagetrace/__init__.py": "",
-        "src/stagetrace/metrics.py": "SPEC = 1\n",
-        "src/stagetrace/analysis/__init__.py": "",
-        "src/stagetrace/analysis/reader.py": "def read():\n    from stagetrace.collectors.gpm import TABLE\n",
-        "src/stagetrace/agent.py": "from stagetrace.collectors import build\n",
-        "collectors/__init__.py": "from stagetrace.collectors.gpm import TABLE\n\ndef build():\n    pass\n",
-        "collectors/gpm.py": "from stagetrace.metrics import SPEC\nTABLE = [SPEC]\n",
-    })
+    _tree(
+        tmp_path,
+        {
+            "src/stagetrace/__init__.py": "",
+            "src/stagetrace/metrics.py": "SPEC = 1\n",
+            "src/stagetrace/analysis/__init__.py": "",
+            "src/stagetrace/analysis/reader.py": "def read():\n    from stagetrace.collectors.gpm import TABLE\n",
+            "src/stagetrace/agent.py": "from stagetrace.collectors import build\n",
+            "collectors/__init__.py": "from stagetrace.collectors.gpm import TABLE\n\ndef build():\n    pass\n",
+            "collectors/gpm.py": "from stagetrace.metrics import SPEC\nTABLE = [SPEC]\n",
+        },
+    )
     edges = import_graph.graph(tmp_path)
     assert import_graph.into_collectors(edges) == [
-        ("stagetrace.agent", "stagetrace.collectors"), ("stagetrace.analysis.reader", "stagetrace.collectors.gpm"),
+        ("stagetrace.agent", "stagetrace.collectors"),
+        ("stagetrace.analysis.reader", "stagetrace.collectors.gpm"),
     ]  # a collector importing another, or the core, is no arrow up
     assert import_graph.into_collectors(edges, {"stagetrace.agent"}) == [
         ("stagetrace.analysis.reader", "stagetrace.collectors.gpm"),

@@ -28,8 +28,9 @@ def hardware_deviation(cli_demo):
     """(store DSN, the JSON explanation) of a request the demo's faulty GPU corrupted."""
     dsn, demo = cli_demo
     request = next(t["request_id"] for t in demo["truth"] if t["cause"] == "gpu_xid_errors_total")
-    explained = subprocess.run([*STAGETRACE, "explain", request, "--store", dsn, "--json"], capture_output=True,
-                               text=True, timeout=300)  # fmt: skip
+    explained = subprocess.run(
+        [*STAGETRACE, "explain", request, "--store", dsn, "--json"], capture_output=True, text=True, timeout=300
+    )
     return dsn, json.loads(explained.stdout)
 
 
@@ -41,16 +42,35 @@ def browser(component, *args: str) -> subprocess.CompletedProcess:
         if os.environ.get("CI") == "true":
             pytest.fail(message)
         pytest.skip(message)
-    return subprocess.run([*isolate, chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                           "--enable-logging=stderr", "--v=0", *args], capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [
+            *isolate,
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--enable-logging=stderr",
+            "--v=0",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-def test_the_report_renders_offline_with_verdict_waterfalls_marked_stage_and_counter(component, hardware_deviation,
-                                                                                      tmp_path):  # fmt: skip
+def test_the_report_renders_offline_with_verdict_waterfalls_marked_stage_and_counter(
+    component, hardware_deviation, tmp_path
+):
     dsn, report = hardware_deviation
     page = tmp_path / "incident.html"
-    run = subprocess.run([*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0 and f"wrote the incident report {page}" in run.stderr, run.stderr
     html = page.read_text()
     assert not re.search(r'\s(src|href)="', html)  # nothing to fetch: styles and charts are inline
@@ -62,12 +82,12 @@ def test_the_report_renders_offline_with_verdict_waterfalls_marked_stage_and_cou
     assert report["request_id"] in dom and report["baseline"]["request_id"] in dom and report["trace_id"] in dom
     stage = report["first_divergent_stage"]
     for side in ("waterfall-request", "waterfall-baseline"):
-        block = dom[dom.index(f'id="{side}"'):]
-        block = block[:block.index("</svg>")]
+        block = dom[dom.index(f'id="{side}"') :]
+        block = block[: block.index("</svg>")]
         assert re.search(rf'class="bar marked" data-stage="{stage}"', block), side  # the divergent stage, marked
         assert block.count('class="bar') >= 5  # every stage of the pipeline
     hardware = next(c for c in report["causes"] if c["kind"] == "hardware")
-    counters = dom[dom.index('id="counters"'):]
+    counters = dom[dom.index('id="counters"') :]
     assert hardware["name"] in counters and hardware["device"] in counters
     assert 'class="window"' in counters and re.search(r'class="series" points="[\d., ]+"', counters)
     console = [line for line in loaded.stderr.splitlines() if "CONSOLE" in line]
@@ -87,8 +107,12 @@ def test_the_reports_charts_share_one_span_show_the_rise_and_shade_the_stage_vis
 
     dsn, report = hardware_deviation
     page = tmp_path / "incident.html"
-    run = subprocess.run([*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr
     counters = page.read_text().split('id="counters"', 1)[1]
     charts = re.findall(r'<svg [^>]*data-t0="(\d+)" data-t1="(\d+)".*?</svg>', counters, flags=re.S)
@@ -111,18 +135,29 @@ def test_the_footer_is_a_sentence_saying_when_it_was_made_and_for_which_request(
     dsn, report = hardware_deviation
     page = tmp_path / "incident.html"
     before = datetime.now(timezone.utc).replace(microsecond=0)
-    run = subprocess.run([*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [*STAGETRACE, "explain", report["request_id"], "--store", dsn, "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     after = datetime.now(timezone.utc)
     assert run.returncode == 0, run.stderr
-    found = re.search(r"<footer><p>Made by stagetrace explain at (\S+ \S+) UTC for request <code>(.+?)</code>, which "
-                      r"started at (\S+ \S+) UTC\.</p></footer>", page.read_text())  # fmt: skip
+    found = re.search(
+        r"<footer><p>Made by stagetrace explain at (\S+ \S+) UTC for request <code>(.+?)</code>, which "
+        r"started at (\S+ \S+) UTC\.</p></footer>",
+        page.read_text(),
+    )
     assert found, page.read_text()[-400:]
     made = datetime.strptime(found[1], "%Y-%m-%d %H:%M:%S").replace(tzinfo=timezone.utc)
     assert before <= made <= after + timedelta(seconds=1)
     assert found[2] == report["request_id"]
-    traced = subprocess.run([*STAGETRACE, "trace", report["request_id"], "--store", dsn, "--json"],
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    traced = subprocess.run(
+        [*STAGETRACE, "trace", report["request_id"], "--store", dsn, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert json.loads(traced.stdout)["start"].replace("T", " ").startswith(found[3])
 
 
@@ -140,30 +175,41 @@ def test_each_demo_hardware_cause_is_drawn_where_its_sentence_says(cli_demo, tmp
     checked = []
     for cause, request in sorted(examples.items()):
         page = tmp_path / f"{cause}.html"
-        run = subprocess.run([*STAGETRACE, "explain", request, "--store", dsn, "--json", "--html", str(page)],
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        run = subprocess.run(
+            [*STAGETRACE, "explain", request, "--store", dsn, "--json", "--html", str(page)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr
         report = json.loads(run.stdout)
         top = next((c for c in report["causes"] if not c["weak"]), None)
         if top is None or top["kind"] != "hardware" or top.get("tenant"):
             continue
         start, end = top["stage_ns"]  # the span's own times (tests/test_evidence_window.py checks them on the store)
-        found = re.search(rf": {top['name']} (?:rose by|was) (\S+)(?: \(usually [^)]*\))? (.+?) on (?:rank \S+, )?"
-                          rf"{re.escape(top['device'])} ", report["summary"])  # fmt: skip
+        found = re.search(
+            rf": {top['name']} (?:rose by|was) (\S+)(?: \(usually [^)]*\))? (.+?) on (?:rank \S+, )?"
+            rf"{re.escape(top['device'])} ",
+            report["summary"],
+        )
         assert found, report["summary"]
         said = interval(found[2], top["stage"], start, end)
         # the top cause's chart: its series, device and rank (two ranks sharing a NIC each have one)
         where = (f"rank {top['rank']}, " if top.get("rank") else "") + f"<code>{top['device']}</code>"
-        svg = next(svg for svg, caption in figures(page.read_text())
-                   if f'aria-label="{top["name"]}"' in svg and where in caption)  # fmt: skip
+        svg = next(
+            svg
+            for svg, caption in figures(page.read_text())
+            if f'aria-label="{top["name"]}"' in svg and where in caption
+        )
         chart = Chart(svg)
         px = chart.ns_per_px  # a rise narrower than a few pixels is drawn widened: its steps are told by time
         window, rise = chart.band("window"), chart.band("rise")
         assert window[0] - px <= rise[0] and rise[1] <= window[1] + px, (cause, window, rise)
         if top["value"].startswith("+"):
             steps = [(t, h) for t, h in chart.steps_up() if said[0] - px <= t <= said[1] + px]
-            assert steps and all(rise[0] - px <= t <= rise[1] + px and window[0] - px <= t <= window[1] + px
-                                 for t, _ in steps), (cause, found[2], chart.steps_up(), said, rise)  # fmt: skip
+            assert steps and all(
+                rise[0] - px <= t <= rise[1] + px and window[0] - px <= t <= window[1] + px for t, _ in steps
+            ), (cause, found[2], chart.steps_up(), said, rise)
             assert sum(h for _, h in steps) == pytest.approx(float(found[1]), rel=0.02), (cause, steps)
         checked.append(cause)
     assert {"gpu_xid_errors_total", "rdma_local_ack_timeout_err_total"} <= set(checked), checked
@@ -193,8 +239,9 @@ def _laid_out(component, page: Path, width: int) -> dict:
     probe = page.with_suffix(".probe.html")
     html = re.sub(r'<meta http-equiv="Content-Security-Policy"[^>]*>', "", page.read_text())
     probe.write_text(html.replace("</body>", _PROBE + "</body>"))
-    loaded = browser(component, f"--window-size={width},900", "--virtual-time-budget=2000", "--dump-dom",
-                     probe.as_uri())  # fmt: skip
+    loaded = browser(
+        component, f"--window-size={width},900", "--virtual-time-budget=2000", "--dump-dom", probe.as_uri()
+    )
     assert loaded.returncode == 0, loaded.stderr
     return json.loads(re.search(r'<pre id="probe">(.*?)</pre>', loaded.stdout, flags=re.S)[1])
 
@@ -212,14 +259,20 @@ def test_no_report_of_the_demos_causes_overflows_at_1280_px(component, cli_demo,
     long_word = "w" * 120
     # the widest of each column at once: a long counter's name, lists of UUIDs, a word without separators, and an
     # evidence that names a GPU by its UUID
-    row = (f"<tr><td class=num>9</td><td><code>rdma_local_ack_timeout_err_total</code></td><td>attribute</td>"
-           f"<td>{_value(UUIDS)}<div class=vs>baseline: {_value(long_word)}</div></td><td class=num>0.50</td>"
-           f"<td>rank 3: on <code>{UUIDS.split(',')[0]}</code> (gpu-node-02), shared with a tenant</td></tr>")
+    row = (
+        f"<tr><td class=num>9</td><td><code>rdma_local_ack_timeout_err_total</code></td><td>attribute</td>"
+        f"<td>{_value(UUIDS)}<div class=vs>baseline: {_value(long_word)}</div></td><td class=num>0.50</td>"
+        f"<td>rank 3: on <code>{UUIDS.split(',')[0]}</code> (gpu-node-02), shared with a tenant</td></tr>"
+    )
     assert f'title="{long_word}"' in row and "…" in row
     for cause, request in sorted(examples.items()):
         page = tmp_path / f"{cause}.html"
-        run = subprocess.run([*STAGETRACE, "explain", request, "--store", dsn, "--html", str(page)],
-                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        run = subprocess.run(
+            [*STAGETRACE, "explain", request, "--store", dsn, "--html", str(page)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert run.returncode == 0, run.stderr
         html = page.read_text()
         if 'id="causes"' in html:

@@ -59,8 +59,13 @@ def free_port() -> int:
 
 
 def stagetrace(*args: str, store: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "stagetrace", *args, "--store", store], capture_output=True,
-                          text=True, env=ENV, timeout=180)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args, "--store", store],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
     if check:
         assert done.returncode == 0, done.stderr
     return done
@@ -70,11 +75,30 @@ def start_agent(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, str]]:
     ports = {"http": f"127.0.0.1:{free_port()}", "grpc": f"127.0.0.1:{free_port()}"}
     log = tmp_path / "agent.log"
     agent = subprocess.Popen(
-        [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS), "--store", f"chdb://{tmp_path / 'store'}",
-         "--listen", "127.0.0.1:0", "--otlp", ports["http"], "--otlp-grpc", ports["grpc"],
-         "--query-listen", f"127.0.0.1:{free_port()}"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=ENV,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "agent",
+            "--collectors",
+            "rdma",
+            "--sysfs",
+            str(SYSFS),
+            "--store",
+            f"chdb://{tmp_path / 'store'}",
+            "--listen",
+            "127.0.0.1:0",
+            "--otlp",
+            ports["http"],
+            "--otlp-grpc",
+            ports["grpc"],
+            "--query-listen",
+            f"127.0.0.1:{free_port()}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=ENV,
+    )
     deadline = time.monotonic() + 60
     while not re.search(r"receiving OTLP/gRPC", log.read_text()) or "sharing the store" not in log.read_text():
         assert agent.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -83,10 +107,27 @@ def start_agent(tmp_path: Path) -> tuple[subprocess.Popen, dict[str, str]]:
 
 
 def run_node(app: str, host: str, protocol: str, endpoint: str, *, edited: bool = False, repeat: int = 1) -> list[dict]:
-    args = [sys.executable, str(APPS / f"{app}.py"), "--host", host, "--protocol", protocol, "--endpoint", endpoint,
-            "--repeat", str(repeat), *(["--edited"] if edited else [])]  # fmt: skip
-    done = subprocess.run(args, capture_output=True, text=True, cwd=APPS, timeout=300,
-                          env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")})  # fmt: skip
+    args = [
+        sys.executable,
+        str(APPS / f"{app}.py"),
+        "--host",
+        host,
+        "--protocol",
+        protocol,
+        "--endpoint",
+        endpoint,
+        "--repeat",
+        str(repeat),
+        *(["--edited"] if edited else []),
+    ]
+    done = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        cwd=APPS,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in done.stdout.splitlines()]
 
@@ -112,14 +153,18 @@ def copy_spans(source_dsn: str, target_dsn: str, tmp_path: Path) -> None:
     """Write the stored spans into another store's otel_traces with a plain INSERT, as the Collector's
     clickhouseexporter does: nothing of stagetrace's write path, only the store's own views derive the rest."""
     rows = tmp_path / "otel_traces.jsonl"
-    dump = ("from stagetrace.store import open_store; import sys\n"
-            "with open_store(sys.argv[1]) as s:\n"
-            "    sys.stdout.buffer.write(s.client.raw_query('SELECT * FROM stagetrace.otel_traces FORMAT JSONEachRow'))")  # fmt: skip
+    dump = (
+        "from stagetrace.store import open_store; import sys\n"
+        "with open_store(sys.argv[1]) as s:\n"
+        "    sys.stdout.buffer.write(s.client.raw_query('SELECT * FROM stagetrace.otel_traces FORMAT JSONEachRow'))"
+    )
     with rows.open("wb") as out:
         subprocess.run([sys.executable, "-c", dump, source_dsn], stdout=out, check=True, timeout=120, env=ENV)
-    load = ("from stagetrace.store import open_store; import sys\n"
-            "with open_store(sys.argv[1]) as s:\n"
-            "    s.client.raw_insert('stagetrace.otel_traces', insert_block=open(sys.argv[2], 'rb').read(), fmt='JSONEachRow')")
+    load = (
+        "from stagetrace.store import open_store; import sys\n"
+        "with open_store(sys.argv[1]) as s:\n"
+        "    s.client.raw_insert('stagetrace.otel_traces', insert_block=open(sys.argv[2], 'rb').read(), fmt='JSONEachRow')"
+    )
     subprocess.run([sys.executable, "-c", load, target_dsn, str(rows)], check=True, timeout=120, env=ENV)
 
 
@@ -151,7 +196,10 @@ def test_an_edited_index_on_one_node_is_found_in_retrieval(app, tmp_path):
         assert explained["first_divergent_stage"] == "retrieval"
         assert not explained["stage_input_differed"]
         for request in healthy[:2]:
-            assert json.loads(stagetrace("explain", request["trace_id"], "--json", store=store).stdout)["diverged"] is False
+            assert (
+                json.loads(stagetrace("explain", request["trace_id"], "--json", store=store).stdout)["diverged"]
+                is False
+            )
     finally:
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(timeout=60) == 0

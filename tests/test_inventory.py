@@ -34,8 +34,13 @@ MINUTE, SECOND = fleet.MINUTE, fleet.SECOND
 HOSTS = "abcd"
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 DRIVER, OLD_DRIVER = "570.133.20", "550.54.15"
-GPU_INFO = {"model": H200, "driver_version": DRIVER, "cuda_version": "12.8", "ecc_mode": "enabled",
-            "mig_mode": "disabled"}  # fmt: skip
+GPU_INFO = {
+    "model": H200,
+    "driver_version": DRIVER,
+    "cuda_version": "12.8",
+    "ecc_mode": "enabled",
+    "mig_mode": "disabled",
+}
 
 
 def gpu(host: str, index: int) -> str:
@@ -45,8 +50,9 @@ def gpu(host: str, index: int) -> str:
 def write_inventory(store, host: str, times: list[int], gpus: dict[str, dict]) -> None:
     """The host's agent sampling ``gpu_info`` at each time: ``gpus`` maps a GPU UUID to its labels besides gpu and
     uuid (model, driver_version, cuda_version, ecc_mode, mig_mode), as the gpu collector adds them."""
-    writer = ClickHouseMetricWriter(store, host=host, create_schema=False, spool_dir=False, insert_every_s=3600,
-                                    insert_rows=10**6)  # fmt: skip
+    writer = ClickHouseMetricWriter(
+        store, host=host, create_schema=False, spool_dir=False, insert_every_s=3600, insert_rows=10**6
+    )
     for t in times:
         samples = Samples()
         for index, (uuid, labels) in enumerate(gpus.items()):
@@ -66,8 +72,13 @@ def serve(store, resources: dict[str, dict], inventories: dict[str, dict], devia
     for minute in range(6):
         for host in HOSTS:
             for prompt in range(2):
-                fl.request(f"r{n}", fl.at(minute, seconds=n % 50), host, prompt=prompt,
-                           differs={"decode": "x"} if host == deviating else None)  # fmt: skip
+                fl.request(
+                    f"r{n}",
+                    fl.at(minute, seconds=n % 50),
+                    host,
+                    prompt=prompt,
+                    differs={"decode": "x"} if host == deviating else None,
+                )
                 n += 1
     fl.flush()
     scrapes = [fl.at(minute) for minute in range(-1, 8)]
@@ -81,21 +92,32 @@ def serve(store, resources: dict[str, dict], inventories: dict[str, dict], devia
     return fl, bad, report, entry
 
 
-@pytest.mark.parametrize("name, label, value, usual", [
-    ("gpu.driver.version", "driver_version", OLD_DRIVER, DRIVER),
-    ("gpu.model", "model", H100, H200),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, label, value, usual",
+    [
+        ("gpu.driver.version", "driver_version", OLD_DRIVER, DRIVER),
+        ("gpu.model", "model", H100, H200),
+    ],
+)
 def test_a_host_whose_inventory_differs_is_explained_by_it_without_the_detector(store, name, label, value, usual):
     _, _, report, entry = serve(store, {}, {"c": {label: value}})
     top = report["causes"][0]
     assert (report["first_divergent_stage"], top["name"], top["value"], top["baseline_value"]) == (
-        "decode", name, value, usual), report["causes"]
+        "decode",
+        name,
+        value,
+        usual,
+    ), report["causes"]
     assert not top["weak"] and top["where"]["host.name"] == "c", top
     assert top["from"] == top["baseline_from"] == "gpu_info", top  # neither process recorded it
     assert f"c runs {name} {value} where its peers run {usual}" in report["summary"]
     # one analysis, two views
-    assert (entry["first_divergent_stage"], entry["top_cause"]["name"], entry["top_cause"]["value"],
-            entry["top_cause"]["baseline_value"]) == ("decode", name, value, usual), entry  # fmt: skip
+    assert (
+        entry["first_divergent_stage"],
+        entry["top_cause"]["name"],
+        entry["top_cause"]["value"],
+        entry["top_cause"]["baseline_value"],
+    ) == ("decode", name, value, usual), entry
 
 
 def test_an_inventory_that_agrees_with_the_peers_names_nothing(store):
@@ -117,12 +139,16 @@ def test_what_the_process_recorded_wins_over_the_inventory(store):
     assert entry["top_cause"]["name"] == "gpu.model" and entry["top_cause"]["value"] == H100
 
     gpus = inventory.read(store, fl.requests[bad]["start_ns"])
-    assert inventory.fill({"host.name": "a", **recorded}, {"gpu.uuid": gpu("a", 0)}, gpus) == {"host.name": "a",
-                                                                                                **recorded}  # fmt: skip
+    assert inventory.fill({"host.name": "a", **recorded}, {"gpu.uuid": gpu("a", 0)}, gpus) == {
+        "host.name": "a",
+        **recorded,
+    }
     contrast = population.contrast(store, "decode", ["resource:gpu.model"], fl.at(0), fl.at(7), inventory=gpus)
     per_host = 2 * 6  # two prompts a minute for six minutes
-    assert contrast.counts == {("resource:gpu.model", H200): (3 * per_host, 0),
-                               ("resource:gpu.model", H100): (per_host, per_host)}  # fmt: skip
+    assert contrast.counts == {
+        ("resource:gpu.model", H200): (3 * per_host, 0),
+        ("resource:gpu.model", H100): (per_host, per_host),
+    }
 
 
 def test_a_span_without_its_gpu_gets_the_hosts_value_only_where_its_gpus_agree(store):
@@ -131,8 +157,15 @@ def test_a_span_without_its_gpu_gets_the_hosts_value_only_where_its_gpus_agree(s
     t = fleet.Fleet(store).t0
     # n1: mixed GPU models on one driver, upgraded a minute after t; n2's agent started after t
     write_inventory(store, "n1", [t - 2 * MINUTE, t], {"GPU-n1-0": GPU_INFO, "GPU-n1-1": {**GPU_INFO, "model": H100}})
-    write_inventory(store, "n1", [t + MINUTE], {"GPU-n1-0": {**GPU_INFO, "driver_version": "580.65.06"},
-                                                "GPU-n1-1": {**GPU_INFO, "model": H100, "driver_version": "580.65.06"}})
+    write_inventory(
+        store,
+        "n1",
+        [t + MINUTE],
+        {
+            "GPU-n1-0": {**GPU_INFO, "driver_version": "580.65.06"},
+            "GPU-n1-1": {**GPU_INFO, "model": H100, "driver_version": "580.65.06"},
+        },
+    )
     write_inventory(store, "n2", [t + 30 * SECOND], {"GPU-n2-0": {**GPU_INFO, "driver_version": OLD_DRIVER}})
     write_inventory(store, "n2", [t + 90 * SECOND], {"GPU-n2-0": GPU_INFO})
     gpus = inventory.read(store, t)
@@ -142,8 +175,11 @@ def test_a_span_without_its_gpu_gets_the_hosts_value_only_where_its_gpus_agree(s
         return {k: v for k, v in got.items() if k != "host.name"}
 
     versions = {"gpu.driver.version": DRIVER, "cuda.driver.version": "12.8"}
-    assert filled("n1", "GPU-n1-1") == {"gpu.model": H100, **versions, inventory.FILLED:
-                                        "gpu.model,gpu.driver.version,cuda.driver.version"}  # fmt: skip
+    assert filled("n1", "GPU-n1-1") == {
+        "gpu.model": H100,
+        **versions,
+        inventory.FILLED: "gpu.model,gpu.driver.version,cuda.driver.version",
+    }
     for uuid in (None, "GPU-n1-9"):  # no GPU named, or one the inventory does not know: the host's, where they agree
         assert filled("n1", uuid) == {**versions, inventory.FILLED: "gpu.driver.version,cuda.driver.version"}
     assert filled("n2", "GPU-n2-0")["gpu.driver.version"] == OLD_DRIVER  # none before t: the first after it

@@ -46,13 +46,38 @@ class Agent:
         self.starts += 1
         log = self.tmp_path / f"agent-{self.starts}.log"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "stagetrace", "agent", "--collectors", "rdma", "--sysfs", str(SYSFS),
-             "--store", f"chdb://{self.store}", "--listen", "127.0.0.1:0", "--interval", "1s",
-             "--otlp", f"127.0.0.1:{self.http}", "--otlp-grpc", f"127.0.0.1:{self.grpc}", "--query-listen", self.query],
-            stdout=subprocess.DEVNULL, stderr=log.open("w"), env=ENV,
-        )  # fmt: skip
-        wait_for("the agent's OTLP/gRPC line", lambda: "receiving OTLP/gRPC" in log.read_text(), timeout=60,
-                 process=self.process)  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "stagetrace",
+                "agent",
+                "--collectors",
+                "rdma",
+                "--sysfs",
+                str(SYSFS),
+                "--store",
+                f"chdb://{self.store}",
+                "--listen",
+                "127.0.0.1:0",
+                "--interval",
+                "1s",
+                "--otlp",
+                f"127.0.0.1:{self.http}",
+                "--otlp-grpc",
+                f"127.0.0.1:{self.grpc}",
+                "--query-listen",
+                self.query,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("w"),
+            env=ENV,
+        )
+        wait_for(
+            "the agent's OTLP/gRPC line",
+            lambda: "receiving OTLP/gRPC" in log.read_text(),
+            timeout=60,
+            process=self.process,
+        )
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -66,7 +91,9 @@ class Agent:
 
 def span_counts(dsn: str) -> dict[str, int]:
     with open_store(dsn) as store:
-        return dict(store.client.query("SELECT SpanId, count() FROM stagetrace.otel_traces GROUP BY SpanId").result_rows)
+        return dict(
+            store.client.query("SELECT SpanId, count() FROM stagetrace.otel_traces GROUP BY SpanId").result_rows
+        )
 
 
 class Sender(threading.Thread):
@@ -97,8 +124,10 @@ def test_every_span_acknowledged_through_twenty_kills_of_the_agent_is_stored_exa
     agent = Agent(tmp_path)
     agent.start()
     stop = threading.Event()
-    senders = [Sender(HttpExporter(endpoint=f"http://127.0.0.1:{agent.http}/v1/traces", timeout=5), "http", stop),
-               Sender(GrpcExporter(endpoint=f"http://127.0.0.1:{agent.grpc}", insecure=True, timeout=5), "grpc", stop)]
+    senders = [
+        Sender(HttpExporter(endpoint=f"http://127.0.0.1:{agent.http}/v1/traces", timeout=5), "http", stop),
+        Sender(GrpcExporter(endpoint=f"http://127.0.0.1:{agent.grpc}", insecure=True, timeout=5), "grpc", stop),
+    ]
     for sender in senders:
         sender.start()
     rng = random.Random(15)
@@ -119,7 +148,9 @@ def test_every_span_acknowledged_through_twenty_kills_of_the_agent_is_stored_exa
     acknowledged = [span_id for sender in senders for span_id in sender.acknowledged]
     assert all(len(sender.acknowledged) > 200 for sender in senders), [len(s.acknowledged) for s in senders]
     # the kills were felt: an export failed, or the exporters' own retries met a refused or closed connection
-    retried = [r for r in caplog.records if r.name.startswith("opentelemetry.exporter") and "Transient error" in r.getMessage()]
+    retried = [
+        r for r in caplog.records if r.name.startswith("opentelemetry.exporter") and "Transient error" in r.getMessage()
+    ]
     assert sum(sender.attempts for sender in senders) + len(retried) > 0
     assert {span_id: counts.get(span_id) for span_id in acknowledged} == dict.fromkeys(acknowledged, 1)
     assert set(counts.values()) == {1}  # not even a span sent but never acknowledged is stored twice
@@ -148,8 +179,9 @@ def test_every_span_an_application_process_was_told_success_for_survives_kill_9(
     acknowledged: list[str] = []
     rng = random.Random(3)
     for _ in range(5):
-        app = subprocess.Popen([sys.executable, "-c", _APP, dsn], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, cwd=ROOT)  # fmt: skip
+        app = subprocess.Popen(
+            [sys.executable, "-c", _APP, dsn], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+        )
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(app.stdout), daemon=True)
         reader.start()
@@ -170,19 +202,37 @@ def test_the_quickstart_against_a_store_the_agent_holds_lands_every_span(tmp_pat
     agent.start()
     env = {**ENV, "STAGETRACE_STORE": f"chdb://{agent.store}"}
     try:
-        run = subprocess.run([sys.executable, ROOT / "examples" / "quickstart.py"], capture_output=True, text=True,
-                             env=env, timeout=120, cwd=tmp_path)  # fmt: skip
+        run = subprocess.run(
+            [sys.executable, ROOT / "examples" / "quickstart.py"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert run.returncode == 0, run.stderr
         assert "could not" not in run.stderr and "handed to the agent" in run.stderr, run.stderr
 
         def found():
-            looked_up = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "quickstart-0003", "--json"],
-                                       capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+            looked_up = subprocess.run(
+                [sys.executable, "-m", "stagetrace", "trace", "quickstart-0003", "--json"],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=60,
+            )
             return looked_up.returncode == 0 and json.loads(looked_up.stdout)
 
         doc = wait_for("the quickstart's last request through the agent", found, timeout=30)
-        assert [s["stage"] for s in doc["spans"]] == [None, "retrieval", "cache", "context_assembly", "allreduce",
-                                                      "allreduce", "decode"]  # fmt: skip
+        assert [s["stage"] for s in doc["spans"]] == [
+            None,
+            "retrieval",
+            "cache",
+            "context_assembly",
+            "allreduce",
+            "allreduce",
+            "decode",
+        ]
     finally:
         agent.stop()
     counts = span_counts(f"chdb://{agent.store}")

@@ -50,8 +50,9 @@ def _spans(messages):
 RECORDED_START = min(s.start_time_unix_nano for s in _spans(_messages("prefill")))
 
 
-def disaggregated_request(receiver, n: int, start_ns: int, hosts: tuple[str, str], kv_received: str, output: str,
-                          driver: str = "575.57") -> str:  # fmt: skip
+def disaggregated_request(
+    receiver, n: int, start_ns: int, hosts: tuple[str, str], kv_received: str, output: str, driver: str = "575.57"
+) -> str:
     """The recorded disaggregated request again as ``pd-<n>``, beginning at ``start_ns``, its prefill half on
     ``hosts[0]`` and its decode half on ``hosts[1]`` (GPU driver ``driver`` on both), the decode receiving the KV
     cache with digest ``kv_received`` and answering ``output``. Returns the request ID."""
@@ -91,15 +92,33 @@ def _application(message, root, host: str, driver: str, output: str) -> None:
         app.resource.attributes.add(key=key, value={"string_value": value})
     scope = app.scope_spans.add()
     start, end = root.start_time_unix_nano - 10**6, root.end_time_unix_nano + 10**6
-    request = scope.spans.add(name="chat", trace_id=root.trace_id, span_id=root.span_id[:2] + b"\xa0" * 6,
-                              start_time_unix_nano=start, end_time_unix_nano=end)  # fmt: skip
-    decode = scope.spans.add(name="generate", trace_id=root.trace_id, span_id=root.span_id[:2] + b"\xa1" * 6,
-                             parent_span_id=request.span_id, start_time_unix_nano=start + 1,
-                             end_time_unix_nano=end - 1)  # fmt: skip
+    request = scope.spans.add(
+        name="chat",
+        trace_id=root.trace_id,
+        span_id=root.span_id[:2] + b"\xa0" * 6,
+        start_time_unix_nano=start,
+        end_time_unix_nano=end,
+    )
+    decode = scope.spans.add(
+        name="generate",
+        trace_id=root.trace_id,
+        span_id=root.span_id[:2] + b"\xa1" * 6,
+        parent_span_id=request.span_id,
+        start_time_unix_nano=start + 1,
+        end_time_unix_nano=end - 1,
+    )
     root.parent_span_id = decode.span_id
-    for span, attributes in ((request, {conventions.INPUT_DIGEST: PROMPT, conventions.OUTPUT_DIGEST: output}),
-                             (decode, {conventions.STAGE: "decode", conventions.STAGE_INPUT_DIGEST: PROMPT,
-                                       conventions.STAGE_OUTPUT_DIGEST: output})):  # fmt: skip
+    for span, attributes in (
+        (request, {conventions.INPUT_DIGEST: PROMPT, conventions.OUTPUT_DIGEST: output}),
+        (
+            decode,
+            {
+                conventions.STAGE: "decode",
+                conventions.STAGE_INPUT_DIGEST: PROMPT,
+                conventions.STAGE_OUTPUT_DIGEST: output,
+            },
+        ),
+    ):
         for key, value in attributes.items():
             span.attributes.add(key=key, value={"string_value": value})
 
@@ -110,10 +129,11 @@ ENDS = {"decode": ("decode_transferred", "dc-a", "mlx5_1"), "prefill": ("prefill
 
 def _transfer_end(store, request_id: str, span: str) -> int:
     """When the request's ``span`` (one end's transfer) ended, in ns."""
-    (end,), = store.client.query(
+    ((end,),) = store.client.query(
         "SELECT toUnixTimestamp64Nano(Timestamp) + Duration FROM stagetrace.otel_traces WHERE SpanName = {span:String}"
         " AND TraceId IN (SELECT TraceId FROM stagetrace.otel_traces WHERE SpanAttributes['rid'] = {rid:String})",
-        parameters={"rid": request_id, "span": span}).result_rows  # fmt: skip
+        parameters={"rid": request_id, "span": span},
+    ).result_rows
     return end
 
 
@@ -137,34 +157,49 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
     by its driver, never by the erring NIC."""
     span, host, nic = ENDS[end]
     t0 = time.time_ns() - 30 * 60 * 10**9
-    agreeing = [disaggregated_request(receiver, n, t0 + n * EVERY_NS, ("pf-a", "dc-a"), KV_SENT, AGREED)
-                for n in range(1, 6)]  # fmt: skip
+    agreeing = [
+        disaggregated_request(receiver, n, t0 + n * EVERY_NS, ("pf-a", "dc-a"), KV_SENT, AGREED) for n in range(1, 6)
+    ]
     broken = disaggregated_request(receiver, 6, t0 + 6 * EVERY_NS, ("pf-a", "dc-a"), KV_RECEIVED_BAD, OTHER)
-    neighbour = disaggregated_request(receiver, 7, t0 + 6 * EVERY_NS + 10**9, ("pf-b", "dc-b"), KV_RECEIVED_OTHER,
-                                      OTHER, driver="580.82")  # fmt: skip
+    neighbour = disaggregated_request(
+        receiver, 7, t0 + 6 * EVERY_NS + 10**9, ("pf-b", "dc-b"), KV_RECEIVED_OTHER, OTHER, driver="580.82"
+    )
     receiver.writer.flush()
     # the agent's NIC counters, scraped every 15 s all along: one NIC counts errors in the scrape after the sixth
     # request's transfer at its end ended, every other NIC stays where it was
     errored = _transfer_end(store, broken, span) + 2 * 10**9
     fleet, first, last = Fleet(store), t0 - 5 * 60 * 10**9, t0 + 15 * 60 * 10**9
-    for where, device in (("pf-a", "mlx5_0"), ("pf-a", "mlx5_1"), ("dc-a", "mlx5_0"), ("dc-a", "mlx5_1"),
-                         ("pf-b", "mlx5_0"), ("dc-b", "mlx5_0")):  # fmt: skip
+    for where, device in (
+        ("pf-a", "mlx5_0"),
+        ("pf-a", "mlx5_1"),
+        ("dc-a", "mlx5_0"),
+        ("dc-a", "mlx5_1"),
+        ("pf-b", "mlx5_0"),
+        ("dc-b", "mlx5_0"),
+    ):
         rises = ((errored, 7.0),) if (where, device) == (host, nic) else ()
         for metric in ("rdma_out_of_sequence_total", "rdma_packet_seq_err_total"):
-            fleet.counter(where, metric, {"device": device, "port": "1"}, first, last, every_ns=SCRAPE_NS, value=12,
-                          rises=rises)  # fmt: skip
+            fleet.counter(
+                where, metric, {"device": device, "port": "1"}, first, last, every_ns=SCRAPE_NS, value=12, rises=rises
+            )
 
     report = Explainer(store).explain(broken).to_json()
     assert report["diverged"] and report["first_divergent_stage"] == "cache", report["summary"]
     assert report["baseline"]["request_id"] in agreeing
     top = report["causes"][0]
     assert (top["kind"], top["stage"], top["host"], top["device"], top["half"]) == (
-        "hardware", "cache", host, nic, end), report["causes"][:3]
+        "hardware",
+        "cache",
+        host,
+        nic,
+        end,
+    ), report["causes"][:3]
     assert top["name"] in ("rdma_out_of_sequence_total", "rdma_packet_seq_err_total") and top["value"] == "+7"
     hardware = [c for c in report["causes"] if c["kind"] == "hardware"]
     assert {(c["host"], c["device"], c["half"]) for c in hardware} == {(host, nic, end)}, hardware
     assert re.search(rf"rose by 7 .*cache.* {nic} \({host}, the {end} end of the KV transfer\)", report["summary"]), (
-        report["summary"])
+        report["summary"]
+    )
     # stagetrace trace's hardware table beside the waterfall: the same NIC, at the KV transfer
     shown = hardware_context(store, lookup.by_request_id(store, broken))
     assert {(c["stage"], c["host"], c["device"]) for c in shown} == {("cache", host, nic)}, shown
@@ -180,5 +215,10 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
     assert set(deviating) == {broken, neighbour}, deviating
     found = deviating[broken]["top_cause"]
     assert (found["kind"], found["name"], found["host"], found["device"], found.get("half")) == (
-        "hardware", top["name"], host, nic, end), found
+        "hardware",
+        top["name"],
+        host,
+        nic,
+        end,
+    ), found
     assert deviating[neighbour]["top_cause"]["name"] == conventions.CONFIGURATION_DRIVER

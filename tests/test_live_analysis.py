@@ -46,23 +46,40 @@ def digest(*parts) -> str:
 def serve(otlp: str, host: str, requests: list[tuple[str, int, str]]) -> None:
     """Requests served by ``host``: (request ID, input, KV-cache dtype), each a root and three stage spans."""
     provider = TracerProvider(resource=Resource.create({"service.name": "chat", "host.name": host}))
-    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(f"{otlp}/v1/traces", timeout=10),
-                                                   schedule_delay_millis=200))  # fmt: skip
+    provider.add_span_processor(
+        BatchSpanProcessor(OTLPSpanExporter(f"{otlp}/v1/traces", timeout=10), schedule_delay_millis=200)
+    )
     tracer = provider.get_tracer("chat")
     for request_id, prompt, kv_dtype in requests:
         context, output = digest("context", prompt), digest("tokens", prompt, kv_dtype == "fp8")
-        with tracer.start_as_current_span("inference.request", kind=SpanKind.SERVER, attributes={
-                "stagetrace.request.id": request_id, "stagetrace.input.digest": digest("input", prompt),
-                "stagetrace.output.digest": output}):  # fmt: skip
+        with tracer.start_as_current_span(
+            "inference.request",
+            kind=SpanKind.SERVER,
+            attributes={
+                "stagetrace.request.id": request_id,
+                "stagetrace.input.digest": digest("input", prompt),
+                "stagetrace.output.digest": output,
+            },
+        ):
             for stage, into, out, attributes in (
                 ("retrieval", digest("input", prompt), digest("docs", prompt), {"retrieval.index.version": "v7"}),
                 ("context_assembly", digest("docs", prompt), context, {"context.template.version": "t2"}),
-                ("decode", context, output, {"gpu.uuid": f"GPU-{host}", "decode.kv_cache_dtype": kv_dtype,
-                                             "decode.batch_size": 8}),
-            ):  # fmt: skip
-                with tracer.start_as_current_span(stage, attributes={
-                        "stagetrace.stage": stage, "stagetrace.stage.input_digest": into,
-                        "stagetrace.stage.output_digest": out, **attributes}):  # fmt: skip
+                (
+                    "decode",
+                    context,
+                    output,
+                    {"gpu.uuid": f"GPU-{host}", "decode.kv_cache_dtype": kv_dtype, "decode.batch_size": 8},
+                ),
+            ):
+                with tracer.start_as_current_span(
+                    stage,
+                    attributes={
+                        "stagetrace.stage": stage,
+                        "stagetrace.stage.input_digest": into,
+                        "stagetrace.stage.output_digest": out,
+                        **attributes,
+                    },
+                ):
                     pass
     provider.shutdown()
 
@@ -73,27 +90,38 @@ def scrape(url: str) -> str:
 
 
 def test_a_hosts_new_kv_cache_dtype_reaches_the_table_and_metrics_within_two_periods(tmp_path):
-    agent = agents.Agent(tmp_path, "--analyse-every", f"{PERIOD_S}s",
-                         env={"STAGETRACE_ANALYSE_SETTLE": "1s", "STAGETRACE_ANALYSE_LOOKBACK": "10m"})  # fmt: skip
+    agent = agents.Agent(
+        tmp_path,
+        "--analyse-every",
+        f"{PERIOD_S}s",
+        env={"STAGETRACE_ANALYSE_SETTLE": "1s", "STAGETRACE_ANALYSE_LOOKBACK": "10m"},
+    )
     try:
         before = {h: [(f"{h}-{i:03d}", i % INPUTS, "auto") for i in range(12)] for h in HOSTS}
         for host in HOSTS:
             serve(agent.endpoints["otlp"], host, before[host])
         changed = [(f"gpu-c-fp8-{i:03d}", i % INPUTS, "fp8") for i in range(8)]
-        after = {"gpu-a": [(f"gpu-a-{i:03d}", i % INPUTS, "auto") for i in range(12, 20)],
-                 "gpu-b": [(f"gpu-b-{i:03d}", i % INPUTS, "auto") for i in range(12, 20)], "gpu-c": changed}
+        after = {
+            "gpu-a": [(f"gpu-a-{i:03d}", i % INPUTS, "auto") for i in range(12, 20)],
+            "gpu-b": [(f"gpu-b-{i:03d}", i % INPUTS, "auto") for i in range(12, 20)],
+            "gpu-c": changed,
+        }
         for host in HOSTS:
             serve(agent.endpoints["otlp"], host, after[host])
         sent = sum(len(r) for r in before.values()) + sum(len(r) for r in after.values())
         last_sent = time.monotonic()
         client = clickhouse_connect.get_client(host="127.0.0.1", port=agent.query_port, database="stagetrace")
-        counted = ('stagetrace_deviating_requests_total{cause="decode.kv_cache_dtype",host="node-a",service="chat",'
-                   f'stage="decode"}} {float(len(changed))}')  # fmt: skip
+        counted = (
+            'stagetrace_deviating_requests_total{cause="decode.kv_cache_dtype",host="node-a",service="chat",'
+            f'stage="decode"}} {float(len(changed))}'
+        )
         rows, metrics = [], ""
         # the pass writes the table's rows, then counts them: poll both, within two periods, the settle delay and slack
         while time.monotonic() - last_sent < 2 * PERIOD_S + 1 + 20:
-            rows = client.query("SELECT RequestId, HostName, FirstDivergentStage, TopCauseName, TopCauseValue, "
-                                "TopCauseBaselineValue FROM stagetrace_divergences FINAL ORDER BY RequestId").result_rows  # fmt: skip
+            rows = client.query(
+                "SELECT RequestId, HostName, FirstDivergentStage, TopCauseName, TopCauseValue, "
+                "TopCauseBaselineValue FROM stagetrace_divergences FINAL ORDER BY RequestId"
+            ).result_rows
             metrics = scrape(agent.endpoints["metrics"])
             if len(rows) >= len(changed) and counted in metrics:
                 break
@@ -133,9 +161,27 @@ class Server:
 
 
 def analyse(dsn: str, log: Path, listen: str = "none") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stagetrace", "analyse", "--store", dsn, "--every", "1s",
-                             "--settle", "0", "--lookback", "2h", "--listen", listen],
-                            stdout=subprocess.DEVNULL, stderr=log.open("w"), env=agents.ENV)  # fmt: skip
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "stagetrace",
+            "analyse",
+            "--store",
+            dsn,
+            "--every",
+            "1s",
+            "--settle",
+            "0",
+            "--lookback",
+            "2h",
+            "--listen",
+            listen,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+        env=agents.ENV,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -180,8 +226,11 @@ def test_one_analyser_per_store_and_a_kill_hands_over_without_gaps_or_duplicates
         killed = time.monotonic()
         wait_for(lambda: f"/{second.pid}/" in holder(server), 30, "the second analyser never took over")
         assert time.monotonic() - killed < 2 * 1 + 5  # within two periods (and the time a pass takes)
-        wait_for(lambda: server.client().command("SELECT uniqExact(RequestId) FROM stagetrace_divergences")
-                 >= len(expected), 60, "the deviating requests never all arrived")  # fmt: skip
+        wait_for(
+            lambda: server.client().command("SELECT uniqExact(RequestId) FROM stagetrace_divergences") >= len(expected),
+            60,
+            "the deviating requests never all arrived",
+        )
         client = server.client()
         rows = client.query("SELECT RequestId FROM stagetrace_divergences FINAL").result_rows
         assert sorted(r[0] for r in rows) == sorted(expected)  # every one, each once
@@ -199,6 +248,7 @@ def test_the_store_down_for_a_while_is_one_log_line_a_growing_lag_and_a_recovery
     port = agents.free_port()
     log = tmp_path / "analyse.log"
     process = analyse(server.dsn, log, f"127.0.0.1:{port}")
+
     def metric(name: str) -> float:
         try:
             return _value(scrape(f"http://127.0.0.1:{port}/metrics"), name)
@@ -246,7 +296,9 @@ def _traffic(store, now_ns: int, ahead: dict[str, int] | None = None) -> dict:
         for host in "abcd" + "".join(ahead or {}):
             for prompt in range(2):
                 at = recorded.at(minute, seconds=n % 50) + (ahead or {}).get(host, 0)
-                recorded.request(f"{host}-{n}", at, host, prompt=prompt, differs={"decode": "x"} if host in "de" else None)
+                recorded.request(
+                    f"{host}-{n}", at, host, prompt=prompt, differs={"decode": "x"} if host in "de" else None
+                )
                 n += 1
     recorded.flush()
     return recorded.requests
@@ -266,8 +318,9 @@ def test_a_host_whose_clock_runs_minutes_ahead_is_analysed_when_its_time_comes(s
     assert 0 <= analyser.stats.lag_s < 60  # the future counts as now: no lag that grows without end
     listed = _listed(store)
     assert {r for r, v in requests.items() if v["host"] == "d"} <= listed and early and not set(early) & listed
-    later = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600),
-                          clock=lambda: now + 5 * fleet.MINUTE)  # fmt: skip
+    later = live.Analyser(
+        store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: now + 5 * fleet.MINUTE
+    )
     assert later.step() is not None
     assert set(early) <= _listed(store)
 
@@ -278,7 +331,8 @@ def test_malformed_spans_beside_good_ones_are_no_crash(store, caplog):
     the deviating requests are still named."""
     now = time.time_ns()
     requests = _traffic(store, now)
-    store.client.command("""
+    store.client.command(
+        """
         INSERT INTO {db:Identifier}.otel_traces (Timestamp, TraceId, SpanId, ParentSpanId, SpanName, SpanKind, ServiceName,
                                  ResourceAttributes, SpanAttributes, Duration)
         VALUES (now64(9) - 60, 'not-hex', 's1', '', 'inference.request', 'Server', 'rag', map('host.name', 'x'),
@@ -287,7 +341,9 @@ def test_malformed_spans_beside_good_ones_are_no_crash(store, caplog):
                 map('stagetrace.stage', 'decode', 'stagetrace.stage.output_digest', 'zz'), 5),
                (now64(9) - 60, 'ab', 's3', '', 'inference.request', 'Server', 'rag', map('host.name', 'y'),
                 map('stagetrace.request.id', repeat('x', 10000), 'stagetrace.input.digest', '\\0\\0',
-                    'stagetrace.output.digest', 'out'), 5)""", parameters={"db": store.database})  # fmt: skip
+                    'stagetrace.output.digest', 'out'), 5)""",
+        parameters={"db": store.database},
+    )
     caplog.set_level("WARNING", logger="stagetrace")
     analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: now)
     assert analyser.step() is not None and analyser.stats.failures == 0, caplog.text
@@ -302,8 +358,10 @@ def test_an_input_group_of_100000_identical_requests(store):
 
     now = time.time_ns()
     synthetic.fill(store, 100_000, now - 600 * 10**9, seconds=540, group=100_000, deviating_percent=0.02)
-    counts = store.client.query("SELECT uniqExact(InputDigest), count() FROM {db:Identifier}.stagetrace_requests",
-                                parameters={"db": store.database}).result_rows  # fmt: skip
+    counts = store.client.query(
+        "SELECT uniqExact(InputDigest), count() FROM {db:Identifier}.stagetrace_requests",
+        parameters={"db": store.database},
+    ).result_rows
     assert counts == [(1, 100_000)]
     analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: now)
     done = analyser.step()
@@ -353,9 +411,13 @@ def test_a_pass_groups_only_the_inputs_that_arrived_and_finds_what_the_whole_win
     t0, new_from = now - 3600 * 10**9, now - 60 * 10**9
     whole = population.deviations(store, t0, now)
     grouped = population.deviations(store, t0, now, inputs_from_ns=new_from)
-    arrived = {r[0] for r in store.client.query(
-        "SELECT InputDigest FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t:Int64})",
-        parameters={"db": store.database, "t": new_from}).result_rows}  # fmt: skip
+    arrived = {
+        r[0]
+        for r in store.client.query(
+            "SELECT InputDigest FROM {db:Identifier}.stagetrace_requests WHERE Start >= fromUnixTimestamp64Nano({t:Int64})",
+            parameters={"db": store.database, "t": new_from},
+        ).result_rows
+    }
     assert {d.input_digest for d in grouped} == {d.input_digest for d in whole if d.input_digest in arrived}
     assert [d for d in grouped if d.start_ns >= new_from] == [d for d in whole if d.start_ns >= new_from]
     assert any(d.start_ns < new_from for d in grouped) and len(grouped) < len(whole) / 4

@@ -19,7 +19,9 @@ def rdma_families():
 
 
 def rows_by_name(store, table: str) -> dict:
-    query = f"SELECT *, toUnixTimestamp64Nano(TimeUnix) AS ns FROM stagetrace.{table} WHERE Attributes['device'] = 'mlx5_3'"
+    query = (
+        f"SELECT *, toUnixTimestamp64Nano(TimeUnix) AS ns FROM stagetrace.{table} WHERE Attributes['device'] = 'mlx5_3'"
+    )
     return {r["MetricName"]: r for r in store.client.query(query).named_results()}
 
 
@@ -39,9 +41,14 @@ def test_counters_are_cumulative_monotonic_sums_and_the_rest_gauges(store):
     assert gauges["rdma_port_state"]["Value"] == 4
     assert gauges["rdma_port_info"]["Value"] == 1
     assert gauges["rdma_port_info"]["Attributes"] == {
-        "device": "mlx5_3", "port": "1", "netdev": "ens2f1np1", "link_layer": "Ethernet",
-        "fw_ver": "28.39.2048", "hca_type": "MT4129", "rail": "mlx5_3/1",
-    }  # fmt: skip
+        "device": "mlx5_3",
+        "port": "1",
+        "netdev": "ens2f1np1",
+        "link_layer": "Ethernet",
+        "fw_ver": "28.39.2048",
+        "hca_type": "MT4129",
+        "rail": "mlx5_3/1",
+    }
     assert "rdma_port_state" not in sums and "rdma_port_transmit_bytes_total" not in gauges
     success = store.client.command(
         "SELECT Value FROM stagetrace.otel_metrics_gauge WHERE MetricName = {n:String} AND Attributes['collector'] = 'rdma'",
@@ -124,7 +131,12 @@ def test_close_writes_and_closes_a_store_it_opened(store_dsn):
     from stagetrace.store import open_store
 
     with open_store(store_dsn) as store:
-        assert store.client.command("SELECT count() FROM stagetrace.otel_metrics_sum WHERE MetricName = 'rdma_link_downed_total'") == 8
+        assert (
+            store.client.command(
+                "SELECT count() FROM stagetrace.otel_metrics_sum WHERE MetricName = 'rdma_link_downed_total'"
+            )
+            == 8
+        )
 
 
 def test_a_nodes_samples_make_the_same_rows_as_its_families(kubelet):
@@ -133,9 +145,15 @@ def test_a_nodes_samples_make_the_same_rows_as_its_families(kubelet):
     from stagetrace.collectors import build_node
 
     fixture = SYSFS.parent
-    options = Options(sysfs=SYSFS, host="node-a", nvml_fixture=fixture / "nvml", mps_fixture=fixture / "mps",
-                      nccl_dir=fixture / "nccl", ethtool_fixture=fixture / "ethtool" / "statistics.json",
-                      kubelet_socket=kubelet(fixture.parent / "kubelet" / "h200-node"))  # fmt: skip
+    options = Options(
+        sysfs=SYSFS,
+        host="node-a",
+        nvml_fixture=fixture / "nvml",
+        mps_fixture=fixture / "mps",
+        nccl_dir=fixture / "nccl",
+        ethtool_fixture=fixture / "ethtool" / "statistics.json",
+        kubelet_socket=kubelet(fixture.parent / "kubelet" / "h200-node"),
+    )
     node = build_node("gpu,mps,rdma,ethtool,nccl,kubernetes", options)
     scraped = node.collect_samples()
     node.close()
@@ -148,5 +166,10 @@ def test_a_nodes_samples_make_the_same_rows_as_its_families(kubelet):
     for table in by_families:
         assert sorted(map(key, by_samples[table])) == sorted(map(key, by_families[table]))
     names = {row[4] for rows in by_samples.values() for row in rows}
-    assert {"gpu_utilization_ratio", "rdma_port_info", "k8s_gpu_allocation_info", "stagetrace_collector_success"} <= names
+    assert {
+        "gpu_utilization_ratio",
+        "rdma_port_info",
+        "k8s_gpu_allocation_info",
+        "stagetrace_collector_success",
+    } <= names
     assert len(by_samples["otel_metrics_sum"]) > 100 and len(by_samples["otel_metrics_gauge"]) > 100

@@ -37,12 +37,23 @@ def answers(store, requests: list[str], of: set[str]) -> dict:
     explained = {}
     for rid in requests:
         report = explainer.explain(rid).to_json()
-        explained[rid] = (report["diverged"], report["first_divergent_stage"],
-                          (report["baseline"] or {}).get("request_id"), _top(report["causes"]))  # fmt: skip
+        explained[rid] = (
+            report["diverged"],
+            report["first_divergent_stage"],
+            (report["baseline"] or {}).get("request_id"),
+            _top(report["causes"]),
+        )
     found = divergences.find(store, SINCE_NS, limit=None)
-    entries = {d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"],
-                                 _top([d["top_cause"]]) if d["top_cause"] else None)
-               for g in found["groups"] for d in g["deviating"] if d["request_id"] in of}  # fmt: skip
+    entries = {
+        d["request_id"]: (
+            d["first_divergent_stage"],
+            d["baseline_request_id"],
+            _top([d["top_cause"]]) if d["top_cause"] else None,
+        )
+        for g in found["groups"]
+        for d in g["deviating"]
+        if d["request_id"] in of
+    }
     baselines = {d["request_id"]: d["baseline_request_id"] for g in found["groups"] for d in g["deviating"]}
     return {"explain": explained, "divergences": entries, "baselines": baselines}
 
@@ -54,8 +65,14 @@ def shadowed(tmp_path_factory):
         large = fleet.Fleet(store, service=SERVICE, model=LARGE, model_on="decode")
         for i, t, host in fleet.timeline(large.at(0), large.at(40), 15 * SECOND, HOSTS):
             stale = {INDEX: "v40"} if host == STALE else {}
-            large.request(f"large-{i:04d}", t, host, prompt=(i // len(HOSTS)) % 4, settings=stale,
-                          differs={"retrieval": "v40"} if stale else {})  # fmt: skip
+            large.request(
+                f"large-{i:04d}",
+                t,
+                host,
+                prompt=(i // len(HOSTS)) % 4,
+                settings=stale,
+                differs={"retrieval": "v40"} if stale else {},
+            )
         large.flush()
         mine = set(large.requests)
         sample = sorted(mine)[::3]
@@ -67,9 +84,12 @@ def shadowed(tmp_path_factory):
             small.request(f"small-{i:04d}", t, host, prompt=i % 4, differs={"decode": "8b"})
         small.flush()
         live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()
-        rows = dict(store.client.query(
-            "SELECT RequestId, BaselineRequestId FROM {db:Identifier}.stagetrace_divergences FINAL",
-            parameters={"db": store.database}).result_rows)  # fmt: skip
+        rows = dict(
+            store.client.query(
+                "SELECT RequestId, BaselineRequestId FROM {db:Identifier}.stagetrace_divergences FINAL",
+                parameters={"db": store.database},
+            ).result_rows
+        )
         models = {d.request_id: d.model for d in population.deviations(store, large.at(-60), large.at(60))}
         together = answers(store, sample, mine)
     return alone, together, rows, models, large, small
@@ -95,8 +115,11 @@ def test_the_model_is_read_from_the_child_span(shadowed):
 @pytest.mark.parametrize("view", ["explain", "divergences"])
 def test_the_shadow_model_never_moves_an_answer(shadowed, view):
     alone, together, _, _, _, _ = shadowed
-    moved = {rid: (alone[view].get(rid), together[view].get(rid))
-             for rid in set(alone[view]) | set(together[view]) if alone[view].get(rid) != together[view].get(rid)}
+    moved = {
+        rid: (alone[view].get(rid), together[view].get(rid))
+        for rid in set(alone[view]) | set(together[view])
+        if alone[view].get(rid) != together[view].get(rid)
+    }
     assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
 
 
@@ -107,8 +130,7 @@ def test_no_baseline_is_the_other_models(shadowed):
     def same_model(rid: str, baseline: str | None) -> bool:
         return not baseline or (rid in large.requests) == (baseline in large.requests)
 
-    pairs = [*together["baselines"].items(), *rows.items(),
-             *((rid, e[2]) for rid, e in together["explain"].items())]  # fmt: skip
+    pairs = [*together["baselines"].items(), *rows.items(), *((rid, e[2]) for rid, e in together["explain"].items())]
     assert len(pairs) > 20
     crossed = [(rid, base) for rid, base in pairs if not same_model(rid, base)]
     assert not crossed, crossed[:5]
@@ -119,30 +141,37 @@ def test_the_sql_rule_is_the_python_twin(store):
     the earliest: ``request_model`` and ``requests_sql(model=True)`` agree."""
     cases = {  # request ID -> (model on the root, extra attributes of stage spans)
         "root-wins": ("on-root", {"decode": {"gen_ai.request.model": "on-decode"}}),
-        "decode-wins": (None, {"retrieval": {"llm.model_name": "embedder"},
-                               "decode": {"gen_ai.response.model": "on-decode"}}),
-        "earliest-else": (None, {"cache": {"llm.model_name": "second"},
-                                 "retrieval": {"llm.model_name": "first"}}),
+        "decode-wins": (
+            None,
+            {"retrieval": {"llm.model_name": "embedder"}, "decode": {"gen_ai.response.model": "on-decode"}},
+        ),
+        "earliest-else": (None, {"cache": {"llm.model_name": "second"}, "retrieval": {"llm.model_name": "first"}}),
         "none": (None, {}),
-    }  # fmt: skip
+    }
     fl = fleet.Fleet(store, model_on="none-of-its-stages")
     for i, (rid, (root, extra)) in enumerate(cases.items()):
         fl.request(rid, fl.at(i), "h1", root={"gen_ai.request.model": root} if root else None, extra=extra)
     fl.flush()
     sql = conventions.requests_sql("1", "{db:Identifier}.stagetrace_requests", model=True)
-    found = dict(store.client.query(f"SELECT RequestId, Model FROM ({sql})",
-                                    parameters={"db": store.database}).result_rows)  # fmt: skip
+    found = dict(
+        store.client.query(f"SELECT RequestId, Model FROM ({sql})", parameters={"db": store.database}).result_rows
+    )
     # the same rule for a set of traces, as the contrast reads it
     traces = "SELECT TraceId FROM {db:Identifier}.stagetrace_requests"
-    by_trace = dict(store.client.query(
-        f"SELECT r.RequestId, m.Model FROM ({sql}) AS r LEFT JOIN ("
-        f"{conventions.trace_models_sql(traces, '1', '{db:Identifier}.stagetrace_requests')}) AS m USING (TraceId)",
-        parameters={"db": store.database}).result_rows)  # fmt: skip
+    by_trace = dict(
+        store.client.query(
+            f"SELECT r.RequestId, m.Model FROM ({sql}) AS r LEFT JOIN ("
+            f"{conventions.trace_models_sql(traces, '1', '{db:Identifier}.stagetrace_requests')}) AS m USING (TraceId)",
+            parameters={"db": store.database},
+        ).result_rows
+    )
     assert by_trace == found
     for rid, (root, extra) in cases.items():
         recorded = fl.requests[rid]
-        stages = [(s["stage"], recorded["start_ns"] + k, {str(a): str(v) for a, v in s["attributes"].items()}, {})
-                  for k, s in enumerate(recorded["stages"])]  # fmt: skip
+        stages = [
+            (s["stage"], recorded["start_ns"] + k, {str(a): str(v) for a, v in s["attributes"].items()}, {})
+            for k, s in enumerate(recorded["stages"])
+        ]
         twin = conventions.request_model([({"gen_ai.request.model": root} if root else {}, {})], stages)
         assert found[rid] == twin, (rid, found[rid], twin)
     assert [found[r] for r in cases] == ["on-root", "on-decode", "first", ""]

@@ -152,9 +152,9 @@ def test_trace_shows_the_resource_setting_explain_blames_with_its_header_whole_a
         assert f"{top['name']}={top['value'] if value != top['value'] else top['baseline_value']}" not in shown
         header = next(line for line in lines if line.startswith("span "))
         assert "start ms" in header and "dur ms" in header, header
-        table = lines[lines.index(header):next(i for i, line in enumerate(lines) if line.startswith("gpu0 ="))]
+        table = lines[lines.index(header) : next(i for i, line in enumerate(lines) if line.startswith("gpu0 ="))]
         assert max(map(len, table)) <= 80 and all("█" in line for line in table[2:]), table
-        settings = lines[lines.index("attributes") + 1:]
+        settings = lines[lines.index("attributes") + 1 :]
         assert all(line.startswith("  ") for line in settings[:8]), settings[:8]  # each wrapped line indented
 
 
@@ -181,8 +181,9 @@ def test_divergences_open_with_a_tally_that_counts_the_rows(demo_store):
     assert sum(t["analysed"] for t in found["tally"]) == len(rows) == found["analysed"]
     assert all(t["hosts"] and t["first_seen"] <= t["last_seen"] for t in found["tally"])
     assert all(i["host"] for i in rows)
-    run = subprocess.run([*STAGETRACE, "divergences", "--since", "1d", "--store", dsn], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    run = subprocess.run(
+        [*STAGETRACE, "divergences", "--since", "1d", "--store", dsn], capture_output=True, text=True, timeout=300
+    )
     assert run.stdout.index("# by cause") < run.stdout.index("# deviating requests")
     top = found["tally"][0]
     assert f"{top['cause']}\t{top['stage']}\t{top['requests']}\t{top['analysed']}\t" in run.stdout
@@ -215,8 +216,11 @@ def test_a_command_wider_than_the_terminal_pastes_as_the_same_command(width):
     """The next commands the demo prints, wider than the terminal (a long interpreter path, a store under a deep
     temporary directory, with a space): broken only between their parts, each line but the last ending in a line
     continuation, the verb beside its request ID; a shell reads back the same command. Piped, it is one line."""
-    parts = [shlex.quote("/opt/venvs/stage trace/bin/python") + " -m stagetrace", "explain req-3f9a1c0b",
-             "--store " + shlex.quote("chdb:///tmp/pytest-of-root/pytest-30/with space/store")]  # fmt: skip
+    parts = [
+        shlex.quote("/opt/venvs/stage trace/bin/python") + " -m stagetrace",
+        "explain req-3f9a1c0b",
+        "--store " + shlex.quote("chdb:///tmp/pytest-of-root/pytest-30/with space/store"),
+    ]
     shown = io.StringIO()
     Output(Console(file=shown, width=width, force_terminal=True)).command(parts)
     lines = shown.getvalue().splitlines()
@@ -261,7 +265,9 @@ def test_a_read_command_never_creates_a_store(tmp_path):
         assert f"no store at {typo} (a typo? the default is " in message
     assert not typo.exists()
     # the default store, not made yet: no "a typo?" for the path the user never typed
-    fresh = {k: v for k, v in os.environ.items() if k != "STAGETRACE_STORE"} | {"XDG_DATA_HOME": str(tmp_path / "fresh")}
+    fresh = {k: v for k, v in os.environ.items() if k != "STAGETRACE_STORE"} | {
+        "XDG_DATA_HOME": str(tmp_path / "fresh")
+    }
     message = one_line_failure("trace", "r-1", env=fresh)
     assert f"no store at {tmp_path / 'fresh' / 'stagetrace' / 'store'} (the default store; `stagetrace demo`" in message
 
@@ -294,9 +300,12 @@ def test_a_store_on_a_read_only_filesystem_is_read_in_place(demo_store, tmp_path
 
 
 @settings(max_examples=200, deadline=None)
-@given(words=st.lists(st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=50),
-                      min_size=1, max_size=30),
-       width=st.integers(min_value=10, max_value=120))  # fmt: skip
+@given(
+    words=st.lists(
+        st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=50), min_size=1, max_size=30
+    ),
+    width=st.integers(min_value=10, max_value=120),
+)
 def test_free_text_breaks_only_between_words(words, width):
     """A free-text line on a terminal (explain's verdict, trace's attribute names): broken only between words or
     after the comma or semicolon of a list (UUIDs joined by commas); every line fits, or holds one piece wider than
@@ -321,27 +330,42 @@ def test_the_divergences_header_counts_unseeded_requests_by_service():
     from stagetrace.render import Output, divergence_groups
 
     piped = io.StringIO()
-    found = {"deviating": 145, "analysed": 76, "nondeterministic": 841,
-             "nondeterministic_by_service": {"fabric": 720, "rag-demo": 121}, "groups": [], "tally": []}  # fmt: skip
+    found = {
+        "deviating": 145,
+        "analysed": 76,
+        "nondeterministic": 841,
+        "nondeterministic_by_service": {"fabric": 720, "rag-demo": 121},
+        "groups": [],
+        "tally": [],
+    }
     divergence_groups(Output(Console(file=piped)), found, "1h")
     assert piped.getvalue().splitlines()[0] == (
         "145 deviating requests in the last 1h; the latest 76 analysed in full (--limit 0 analyses all); "
-        "841 sampled without a seed, not compared (fabric 720, rag-demo 121)")
+        "841 sampled without a seed, not compared (fabric 720, rag-demo 121)"
+    )
 
 
 def test_a_baseline_is_a_majority_only_when_it_is_more_than_half_and_causes_are_grouped_as_labelled():
-    """"The majority output, 8 of 21" was a plurality: under half it is the most common output. A weak cause
+    """ "The majority output, 8 of 21" was a plurality: under half it is the most common output. A weak cause
     scoring 0.88 listed after strong ones scoring 0.18 under "best first" read as a misordering: the strong and the
     weak are shown apart, each best first."""
     from stagetrace.render import baseline_words, cause_groups
 
-    assert baseline_words({"how": "majority", "support": 8, "group_size": 21}).startswith("the most common output, 8 of")
+    assert baseline_words({"how": "majority", "support": 8, "group_size": 21}).startswith(
+        "the most common output, 8 of"
+    )
     assert baseline_words({"how": "majority", "support": 11, "group_size": 21}).startswith("the majority output, 11 of")
     assert baseline_words({"how": "majority", "support": 2, "group_size": 4}).startswith("the most common output")
-    causes = [{"name": "a", "score": 0.18}, {"name": "b", "score": 0.40}, {"name": "w", "score": 0.88, "weak": True},
-              {"name": "v", "score": 0.30, "weak": True}]  # fmt: skip
+    causes = [
+        {"name": "a", "score": 0.18},
+        {"name": "b", "score": 0.40},
+        {"name": "w", "score": 0.88, "weak": True},
+        {"name": "v", "score": 0.30, "weak": True},
+    ]
     assert [(title, [c["name"] for c in group]) for title, group in cause_groups(causes)] == [
-        ("causes, best first", ["b", "a"]), ("weak causes (less evidence), best first", ["w", "v"])]
+        ("causes, best first", ["b", "a"]),
+        ("weak causes (less evidence), best first", ["w", "v"]),
+    ]
     assert [title for title, _ in cause_groups(causes[:2])] == ["causes, best first"]
 
 
@@ -350,9 +374,15 @@ def test_a_request_with_nothing_to_compare_is_not_said_to_agree():
     "agrees" (a newcomer read the quickstart's lone request as vouched for)."""
     from stagetrace.render import explanation
 
-    report = {"request_id": "quickstart-0002", "trace_id": "ab" * 16, "diverged": False, "baseline": None,
-              "summary": "no other request with the same input in the window: nothing to compare against",
-              "stages": [], "causes": []}  # fmt: skip
+    report = {
+        "request_id": "quickstart-0002",
+        "trace_id": "ab" * 16,
+        "diverged": False,
+        "baseline": None,
+        "summary": "no other request with the same input in the window: nothing to compare against",
+        "stages": [],
+        "causes": [],
+    }
     buffer = io.StringIO()
     explanation(Output(Console(file=buffer, width=80)), report)
     assert "verdict: nothing to compare" in buffer.getvalue() and "agrees" not in buffer.getvalue()
@@ -366,15 +396,33 @@ def test_a_long_value_at_80_columns_hangs_under_its_field_and_prose_breaks_betwe
     from stagetrace.render import explanation
 
     uuids = [f"GPU-{i:08x}-1111-2222-3333-{i:012x}" for i in range(4)]
-    report = {"request_id": "req-0123456789ab", "trace_id": "ab" * 16, "diverged": True,
-              "baseline": {"request_id": "req-ba0123456789", "how": "majority", "support": 11, "group_size": 21},
-              "summary": "allreduce's output differs from the baseline's; its inputs are the same, so the change "
-                         "began in allreduce: the ranks ran another algorithm on other devices",
-              "stages": [], "causes": [
-                  {"name": "gpu.uuids", "kind": "attribute", "value": ",".join(uuids),
-                   "baseline_value": ",".join(reversed(uuids)), "score": 0.9, "device": ""},
-                  {"name": "allreduce.algorithm", "kind": "attribute", "value": "tree", "baseline_value": "ring",
-                   "score": 0.8, "device": ""}]}  # fmt: skip
+    report = {
+        "request_id": "req-0123456789ab",
+        "trace_id": "ab" * 16,
+        "diverged": True,
+        "baseline": {"request_id": "req-ba0123456789", "how": "majority", "support": 11, "group_size": 21},
+        "summary": "allreduce's output differs from the baseline's; its inputs are the same, so the change "
+        "began in allreduce: the ranks ran another algorithm on other devices",
+        "stages": [],
+        "causes": [
+            {
+                "name": "gpu.uuids",
+                "kind": "attribute",
+                "value": ",".join(uuids),
+                "baseline_value": ",".join(reversed(uuids)),
+                "score": 0.9,
+                "device": "",
+            },
+            {
+                "name": "allreduce.algorithm",
+                "kind": "attribute",
+                "value": "tree",
+                "baseline_value": "ring",
+                "score": 0.8,
+                "device": "",
+            },
+        ],
+    }
     buffer = io.StringIO()
     explanation(Output(Console(file=buffer, width=80, force_terminal=True, color_system=None)), report)
     lines = buffer.getvalue().splitlines()
@@ -384,7 +432,7 @@ def test_a_long_value_at_80_columns_hangs_under_its_field_and_prose_breaks_betwe
         (at,) = [i for i, line in enumerate(lines) if line.startswith(f"  {header}{uuids[0][:4]}")]
         column = len(f"  {header}")
         further = lines[at + 1]
-        assert further.startswith(" " * column) and further[column:column + 4] == "GPU-", (header, lines)
+        assert further.startswith(" " * column) and further[column : column + 4] == "GPU-", (header, lines)
     (first,) = [i for i, line in enumerate(lines) if line.startswith("allreduce's output")]
-    assert " ".join(lines[first:first + 2]) == report["summary"], lines  # two lines, broken at a space
+    assert " ".join(lines[first : first + 2]) == report["summary"], lines  # two lines, broken at a space
     assert any(line.strip().startswith("kind: attribute") and "value: tree" in line for line in lines), lines

@@ -42,8 +42,11 @@ def test_the_clickhouse_exporter_writes_the_database_and_tables_stagetrace_schem
     database = parse_dsn("chdb:///tmp/x").database
     assert exporter["database"] == database == "stagetrace"
     assert exporter["create_schema"] is False
-    written = {exporter["traces_table_name"], exporter["logs_table_name"],
-               *(table["name"] for table in exporter["metrics_tables"].values())}  # fmt: skip
+    written = {
+        exporter["traces_table_name"],
+        exporter["logs_table_name"],
+        *(table["name"] for table in exporter["metrics_tables"].values()),
+    }
     assert written == {"otel_traces", "otel_logs", "otel_metrics_gauge", "otel_metrics_sum"}
     assert {(database, table) for table in written} <= created
     assert exporter["metrics_tables"]["gauge"]["name"] == "otel_metrics_gauge"
@@ -51,15 +54,21 @@ def test_the_clickhouse_exporter_writes_the_database_and_tables_stagetrace_schem
     # in cluster mode the canonical names are the Distributed tables, so the same config writes a fleet
     clustered = ";".join(schema.statements(cluster="fleet"))
     for table in written:
-        assert re.search(rf"CREATE TABLE IF NOT EXISTS `stagetrace`\.`{table}` ON CLUSTER `fleet` .*Distributed", clustered)
+        assert re.search(
+            rf"CREATE TABLE IF NOT EXISTS `stagetrace`\.`{table}` ON CLUSTER `fleet` .*Distributed", clustered
+        )
 
 
 def test_metric_types_without_a_table_are_dropped_before_the_exporter():
     metrics = CONFIG["service"]["pipelines"]["metrics"]["processors"]
     assert "filter/gauges_and_sums" in metrics
     dropped = CONFIG["processors"]["filter/gauges_and_sums"]["metrics"]["metric"]
-    assert set(dropped) == {f"type == METRIC_DATA_TYPE_{kind}" for kind in ("HISTOGRAM", "EXPONENTIAL_HISTOGRAM", "SUMMARY")}
-    assert not {"otel_metrics_histogram", "otel_metrics_summary", "otel_metrics_exp_histogram"} & set(schema.TABLE_NAMES)
+    assert set(dropped) == {
+        f"type == METRIC_DATA_TYPE_{kind}" for kind in ("HISTOGRAM", "EXPONENTIAL_HISTOGRAM", "SUMMARY")
+    }
+    assert not {"otel_metrics_histogram", "otel_metrics_summary", "otel_metrics_exp_histogram"} & set(
+        schema.TABLE_NAMES
+    )
 
 
 def test_it_scrapes_the_agent_and_takes_otlp_where_senders_send_it():

@@ -15,7 +15,10 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
     ExportMetricsServiceResponse,
 )
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -56,10 +59,14 @@ def recorded_spans() -> list:
     provider.add_span_processor(SimpleSpanProcessor(memory))
     tracer = provider.get_tracer("app.scope", "2.1")
     attributes = {"s": "x", "i": 7, "f": 0.25, "b": False, "ints": [1, 2], "strs": ["a", "b"], "floats": [0.5, 1.0]}
-    with tracer.start_as_current_span("root", kind=SpanKind.SERVER, attributes={"stagetrace.request.id": "r-1", **attributes}) as root:
+    with tracer.start_as_current_span(
+        "root", kind=SpanKind.SERVER, attributes={"stagetrace.request.id": "r-1", **attributes}
+    ) as root:
         root.add_event("tokenized", {"tokens": 17, "ok": True})
         for kind in (SpanKind.CLIENT, SpanKind.PRODUCER, SpanKind.CONSUMER, SpanKind.INTERNAL):
-            with tracer.start_as_current_span(f"child-{kind.name}", kind=kind, links=[Link(root.get_span_context(), {"why": "retry"})]) as child:
+            with tracer.start_as_current_span(
+                f"child-{kind.name}", kind=kind, links=[Link(root.get_span_context(), {"why": "retry"})]
+            ) as child:
                 child.set_status(Status(StatusCode.ERROR, "boom") if kind is SpanKind.CLIENT else Status(StatusCode.OK))
     provider.shutdown()
     return list(memory.get_finished_spans())
@@ -91,8 +98,12 @@ def test_spans_over_otlp_get_exactly_the_columns_the_python_exporter_writes(stor
 @pytest.mark.parametrize("compression", [Compression.NoCompression, Compression.Gzip, Compression.Deflate])
 def test_the_sdk_exporter_with_each_compression(store, receiver, compression):
     provider = TracerProvider(resource=Resource.create({"service.name": "svc"}))
-    provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(f"{receiver.url}/v1/traces", compression=compression)))
-    with provider.get_tracer("t").start_as_current_span("request", attributes={"stagetrace.request.id": f"c-{compression.value}"}):
+    provider.add_span_processor(
+        SimpleSpanProcessor(OTLPSpanExporter(f"{receiver.url}/v1/traces", compression=compression))
+    )
+    with provider.get_tracer("t").start_as_current_span(
+        "request", attributes={"stagetrace.request.id": f"c-{compression.value}"}
+    ):
         pass
     provider.shutdown()
     assert receiver.writer.flush()
@@ -139,8 +150,9 @@ def test_otlp_json_with_hex_ids_and_a_partial_success_for_invalid_ids(store, rec
     answer = json.loads(body)["partialSuccess"]
     assert int(answer["rejectedSpans"]) == 3 and "invalid trace or span ID" in answer["errorMessage"]
     assert receiver.writer.flush()
-    (row,) = store.client.query("SELECT TraceId, SpanId, SpanKind, ServiceName, ScopeName, SpanAttributes "
-                                "FROM stagetrace.otel_traces").result_rows  # fmt: skip
+    (row,) = store.client.query(
+        "SELECT TraceId, SpanId, SpanKind, ServiceName, ScopeName, SpanAttributes FROM stagetrace.otel_traces"
+    ).result_rows
     assert row[:5] == ("4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7", "Server", "vllm", "vllm.llm_engine")
     assert row[5]["gen_ai.latency.time_in_queue"] == "0.0123" and row[5]["gen_ai.usage.prompt_tokens"] == "512"
 
@@ -171,14 +183,27 @@ def _vllm_protobuf() -> bytes:
         (b'{"resourceSpans": 7}', "application/json", {}, 400, "not a valid ExportTraceServiceRequest in OTLP/JSON"),
         (b"spans", "text/plain", {}, 415, "Content-Type text/plain is not OTLP"),
         (b"\0" * (64 * 1024 + 1), "application/x-protobuf", {}, 413, "over the limit of 65536"),
-        (gzip.compress(b"\0" * (64 * 1024 + 1)), "application/x-protobuf", {"Content-Encoding": "gzip"}, 413,
-         "inflates to over the limit"),
+        (
+            gzip.compress(b"\0" * (64 * 1024 + 1)),
+            "application/x-protobuf",
+            {"Content-Encoding": "gzip"},
+            413,
+            "inflates to over the limit",
+        ),
         (b"not gzip", "application/x-protobuf", {"Content-Encoding": "gzip"}, 400, "not valid gzip"),
         (b"x", "application/x-protobuf", {"Content-Encoding": "br"}, 415, "Content-Encoding br is not supported"),
     ],
-    ids=["truncated-protobuf", "invalid-json", "json-of-wrong-shape", "wrong-content-type", "oversized",
-         "gzip-bomb", "bad-gzip", "unknown-encoding"],
-)  # fmt: skip
+    ids=[
+        "truncated-protobuf",
+        "invalid-json",
+        "json-of-wrong-shape",
+        "wrong-content-type",
+        "oversized",
+        "gzip-bomb",
+        "bad-gzip",
+        "unknown-encoding",
+    ],
+)
 def test_malformed_requests_get_the_specified_4xx_and_the_receiver_keeps_serving(
     store, body, content_type, headers, status, message
 ):
@@ -199,14 +224,19 @@ def test_other_paths_methods_and_a_missing_token(store):
     receiver = OtlpReceiver(store, "127.0.0.1:0", token="s3cret")
     try:
         url = f"{receiver.url}/v1/traces"
-        assert post(f"{receiver.url}/v1/profiles", b"", "application/x-protobuf", Authorization="Bearer s3cret")[0] == 404
+        assert (
+            post(f"{receiver.url}/v1/profiles", b"", "application/x-protobuf", Authorization="Bearer s3cret")[0] == 404
+        )
         with pytest.raises(urllib.error.HTTPError) as get:
             urllib.request.urlopen(url, timeout=5)
         assert get.value.code == 405 and get.value.headers["Allow"] == "POST"
         status, headers, _ = post(url, b"", "application/x-protobuf")
         assert status == 401 and headers["WWW-Authenticate"] == "Bearer"
         assert post(url, b"", "application/x-protobuf", Authorization="Bearer wrong")[0] == 401
-        assert OTLPSpanExporter(url, headers={"Authorization": "Bearer s3cret"}).export(recorded_spans()) is SpanExportResult.SUCCESS
+        assert (
+            OTLPSpanExporter(url, headers={"Authorization": "Bearer s3cret"}).export(recorded_spans())
+            is SpanExportResult.SUCCESS
+        )
         assert OTLPSpanExporter(url, timeout=5).export(recorded_spans()) is SpanExportResult.FAILURE
     finally:
         receiver.close()
@@ -236,9 +266,13 @@ def test_a_store_down_without_a_spool_answers_503_with_retry_after_and_keeps_not
 
 def test_gauges_and_sums_from_the_sdk_metric_exporter_land_in_the_collector_tables(store, receiver):
     reader = InMemoryMetricReader()
-    provider = MeterProvider(resource=Resource.create({"service.name": "vllm", "host.name": "node-a"}), metric_readers=[reader])
+    provider = MeterProvider(
+        resource=Resource.create({"service.name": "vllm", "host.name": "node-a"}), metric_readers=[reader]
+    )
     meter = provider.get_meter("vllm.metrics", "0.10.1")
-    meter.create_counter("vllm.prompt_tokens", unit="{token}", description="Prompt tokens").add(512, {"model_name": "m"})
+    meter.create_counter("vllm.prompt_tokens", unit="{token}", description="Prompt tokens").add(
+        512, {"model_name": "m"}
+    )
     meter.create_up_down_counter("vllm.num_requests_running").add(3)
     meter.create_gauge("vllm.kv_cache_usage", unit="1").set(0.42, {"model_name": "m"})
     meter.create_histogram("vllm.e2e_request_latency", unit="s").record(1.29)
@@ -247,17 +281,29 @@ def test_gauges_and_sums_from_the_sdk_metric_exporter_land_in_the_collector_tabl
     assert receiver.writer.flush()
     gauge = store.client.query(
         "SELECT MetricName, MetricUnit, Value, Attributes, ServiceName, ScopeName, ScopeVersion, "
-        "ResourceAttributes['host.name'] FROM stagetrace.otel_metrics_gauge").result_rows  # fmt: skip
-    assert gauge == [("vllm.kv_cache_usage", "1", 0.42, {"model_name": "m"}, "vllm", "vllm.metrics", "0.10.1", "node-a")]
-    sums = store.client.query("SELECT MetricName, MetricDescription, Value, IsMonotonic, AggregationTemporality "
-                              "FROM stagetrace.otel_metrics_sum ORDER BY MetricName").result_rows  # fmt: skip
-    assert sums == [("vllm.num_requests_running", "", 3.0, False, 2), ("vllm.prompt_tokens", "Prompt tokens", 512.0, True, 2)]
+        "ResourceAttributes['host.name'] FROM stagetrace.otel_metrics_gauge"
+    ).result_rows
+    assert gauge == [
+        ("vllm.kv_cache_usage", "1", 0.42, {"model_name": "m"}, "vllm", "vllm.metrics", "0.10.1", "node-a")
+    ]
+    sums = store.client.query(
+        "SELECT MetricName, MetricDescription, Value, IsMonotonic, AggregationTemporality "
+        "FROM stagetrace.otel_metrics_sum ORDER BY MetricName"
+    ).result_rows
+    assert sums == [
+        ("vllm.num_requests_running", "", 3.0, False, 2),
+        ("vllm.prompt_tokens", "Prompt tokens", 512.0, True, 2),
+    ]
     # the histogram is not stored, and the answer says so
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 
-    status, _, body = post(f"{receiver.url}/v1/metrics", encode_metrics(data).SerializeToString(), "application/x-protobuf")
+    status, _, body = post(
+        f"{receiver.url}/v1/metrics", encode_metrics(data).SerializeToString(), "application/x-protobuf"
+    )
     answer = ExportMetricsServiceResponse.FromString(body).partial_success
-    assert status == 200 and answer.rejected_data_points == 1 and "histogram points are not stored" in answer.error_message
+    assert (
+        status == 200 and answer.rejected_data_points == 1 and "histogram points are not stored" in answer.error_message
+    )
     provider.shutdown()
 
 

@@ -15,7 +15,10 @@ from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExp
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpSpanExporter
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
 from opentelemetry.sdk.resources import Resource
@@ -118,8 +121,9 @@ def test_metrics_over_grpc_land_in_the_collector_s_tables_and_histograms_are_a_p
     grpc_exporter = OTLPMetricExporter(endpoint=f"http://{server.url}", insecure=True, timeout=5)
     assert grpc_exporter.export(data) is MetricExportResult.SUCCESS
     assert receiver[0].writer.flush()
-    assert store.client.query("SELECT MetricName, Value, Attributes['route'] FROM stagetrace.otel_metrics_sum"
-                              ).result_rows == [("requests_total", 3.0, "/v1")]  # fmt: skip
+    assert store.client.query(
+        "SELECT MetricName, Value, Attributes['route'] FROM stagetrace.otel_metrics_sum"
+    ).result_rows == [("requests_total", 3.0, "/v1")]
     # the SDK exporter does not read partial_success: a raw call does
     code, body, _ = call(server, encode_metrics(data).SerializeToString(), method=METRICS)
     answer = ExportMetricsServiceResponse.FromString(body).partial_success
@@ -134,7 +138,9 @@ def test_a_wrong_or_missing_token_is_unauthenticated_and_nothing_is_stored(store
     assert call(server, body, (("authorization", TOKEN),))[0] is grpc.StatusCode.UNAUTHENTICATED  # no scheme
     assert call(server, body, method=METRICS)[0] is grpc.StatusCode.UNAUTHENTICATED
     assert exporter(server).export(spans(1, "no")) is SpanExportResult.FAILURE
-    assert exporter(server, headers=(("authorization", "Bearer nope"),)).export(spans(1, "no")) is SpanExportResult.FAILURE
+    assert (
+        exporter(server, headers=(("authorization", "Bearer nope"),)).export(spans(1, "no")) is SpanExportResult.FAILURE
+    )
     assert core.writer.flush() and stored(store) == 0
     with_token = exporter(server, headers=(("authorization", f"Bearer {TOKEN}"),))
     assert with_token.export(spans(1, "ok")) is SpanExportResult.SUCCESS
@@ -182,7 +188,9 @@ def test_invalid_ids_are_a_partial_success_and_the_valid_spans_are_kept(store, r
     request.resource_spans[0].scope_spans[0].spans[1].span_id = bytes(8)
     code, body, _ = call(server, request.SerializeToString())
     answer = ExportTraceServiceResponse.FromString(body).partial_success
-    assert code is grpc.StatusCode.OK and answer.rejected_spans == 2 and "invalid trace or span ID" in answer.error_message
+    assert (
+        code is grpc.StatusCode.OK and answer.rejected_spans == 2 and "invalid trace or span ID" in answer.error_message
+    )
     assert core.writer.flush() and stored(store) == 2
     # a fully taken call answers an empty response, as over HTTP
     code, body, _ = call(server, ExportTraceServiceRequest().SerializeToString())

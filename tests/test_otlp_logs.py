@@ -65,15 +65,21 @@ def test_an_engines_log_lines_sit_beside_the_request_they_belong_to(tmp_path):
     try:
         resource = Resource.create({"service.name": "vllm", "host.name": "gpu-a"})
         tracer_provider = TracerProvider(resource=resource)
-        tracer_provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(f"{agent.endpoints['otlp']}/v1/traces")))
+        tracer_provider.add_span_processor(
+            SimpleSpanProcessor(OTLPSpanExporter(f"{agent.endpoints['otlp']}/v1/traces"))
+        )
         logs_http, logs_grpc = LoggerProvider(resource=resource), LoggerProvider(resource=resource)
-        logs_http.add_log_record_processor(SimpleLogRecordProcessor(HttpLogExporter(f"{agent.endpoints['otlp']}/v1/logs")))
-        logs_grpc.add_log_record_processor(SimpleLogRecordProcessor(
-            GrpcLogExporter(endpoint=f"http://{agent.endpoints['otlp_grpc']}", insecure=True)))  # fmt: skip
+        logs_http.add_log_record_processor(
+            SimpleLogRecordProcessor(HttpLogExporter(f"{agent.endpoints['otlp']}/v1/logs"))
+        )
+        logs_grpc.add_log_record_processor(
+            SimpleLogRecordProcessor(GrpcLogExporter(endpoint=f"http://{agent.endpoints['otlp_grpc']}", insecure=True))
+        )
         over_http, over_grpc = bridged_logger(logs_http, "engine.http"), bridged_logger(logs_grpc, "engine.grpc")
         tracer = tracer_provider.get_tracer("engine")
-        with tracer.start_as_current_span("llm_request", kind=SpanKind.SERVER,
-                                          attributes={"gen_ai.request.id": "req-logged"}):  # fmt: skip
+        with tracer.start_as_current_span(
+            "llm_request", kind=SpanKind.SERVER, attributes={"gen_ai.request.id": "req-logged"}
+        ):
             over_http.warning("preempted: KV cache full, 3 sequences swapped")
             with tracer.start_as_current_span("decode", attributes={"stagetrace.stage": "decode"}):
                 over_grpc.error("CUDA graph replay fell back to eager mode")
@@ -103,28 +109,38 @@ def test_an_engines_log_lines_sit_beside_the_request_they_belong_to(tmp_path):
         assert ("", "idle") in rows and len(rows) == 3
         # the trace lookup dashboard's Log lines panel, expanded as the data source does
         store.client.database = store.database
-        sql = expand(trace_lookup.LOGS_SQL, QueryContext(datetime.now(timezone.utc) - timedelta(hours=1),
-                                                         datetime.now(timezone.utc), interval_ms=1000),
-                     {"request_id": Variable("req-logged")})  # fmt: skip
+        sql = expand(
+            trace_lookup.LOGS_SQL,
+            QueryContext(datetime.now(timezone.utc) - timedelta(hours=1), datetime.now(timezone.utc), interval_ms=1000),
+            {"request_id": Variable("req-logged")},
+        )
         panel = store.client.query(sql).result_rows
-    assert [(r[1], r[2]) for r in panel] == [("preempted: KV cache full, 3 sequences swapped", "warn"),
-                                             ("CUDA graph replay fell back to eager mode", "error")]
+    assert [(r[1], r[2]) for r in panel] == [
+        ("preempted: KV cache full, 3 sequences swapped", "warn"),
+        ("CUDA graph replay fell back to eager mode", "error"),
+    ]
 
 
 def test_otlp_logs_none_refuses_them_over_both_protocols(tmp_path):
     agent = agents.Agent(tmp_path, "--otlp-logs", "none")
     try:
-        request = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/logs", data=b"", method="POST",
-                                         headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        request = urllib.request.Request(
+            f"{agent.endpoints['otlp']}/v1/logs",
+            data=b"",
+            method="POST",
+            headers={"Content-Type": "application/x-protobuf"},
+        )
         try:
             urllib.request.urlopen(request, timeout=10)
             raise AssertionError("logs were accepted")
         except urllib.error.HTTPError as exc:
             assert exc.code == 404 and b"--otlp-logs none" in exc.read()
         with grpc.insecure_channel(agent.endpoints["otlp_grpc"]) as channel:
-            export = channel.unary_unary("/opentelemetry.proto.collector.logs.v1.LogsService/Export",
-                                         request_serializer=lambda m: m.SerializeToString(),
-                                         response_deserializer=logs_service_pb2.ExportLogsServiceResponse.FromString)
+            export = channel.unary_unary(
+                "/opentelemetry.proto.collector.logs.v1.LogsService/Export",
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=logs_service_pb2.ExportLogsServiceResponse.FromString,
+            )
             try:
                 export(logs_service_pb2.ExportLogsServiceRequest(), timeout=10)
                 raise AssertionError("logs were accepted")
@@ -189,9 +205,10 @@ def test_every_log_record_acknowledged_through_kills_of_the_agent_is_stored_exac
     agent = test_kill.Agent(tmp_path)
     agent.start()
     stop = threading.Event()
-    senders = [LogSender(HttpLogExporter(endpoint=f"http://127.0.0.1:{agent.http}/v1/logs", timeout=5), "http", stop),
-               LogSender(GrpcLogExporter(endpoint=f"http://127.0.0.1:{agent.grpc}", insecure=True, timeout=5),
-                         "grpc", stop)]  # fmt: skip
+    senders = [
+        LogSender(HttpLogExporter(endpoint=f"http://127.0.0.1:{agent.http}/v1/logs", timeout=5), "http", stop),
+        LogSender(GrpcLogExporter(endpoint=f"http://127.0.0.1:{agent.grpc}", insecure=True, timeout=5), "grpc", stop),
+    ]
     for sender in senders:
         sender.start()
     rng = random.Random(31)

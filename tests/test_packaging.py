@@ -11,8 +11,12 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = {"stagetrace": "src/stagetrace", "stagetrace.collectors": "collectors",
-                "stagetrace.exporters": "exporters", "stagetrace.dashboards": "dashboards"}  # fmt: skip
+PACKAGE_DIRS = {
+    "stagetrace": "src/stagetrace",
+    "stagetrace.collectors": "collectors",
+    "stagetrace.exporters": "exporters",
+    "stagetrace.dashboards": "dashboards",
+}
 
 
 def _packages_on_disk() -> set[str]:
@@ -27,16 +31,24 @@ def _packages_on_disk() -> set[str]:
 def test_pyproject_lists_every_package_and_folder():
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     # the data folders too (dashboards/generated, ...): setuptools warns about each one it installs unlisted
-    data = {f"{package}.{pattern.split('/')[0]}" for package, patterns in tool["package-data"].items()
-            for pattern in patterns}  # fmt: skip
+    data = {
+        f"{package}.{pattern.split('/')[0]}"
+        for package, patterns in tool["package-data"].items()
+        for pattern in patterns
+    }
     assert set(tool["packages"]) == _packages_on_disk() | data
     assert tool["package-dir"] == PACKAGE_DIRS
 
 
 def _clean_copy(dest: Path) -> None:
     """Tracked and untracked-but-not-ignored files: what a fresh clone would hold, without build leftovers."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                            capture_output=True, check=True).stdout.decode().split("\0")  # fmt: skip
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = ROOT / name
         if source.is_file():
@@ -47,17 +59,25 @@ def _clean_copy(dest: Path) -> None:
 def test_wheel_from_a_clean_copy_imports_every_subpackage(tmp_path):
     src, dist, env = tmp_path / "src", tmp_path / "dist", tmp_path / "venv"
     _clean_copy(src)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", dist, src],
-                           check=True, capture_output=True, text=True)  # fmt: skip
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", dist, src], check=True, capture_output=True, text=True
+    )
     assert "Warning" not in built.stdout + built.stderr  # pip install . stays quiet: no setuptools deprecations
     wheel = next(dist.glob("stagetrace-*.whl"))
     venv.create(env, with_pip=False)
     python = env / "bin" / "python"
-    subprocess.run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel],
-                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel],
+        check=True,
+        capture_output=True,
+    )
     # Third-party dependencies come from the test environment; stagetrace itself only from the wheel.
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(site, "deps-from-test-env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     modules = sorted(_packages_on_disk())
     check = (

@@ -67,13 +67,17 @@ def test_a_merge_committed_short_into_a_full_disk_is_undone_and_every_row_reads_
             filler.start()
             filler.join()
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and int(client.command(
-                    "SELECT count() FROM system.merges WHERE database = 'stagetrace' AND table = 'otel_traces'")):
-                time.sleep(0.1)  # fmt: skip
+            while time.monotonic() < deadline and int(
+                client.command(
+                    "SELECT count() FROM system.merges WHERE database = 'stagetrace' AND table = 'otel_traces'"
+                )
+            ):
+                time.sleep(0.1)
             undone = guard.check()
             os.unlink(ballast)
-            counts = client.query("SELECT count(), uniqExact(SpanId, TraceId) FROM stagetrace.otel_traces "
-                                  "WHERE SpanName = 'part-guard'").result_rows[0]  # fmt: skip
+            counts = client.query(
+                "SELECT count(), uniqExact(SpanId, TraceId) FROM stagetrace.otel_traces WHERE SpanName = 'part-guard'"
+            ).result_rows[0]
             assert counts == (PARTS * ROWS_A_PART, PARTS * ROWS_A_PART), (attempt, undone, counts)
             if undone:
                 break
@@ -82,12 +86,17 @@ def test_a_merge_committed_short_into_a_full_disk_is_undone_and_every_row_reads_
         assert all(p.found < p.expected for p in undone), undone
         for table in {p.table for p in undone}:  # otel_traces, or the trace index its view fills, or both
             where = {"table": table}
-            detached = client.query("SELECT reason FROM system.detached_parts WHERE database = 'stagetrace' "
-                                    "AND table = {table:String}", parameters=where).result_rows  # fmt: skip
+            detached = client.query(
+                "SELECT reason FROM system.detached_parts WHERE database = 'stagetrace' AND table = {table:String}",
+                parameters=where,
+            ).result_rows
             assert detached and {reason for (reason,) in detached} == {"broken-on-start"}, (table, detached)
             # the parts it was made from are active again, and whole
-            active = client.query("SELECT path, bytes_on_disk FROM system.parts WHERE database = 'stagetrace' "
-                                  "AND table = {table:String} AND active", parameters=where).result_rows  # fmt: skip
+            active = client.query(
+                "SELECT path, bytes_on_disk FROM system.parts WHERE database = 'stagetrace' "
+                "AND table = {table:String} AND active",
+                parameters=where,
+            ).result_rows
             assert all(written_short(path, size) is None for path, size in active), (table, active)
         # every row reads back: the payloads' bytes, and the trace index (the view's table) has every trace
         payloads = "SELECT sum(length(SpanAttributes['payload'])) FROM stagetrace.otel_traces"

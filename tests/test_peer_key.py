@@ -34,8 +34,14 @@ def _pool(store) -> fleet.Fleet:
         chat.request(f"chat-{i:03d}", t, host, prompt=i % 4)
     search = fleet.Fleet(store, chat.t0, service="search")
     for i, t, host in fleet.timeline(search.at(0), search.at(20), 30 * SECOND, ["d"]):
-        search.request(f"search-{i:03d}", t, host, prompt=i % 4, settings={"retrieval.index.version": "v40"},
-                       differs={"retrieval": "v40"})  # fmt: skip
+        search.request(
+            f"search-{i:03d}",
+            t,
+            host,
+            prompt=i % 4,
+            settings={"retrieval.index.version": "v40"},
+            differs={"retrieval": "v40"},
+        )
     chat.flush()
     search.flush()
     return search
@@ -54,21 +60,44 @@ def test_services_are_not_each_others_peers_unless_the_key_says_so(store, monkey
     report = Explainer(store).explain(rid).to_json()
     top = report["causes"][0]
     assert report["diverged"] and report["baseline"]["request_id"].startswith("chat-")
-    assert (report["first_divergent_stage"], top["name"], top["value"]) == ("retrieval", "retrieval.index.version",
-                                                                            "v40")  # fmt: skip
+    assert (report["first_divergent_stage"], top["name"], top["value"]) == (
+        "retrieval",
+        "retrieval.index.version",
+        "v40",
+    )
     found = divergences.find(store, 24 * 3600 * SECOND, limit=None)
     assert found["deviating"] == len(search.requests)
     assert [(t["service"], t["cause"], t["requests"]) for t in found["tally"]] == [
-        ("search", "retrieval.index.version", len(search.requests))]
+        ("search", "retrieval.index.version", len(search.requests))
+    ]
 
 
 def test_the_candidate_rule_in_sql_is_the_roles_in_python(store):
-    keys = ["gpu.model", "engine.attention.impl", "host.name", "gpu.uuid", "retrieval.doc_ids", "decode.ttft_ms",
-            "gen_ai.usage.input_tokens", "stagetrace.stage", "telemetry.sdk.version", "process.pid", "cache.hit",
-            "stagetrace.request.id", "input.value", "retrieval.documents.0.document.id", "allreduce.bytes",
-            "parallel.tp_rank", "model.weights.step", "acme.whatever"]  # fmt: skip
-    rows = store.client.query(f"SELECT k, {conventions.candidate_sql('k')} "
-                              "FROM (SELECT arrayJoin({keys:Array(String)}) AS k)", parameters={"keys": keys}).result_rows
+    keys = [
+        "gpu.model",
+        "engine.attention.impl",
+        "host.name",
+        "gpu.uuid",
+        "retrieval.doc_ids",
+        "decode.ttft_ms",
+        "gen_ai.usage.input_tokens",
+        "stagetrace.stage",
+        "telemetry.sdk.version",
+        "process.pid",
+        "cache.hit",
+        "stagetrace.request.id",
+        "input.value",
+        "retrieval.documents.0.document.id",
+        "allreduce.bytes",
+        "parallel.tp_rank",
+        "model.weights.step",
+        "acme.whatever",
+    ]
+    rows = store.client.query(
+        f"SELECT k, {conventions.candidate_sql('k')} FROM (SELECT arrayJoin({{keys:Array(String)}}) AS k)",
+        parameters={"keys": keys},
+    ).result_rows
     assert {k: bool(v) for k, v in rows} == {
-        k: conventions.is_comparable(k) and not conventions.is_measurement(k) for k in keys}
+        k: conventions.is_comparable(k) and not conventions.is_measurement(k) for k in keys
+    }
     assert {"gpu.model", "engine.attention.impl", "host.name", "acme.whatever"} <= {k for k, v in rows if v}

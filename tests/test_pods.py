@@ -38,27 +38,52 @@ def scrape_kubelet(store, socket: Path, host: str, times: list[int]) -> None:
         for at in times:
             rows = node_metric_rows(node.collect(), host, at)
             if rows["otel_metrics_gauge"]:
-                store.client.insert("otel_metrics_gauge", rows["otel_metrics_gauge"], column_names=METRIC_COLUMNS,
-                                    database=store.database)  # fmt: skip
+                store.client.insert(
+                    "otel_metrics_gauge",
+                    rows["otel_metrics_gauge"],
+                    column_names=METRIC_COLUMNS,
+                    database=store.database,
+                )
     finally:
         node.close()
 
 
 def mps_clients(store, host: str, values: list[tuple[int, float]]) -> None:
-    rows = [({"host.name": host}, "stagetrace-agent", "stagetrace.collectors", "", "mps_clients", "", "",
-             {"uuid": GPU, "gpu": "0"}, 0, at, value) for at, value in values]  # fmt: skip
+    rows = [
+        (
+            {"host.name": host},
+            "stagetrace-agent",
+            "stagetrace.collectors",
+            "",
+            "mps_clients",
+            "",
+            "",
+            {"uuid": GPU, "gpu": "0"},
+            0,
+            at,
+            value,
+        )
+        for at, value in values
+    ]
     store.client.insert("otel_metrics_gauge", rows, column_names=METRIC_COLUMNS, database=store.database)
 
 
 def decode(store, request_id: str, pod: str, namespace: str, start: int) -> None:
     exporter = InMemorySpanExporter()
-    provider = TracerProvider(resource=Resource.create({"service.name": "tts", "host.name": "gpu-a",
-                                                        "k8s.pod.name": pod, "k8s.namespace.name": namespace}))  # fmt: skip
+    provider = TracerProvider(
+        resource=Resource.create(
+            {"service.name": "tts", "host.name": "gpu-a", "k8s.pod.name": pod, "k8s.namespace.name": namespace}
+        )
+    )
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("app")
     root = tracer.start_span("inference.request", start_time=start, attributes={st.REQUEST_ID: request_id})
-    span = tracer.start_span("decode", context=trace.set_span_in_context(root), start_time=start + S,
-                             attributes={st.STAGE: "decode", st.GPU_UUID: GPU})  # fmt: skip
+    span = tracer.start_span(
+        "decode",
+        context=trace.set_span_in_context(root),
+        start_time=start + S,
+        attributes={st.STAGE: "decode", st.GPU_UUID: GPU},
+    )
     span.end(end_time=start + 3 * S)
     root.end(end_time=start + 4 * S)
     writer = ClickHouseSpanExporter(store=store, spool_dir=False, create_schema=False)
@@ -72,7 +97,8 @@ def test_trace_names_the_pods_that_held_its_gpu_and_the_one_that_served_it(store
     decode(store, "tts-42", "tts-0", "voice", start)
     found = lookup.by_request_id(store, "tts-42")
     assert gpu_pods(store, found) == [
-        {"host": "gpu-a", "gpu": GPU, "held_by": ["batch/worker-0", "voice/tts-0"], "served_by": ["voice/tts-0"]}]
+        {"host": "gpu-a", "gpu": GPU, "held_by": ["batch/worker-0", "voice/tts-0"], "served_by": ["voice/tts-0"]}
+    ]
 
 
 def test_a_request_on_a_gpu_no_kubelet_reported_names_no_pods(store):

@@ -25,8 +25,15 @@ PROMPT, AGREED, OTHER = "1f" * 16, "aa" * 16, "bb" * 16
 ROOT = " Req "
 
 
-def sglang_request(receiver, n: int, cached: float | None, output: str, host: str = "node-a", driver: str = "575.57",
-                   configuration: dict | None = None) -> str:  # fmt: skip
+def sglang_request(
+    receiver,
+    n: int,
+    cached: float | None,
+    output: str,
+    host: str = "node-a",
+    driver: str = "575.57",
+    configuration: dict | None = None,
+) -> str:
     """The recorded request again as request ``sgl-<n>``, ``n`` seconds later, on ``host`` with GPU driver ``driver``
     and ``configuration`` on its processes' resources (as the configuration detector records them), its root
     recording ``cached`` prefix-cache tokens (None: no count, as an engine that records none) and sent after the
@@ -62,15 +69,29 @@ def sglang_request(receiver, n: int, cached: float | None, output: str, host: st
         app.resource.attributes.add(key=key, value={"string_value": value})
     scope = app.scope_spans.add()
     start, end = root.start_time_unix_nano - 10**6, root.end_time_unix_nano + 10**6
-    request = scope.spans.add(name="chat", trace_id=trace_id, span_id=bytes([n, 0xA0]) * 4,
-                              start_time_unix_nano=start, end_time_unix_nano=end)  # fmt: skip
-    decode = scope.spans.add(name="generate", trace_id=trace_id, span_id=bytes([n, 0xA1]) * 4,
-                             parent_span_id=request.span_id, start_time_unix_nano=start + 1,
-                             end_time_unix_nano=end - 1)  # fmt: skip
+    request = scope.spans.add(
+        name="chat", trace_id=trace_id, span_id=bytes([n, 0xA0]) * 4, start_time_unix_nano=start, end_time_unix_nano=end
+    )
+    decode = scope.spans.add(
+        name="generate",
+        trace_id=trace_id,
+        span_id=bytes([n, 0xA1]) * 4,
+        parent_span_id=request.span_id,
+        start_time_unix_nano=start + 1,
+        end_time_unix_nano=end - 1,
+    )
     root.parent_span_id = decode.span_id
-    for span, attributes in ((request, {conventions.INPUT_DIGEST: PROMPT, conventions.OUTPUT_DIGEST: output}),
-                             (decode, {conventions.STAGE: "decode", conventions.STAGE_INPUT_DIGEST: PROMPT,
-                                       conventions.STAGE_OUTPUT_DIGEST: output})):  # fmt: skip
+    for span, attributes in (
+        (request, {conventions.INPUT_DIGEST: PROMPT, conventions.OUTPUT_DIGEST: output}),
+        (
+            decode,
+            {
+                conventions.STAGE: "decode",
+                conventions.STAGE_INPUT_DIGEST: PROMPT,
+                conventions.STAGE_OUTPUT_DIGEST: output,
+            },
+        ),
+    ):
         for key, value in attributes.items():
             span.attributes.add(key=key, value={"string_value": value})
     # the root ends last, and SGLang's batch exporter sends it after its stage spans: an export of its own
@@ -115,7 +136,11 @@ def test_a_request_whose_prefix_cache_hit_differs_from_its_baseline_s_is_explain
     baseline = report["baseline"]["request_id"]
     top = next(c for c in report["causes"] if not c["weak"])
     assert (top["kind"], top["name"], top["value"], top["baseline_value"]) == (
-        "prefix_cache", "gen_ai.usage.cached_tokens", "96", cached[baseline]), report["causes"]
+        "prefix_cache",
+        "gen_ai.usage.cached_tokens",
+        "96",
+        cached[baseline],
+    ), report["causes"]
     assert top["hit"] and top["baseline_hit"] == (baseline == unharmed)
     assert top["span"].startswith("Req ") and top["host"] == "node-a"
     assert f"gen_ai.usage.cached_tokens 96 vs {cached[baseline]}" in report["summary"]
@@ -131,8 +156,12 @@ def test_a_request_whose_prefix_cache_hit_differs_from_its_baseline_s_is_explain
     assert not any(c["kind"] == "prefix_cache" for c in neighbour["causes"])
 
     # what divergences finds over the same minutes, reading stage spans only: the hit from the roots in the store
-    start = min(s for (s,) in store.client.query("SELECT toUnixTimestamp64Nano(min(Timestamp)) FROM "
-                                                 "stagetrace.otel_traces").result_rows)  # fmt: skip
+    start = min(
+        s
+        for (s,) in store.client.query(
+            "SELECT toUnixTimestamp64Nano(min(Timestamp)) FROM stagetrace.otel_traces"
+        ).result_rows
+    )
     result = divergences.find(store, 3600 * 10**9, until_ns=start + 60 * 10**9)
     deviating = {i["request_id"]: i for g in result["groups"] for i in g["deviating"]}
     assert set(deviating) == {warm, other_host}, deviating
@@ -142,7 +171,8 @@ def test_a_request_whose_prefix_cache_hit_differs_from_its_baseline_s_is_explain
 
 
 def test_a_differing_hit_is_named_not_blamed_under_batch_invariance_and_an_unrecorded_hit_is_no_difference(
-        store, receiver):  # fmt: skip
+    store, receiver
+):
     """SGLang run with --enable-deterministic-inference (batch invariance: a hit is bit-exact with a miss): a warm
     request that answers otherwise is not explained by its hit, which is named as weak evidence only. Beside it, on
     another service's engine that records no cached-token count, a request that answers otherwise: its hit is
@@ -164,5 +194,7 @@ def test_a_differing_hit_is_named_not_blamed_under_batch_invariance_and_an_unrec
     assert report["diverged"] and not any(c["kind"] == "prefix_cache" for c in report["causes"]), report["causes"]
     # the detector's reading of the root as stored: SGLang's double, and no count at all
     assert prefix_cache.hit([("x", {"gen_ai.usage.cached_tokens": "96.0"}, {})])[:2] == (
-        "gen_ai.usage.cached_tokens", 96)
+        "gen_ai.usage.cached_tokens",
+        96,
+    )
     assert prefix_cache.hit([("x", {"gen_ai.usage.prompt_tokens": "17"}, {})]) is None

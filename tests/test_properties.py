@@ -56,9 +56,11 @@ file_content = st.one_of(
 
 
 @PROPS
-@given(st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True), file_content, max_size=8),
-       st.sampled_from(["4: ACTIVE", "", "garbage", "9999999999999999999999: X"]),
-       st.sampled_from(["400 Gb/sec (4X NDR)", "", "fast", "nan Gb/sec", "1e400 Gb/sec"]))  # fmt: skip
+@given(
+    st.dictionaries(st.from_regex(r"[a-z][a-z0-9_]{0,20}", fullmatch=True), file_content, max_size=8),
+    st.sampled_from(["4: ACTIVE", "", "garbage", "9999999999999999999999: X"]),
+    st.sampled_from(["400 Gb/sec (4X NDR)", "", "fast", "nan Gb/sec", "1e400 Gb/sec"]),
+)
 def test_the_rdma_collector_survives_any_sysfs_contents(files, state, rate):
     root = Path(tempfile.mkdtemp())
     try:
@@ -82,8 +84,15 @@ def test_the_rdma_collector_survives_any_sysfs_contents(files, state, rate):
         out = Samples()
         rdma.RdmaCollector(Options(sysfs=root, host="h")).collect(out)
         families = list(out.families("h"))
-        got = {f.name + "_total": s.value for f in families for s in f.samples if f.type == "counter"
-               and s.name.endswith("_total") and f.name.startswith("rdma_") and "port_" not in f.name}  # fmt: skip
+        got = {
+            f.name + "_total": s.value
+            for f in families
+            for s in f.samples
+            if f.type == "counter"
+            and s.name.endswith("_total")
+            and f.name.startswith("rdma_")
+            and "port_" not in f.name
+        }
         assert got == expected
         for family in families:
             for sample in family.samples:
@@ -108,8 +117,9 @@ class Answers:
 @given(st.text(max_size=200), st.text(max_size=60), st.text(max_size=200))
 def test_any_mps_control_answer_gives_numbers_or_daemon_down(servers, percentage, clients):
     collector = mps.MpsCollector.__new__(mps.MpsCollector)  # the daemon half only: no NVML here
-    collector.control = Answers({"get_server_list": servers, "get_default_active_thread_percentage": percentage,
-                                 "get_client_list": clients})  # fmt: skip
+    collector.control = Answers(
+        {"get_server_list": servers, "get_default_active_thread_percentage": percentage, "get_client_list": clients}
+    )
     collector._said = {}
     out = Samples()
     collector._collect_daemon(out)
@@ -140,10 +150,17 @@ def test_gstrings_are_one_nul_free_name_per_slot(raw):
 
 
 @PROPS
-@given(st.lists(st.one_of(
-    st.from_regex(r"(rx|tx)_(prio[0-9]_pause(_duration)?|global_pause|discards_phy)", fullmatch=True),
-    st.text(max_size=32),
-), max_size=30, unique=True), st.integers(0, U64))  # fmt: skip
+@given(
+    st.lists(
+        st.one_of(
+            st.from_regex(r"(rx|tx)_(prio[0-9]_pause(_duration)?|global_pause|discards_phy)", fullmatch=True),
+            st.text(max_size=32),
+        ),
+        max_size=30,
+        unique=True,
+    ),
+    st.integers(0, U64),
+)
 def test_any_statistic_name_gives_valid_series_or_none(names, value):
     collector = ethtool.EthtoolCollector.__new__(ethtool.EthtoolCollector)
     collector.include = re.compile(".")
@@ -165,15 +182,49 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
     max_leaves=40,
 )
-OTLP_KEYS = ["resourceSpans", "scopeSpans", "spans", "traceId", "spanId", "parentSpanId", "name", "kind",
-             "attributes", "key", "value", "stringValue", "intValue", "arrayValue", "values", "bytesValue",
-             "kvlistValue", "startTimeUnixNano", "status", "code", "events", "links", "resource", "resourceMetrics",
-             "scopeMetrics", "metrics", "gauge", "sum", "dataPoints", "asDouble", "asInt", "histogram"]  # fmt: skip
+OTLP_KEYS = [
+    "resourceSpans",
+    "scopeSpans",
+    "spans",
+    "traceId",
+    "spanId",
+    "parentSpanId",
+    "name",
+    "kind",
+    "attributes",
+    "key",
+    "value",
+    "stringValue",
+    "intValue",
+    "arrayValue",
+    "values",
+    "bytesValue",
+    "kvlistValue",
+    "startTimeUnixNano",
+    "status",
+    "code",
+    "events",
+    "links",
+    "resource",
+    "resourceMetrics",
+    "scopeMetrics",
+    "metrics",
+    "gauge",
+    "sum",
+    "dataPoints",
+    "asDouble",
+    "asInt",
+    "histogram",
+]
 otlp_like = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=34) | st.sampled_from(["5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"]),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=34)
+    | st.sampled_from(["5b8efff798038103d269b633813fc60c", "eee19b7ec3c1b174"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(OTLP_KEYS), inner, max_size=6),
     max_leaves=60,
-)  # fmt: skip
+)
 
 
 def decode_and_read(body: bytes, media: str):
@@ -203,7 +254,9 @@ def test_random_bytes_decode_or_give_a_clean_400(body, media):
 
 
 @PROPS
-@given(st.one_of(json_values, otlp_like, st.dictionaries(st.sampled_from(["resourceSpans", "resourceMetrics"]), otlp_like)))
+@given(
+    st.one_of(json_values, otlp_like, st.dictionaries(st.sampled_from(["resourceSpans", "resourceMetrics"]), otlp_like))
+)
 def test_random_json_decodes_or_gives_a_clean_400(document):
     decode_and_read(json.dumps(document).encode(), otlp.JSON)
 

@@ -77,8 +77,14 @@ class FakeGrafana(ThreadingHTTPServer):
         if method == "POST" and not rest:
             if any(f["title"] == body["title"] for f in self.folders.values()):
                 return 409, {"message": "a folder with the same name already exists"}
-            folder = {"id": len(self.folders) + 1, "uid": body["uid"], "title": body["title"],
-                      "url": f"/dashboards/f/{body['uid']}/", "version": 1, "hasAcl": False}  # fmt: skip
+            folder = {
+                "id": len(self.folders) + 1,
+                "uid": body["uid"],
+                "title": body["title"],
+                "url": f"/dashboards/f/{body['uid']}/",
+                "version": 1,
+                "hasAcl": False,
+            }
             self.folders[body["uid"]] = folder
             return 200, folder
         if method == "PUT" and len(rest) == 1 and rest[0] in self.folders:
@@ -95,22 +101,38 @@ class FakeGrafana(ThreadingHTTPServer):
                 return 200, self.datasources[uid]
             if method == "PUT":
                 stored = self._store_datasource(body, self.datasources[uid]["id"])
-                return 200, {"datasource": stored, "id": stored["id"], "message": "Datasource updated",
-                             "name": stored["name"]}  # fmt: skip
+                return 200, {
+                    "datasource": stored,
+                    "id": stored["id"],
+                    "message": "Datasource updated",
+                    "name": stored["name"],
+                }
         if method == "POST" and not rest:
             if any(ds["name"] == body["name"] for ds in self.datasources.values()):
                 return 409, {"message": "data source with the same name already exists"}
             stored = self._store_datasource(body, len(self.datasources) + 1)
-            return 200, {"datasource": stored, "id": stored["id"], "message": "Datasource added", "name": stored["name"]}
+            return 200, {
+                "datasource": stored,
+                "id": stored["id"],
+                "message": "Datasource added",
+                "name": stored["name"],
+            }
         return 404, {"message": "Not found"}
 
     def _store_datasource(self, body, id_):
         # Grafana keeps secrets write-only: it answers which secure fields are set, never their values
         secure = {k: True for k in body.get("secureJsonData", {})}
         previous = self.datasources.get(body["uid"], {}).get("secureJsonFields", {})
-        stored = {"id": id_, "orgId": 1, "url": "", "basicAuth": False, "version": 1, "readOnly": False,
-                  **{k: v for k, v in body.items() if k != "secureJsonData"},
-                  "secureJsonFields": {**previous, **secure}}  # fmt: skip
+        stored = {
+            "id": id_,
+            "orgId": 1,
+            "url": "",
+            "basicAuth": False,
+            "version": 1,
+            "readOnly": False,
+            **{k: v for k, v in body.items() if k != "secureJsonData"},
+            "secureJsonFields": {**previous, **secure},
+        }
         self.datasources[body["uid"]] = stored
         return stored
 
@@ -121,10 +143,15 @@ class FakeGrafana(ThreadingHTTPServer):
         if method == "POST" and rest == ["db"]:
             dashboard, folder = body["dashboard"], body.get("folderUid", "")
             for uid, other in self.dashboards.items():
-                if uid != dashboard["uid"] and other["dashboard"]["title"] == dashboard["title"] \
-                        and other["meta"]["folderUid"] == folder:
-                    return 412, {"message": "A dashboard with the same name in the folder already exists",
-                                 "status": "name-exists"}  # fmt: skip
+                if (
+                    uid != dashboard["uid"]
+                    and other["dashboard"]["title"] == dashboard["title"]
+                    and other["meta"]["folderUid"] == folder
+                ):
+                    return 412, {
+                        "message": "A dashboard with the same name in the folder already exists",
+                        "status": "name-exists",
+                    }
             existing = self.dashboards.get(dashboard["uid"])
             if existing and not body.get("overwrite"):
                 return 412, {"message": "The dashboard has been changed by someone else", "status": "version-mismatch"}
@@ -135,8 +162,14 @@ class FakeGrafana(ThreadingHTTPServer):
                 "dashboard": {**dashboard, "id": id_, "version": version},
                 "meta": {"type": "db", "slug": slug, "folderUid": folder, "version": version, "canSave": True},
             }
-            return 200, {"id": id_, "uid": dashboard["uid"], "url": f"/d/{dashboard['uid']}/{slug}", "status": "success",
-                         "version": version, "slug": slug}  # fmt: skip
+            return 200, {
+                "id": id_,
+                "uid": dashboard["uid"],
+                "url": f"/d/{dashboard['uid']}/{slug}",
+                "status": "success",
+                "version": version,
+                "slug": slug,
+            }
         return 404, {"message": "Not found"}
 
     def _rule_group(self, method, folder, group, body):
@@ -147,8 +180,17 @@ class FakeGrafana(ThreadingHTTPServer):
             if folder not in self.folders:
                 return 404, {"message": "folder does not exist"}
             # Grafana answers with its own fields added to each rule
-            rules = [{"id": n, "updated": "2026-01-01T00:00:00Z", "provenance": "api", "notification_settings": None,
-                      "record": None, **rule} for n, rule in enumerate(body["rules"], start=1)]  # fmt: skip
+            rules = [
+                {
+                    "id": n,
+                    "updated": "2026-01-01T00:00:00Z",
+                    "provenance": "api",
+                    "notification_settings": None,
+                    "record": None,
+                    **rule,
+                }
+                for n, rule in enumerate(body["rules"], start=1)
+            ]
             self.rule_groups[(folder, group)] = {**body, "rules": rules}
             return 200, self.rule_groups[(folder, group)]
         return 404, {"message": "Not found"}
@@ -162,8 +204,9 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(length) if length else b""
         body = json.loads(raw) if raw else None
         with self.server.lock:
-            self.server.requests.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
-                                         "body": body})  # fmt: skip
+            self.server.requests.append(
+                {"method": self.command, "path": self.path, "headers": dict(self.headers), "body": body}
+            )
             if self.headers.get("Authorization") != f"Bearer {self.server.token}":
                 status, answer = 401, {"message": "invalid API key"}
             else:
@@ -205,11 +248,15 @@ def test_first_run_creates_everything_with_the_documented_requests(grafana):
     lines = provision(grafana)
     dashboards = build_all()
     rule_group_path = f"/api/v1/provisioning/folder/{alert_rules.FOLDER_UID}/rule-groups/{alert_rules.GROUP}"
-    expected = [("GET", "/api/folders/stagetrace"), ("POST", "/api/folders"),
-                ("GET", f"/api/datasources/uid/{_panels.DATASOURCE_UID}"), ("POST", "/api/datasources")]
+    expected = [
+        ("GET", "/api/folders/stagetrace"),
+        ("POST", "/api/folders"),
+        ("GET", f"/api/datasources/uid/{_panels.DATASOURCE_UID}"),
+        ("POST", "/api/datasources"),
+    ]
     for uid in dashboards:
         expected += [("GET", f"/api/dashboards/uid/{uid}"), ("POST", "/api/dashboards/db")]
-    expected += [("GET", rule_group_path), ("PUT", rule_group_path)]  # fmt: skip
+    expected += [("GET", rule_group_path), ("PUT", rule_group_path)]
     assert [(r["method"], r["path"]) for r in grafana.requests] == expected
     for request in grafana.requests:
         assert request["headers"]["Authorization"] == f"Bearer {TOKEN}"
@@ -220,18 +267,33 @@ def test_first_run_creates_everything_with_the_documented_requests(grafana):
     assert writes[0]["body"] == {"title": "stagetrace", "uid": "stagetrace"}
     datasource = writes[1]["body"]
     assert datasource["uid"] == _panels.DATASOURCE_UID and datasource["type"] == "grafana-clickhouse-datasource"
-    connection = {k: datasource["jsonData"][k] for k in ("host", "port", "protocol", "secure", "username", "defaultDatabase")}
-    assert connection == {"host": "clickhouse.internal", "port": 8123, "protocol": "http", "secure": False,
-                          "username": "grafana_reader", "defaultDatabase": "stagetrace"}  # fmt: skip
+    connection = {
+        k: datasource["jsonData"][k] for k in ("host", "port", "protocol", "secure", "username", "defaultDatabase")
+    }
+    assert connection == {
+        "host": "clickhouse.internal",
+        "port": 8123,
+        "protocol": "http",
+        "secure": False,
+        "username": "grafana_reader",
+        "defaultDatabase": "stagetrace",
+    }
     assert datasource["jsonData"]["traces"]["defaultTable"] == "otel_traces"
     assert datasource["secureJsonData"] == {"password": PASSWORD}
     for request, (uid, dashboard) in zip(writes[2:-1], dashboards.items()):
-        assert request["body"] == {"dashboard": {**dashboard, "id": None}, "folderUid": "stagetrace",
-                                   "message": "provisioned by stagetrace", "overwrite": False}  # fmt: skip
+        assert request["body"] == {
+            "dashboard": {**dashboard, "id": None},
+            "folderUid": "stagetrace",
+            "message": "provisioned by stagetrace",
+            "overwrite": False,
+        }
     assert writes[-1]["body"] == alert_rules.api_rule_group()
-    assert lines == ["folder stagetrace: created", f"data source {_panels.DATASOURCE_UID}: created",
-                     *[f"dashboard {uid}: created" for uid in dashboards],
-                     f"alert rule group {alert_rules.GROUP}: created"]  # fmt: skip
+    assert lines == [
+        "folder stagetrace: created",
+        f"data source {_panels.DATASOURCE_UID}: created",
+        *[f"dashboard {uid}: created" for uid in dashboards],
+        f"alert rule group {alert_rules.GROUP}: created",
+    ]
 
 
 def test_second_run_changes_nothing(grafana):
@@ -252,8 +314,11 @@ def test_only_what_drifted_is_written_back(grafana):
     grafana.requests.clear()
     lines = provision(grafana)
     rule_group_path = f"/api/v1/provisioning/folder/{alert_rules.FOLDER_UID}/rule-groups/{alert_rules.GROUP}"
-    assert grafana.writes() == [("PUT", f"/api/datasources/uid/{_panels.DATASOURCE_UID}"),
-                                ("POST", "/api/dashboards/db"), ("PUT", rule_group_path)]  # fmt: skip
+    assert grafana.writes() == [
+        ("PUT", f"/api/datasources/uid/{_panels.DATASOURCE_UID}"),
+        ("POST", "/api/dashboards/db"),
+        ("PUT", rule_group_path),
+    ]
     (saved,) = [r["body"] for r in grafana.requests if r["path"] == "/api/dashboards/db"]
     assert saved["dashboard"]["uid"] == "stagetrace-gpu" and saved["overwrite"] is True
     assert grafana.dashboards["stagetrace-gpu"]["dashboard"]["title"] == build_all()["stagetrace-gpu"]["title"]
@@ -277,9 +342,13 @@ def test_401_names_the_token_variables_and_not_the_token(grafana):
 
 
 def test_403_says_which_permission_is_missing(grafana):
-    grafana.forced[("POST", "/api/datasources")] = (403, {
-        "message": "You'll need additional permissions to perform this action. Permissions needed: datasources:create",
-        "accessErrorId": "ACE0000000000"})  # fmt: skip
+    grafana.forced[("POST", "/api/datasources")] = (
+        403,
+        {
+            "message": "You'll need additional permissions to perform this action. Permissions needed: datasources:create",
+            "accessErrorId": "ACE0000000000",
+        },
+    )
     with pytest.raises(ProvisionError) as raised:
         provision(grafana)
     message = str(raised.value)
@@ -288,8 +357,13 @@ def test_403_says_which_permission_is_missing(grafana):
 
 
 def test_409_for_a_data_source_of_the_same_name_under_another_uid(grafana):
-    grafana.datasources["someone-elses"] = {"id": 9, "uid": "someone-elses", "name": _panels.DATASOURCE_NAME,
-                                            "type": "grafana-clickhouse-datasource", "jsonData": {}}  # fmt: skip
+    grafana.datasources["someone-elses"] = {
+        "id": 9,
+        "uid": "someone-elses",
+        "name": _panels.DATASOURCE_NAME,
+        "type": "grafana-clickhouse-datasource",
+        "jsonData": {},
+    }
     with pytest.raises(ProvisionError) as raised:
         provision(grafana)
     message = str(raised.value)
@@ -299,9 +373,10 @@ def test_409_for_a_data_source_of_the_same_name_under_another_uid(grafana):
 
 def test_412_for_a_dashboard_of_the_same_title_in_the_folder(grafana):
     overview = build_all()["stagetrace-overview"]
-    grafana.dashboards["hand-made"] = {"dashboard": {"uid": "hand-made", "title": overview["title"], "id": 77,
-                                                     "version": 3},
-                                       "meta": {"folderUid": "stagetrace"}}  # fmt: skip
+    grafana.dashboards["hand-made"] = {
+        "dashboard": {"uid": "hand-made", "title": overview["title"], "id": 77, "version": 3},
+        "meta": {"folderUid": "stagetrace"},
+    }
     with pytest.raises(ProvisionError) as raised:
         provision(grafana)
     message = str(raised.value)
@@ -319,8 +394,9 @@ def test_unreachable_grafana_is_one_line():
 
 def _cli(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("GRAFANA_", "STAGETRACE_"))}
-    return subprocess.run([sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, timeout=120,
-                          env={**clean, **env})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "stagetrace", *args], capture_output=True, text=True, timeout=120, env={**clean, **env}
+    )
 
 
 def test_cli_provisions_with_the_token_from_a_file_and_never_prints_secrets(grafana, tmp_path):
@@ -345,15 +421,28 @@ def test_cli_provisions_with_the_token_from_a_file_and_never_prints_secrets(graf
 @pytest.mark.parametrize(
     ("args", "env", "error"),
     [
-        (["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"], {}, "no Grafana token: set GRAFANA_TOKEN"),
-        (["--grafana-url", "http://admin:admin@grafana:3000", "--clickhouse-host", "ch"], {"GRAFANA_TOKEN": "glsa_example_token"},
-         "carries credentials"),
-        (["--grafana-url", "http://grafana:3000", "--store", "chdb://memory"], {"GRAFANA_TOKEN": "glsa_example_token"},
-         "--clickhouse-host"),
-        (["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"],
-         {"GRAFANA_TOKEN_FILE": "/nonexistent/token"}, "cannot read the token file"),
+        (
+            ["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"],
+            {},
+            "no Grafana token: set GRAFANA_TOKEN",
+        ),
+        (
+            ["--grafana-url", "http://admin:admin@grafana:3000", "--clickhouse-host", "ch"],
+            {"GRAFANA_TOKEN": "glsa_example_token"},
+            "carries credentials",
+        ),
+        (
+            ["--grafana-url", "http://grafana:3000", "--store", "chdb://memory"],
+            {"GRAFANA_TOKEN": "glsa_example_token"},
+            "--clickhouse-host",
+        ),
+        (
+            ["--grafana-url", "http://grafana:3000", "--clickhouse-host", "ch"],
+            {"GRAFANA_TOKEN_FILE": "/nonexistent/token"},
+            "cannot read the token file",
+        ),
     ],
-)  # fmt: skip
+)
 def test_cli_errors_are_one_actionable_line(args, env, error):
     done = _cli(["provision", *args], env)
     assert done.returncode == 2
@@ -367,8 +456,15 @@ def test_settings_come_from_flags_then_environment_then_the_store_dsn(monkeypatc
             monkeypatch.delenv(name)
     monkeypatch.setenv("STAGETRACE_STORE_PASSWORD", "writer-pw")
     server = settings_from(store="https://writer@ch.example:8443/metrics")
-    assert (server.host, server.port, server.protocol, server.secure, server.user, server.database, server.password) == (
-        "ch.example", 8443, "http", True, "writer", "metrics", "writer-pw")  # fmt: skip
+    assert (
+        server.host,
+        server.port,
+        server.protocol,
+        server.secure,
+        server.user,
+        server.database,
+        server.password,
+    ) == ("ch.example", 8443, "http", True, "writer", "metrics", "writer-pw")
     monkeypatch.setenv("STAGETRACE_CLICKHOUSE_USER", "reader")
     monkeypatch.setenv("STAGETRACE_CLICKHOUSE_PASSWORD", "reader-pw")
     reader = settings_from(store="https://writer@ch.example:8443/metrics", protocol="native")
@@ -390,7 +486,12 @@ def test_a_password_is_mentioned_only_where_grafana_needs_one(tmp_path, monkeypa
     assert cli.main(["provision", "--to-dir", str(tmp_path / "a"), "--store", f"chdb://{tmp_path / 'store'}"]) == 0
     out = capsys.readouterr().out
     assert "through the agent's query endpoint" in out and "data source password" not in out
-    assert cli.main(["provision", "--to-dir", str(tmp_path / "b"), "--store", "http://grafana@ch.internal:8123/stagetrace"]) == 0
+    assert (
+        cli.main(
+            ["provision", "--to-dir", str(tmp_path / "b"), "--store", "http://grafana@ch.internal:8123/stagetrace"]
+        )
+        == 0
+    )
     assert "password from $STAGETRACE_CLICKHOUSE_PASSWORD" in capsys.readouterr().out
 
 
@@ -401,8 +502,22 @@ def test_a_password_is_mentioned_only_where_grafana_needs_one(tmp_path, monkeypa
 @pytest.fixture
 def tree(tmp_path, monkeypatch, capsys) -> Path:
     monkeypatch.setenv("STAGETRACE_CLICKHOUSE_PASSWORD", PASSWORD)
-    assert cli.main(["provision", "--to-dir", str(tmp_path), "--clickhouse-host", "ch.internal",
-                     "--clickhouse-user", "grafana_reader", "--provisioning-path", "/grafana/prov"]) == 0  # fmt: skip
+    assert (
+        cli.main(
+            [
+                "provision",
+                "--to-dir",
+                str(tmp_path),
+                "--clickhouse-host",
+                "ch.internal",
+                "--clickhouse-user",
+                "grafana_reader",
+                "--provisioning-path",
+                "/grafana/prov",
+            ]
+        )
+        == 0
+    )
     assert PASSWORD not in capsys.readouterr().out
     return tmp_path
 
@@ -413,8 +528,14 @@ def _load(path: Path) -> dict:
 
 def test_tree_layout_and_no_secret_in_any_file(tree):
     files = sorted(str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file())
-    assert files == sorted(["alerting/stagetrace.yaml", "dashboards/stagetrace.yaml", "datasources/stagetrace.yaml",
-                            *[f"dashboards/stagetrace/{uid}.json" for uid in build_all()]])  # fmt: skip
+    assert files == sorted(
+        [
+            "alerting/stagetrace.yaml",
+            "dashboards/stagetrace.yaml",
+            "datasources/stagetrace.yaml",
+            *[f"dashboards/stagetrace/{uid}.json" for uid in build_all()],
+        ]
+    )
     for path in tree.rglob("*"):
         if path.is_file():
             assert PASSWORD not in path.read_text(), path
@@ -465,7 +586,11 @@ def test_alerting_file(tree):
         assert RULE_UID.match(rule["uid"]) and rule["title"], rule["uid"]
         refs = {item["refId"] for item in rule["data"]}
         assert rule["condition"] in refs
-        assert rule["noDataState"] in ("NoData", "Alerting", "OK") and rule["execErrState"] in ("Error", "Alerting", "OK")
+        assert rule["noDataState"] in ("NoData", "Alerting", "OK") and rule["execErrState"] in (
+            "Error",
+            "Alerting",
+            "OK",
+        )
         assert DURATION.match(rule["for"])
         for item in rule["data"]:
             assert {"refId", "datasourceUid", "model"} <= set(item) and item["model"]["refId"] == item["refId"]

@@ -54,13 +54,21 @@ def confined(tmp_path_factory, cli_demo):
 def ask(agent, sql: str = "", method: str = "POST", **params) -> tuple[int, str, str]:
     """(status, X-ClickHouse-Exception-Code, body) of one request to the query endpoint, with the token."""
     url = f"{agent.endpoints['query']}/?{urllib.parse.urlencode(params)}"
-    request = urllib.request.Request(url, data=sql.encode() if method == "POST" else None, method=method,
-                                     headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+    request = urllib.request.Request(
+        url,
+        data=sql.encode() if method == "POST" else None,
+        method=method,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as answer:
             return answer.status, "", answer.read().decode(errors="replace")
     except urllib.error.HTTPError as refused:
-        return refused.code, refused.headers.get("X-ClickHouse-Exception-Code", ""), refused.read().decode(errors="replace")
+        return (
+            refused.code,
+            refused.headers.get("X-ClickHouse-Exception-Code", ""),
+            refused.read().decode(errors="replace"),
+        )
 
 
 def hostile(marker: str) -> list[tuple[str, dict]]:
@@ -124,7 +132,7 @@ def hostile(marker: str) -> list[tuple[str, dict]]:
         ("SHOW TABLES LIMIT (SELECT toUInt64(arrayStringConcat(groupArray(query), ' ')) FROM system.processes)", {}),
         ("SHOW CLUSTERS", {}),
         ("SELECT firstSignificantSubdomainCustom('a.b.c', 'public_suffix_list')", {}),
-    ]  # fmt: skip
+    ]
 
 
 def test_every_hostile_statement_is_refused_in_one_line_and_reads_nothing(confined):
@@ -143,9 +151,12 @@ def test_every_hostile_statement_is_refused_in_one_line_and_reads_nothing(confin
     # the same statements in the URL alone, and as a form field, as ClickHouse's HTTP interface also takes them
     for sql in (f"SELECT file('{confined.marker}')", "SELECT * FROM system.processes"):
         assert ask(confined, method="GET", query=sql)[:2] == (403, "497")
-        form = (f"--b\r\nContent-Disposition: form-data; name=\"query\"\r\n\r\n{sql}\r\n--b--\r\n").encode()
-        request = urllib.request.Request(confined.endpoints["query"] + "/", data=form, headers={
-            "Authorization": f"Bearer {TOKEN}", "Content-Type": "multipart/form-data; boundary=b"})  # fmt: skip
+        form = (f'--b\r\nContent-Disposition: form-data; name="query"\r\n\r\n{sql}\r\n--b--\r\n').encode()
+        request = urllib.request.Request(
+            confined.endpoints["query"] + "/",
+            data=form,
+            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "multipart/form-data; boundary=b"},
+        )
         with pytest.raises(urllib.error.HTTPError) as refused:
             urllib.request.urlopen(request, timeout=30)
         assert refused.value.headers["X-ClickHouse-Exception-Code"] == "497"
@@ -155,25 +166,39 @@ def test_every_hostile_statement_is_refused_in_one_line_and_reads_nothing(confin
 def test_grafana_and_clickhouse_clients_still_read_the_store(confined):
     """The Grafana data source's metadata queries, clickhouse-go's hello and the plugin's trace SQL
     (grafana/clickhouse-datasource pkg/plugin/schema.go, src/data/CHDatasource.ts and sqlGenerator.ts)."""
-    client = clickhouse_connect.get_client(host="127.0.0.1", port=confined.query_port, access_token=TOKEN,
-                                           database="stagetrace")  # fmt: skip
+    client = clickhouse_connect.get_client(
+        host="127.0.0.1", port=confined.query_port, access_token=TOKEN, database="stagetrace"
+    )
     assert "stagetrace" in {row[0] for row in client.query("SHOW DATABASES").result_rows}
     tables = {row[0] for row in client.query('SHOW TABLES FROM "stagetrace"').result_rows}
     assert {"otel_traces", "otel_traces_trace_id_ts", "stagetrace_requests"} <= tables
-    assert ("TraceId", "String") in {row[:2] for row in client.query('DESC TABLE "stagetrace"."otel_traces"').result_rows}
+    assert ("TraceId", "String") in {
+        row[:2] for row in client.query('DESC TABLE "stagetrace"."otel_traces"').result_rows
+    }
     assert ("stagetrace", "otel_traces") in client.query(
-        "SELECT database, name FROM system.tables ORDER BY database, name").result_rows
-    columns = client.query("SELECT database, table, name, type, comment FROM system.columns WHERE (database, table) "
-                           "IN (('stagetrace', 'otel_traces')) OR (database = currentDatabase() AND table IN "
-                           "('stagetrace_requests')) ORDER BY database, table, position").result_rows  # fmt: skip
+        "SELECT database, name FROM system.tables ORDER BY database, name"
+    ).result_rows
+    columns = client.query(
+        "SELECT database, table, name, type, comment FROM system.columns WHERE (database, table) "
+        "IN (('stagetrace', 'otel_traces')) OR (database = currentDatabase() AND table IN "
+        "('stagetrace_requests')) ORDER BY database, table, position"
+    ).result_rows
     assert {row[1] for row in columns} == {"otel_traces", "stagetrace_requests"}
-    assert client.query("SELECT name, is_aggregate, case_insensitive, alias_to, origin, description, syntax, arguments, "
-                        "returned_value, examples, categories FROM system.functions LIMIT 10000").row_count > 1000
+    assert (
+        client.query(
+            "SELECT name, is_aggregate, case_insensitive, alias_to, origin, description, syntax, arguments, "
+            "returned_value, examples, categories FROM system.functions LIMIT 10000"
+        ).row_count
+        > 1000
+    )
     assert client.query("SELECT displayName(), version(), revision(), timezone()").row_count == 1
-    assert client.command("SELECT value FROM system.settings WHERE name = 'readonly'") == 1  # clickhouse-connect parses it
+    assert (
+        client.command("SELECT value FROM system.settings WHERE name = 'readonly'") == 1
+    )  # clickhouse-connect parses it
     request_id = confined.demo["deviating"][0]
-    trace_id = client.command("SELECT TraceId FROM stagetrace_requests WHERE RequestId = {r:String}",
-                              parameters={"r": request_id})  # fmt: skip
+    trace_id = client.command(
+        "SELECT TraceId FROM stagetrace_requests WHERE RequestId = {r:String}", parameters={"r": request_id}
+    )
     spans = client.query(f"""
         WITH '{trace_id}' as __gf_trace_id,
          (SELECT min(Start) FROM "stagetrace"."otel_traces_trace_id_ts" WHERE TraceId = __gf_trace_id) as __gf_trace_start,
@@ -194,19 +219,25 @@ def test_grafana_and_clickhouse_clients_still_read_the_store(confined):
     found = client.query("""SELECT "TraceId" as traceID, "ServiceName" as serviceName, "SpanName" as operationName,
           "Timestamp" as timestamp, multiply("Duration", 0.000001) as duration FROM "stagetrace"."otel_traces"
         WHERE ( timestamp >= toDateTime(0) AND timestamp <= now() ) AND ( ParentSpanId = '' ) AND ( Duration > 0 )
-        ORDER BY timestamp DESC LIMIT 1000""").result_rows  # fmt: skip
+        ORDER BY timestamp DESC LIMIT 1000""").result_rows
     assert trace_id in {row[0] for row in found}
 
 
 def test_every_dashboard_query_runs_through_the_endpoint(confined):
-    client = clickhouse_connect.get_client(host="127.0.0.1", port=confined.query_port, access_token=TOKEN,
-                                           database="stagetrace")  # fmt: skip
+    client = clickhouse_connect.get_client(
+        host="127.0.0.1", port=confined.query_port, access_token=TOKEN, database="stagetrace"
+    )
     first, last = client.query("SELECT min(Timestamp), max(Timestamp) FROM otel_traces").result_rows[0]
-    window = QueryContext(first.replace(tzinfo=timezone.utc) - timedelta(hours=1),
-                          last.replace(tzinfo=timezone.utc) + timedelta(minutes=1))  # fmt: skip
-    variables = {**{name: Variable((ALL,)) for name in ("service", "host", "gpu", "nic")}, "stage": Variable("decode"),
-                 "request_id": Variable(confined.demo["deviating"][0]),
-                 "other_request_id": Variable(confined.demo["deviating"][-1])}  # fmt: skip
+    window = QueryContext(
+        first.replace(tzinfo=timezone.utc) - timedelta(hours=1),
+        last.replace(tzinfo=timezone.utc) + timedelta(minutes=1),
+    )
+    variables = {
+        **{name: Variable((ALL,)) for name in ("service", "host", "gpu", "nic")},
+        "stage": Variable("decode"),
+        "request_id": Variable(confined.demo["deviating"][0]),
+        "other_request_id": Variable(confined.demo["deviating"][-1]),
+    }
     failures, ran = [], 0
     for uid, dashboard in build_all().items():
         sqls = [v["query"]["rawSql"] for v in dashboard["templating"]["list"] if v["type"] == "query"]
@@ -239,8 +270,14 @@ def _panels(dashboard: dict) -> list[dict]:
 def test_without_the_check_the_same_engine_reads_the_marker(confined, tmp_path):
     """The control: the refusals above are the endpoint's doing. The engine the agent embeds, in a readonly = 1
     session of its own, reads the marker through the scalar file()."""
-    script = ("import chdb, sys; s = chdb.connect(sys.argv[1]); s.query('SET readonly = 1'); "
-              "print(s.query(\"SELECT file({m:String})\", 'TSVRaw', params={'m': sys.argv[2]}).bytes().decode())")
-    read = subprocess.run([sys.executable, "-c", script, str(tmp_path / "engine"), confined.marker],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    script = (
+        "import chdb, sys; s = chdb.connect(sys.argv[1]); s.query('SET readonly = 1'); "
+        "print(s.query(\"SELECT file({m:String})\", 'TSVRaw', params={'m': sys.argv[2]}).bytes().decode())"
+    )
+    read = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "engine"), confined.marker],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert read.stdout.strip() == MARKER, read.stderr

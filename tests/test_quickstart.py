@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quickstart_records_requests_that_trace_finds(tmp_path):
     # run with the venv's Python, the venv not activated: stagetrace is not on PATH
     env = {"XDG_DATA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    run = subprocess.run([sys.executable, ROOT / "examples" / "quickstart.py"], capture_output=True, text=True,
-                         env=env, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, ROOT / "examples" / "quickstart.py"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert "stagetrace trace quickstart-0001" in run.stdout
     # the command it prints works pasted as it is, in that shell
@@ -21,8 +22,13 @@ def test_quickstart_records_requests_that_trace_finds(tmp_path):
     pasted = subprocess.run(["sh", "-c", printed + " --json"], capture_output=True, text=True, env=env, timeout=60)
     assert pasted.returncode == 0 and json.loads(pasted.stdout)["request_id"] == "quickstart-0001", (printed, pasted)
     assert (tmp_path / "stagetrace" / "store").is_dir()  # the default embedded store
-    looked_up = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "quickstart-0001", "--json"],
-                               capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    looked_up = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "trace", "quickstart-0001", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert looked_up.returncode == 0, looked_up.stderr
     doc = json.loads(looked_up.stdout)
     stages = [s["stage"] for s in doc["spans"]]

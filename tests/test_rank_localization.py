@@ -69,16 +69,27 @@ def _plan(service: str, faults: dict[str, tuple[int, float]]) -> dict:
     for p, prompt in PROMPTS.items():
         requests += [{"id": f"{service}-{p}-ok{i}", "prompt": prompt, "tokens": TOKENS} for i in range(3)]
         for name, (rank, scale) in faults.items():
-            requests += [{"id": f"{service}-{p}-{name}", "prompt": prompt, "tokens": TOKENS,
-                          "corrupt": {"rank": rank, "scale": scale}}]  # fmt: skip
+            requests += [
+                {
+                    "id": f"{service}-{p}-{name}",
+                    "prompt": prompt,
+                    "tokens": TOKENS,
+                    "corrupt": {"rank": rank, "scale": scale},
+                }
+            ]
     return {"service": service, "hosts": service, "requests": requests}
 
 
 JOBS = {
     "lm-tp2": (2, _plan("lm-tp2", {"r1": (1, FLIP), "r1again": (1, FLIP), "masked": (1, ULP)})),
     # the masked corruption (rank 1) just before r2late: that request's nearest agreeing baseline carries it
-    "lm-tp4": (4, _plan("lm-tp4", {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (1, ULP),
-                                   "r2late": (2, FLIP)})),  # fmt: skip
+    "lm-tp4": (
+        4,
+        _plan(
+            "lm-tp4",
+            {"r2": (2, FLIP), "r2again": (2, FLIP), "r0": (0, FLIP**2), "masked": (1, ULP), "r2late": (2, FLIP)},
+        ),
+    ),
 }
 
 # ``lm-prec``: TP = 2 on two groups of hosts, every request with its logprobs (so that any difference in the last bit
@@ -89,14 +100,32 @@ NUMERICS = "lm-prec"
 PRECISION = "torch.float32_matmul_precision"
 NUMERICS_PROMPTS = {"a": [5, 17, 42], "b": [1, 2, 3], "c": [9, 30, 60]}
 NUMERICS_JOBS = [
-    {"service": NUMERICS, "hosts": f"{NUMERICS}-a", "requests": [
-        {"id": f"{NUMERICS}-{p}-{kind}", "prompt": prompt, "tokens": TOKENS, "logprobs": True,
-         **({"corrupt": {"rank": 0, "scale": FLIP}} if kind == "r0" else {})}
-        for p, prompt in NUMERICS_PROMPTS.items() for kind in ("ok0", "ok1", "ok2", "r0")]},
-    {"service": NUMERICS, "hosts": f"{NUMERICS}-b", "precision": {"1": "medium"}, "requests": [
-        {"id": f"{NUMERICS}-{p}-medium{i}", "prompt": prompt, "tokens": TOKENS, "logprobs": True}
-        for p, prompt in NUMERICS_PROMPTS.items() for i in range(2)]},
-]  # fmt: skip
+    {
+        "service": NUMERICS,
+        "hosts": f"{NUMERICS}-a",
+        "requests": [
+            {
+                "id": f"{NUMERICS}-{p}-{kind}",
+                "prompt": prompt,
+                "tokens": TOKENS,
+                "logprobs": True,
+                **({"corrupt": {"rank": 0, "scale": FLIP}} if kind == "r0" else {}),
+            }
+            for p, prompt in NUMERICS_PROMPTS.items()
+            for kind in ("ok0", "ok1", "ok2", "r0")
+        ],
+    },
+    {
+        "service": NUMERICS,
+        "hosts": f"{NUMERICS}-b",
+        "precision": {"1": "medium"},
+        "requests": [
+            {"id": f"{NUMERICS}-{p}-medium{i}", "prompt": prompt, "tokens": TOKENS, "logprobs": True}
+            for p, prompt in NUMERICS_PROMPTS.items()
+            for i in range(2)
+        ],
+    },
+]
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +139,23 @@ def recorded(tmp_path_factory):
             jobs += [(plan["hosts"], 2, plan) for plan in NUMERICS_JOBS]
             for name, world, plan in jobs:
                 port = _free_port()
-                processes[name] = [subprocess.Popen(
-                    [sys.executable, str(APP), str(rank), str(world), str(port), f"{receiver.url}/v1/traces",
-                     json.dumps(plan)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                    for rank in range(world)]  # fmt: skip
+                processes[name] = [
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            str(APP),
+                            str(rank),
+                            str(world),
+                            str(port),
+                            f"{receiver.url}/v1/traces",
+                            json.dumps(plan),
+                        ],
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    for rank in range(world)
+                ]
             outputs = {}
             for name, ranks in processes.items():
                 results = [p.communicate(timeout=300) for p in ranks]
@@ -150,8 +192,9 @@ def _record_by_hand(store) -> None:
     memory = InMemorySpanExporter()
     tracers = {}
     for host in ("hand-a0", "hand-a1", "hand-b0", "hand-b1"):
-        provider = TracerProvider(resource=Resource.create({"service.name": "hand-tp2", "host.name": host,
-                                                            "gpu.uuid": f"GPU-{host}"}))  # fmt: skip
+        provider = TracerProvider(
+            resource=Resource.create({"service.name": "hand-tp2", "host.name": host, "gpu.uuid": f"GPU-{host}"})
+        )
         provider.add_span_processor(SimpleSpanProcessor(memory))
         tracers[host] = provider.get_tracer("by-hand")
     t0 = time.time_ns() - 30 * 60 * 10**9
@@ -164,15 +207,31 @@ def _record_by_hand(store) -> None:
         rid = corrupted.get(i, f"hand-{i:02d}")
         starts[rid] = at
         total = f"sum-{prompt}" + ("-bad" if bad else "")
-        root = tracers[f"hand-{group}0"].start_span("inference.request", start_time=at, attributes={
-            cv.REQUEST_ID: rid, cv.INPUT_DIGEST: digest(f"prompt-{prompt}"), cv.OUTPUT_DIGEST: digest(total)})
+        root = tracers[f"hand-{group}0"].start_span(
+            "inference.request",
+            start_time=at,
+            attributes={
+                cv.REQUEST_ID: rid,
+                cv.INPUT_DIGEST: digest(f"prompt-{prompt}"),
+                cv.OUTPUT_DIGEST: digest(total),
+            },
+        )
         context = otel.set_span_in_context(root)
         for rank in (0, 1):
             partial = f"partial-{prompt}-{rank}" + ("-bad" if bad and rank == 1 else "")
-            span = tracers[f"hand-{group}{rank}"].start_span("allreduce", context=context, start_time=at + 10**6,
-                                                             attributes={
-                cv.STAGE: "allreduce", cv.TP_RANK: rank, cv.TP_SIZE: 2, "net.rdma.devices": ["mlx5_0"],
-                cv.STAGE_INPUT_DIGEST: digest(partial), cv.STAGE_OUTPUT_DIGEST: digest(total)})  # fmt: skip
+            span = tracers[f"hand-{group}{rank}"].start_span(
+                "allreduce",
+                context=context,
+                start_time=at + 10**6,
+                attributes={
+                    cv.STAGE: "allreduce",
+                    cv.TP_RANK: rank,
+                    cv.TP_SIZE: 2,
+                    "net.rdma.devices": ["mlx5_0"],
+                    cv.STAGE_INPUT_DIGEST: digest(partial),
+                    cv.STAGE_OUTPUT_DIGEST: digest(total),
+                },
+            )
             span.end(end_time=at + 5 * 10**6)
         root.end(end_time=at + 10 * 10**6)
     writer = ClickHouseSpanExporter(store=store, spool_dir=False, create_schema=False)
@@ -181,8 +240,9 @@ def _record_by_hand(store) -> None:
     fleet = Fleet(store)
     for host in tracers:  # scraped every 15 s all along; hand-b1's counter rises once, in the scrape after hand-nic
         rises = ((starts["hand-nic"] + 12 * 10**9, 3.0),) if host == "hand-b1" else ()
-        fleet.counter(host, "rdma_packet_seq_err_total", NIC_LABELS, t0 - 60 * 10**9, t0 + 7 * 60 * 10**9,
-                      value=40, rises=rises)  # fmt: skip
+        fleet.counter(
+            host, "rdma_packet_seq_err_total", NIC_LABELS, t0 - 60 * 10**9, t0 + 7 * 60 * 10**9, value=40, rises=rises
+        )
 
 
 def test_ranks_recorded_by_hand_name_the_host_whose_nic_counted_errors_during_the_all_reduce(recorded):
@@ -193,10 +253,15 @@ def test_ranks_recorded_by_hand_name_the_host_whose_nic_counted_errors_during_th
     assert report["divergent_ranks"] == ["1"] and report["origin"]["how"] == "input", report["summary"]
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["host"], str(top["rank"])) == (
-        "hardware", "rdma_packet_seq_err_total", "hand-b1", "1"), report["causes"][:3]
+        "hardware",
+        "rdma_packet_seq_err_total",
+        "hand-b1",
+        "1",
+    ), report["causes"][:3]
     # where in the window it rose is said between the count and the rank (docs/explain.md, "Where in the window")
-    assert re.search(r"rdma_packet_seq_err_total rose by 3 .*allreduce.* on rank 1, mlx5_0 \(hand-b1\)",
-                     report["summary"]), report["summary"]  # fmt: skip
+    assert re.search(
+        r"rdma_packet_seq_err_total rose by 3 .*allreduce.* on rank 1, mlx5_0 \(hand-b1\)", report["summary"]
+    ), report["summary"]
     assert not any(c.get("host") == "hand-b0" or "hand-b0" in str(c.get("value")) for c in report["causes"])
     quiet = Explainer(store).explain("hand-quiet").to_json()
     assert quiet["divergent_ranks"] == ["1"], quiet["summary"]
@@ -220,11 +285,14 @@ def test_the_premise_comes_from_the_models_own_outputs(recorded):
                 assert outputs[f"{service}-{p}-{kind}"] != control, (service, p, kind)
 
 
-@pytest.mark.parametrize("service, kinds, rank", [
-    ("lm-tp2", ("r1", "r1again"), "1"),
-    ("lm-tp4", ("r2", "r2again", "r2late"), "2"),
-    ("lm-tp4", ("r0",), "0"),  # the rank that carries the request, named only when it is the one that began it
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "service, kinds, rank",
+    [
+        ("lm-tp2", ("r1", "r1again"), "1"),
+        ("lm-tp4", ("r2", "r2again", "r2late"), "2"),
+        ("lm-tp4", ("r0",), "0"),  # the rank that carries the request, named only when it is the one that began it
+    ],
+)
 def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorded, service, kinds, rank):
     store, _ = recorded
     world = JOBS[service][0]
@@ -243,8 +311,9 @@ def test_explain_names_the_rank_gpu_and_host_whose_contribution_differed(recorde
             assert f"GPU-{service}-{rank}" in summary and f"{service}-node-{rank}" in summary, summary
             for other in others:  # the ranks that summed it are not blamed
                 assert f"GPU-{service}-{other}" not in summary and f"{service}-node-{other} " not in summary, summary
-                assert not any(c.get("rank") == other or f"GPU-{service}-{other}" in json.dumps(c)
-                               for c in report["causes"]), report["causes"]  # fmt: skip
+                assert not any(
+                    c.get("rank") == other or f"GPU-{service}-{other}" in json.dumps(c) for c in report["causes"]
+                ), report["causes"]
             received = "ranks 0 and 1 both" if world == 2 else "ranks 0, 1, 2 and 3 all"
             assert f"{received} received the difference" in summary, summary
 
@@ -298,15 +367,22 @@ def _service(rid: str) -> str:
 
 def _numerics(outputs: dict, kind: str) -> list[str]:
     """``lm-prec``'s requests of a kind (``medium0``...) whose output differs from their prompt's controls'."""
-    return [rid for p in NUMERICS_PROMPTS for rid in [f"{NUMERICS}-{p}-{kind}"]
-            if outputs[rid] != outputs[f"{NUMERICS}-{p}-ok0"]]  # fmt: skip
+    return [
+        rid
+        for p in NUMERICS_PROMPTS
+        for rid in [f"{NUMERICS}-{p}-{kind}"]
+        if outputs[rid] != outputs[f"{NUMERICS}-{p}-ok0"]
+    ]
 
 
 def _names_the_setting_on_its_host(cause: dict, summary: str) -> bool:
     host = f"{NUMERICS}-b-node-1"
-    return ((cause["kind"], cause["name"], cause["value"], cause["baseline_value"]) == (
-        "attribute", PRECISION, "medium", "highest") and cause.get("where", {}).get("host.name") == host
-        and f"{host} runs {PRECISION} medium where its peers run highest" in summary)  # fmt: skip
+    return (
+        (cause["kind"], cause["name"], cause["value"], cause["baseline_value"])
+        == ("attribute", PRECISION, "medium", "highest")
+        and cause.get("where", {}).get("host.name") == host
+        and f"{host} runs {PRECISION} medium where its peers run highest" in summary
+    )
 
 
 def test_a_rank_launched_with_another_numerics_setting_is_named_with_that_setting_on_its_host(recorded):
@@ -342,8 +418,10 @@ def test_a_rank_launched_with_another_numerics_setting_is_named_with_that_settin
 def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recorded):
     store, outputs = recorded
     expected = {}
-    for service, kinds, rank in (("lm-tp2", ("r1", "r1again"), "1"),
-                                 ("lm-tp4", ("r2", "r2again", "r0", "r2late"), None)):  # fmt: skip
+    for service, kinds, rank in (
+        ("lm-tp2", ("r1", "r1again"), "1"),
+        ("lm-tp4", ("r2", "r2again", "r0", "r2late"), None),
+    ):
         for kind in kinds:
             r = rank or kind[1]
             for rid in _ids(service, kind):
@@ -364,31 +442,45 @@ def test_divergences_and_the_live_analyser_give_the_same_rank_gpu_and_host(recor
     for line in found["tally"]:
         on.update(line.get("began_on", {}))
     assert on == Counter(f"{e[0][1]} ({e[0][2]})" for e in expected.values()), found["tally"]
-    rows = dict(store.client.query("SELECT RequestId, Devices FROM {db:Identifier}.stagetrace_divergences FINAL",
-                                   parameters={"db": store.database}).result_rows)  # fmt: skip
+    rows = dict(
+        store.client.query(
+            "SELECT RequestId, Devices FROM {db:Identifier}.stagetrace_divergences FINAL",
+            parameters={"db": store.database},
+        ).result_rows
+    )
     assert {rid: rows[rid] for rid in expected} == {rid: e[0][1] for rid, e in expected.items()}
     _stored_as_expected(store, expected)
     assert all(row[:3] == ("", "", "") for rid, row in _began_rows(store).items() if rid not in expected)
     _the_dashboard_shows_each_gpu_that_began_differences(store, expected)
 
     store.client.command("TRUNCATE TABLE {db:Identifier}.stagetrace_divergences", parameters={"db": store.database})
-    analyser = live.Analyser(store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600),
-                             clock=lambda: time.time_ns() + 10**9)  # fmt: skip
+    analyser = live.Analyser(
+        store, live.Schedule(every_s=60, settle_s=0, lookback_s=3600), clock=lambda: time.time_ns() + 10**9
+    )
     assert analyser.step() is not None
-    summaries = dict(store.client.query(
-        "SELECT RequestId, Summary FROM {db:Identifier}.stagetrace_divergences FINAL",
-        parameters={"db": store.database}).result_rows)  # fmt: skip
+    summaries = dict(
+        store.client.query(
+            "SELECT RequestId, Summary FROM {db:Identifier}.stagetrace_divergences FINAL",
+            parameters={"db": store.database},
+        ).result_rows
+    )
     assert sorted(summaries) == sorted(expected)
     _stored_as_expected(store, expected)
-    tops = dict(store.client.query(
-        "SELECT RequestId, (FirstDivergentStage, TopCauseName) FROM {db:Identifier}.stagetrace_divergences FINAL",
-        parameters={"db": store.database}).result_rows)  # fmt: skip
+    tops = dict(
+        store.client.query(
+            "SELECT RequestId, (FirstDivergentStage, TopCauseName) FROM {db:Identifier}.stagetrace_divergences FINAL",
+            parameters={"db": store.database},
+        ).result_rows
+    )
     assert [rid for rid in medium if tops[rid] == ("allreduce", PRECISION)] == [rid for rid in named]
     # /metrics: one series per (service, stage, rank, GPU, its host), counting the requests that rank began
     assert analyser.stats.began == Counter((_service(rid), "allreduce", *e[0]) for rid, e in expected.items())
     families = {f.name: f for f in analyser.stats.families("analyser-host")}
-    began = {tuple(s.labels[k] for k in ("rank", "gpu", "gpu_host")): s.value
-             for s in families["stagetrace_deviations_began"].samples if s.name.endswith("_total")}  # fmt: skip
+    began = {
+        tuple(s.labels[k] for k in ("rank", "gpu", "gpu_host")): s.value
+        for s in families["stagetrace_deviations_began"].samples
+        if s.name.endswith("_total")
+    }
     assert began == dict(Counter(e[0] for e in expected.values())), began
     for rid, [(rank, gpu, host)] in expected.items():
         assert f"rank {rank}'s contribution to the all-reduce differs" in summaries[rid] and gpu in summaries[rid]
@@ -404,8 +496,10 @@ def _the_dashboard_shows_each_gpu_that_began_differences(store, expected: dict) 
     store.client.database = store.database  # as the data source connects: its default database
     result = json.loads(store.client.raw_query(sql, fmt="JSONCompact"))
     names = [c["name"] for c in result["meta"]]
-    shown = {(row["gpu"], row["host"]): (row["ranks"], int(row["requests"]))
-             for row in (dict(zip(names, r)) for r in result["data"])}  # fmt: skip
+    shown = {
+        (row["gpu"], row["host"]): (row["ranks"], int(row["requests"]))
+        for row in (dict(zip(names, r)) for r in result["data"])
+    }
     touched = Counter(e[0] for e in expected.values())
     assert shown == {(gpu, host): (rank, n) for (rank, gpu, host), n in touched.items()}, shown
     assert shown[("GPU-lm-tp2-1", "lm-tp2-node-1")] == ("1", 4)
@@ -429,11 +523,16 @@ def test_the_tallys_sql_finds_the_same_rank_gpu_and_host(recorded):
         place = report["origin"]["places"][0]
         # against its baseline alone (before the confirmation), several ranks began it, the lowest not the one
         # explain names: a masked difference on a lower rank of the baseline
-        alone = first_divergence(compare_stages(lookup.by_request_id(store, rid),
-                                                lookup.by_request_id(store, d.baseline_request_id)))  # fmt: skip
+        alone = first_divergence(
+            compare_stages(lookup.by_request_id(store, rid), lookup.by_request_id(store, d.baseline_request_id))
+        )
         confirmed += len(alone.ranks) > 1 and min(alone.ranks, key=int) != place["rank"]
         difference = found[d.trace_id]
         assert (difference.stage, difference.rank, difference.gpu, difference.host) == (
-            "allreduce", place["rank"], place["gpu"], place["host"]), (rid, alone.ranks)
+            "allreduce",
+            place["rank"],
+            place["gpu"],
+            place["host"],
+        ), (rid, alone.ranks)
         checked += 1
     assert checked == len(deviations) and confirmed >= 1, (checked, confirmed, len(deviations))

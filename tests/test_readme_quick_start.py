@@ -30,8 +30,13 @@ def _commands(block: str) -> list[str]:
 
 def test_the_quick_start_works_when_pasted_into_a_fresh_checkout(tmp_path):
     checkout = tmp_path / "stagetrace"
-    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "*.egg-info", "__pycache__", "build", "site", "test-artifacts", ".pytest_cache"))  # fmt: skip
+    shutil.copytree(
+        ROOT,
+        checkout,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "*.egg-info", "__pycache__", "build", "site", "test-artifacts", ".pytest_cache"
+        ),
+    )
     home = tmp_path / "home"
     home.mkdir()
     env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "COLUMNS": "200", "LANG": "C.UTF-8"}
@@ -47,8 +52,14 @@ def test_the_quick_start_works_when_pasted_into_a_fresh_checkout(tmp_path):
     for command in then[1:]:
         if command.startswith(LEFT_OUT):
             continue
-        pasted = subprocess.run(["bash", "-c", f"source .venv/bin/activate && {command.replace('REQUEST_ID', request_id)}"],
-                                cwd=checkout, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        pasted = subprocess.run(
+            ["bash", "-c", f"source .venv/bin/activate && {command.replace('REQUEST_ID', request_id)}"],
+            cwd=checkout,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert pasted.returncode == 0, f"{command}: {pasted.stderr[-2000:]}"
         ran.append(command.split()[1])
     assert ran == ["trace", "explain", "divergences", "provision"]

@@ -65,7 +65,9 @@ def ext4_disk(tmp_path):
         _run("losetup", "-d", device)
 
 
-def test_a_filesystem_turned_read_only_mid_stream_refuses_logs_little_and_loses_no_acknowledged_span(ext4_disk, tmp_path):
+def test_a_filesystem_turned_read_only_mid_stream_refuses_logs_little_and_loses_no_acknowledged_span(
+    ext4_disk, tmp_path
+):
     mounted, device = ext4_disk
     agent = Agent(mounted, tmp_path)
     agent.start()

@@ -10,10 +10,12 @@ from stagetrace.exporters import records
 
 def test_a_process_that_never_imported_the_receiver_decodes_its_records():
     """The span API's exporter replays what a killed agent wrote ahead: the kind's module is imported when met."""
-    probe = ("import sys; from stagetrace.exporters import records\n"
-             "assert 'stagetrace.exporters.otlp' not in sys.modules and not records.KINDS\n"
-             "decode = records.decoder('otlp_traces')\n"
-             "print(decode.__module__, sorted(records.KINDS))")  # fmt: skip
+    probe = (
+        "import sys; from stagetrace.exporters import records\n"
+        "assert 'stagetrace.exporters.otlp' not in sys.modules and not records.KINDS\n"
+        "decode = records.decoder('otlp_traces')\n"
+        "print(decode.__module__, sorted(records.KINDS))"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == ["stagetrace.exporters.otlp", "['otlp_logs',", "'otlp_metrics',", "'otlp_traces']"]
 

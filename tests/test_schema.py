@@ -13,7 +13,10 @@ def test_every_statement_parses_in_clickhouse(store, cluster):
         assert all("ON CLUSTER `gpu_fleet`" in sql for sql in statements)
         engines = " ".join(statements)
         assert "ReplicatedMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}')" in engines
-        assert "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', DetectedAt)" in engines
+        assert (
+            "ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/{database}/{table}', '{replica}', DetectedAt)"
+            in engines
+        )
         for table in schema.TABLES:
             distributed = any(f"`{table.name}` ON CLUSTER" in s and "ENGINE = Distributed(" in s for s in statements)
             assert distributed is (table.engine != "Null"), table.name  # a Null table keeps nothing to distribute
@@ -31,13 +34,17 @@ def test_schema_creation_is_idempotent_and_versioned(store):
 
 def test_otel_traces_has_the_collector_columns(store):
     """The Collector's clickhouseexporter must be able to write the same table."""
-    described = {r["name"]: r["type"] for r in store.client.query("DESCRIBE TABLE stagetrace.otel_traces").named_results()}
+    described = {
+        r["name"]: r["type"] for r in store.client.query("DESCRIBE TABLE stagetrace.otel_traces").named_results()
+    }
     assert described["Timestamp"] == "DateTime64(9)"
     assert described["Duration"] == "UInt64"
     assert described["SpanAttributes"] == "Map(LowCardinality(String), String)"
     assert described["Events.Timestamp"] == "Array(DateTime64(9))"
     assert described["Links.TraceId"] == "Array(String)"
-    gauge = {r["name"]: r["type"] for r in store.client.query("DESCRIBE TABLE stagetrace.otel_metrics_sum").named_results()}
+    gauge = {
+        r["name"]: r["type"] for r in store.client.query("DESCRIBE TABLE stagetrace.otel_metrics_sum").named_results()
+    }
     assert gauge["TimeUnix"] == "DateTime64(9)" and gauge["IsMonotonic"] == "Bool"
 
 
@@ -62,7 +69,9 @@ def test_upgrade_from_version_1_fills_the_stage_table_from_stored_spans(store):
     store.client.command("TRUNCATE TABLE stagetrace.stagetrace_schema_version")
     store.client.command("INSERT INTO stagetrace.stagetrace_schema_version (Version) VALUES (1)")
     assert schema.ensure_schema(store.client, "stagetrace") is True
-    rows = store.client.query("SELECT Stage, OutputDigest != '' FROM stagetrace.stagetrace_stages ORDER BY Start").result_rows
+    rows = store.client.query(
+        "SELECT Stage, OutputDigest != '' FROM stagetrace.stagetrace_stages ORDER BY Start"
+    ).result_rows
     assert rows == [("retrieval", True), ("decode", True)]
     assert schema.installed_version(store.client, "stagetrace") == schema.SCHEMA_VERSION
 
@@ -86,7 +95,9 @@ def test_upgrade_to_version_8_builds_the_trace_projection_from_stored_requests(s
     for projection in ("by_trace", "by_input"):
         built = store.client.command(
             "SELECT sum(rows) FROM system.projection_parts WHERE database = 'stagetrace' AND table = 'stagetrace_requests' "
-            "AND name = {p:String} AND active", parameters={"p": projection})  # fmt: skip
+            "AND name = {p:String} AND active",
+            parameters={"p": projection},
+        )
         assert int(built) == int(store.client.command("SELECT count() FROM stagetrace.stagetrace_requests")) > 0
     trace_id = lookup.by_request_id(store, "before-upgrade").trace_id
     assert lookup.by_trace_id(store, trace_id).request_id == "before-upgrade"
@@ -120,8 +131,10 @@ def test_an_upgrade_keeps_every_row_of_every_table(store):
     tables = [t for t in schema.TABLE_NAMES if t not in ("otel_logs", "stagetrace_schema_version")]
 
     def fingerprint() -> dict:
-        return {t: store.client.query(f"SELECT count(), sum(cityHash64(*)) FROM stagetrace.{t}").result_rows[0]
-                for t in tables}  # fmt: skip
+        return {
+            t: store.client.query(f"SELECT count(), sum(cityHash64(*)) FROM stagetrace.{t}").result_rows[0]
+            for t in tables
+        }
 
     before = fingerprint()
     assert before["otel_traces"][0] == 12_000 and before["stagetrace_requests"][0] == 2_000

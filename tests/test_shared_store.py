@@ -52,9 +52,14 @@ def neighbours(store, t0: int) -> None:
     batch = fleet.Fleet(store, t0, service="batch")
     for i, t, host in fleet.timeline(batch.at(0), batch.at(60), 20 * SECOND, ["b1", "b2", "b3", "b4"]):
         index = "v8" if t >= batch.at(20 + ["b1", "b2", "b3", "b4"].index(host)) else "v7"
-        batch.request(f"batch-{i:04d}", t, host, prompt=i % 4,
-                      settings={INDEX: index, "allreduce.algorithm": "tree", TEMPLATE: "t9"},
-                      differs={"retrieval": index, "context_assembly": "t9", "allreduce": "tree"})  # fmt: skip
+        batch.request(
+            f"batch-{i:04d}",
+            t,
+            host,
+            prompt=i % 4,
+            settings={INDEX: index, "allreduce.algorithm": "tree", TEMPLATE: "t9"},
+            differs={"retrieval": index, "context_assembly": "t9", "allreduce": "tree"},
+        )
     # (c) a canary of the same model on rag's own host names: another KV-cache dtype on two of them, and its own
     # rollout of rag's template setting to another value, earlier than rag's
     canary = fleet.Fleet(store, t0, service="rag-canary")
@@ -81,16 +86,33 @@ def answers(store, requests: list[str]) -> dict:
     explained = {}
     for rid in requests:
         report = explainer.explain(rid).to_json()
-        explained[rid] = (report["diverged"], report["first_divergent_stage"], (report["baseline"] or {}).get(
-            "request_id"), _top(report["causes"]))  # fmt: skip
+        explained[rid] = (
+            report["diverged"],
+            report["first_divergent_stage"],
+            (report["baseline"] or {}).get("request_id"),
+            _top(report["causes"]),
+        )
     found = divergences.find(store, SINCE_NS, limit=None)
-    entries = {d["request_id"]: (d["first_divergent_stage"], d["baseline_request_id"],
-                                 _top([d["top_cause"]]) if d["top_cause"] else None)
-               for g in found["groups"] for d in g["deviating"] if d["service"] == fleet.SERVICE}  # fmt: skip
-    rolled = sorted((r["stage"], r["name"], r["old"], r["new"], r["hosts"], r["of_hosts"], tuple(r["lagging"]),
-                     r["requests"]) for r in found["rollouts"] if r["service"] == fleet.SERVICE)  # fmt: skip
-    tally = sorted((t["cause"], t["stage"], t["requests"], tuple(t["hosts"])) for t in found["tally"]
-                   if t["service"] == fleet.SERVICE)  # fmt: skip
+    entries = {
+        d["request_id"]: (
+            d["first_divergent_stage"],
+            d["baseline_request_id"],
+            _top([d["top_cause"]]) if d["top_cause"] else None,
+        )
+        for g in found["groups"]
+        for d in g["deviating"]
+        if d["service"] == fleet.SERVICE
+    }
+    rolled = sorted(
+        (r["stage"], r["name"], r["old"], r["new"], r["hosts"], r["of_hosts"], tuple(r["lagging"]), r["requests"])
+        for r in found["rollouts"]
+        if r["service"] == fleet.SERVICE
+    )
+    tally = sorted(
+        (t["cause"], t["stage"], t["requests"], tuple(t["hosts"]))
+        for t in found["tally"]
+        if t["service"] == fleet.SERVICE
+    )
     sentences = sorted((r["service"], r["summary"]) for r in found["rollouts"])  # every service's, neighbours' too
     return {"explain": explained, "divergences": entries, "rollouts": rolled, "tally": tally, "sentences": sentences}
 
@@ -109,7 +131,9 @@ def shared(tmp_path_factory):
         live.Analyser(store, live.Schedule(settle_s=0, lookback_s=3 * 3600)).step()
         rows = store.client.query(
             "SELECT RequestId, FirstDivergentStage, TopCauseName, TopCauseValue, BaselineRequestId "
-            "FROM {db:Identifier}.stagetrace_divergences FINAL", parameters={"db": store.database}).result_rows
+            "FROM {db:Identifier}.stagetrace_divergences FINAL",
+            parameters={"db": store.database},
+        ).result_rows
         together = answers(store, rag)
     return alone, together, {r[0]: r[1:] for r in rows}, fl
 
@@ -132,8 +156,11 @@ def test_the_first_service_alone_is_answered_right(shared):
 def test_neighbours_never_move_an_answer(shared, view):
     alone, together, _, _ = shared
     if view in ("explain", "divergences"):
-        moved = {rid: (alone[view].get(rid), together[view].get(rid))
-                 for rid in set(alone[view]) | set(together[view]) if alone[view].get(rid) != together[view].get(rid)}
+        moved = {
+            rid: (alone[view].get(rid), together[view].get(rid))
+            for rid in set(alone[view]) | set(together[view])
+            if alone[view].get(rid) != together[view].get(rid)
+        }
         assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
     else:
         assert together[view] == alone[view]

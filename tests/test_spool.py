@@ -22,8 +22,10 @@ from stagetrace import schema
 from stagetrace.agent import SerializedNode
 from stagetrace.collectors.base import Node
 from stagetrace.environment_variables import (
-    STAGETRACE_SPOOL_DIR, STAGETRACE_SPOOL_KEEP_BYTES, STAGETRACE_SPOOL_MAX_BYTES,
-)  # fmt: skip
+    STAGETRACE_SPOOL_DIR,
+    STAGETRACE_SPOOL_KEEP_BYTES,
+    STAGETRACE_SPOOL_MAX_BYTES,
+)
 from stagetrace.exporters import spool
 from stagetrace.exporters.clickhouse import COLUMNS, ClickHouseMetricWriter, ClickHouseSpanExporter
 from stagetrace.exporters.durable import DurableWriter
@@ -134,7 +136,10 @@ def test_spool_directory_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     assert spool.directory_setting(parse_dsn("chdb:///data/st/store")) == Path("/data/st/store.spool")
     assert spool.directory_setting(parse_dsn("chdb://memory")) is None
-    assert spool.directory_setting(parse_dsn("http://u:secret@ch:8123/db")) == tmp_path / "state/stagetrace/spool/ch-8123-db"
+    assert (
+        spool.directory_setting(parse_dsn("http://u:secret@ch:8123/db"))
+        == tmp_path / "state/stagetrace/spool/ch-8123-db"
+    )
     monkeypatch.setenv(STAGETRACE_SPOOL_DIR, str(tmp_path / "x"))
     assert spool.directory_setting(parse_dsn("chdb://memory")) == tmp_path / "x"
     monkeypatch.setenv(STAGETRACE_SPOOL_DIR, "off")
@@ -150,8 +155,10 @@ def test_spool_directory_settings(monkeypatch, tmp_path):
 def test_a_spool_size_that_is_no_size_is_said_once_and_the_default_kept(monkeypatch, caplog):
     monkeypatch.setenv(STAGETRACE_SPOOL_MAX_BYTES, "lots")
     assert spool.max_bytes_setting() == spool.DEFAULT_MAX_BYTES
-    assert caplog.messages == [f"ignoring {STAGETRACE_SPOOL_MAX_BYTES}: 'lots' is not a positive size: write e.g. 1GiB, "
-                               f"512MiB or 1000000; using {spool.DEFAULT_MAX_BYTES} bytes"]  # fmt: skip
+    assert caplog.messages == [
+        f"ignoring {STAGETRACE_SPOOL_MAX_BYTES}: 'lots' is not a positive size: write e.g. 1GiB, "
+        f"512MiB or 1000000; using {spool.DEFAULT_MAX_BYTES} bytes"
+    ]
 
 
 def test_an_unusable_spool_directory_is_one_clear_error(tmp_path):
@@ -186,8 +193,10 @@ def test_the_same_batch_under_the_same_token_is_stored_once_in_the_table_and_its
     batch = sdk_rows()
 
     def counts():
-        return [store.client.command(f"SELECT count() FROM stagetrace.{t}")
-                for t in ("otel_traces", "stagetrace_requests", "stagetrace_stages", "otel_traces_trace_id_ts")]  # fmt: skip
+        return [
+            store.client.command(f"SELECT count() FROM stagetrace.{t}")
+            for t in ("otel_traces", "stagetrace_requests", "stagetrace_stages", "otel_traces_trace_id_ts")
+        ]
 
     for _ in range(3):
         assert writer.write("otel_traces", COLUMNS, batch, "the-same-token")
@@ -209,7 +218,9 @@ def test_a_store_upgraded_from_version_2_gets_the_deduplication_window(tmp_path)
         assert "non_replicated_deduplication_window" not in create
         assert store.ensure_schema() is True
         for table in schema.SETTING_CHANGES[3][1]:
-            assert "non_replicated_deduplication_window = 1000" in client.command(f"SHOW CREATE TABLE stagetrace.{table}")
+            assert "non_replicated_deduplication_window = 1000" in client.command(
+                f"SHOW CREATE TABLE stagetrace.{table}"
+            )
         assert schema.installed_version(client, "stagetrace") == schema.SCHEMA_VERSION
 
 
@@ -265,9 +276,11 @@ def test_every_span_sent_through_an_outage_is_stored_exactly_once(store, caplog)
         load.join()
     assert provider.force_flush() and exporter.force_flush(30_000)
     provider.shutdown()
-    stored = dict(store.client.query(
-        "SELECT SpanAttributes['stagetrace.request.id'] AS id, count() FROM stagetrace.otel_traces GROUP BY id"
-    ).result_rows)  # fmt: skip
+    stored = dict(
+        store.client.query(
+            "SELECT SpanAttributes['stagetrace.request.id'] AS id, count() FROM stagetrace.otel_traces GROUP BY id"
+        ).result_rows
+    )
     assert 0 < outage_began and outage_ended - outage_began >= 300 and len(sent) > outage_ended  # before, in, after
     assert set(stored) == set(sent) and set(stored.values()) == {1}
     assert store.client.command("SELECT count() FROM stagetrace.stagetrace_requests") == len(sent)
@@ -342,8 +355,9 @@ while True:  # steady load until killed
 def test_what_a_killed_process_spooled_is_replayed_once_by_the_next(tmp_path):
     dsn = f"chdb://{tmp_path / 'store'}"
     spool_dir = tmp_path / "store.spool"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, dsn], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=ROOT)  # fmt: skip
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, dsn], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
     try:
         assert child.stdout.readline().strip() == "outage", child.stderr.read()
         wait_until("the child to spool", lambda: len(segment_files(spool_dir)) >= 5)
@@ -359,8 +373,9 @@ def test_what_a_killed_process_spooled_is_replayed_once_by_the_next(tmp_path):
         assert before >= 200
         exporter = ClickHouseSpanExporter(store=store)  # replays on start, without an export
         wait_until("the replay", lambda: len(exporter.spool) == 0)
-        stored = dict(store.client.query(
-            "SELECT SpanId, count() FROM stagetrace.otel_traces GROUP BY SpanId").result_rows)  # fmt: skip
+        stored = dict(
+            store.client.query("SELECT SpanId, count() FROM stagetrace.otel_traces GROUP BY SpanId").result_rows
+        )
         assert all(stored.get(span_id) == 1 for span_id in spooled)
         assert len(stored) == sum(stored.values()) == before + len(spooled)
         # a kill after a replayed insert, before its segment was removed, replays it once more: that adds nothing

@@ -79,19 +79,26 @@ def test_unreachable_server_is_one_line_without_the_password(capsys):
 def test_a_locked_store_names_the_process_holding_it(tmp_path):
     path = tmp_path / "store"
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from stagetrace.store import open_store; s = open_store(sys.argv[1]); "
-         "print('open', flush=True); time.sleep(60)", f"chdb://{path}"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from stagetrace.store import open_store; s = open_store(sys.argv[1]); "
+            "print('open', flush=True); time.sleep(60)",
+            f"chdb://{path}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         with pytest.raises(StoreLockedError, match=f"in use by process {holder.pid} "):
             open_store(f"chdb://{path}")
         cli = subprocess.run(
             [sys.executable, "-m", "stagetrace", "trace", "r1", "--store", f"chdb://{path}"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cli.returncode == 2
         assert "Traceback" not in cli.stderr and cli.stderr.count("\n") == 1
         assert f"is in use by process {holder.pid}" in cli.stderr and "stop that process" in cli.stderr

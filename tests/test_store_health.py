@@ -32,9 +32,13 @@ def request(n: int, spans: int = 100) -> ExportTraceServiceRequest:
     scope = message.resource_spans.add().scope_spans.add()
     for k in range(spans):
         start = T0 + n * 60 * 10**9 + k * 10**9
-        scope.spans.add(name=f"part-{n}", trace_id=(n + 1).to_bytes(16, "big"),
-                        span_id=(n * spans + k + 1).to_bytes(8, "big"), start_time_unix_nano=start,
-                        end_time_unix_nano=start + 1000)  # fmt: skip
+        scope.spans.add(
+            name=f"part-{n}",
+            trace_id=(n + 1).to_bytes(16, "big"),
+            span_id=(n * spans + k + 1).to_bytes(8, "big"),
+            start_time_unix_nano=start,
+            end_time_unix_nano=start + 1000,
+        )
         stage = scope.spans[-1].attributes.add(key="stagetrace.stage")
         stage.value.string_value = "decode"
     return message
@@ -43,8 +47,11 @@ def request(n: int, spans: int = 100) -> ExportTraceServiceRequest:
 def send(agent: Agent, n: int) -> None:
     """``request(0)`` to ``request(n - 1)`` over OTLP/HTTP to ``agent``, each answered 200."""
     for k in range(n):
-        post = urllib.request.Request(f"{agent.endpoints['otlp']}/v1/traces", data=request(k).SerializeToString(),
-                                      headers={"Content-Type": "application/x-protobuf"})  # fmt: skip
+        post = urllib.request.Request(
+            f"{agent.endpoints['otlp']}/v1/traces",
+            data=request(k).SerializeToString(),
+            headers={"Content-Type": "application/x-protobuf"},
+        )
         with urllib.request.urlopen(post, timeout=30) as answer:
             assert answer.status == 200
 
@@ -63,9 +70,13 @@ def broken_parts_metric(metrics: str, name: str = "stagetrace_store_broken_parts
 def spans_by_id(store_path: Path, table: str = "otel_traces") -> dict[str, int]:
     """How many times ``table`` (the spans, or a table a view fills from them) holds each test span."""
     with open_store(f"chdb://{store_path}") as store:
-        return dict(store.client.query("SELECT lower(SpanId), count() FROM stagetrace.{table:Identifier} "
-                                       "WHERE startsWith(SpanName, 'part-') GROUP BY SpanId",
-                                       parameters={"table": table}).result_rows)  # fmt: skip
+        return dict(
+            store.client.query(
+                "SELECT lower(SpanId), count() FROM stagetrace.{table:Identifier} "
+                "WHERE startsWith(SpanName, 'part-') GROUP BY SpanId",
+                parameters={"table": table},
+            ).result_rows
+        )
 
 
 def sent_ids(n: int) -> list[str]:
@@ -78,8 +89,17 @@ def truncate_a_part(store_path: Path, table: str = "otel_traces") -> tuple[Path,
     parts = [p for p in table_directory(store_path, table).iterdir() if (p / "count.txt").exists()]
     blocks = {p: tuple(int(n) for n in p.name.split("_")[1:3]) for p in parts}
     # an active part: the parts a merge replaced stay on disk for a while (part_guard.SOURCES_KEPT_S)
-    active = [p for p in parts if not any(q != p and q.name.split("_")[0] == p.name.split("_")[0] and
-                                          blocks[q][0] <= blocks[p][0] and blocks[p][1] <= blocks[q][1] for q in parts)]
+    active = [
+        p
+        for p in parts
+        if not any(
+            q != p
+            and q.name.split("_")[0] == p.name.split("_")[0]
+            and blocks[q][0] <= blocks[p][0]
+            and blocks[p][1] <= blocks[q][1]
+            for q in parts
+        )
+    ]
     victim = sorted(active)[0]
     data = max(victim.glob("*.bin"), key=lambda p: p.stat().st_size)
     with data.open("r+b") as out:
@@ -106,15 +126,18 @@ def test_a_part_truncated_while_the_agent_was_down_is_named_at_start_and_counted
         log = again.stop()
     lines = [line for line in log.splitlines() if "detached part" in line]
     assert len(lines) == 1, log
-    assert (f"table otel_traces: the engine detached part {victim.name} as broken-on-start ({rows:,} rows, "
-            f"2023-11-14 22:") in lines[0], lines[0]  # fmt: skip
+    assert (
+        f"table otel_traces: the engine detached part {victim.name} as broken-on-start ({rows:,} rows, 2023-11-14 22:"
+    ) in lines[0], lines[0]
     assert " UTC, " in lines[0] and "its rows are no longer read" in lines[0]
     assert broken_parts_metric(metrics)["otel_traces"] == 1
     assert (table_directory(agent.store, "otel_traces") / "detached" / f"broken-on-start_{victim.name}").is_dir()
     # its rows are back, from the records the spool kept after storing them, and no span is stored twice
     restored = [line for line in log.splitlines() if "restored" in line]
-    assert restored == [f"stagetrace agent: store: table otel_traces: restored all {rows:,} rows of part {victim.name} "
-                        "from the spool's kept records"], log  # fmt: skip
+    assert restored == [
+        f"stagetrace agent: store: table otel_traces: restored all {rows:,} rows of part {victim.name} "
+        "from the spool's kept records"
+    ], log
     assert spans_by_id(agent.store) == dict.fromkeys(acknowledged, 1)
     # the stage rows the views derived kept their own parts: the restore leaves them as they were, none twice
     assert spans_by_id(agent.store, "stagetrace_stages") == dict.fromkeys(acknowledged, 1)
@@ -141,17 +164,21 @@ def test_rows_older_than_the_kept_records_are_counted_as_not_restored(tmp_path):
             metrics = urllib.request.urlopen(again.endpoints["metrics"], timeout=10).read().decode()
         finally:
             log = again.stop()
-        lost = {what: broken_parts_metric(metrics, f"stagetrace_store_lost_rows{what}")["otel_traces"]
-                for what in ("", "_first_timestamp_seconds", "_last_timestamp_seconds")}  # fmt: skip
+        lost = {
+            what: broken_parts_metric(metrics, f"stagetrace_store_lost_rows{what}")["otel_traces"]
+            for what in ("", "_first_timestamp_seconds", "_last_timestamp_seconds")
+        }
         assert lost[""] == rows and broken_parts_metric(metrics, "stagetrace_store_lost_rows")["stagetrace_stages"] == 0
         assert lost["_first_timestamp_seconds"] == 1_700_000_000 < lost["_last_timestamp_seconds"] < 1_700_001_000
         said = [line for line in log.splitlines() if "restored" in line]
         if start == 0:  # said once, in one line: how many, when, and why
             (line,) = said
             last = datetime.fromtimestamp(lost["_last_timestamp_seconds"], timezone.utc)
-            assert (f"restored 0 rows of part {victim.name} from the spool's kept records; lost {rows:,} of its "
-                    f"{rows:,} rows (2023-11-14 22:13:20 to {last:%Y-%m-%d %H:%M:%S} UTC): the spool keeps no records "
-                    "(STAGETRACE_SPOOL_KEEP_BYTES)") in line, line  # fmt: skip
+            assert (
+                f"restored 0 rows of part {victim.name} from the spool's kept records; lost {rows:,} of its "
+                f"{rows:,} rows (2023-11-14 22:13:20 to {last:%Y-%m-%d %H:%M:%S} UTC): the spool keeps no records "
+                "(STAGETRACE_SPOOL_KEEP_BYTES)"
+            ) in line, line
         else:
             assert not said, log
     assert len(spans_by_id(agent.store)) == 200 - rows
@@ -189,23 +216,29 @@ def test_a_part_the_engine_detaches_as_broken_while_running_is_found_by_the_next
     writer.close()
     health = StoreHealth(store)
     assert health.check() == [] and not health.failed
-    families = {s.labels["table"]: s.value for f in health.families("node-a") if f.name == BROKEN_PARTS.name
-                for s in f.samples}
+    families = {
+        s.labels["table"]: s.value for f in health.families("node-a") if f.name == BROKEN_PARTS.name for s in f.samples
+    }
     assert families["otel_traces"] == 0 and "stagetrace_requests" in families
     # the engine moves a part it finds broken into detached/ as broken_<part>; here a part is moved as it would be
-    ((name,),) = store.client.query("SELECT name FROM system.parts WHERE database = 'stagetrace' AND "
-                                    "table = 'otel_traces' AND active ORDER BY name LIMIT 1").result_rows  # fmt: skip
+    ((name,),) = store.client.query(
+        "SELECT name FROM system.parts WHERE database = 'stagetrace' AND "
+        "table = 'otel_traces' AND active ORDER BY name LIMIT 1"
+    ).result_rows
     store.client.command(f"ALTER TABLE stagetrace.otel_traces DETACH PART '{name}'")
     detached = table_directory(Path(store.location.path), "otel_traces") / "detached"
     shutil.move(detached / name, detached / f"broken_{name}")
     (found,) = health.check()
     assert (found.table, found.reason, found.rows) == ("otel_traces", "broken", 100)
     assert f"{found.first:%Y-%m-%d %H:%M:%S}" == "2023-11-14 22:13:20" and f"{found.last:%H:%M:%S}" == "22:14:59"
-    families = {s.labels["table"]: s.value for f in health.families("node-a") if f.name == BROKEN_PARTS.name
-                for s in f.samples}
+    families = {
+        s.labels["table"]: s.value for f in health.families("node-a") if f.name == BROKEN_PARTS.name for s in f.samples
+    }
     assert families["otel_traces"] == 1 and BROKEN_PARTS.name == "stagetrace_store_broken_parts"
     assert health.check() == [found]  # still there: counted, not said again
     said = [m for m in caplog.messages if "detached part" in m]
-    assert said == [f"store: table otel_traces: the engine detached part {name} as broken (100 rows, 2023-11-14 "
-                    f"22:13:20 to 2023-11-14 22:14:59 UTC, {found.bytes:,} bytes): its rows are no longer read; its "
-                    f"files are in {found.path}"]  # fmt: skip
+    assert said == [
+        f"store: table otel_traces: the engine detached part {name} as broken (100 rows, 2023-11-14 "
+        f"22:13:20 to 2023-11-14 22:14:59 UTC, {found.bytes:,} bytes): its rows are no longer read; its "
+        f"files are in {found.path}"
+    ]

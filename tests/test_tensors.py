@@ -82,19 +82,31 @@ def test_array_digests_are_pinned():
 def test_values_that_are_not_arrays_digest_as_before():
     """Pinned from the release before tensors: only arrays changed their encoding."""
     for value, pinned in [
-        (None, "e773506b79c6813310428aaa4f684b72"), (7, "3daa401b2ff85f7d9292873b17e40d39"),
-        (1.5, "0d8dcd8cfb8c3ee9ff0e99752f114b01"), ("héllo", "62efa25ce7171bd9a0e45d3cb098c730"),
-        (b"raw", "4c0437bb8506234ed6d3a74d17380aa8"), ([1, "a", None], "ab83612b43c055cb529dbaf033947810"),
+        (None, "e773506b79c6813310428aaa4f684b72"),
+        (7, "3daa401b2ff85f7d9292873b17e40d39"),
+        (1.5, "0d8dcd8cfb8c3ee9ff0e99752f114b01"),
+        ("héllo", "62efa25ce7171bd9a0e45d3cb098c730"),
+        (b"raw", "4c0437bb8506234ed6d3a74d17380aa8"),
+        ([1, "a", None], "ab83612b43c055cb529dbaf033947810"),
         ({"prompt": "p", "seed": 7}, "5b7ee3dd131d8ff2f6c66eb6d79eff57"),
         ({3, 1, 2}, "284d33bead6b7ae03c04108d6f65fb0e"),
-    ]:  # fmt: skip
+    ]:
         assert digest(value) == pinned, value
 
 
 # -- the same content wherever it lives
-DTYPES = [(torch.float32, np.float32), (torch.float64, np.float64), (torch.float16, np.float16),
-          (torch.int8, np.int8), (torch.int16, np.int16), (torch.int32, np.int32), (torch.int64, np.int64),
-          (torch.uint8, np.uint8), (torch.bool, np.bool_), (torch.complex64, np.complex64)]  # fmt: skip
+DTYPES = [
+    (torch.float32, np.float32),
+    (torch.float64, np.float64),
+    (torch.float16, np.float16),
+    (torch.int8, np.int8),
+    (torch.int16, np.int16),
+    (torch.int32, np.int32),
+    (torch.int64, np.int64),
+    (torch.uint8, np.uint8),
+    (torch.bool, np.bool_),
+    (torch.complex64, np.complex64),
+]
 SHAPES = [(), (0,), (1,), (5,), (3, 4), (2, 3, 5)]
 
 
@@ -111,11 +123,16 @@ def test_a_cpu_tensor_digests_as_its_numpy_twin(torch_dtype, numpy_dtype):
     assert digest(torch.tensor(1.5)) == digest(np.float32(1.5))  # 0-d tensor and NumPy scalar
 
 
-@pytest.mark.parametrize("torch_dtype, twin", [
-    (torch.bfloat16, ml_dtypes.bfloat16), (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
-    (torch.float8_e5m2, ml_dtypes.float8_e5m2), (torch.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz),
-    (torch.float8_e5m2fnuz, ml_dtypes.float8_e5m2fnuz),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "torch_dtype, twin",
+    [
+        (torch.bfloat16, ml_dtypes.bfloat16),
+        (torch.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+        (torch.float8_e5m2, ml_dtypes.float8_e5m2),
+        (torch.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz),
+        (torch.float8_e5m2fnuz, ml_dtypes.float8_e5m2fnuz),
+    ],
+)
 def test_bfloat16_and_float8_digest_as_their_ml_dtypes_twins(torch_dtype, twin):
     source = torch.randn(7, 9, generator=torch.Generator().manual_seed(3))
     tensor = source.to(torch_dtype)
@@ -204,14 +221,17 @@ def test_arrays_through_dlpack():
     assert digest(Producer(torch.arange(10))) == digest(np.arange(10))
 
 
-@pytest.mark.parametrize("dtype, row", [
-    (torch.float32, (64,)),  # rows of whole words: one pass for every group
-    (torch.bfloat16, (4, 8)),
-    (torch.int64, ()),  # token IDs: a word a row
-    (torch.float32, (70_000,)),  # a batch larger than the host's hashing chunk, still one pass
-    (torch.float32, (1 << 20,)),  # larger than one pass takes: group by group
-    (torch.bfloat16, (3,)),  # 6-byte rows, not whole words: group by group
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, row",
+    [
+        (torch.float32, (64,)),  # rows of whole words: one pass for every group
+        (torch.bfloat16, (4, 8)),
+        (torch.int64, ()),  # token IDs: a word a row
+        (torch.float32, (70_000,)),  # a batch larger than the host's hashing chunk, still one pass
+        (torch.float32, (1 << 20,)),  # larger than one pass takes: group by group
+        (torch.bfloat16, (3,)),  # 6-byte rows, not whole words: group by group
+    ],
+)
 def test_each_request_of_a_batch_digests_as_its_rows_alone(dtype, row):
     batch = (torch.randn((6, *row), generator=torch.Generator().manual_seed(3)) * 1000).to(dtype)
     groups = [[(0, 2), (4, 5)], [(2, 3)], [(5, 6)]]  # row 3 is nobody's
@@ -280,13 +300,16 @@ def test_stagetrace_digests_arrays_without_torch():
     assert done.stdout.split() == [expected, expected]
 
 
-@pytest.mark.parametrize("make, error, says", [
-    (lambda: torch.empty(3, device="meta"), ValueError, "meta device"),
-    (lambda: torch.eye(3).to_sparse(), TypeError, "sparse_coo tensor"),
-    (lambda: torch.eye(3).to_sparse_csr(), TypeError, "sparse_csr tensor"),
-    (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), TypeError, "nested tensor"),
-    (lambda: np.array([object(), 1], dtype=object), TypeError, "Python objects"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make, error, says",
+    [
+        (lambda: torch.empty(3, device="meta"), ValueError, "meta device"),
+        (lambda: torch.eye(3).to_sparse(), TypeError, "sparse_coo tensor"),
+        (lambda: torch.eye(3).to_sparse_csr(), TypeError, "sparse_csr tensor"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), TypeError, "nested tensor"),
+        (lambda: np.array([object(), 1], dtype=object), TypeError, "Python objects"),
+    ],
+)
 def test_what_the_path_cannot_take_is_a_one_line_error(make, error, says):
     value = make()
     for call in (digest, tensors.start):

@@ -51,14 +51,18 @@ def _web_config(files: Path, **tls) -> Path:
 
 
 def _curl(component, url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([component("curl", "curl"), "-sS", "--max-time", "20", *args, url], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [component("curl", "curl"), "-sS", "--max-time", "20", *args, url], capture_output=True, text=True, timeout=60
+    )
 
 
 def _serial(address: str, port: int, ca: Path) -> int:
     """The serial number of the certificate the listener presents now (a new connection)."""
     context = ssl.create_default_context(cafile=str(ca))
-    with socket.create_connection((address, port), timeout=10) as raw, context.wrap_socket(raw, server_hostname=address) as tls:
+    with (
+        socket.create_connection((address, port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=address) as tls,
+    ):
         from cryptography import x509
 
         return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True)).serial_number
@@ -85,13 +89,18 @@ def test_every_listener_speaks_tls_to_real_clients(pki, tmp_path, component, mon
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-        exporters = {"http": HttpExporter(endpoint=f"{endpoints['otlp']}/v1/traces", certificate_file=str(files / "ca.crt")),
-                     "grpc": GrpcExporter(endpoint=f"https://localhost:{endpoints['otlp_grpc'].rsplit(':', 1)[1]}",
-                                          insecure=False)}  # fmt: skip
+        exporters = {
+            "http": HttpExporter(endpoint=f"{endpoints['otlp']}/v1/traces", certificate_file=str(files / "ca.crt")),
+            "grpc": GrpcExporter(
+                endpoint=f"https://localhost:{endpoints['otlp_grpc'].rsplit(':', 1)[1]}", insecure=False
+            ),
+        }
         for name, exporter in exporters.items():
             provider = TracerProvider(resource=Resource.create({"service.name": f"tls-{name}"}))
             provider.add_span_processor(SimpleSpanProcessor(exporter))
-            with provider.get_tracer("t").start_as_current_span("request", attributes={"stagetrace.request.id": f"tls-{name}"}):
+            with provider.get_tracer("t").start_as_current_span(
+                "request", attributes={"stagetrace.request.id": f"tls-{name}"}
+            ):
                 pass
             provider.shutdown()
 
@@ -99,26 +108,36 @@ def test_every_listener_speaks_tls_to_real_clients(pki, tmp_path, component, mon
         import clickhouse_connect
 
         port = urllib.parse.urlsplit(endpoints["query"]).port
-        client = clickhouse_connect.get_client(host="localhost", port=port, secure=True, verify=True,
-                                               ca_cert=str(files / "ca.crt"), database="stagetrace")  # fmt: skip
+        client = clickhouse_connect.get_client(
+            host="localhost", port=port, secure=True, verify=True, ca_cert=str(files / "ca.crt"), database="stagetrace"
+        )
         deadline = time.monotonic() + 30
         while client.command("SELECT count() FROM stagetrace_requests WHERE startsWith(RequestId, 'tls-')") < 2:
             assert time.monotonic() < deadline, "the spans sent over TLS were not stored"
             time.sleep(0.5)
-        traced = agents.stagetrace("trace", "tls-grpc", "--json", "--store", agent.dsn,
-                                   env={"STAGETRACE_CA_FILE": str(files / "ca.crt")})  # fmt: skip
+        traced = agents.stagetrace(
+            "trace", "tls-grpc", "--json", "--store", agent.dsn, env={"STAGETRACE_CA_FILE": str(files / "ca.crt")}
+        )
         assert traced.returncode == 0 and json.loads(traced.stdout)["request_id"] == "tls-grpc", traced.stderr
         untrusted = agents.stagetrace("trace", "tls-grpc", "--store", agent.dsn)
         assert untrusted.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr
         assert len(untrusted.stderr.strip().splitlines()) == 1, untrusted.stderr
 
         # Grafana's data source, provisioned for this agent: a verified TLS connection with the CA, read from its file
-        provisioned = agents.stagetrace("provision", "--to-dir", str(tmp_path / "grafana"), "--store", agent.dsn,
-                                        env={"STAGETRACE_CA_FILE": str(files / "ca.crt")})  # fmt: skip
+        provisioned = agents.stagetrace(
+            "provision",
+            "--to-dir",
+            str(tmp_path / "grafana"),
+            "--store",
+            agent.dsn,
+            env={"STAGETRACE_CA_FILE": str(files / "ca.crt")},
+        )
         assert provisioned.returncode == 0, provisioned.stderr
         import yaml
 
-        (source,) = yaml.safe_load((tmp_path / "grafana" / "datasources" / "stagetrace.yaml").read_text())["datasources"]
+        (source,) = yaml.safe_load((tmp_path / "grafana" / "datasources" / "stagetrace.yaml").read_text())[
+            "datasources"
+        ]
         assert source["jsonData"]["secure"] is True and source["jsonData"]["port"] == port
         assert (source["jsonData"]["tlsSkipVerify"], source["jsonData"]["tlsAuthWithCACert"]) == (False, True)
         assert source["secureJsonData"]["tlsCACert"] == f"$__file{{{files / 'ca.crt'}}}"
@@ -131,7 +150,8 @@ def _grpc_credentials(files: Path, client: bool = False):
 
     return grpc.ssl_channel_credentials(
         (files / "ca.crt").read_bytes(),
-        *(((files / "client.key").read_bytes(), (files / "client.crt").read_bytes()) if client else ()))
+        *(((files / "client.key").read_bytes(), (files / "client.crt").read_bytes()) if client else ()),
+    )
 
 
 def test_required_client_certificates_refuse_a_client_without_one(pki, tmp_path, component):
@@ -143,8 +163,16 @@ def test_required_client_certificates_refuse_a_client_without_one(pki, tmp_path,
         url = agent.endpoints["metrics"]
         refused = _curl(component, url, "--cacert", str(files / "ca.crt"))
         assert refused.returncode != 0 and "rdma_port_state" not in refused.stdout
-        admitted = _curl(component, url, "--cacert", str(files / "ca.crt"), "--cert", str(files / "client.crt"),
-                         "--key", str(files / "client.key"))  # fmt: skip
+        admitted = _curl(
+            component,
+            url,
+            "--cacert",
+            str(files / "ca.crt"),
+            "--cert",
+            str(files / "client.crt"),
+            "--key",
+            str(files / "client.key"),
+        )
         assert admitted.returncode == 0 and "rdma_port_state" in admitted.stdout, admitted.stderr
         import grpc
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
@@ -173,18 +201,37 @@ def test_prometheus_scrapes_over_https_with_basic_auth(pki, tmp_path, component)
     prometheus = None
     try:
         url = urllib.parse.urlsplit(agent.endpoints["metrics"])
-        assert _curl(component, agent.endpoints["metrics"], "--cacert", str(files / "ca.crt"), "-o", "/dev/null",
-                     "-w", "%{http_code}").stdout == "401"  # fmt: skip
+        assert (
+            _curl(
+                component,
+                agent.endpoints["metrics"],
+                "--cacert",
+                str(files / "ca.crt"),
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+            ).stdout
+            == "401"
+        )
         binary = component("prometheus", "prometheus")
         port = agents.free_port()
         (tmp_path / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: stagetrace\n    scheme: https\n"
             f"    tls_config: {{ca_file: {files / 'ca.crt'}}}\n"
             "    basic_auth: {username: prometheus, password: scrape-secret}\n"
-            f"    static_configs: [{{targets: ['localhost:{url.port}']}}]\n")  # fmt: skip
-        prometheus = subprocess.Popen([binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-                                       f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                                      stdout=subprocess.DEVNULL, stderr=(tmp_path / "prometheus.log").open("w"))  # fmt: skip
+            f"    static_configs: [{{targets: ['localhost:{url.port}']}}]\n"
+        )
+        prometheus = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp_path / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=(tmp_path / "prometheus.log").open("w"),
+        )
         query = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": 'up{job="stagetrace"}'})
         deadline, up = time.monotonic() + 60, None
         while time.monotonic() < deadline:
@@ -220,8 +267,13 @@ def test_a_certificate_replaced_during_a_stream_of_spans_loses_none(pki, tmp_pat
         n = 0
         while not stop.is_set():  # a new exporter, so a new connection, each time: each sees the certificate then
             provider = TracerProvider()
-            provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(
-                endpoint=f"{agent.endpoints['otlp']}/v1/traces", certificate_file=str(files / "ca.crt"))))
+            provider.add_span_processor(
+                SimpleSpanProcessor(
+                    OTLPSpanExporter(
+                        endpoint=f"{agent.endpoints['otlp']}/v1/traces", certificate_file=str(files / "ca.crt")
+                    )
+                )
+            )
             name = f"rotated-{n}"
             with provider.get_tracer("t").start_as_current_span(name, attributes={"stagetrace.request.id": name}):
                 pass
@@ -250,12 +302,20 @@ def test_a_certificate_replaced_during_a_stream_of_spans_loses_none(pki, tmp_pat
         assert len(sent) > 10
         import clickhouse_connect
 
-        client = clickhouse_connect.get_client(host="localhost", port=urllib.parse.urlsplit(agent.endpoints["query"]).port,
-                                               secure=True, ca_cert=str(files / "ca.crt"), database="stagetrace")  # fmt: skip
+        client = clickhouse_connect.get_client(
+            host="localhost",
+            port=urllib.parse.urlsplit(agent.endpoints["query"]).port,
+            secure=True,
+            ca_cert=str(files / "ca.crt"),
+            database="stagetrace",
+        )
         deadline = time.monotonic() + 30
         while True:
-            stored = dict(client.query("SELECT SpanName, count() FROM otel_traces WHERE startsWith(SpanName, 'rotated-') "
-                                       "GROUP BY SpanName").result_rows)  # fmt: skip
+            stored = dict(
+                client.query(
+                    "SELECT SpanName, count() FROM otel_traces WHERE startsWith(SpanName, 'rotated-') GROUP BY SpanName"
+                ).result_rows
+            )
             if len(stored) >= len(sent) or time.monotonic() > deadline:
                 break
             time.sleep(0.5)
@@ -265,19 +325,37 @@ def test_a_certificate_replaced_during_a_stream_of_spans_loses_none(pki, tmp_pat
         agent.stop()
 
 
-@pytest.mark.parametrize("content, says", [
-    ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, client_auth_type: RequireAnyClientCert}",
-     "client_auth_type RequireAnyClientCert is not supported"),
-    ("tls_server_config: {cert_file: tls.crt, key_file: missing.key}", "cannot load the TLS certificate"),
-    ("tls_server_config: {cert_file: tls.crt, key_file: tls.key, cipher_suites: [TLS_AES_128_GCM_SHA256]}",
-     "cipher_suites cannot be set here"),
-    ("basic_auth_users: {prometheus: plaintext}", "must map each user to a bcrypt hash"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (
+            "tls_server_config: {cert_file: tls.crt, key_file: tls.key, client_auth_type: RequireAnyClientCert}",
+            "client_auth_type RequireAnyClientCert is not supported",
+        ),
+        ("tls_server_config: {cert_file: tls.crt, key_file: missing.key}", "cannot load the TLS certificate"),
+        (
+            "tls_server_config: {cert_file: tls.crt, key_file: tls.key, cipher_suites: [TLS_AES_128_GCM_SHA256]}",
+            "cipher_suites cannot be set here",
+        ),
+        ("basic_auth_users: {prometheus: plaintext}", "must map each user to a bcrypt hash"),
+    ],
+)
 def test_a_web_configuration_that_cannot_be_used_is_one_line(pki, tmp_path, content, says):
     _, files = pki
     (files / "web.yml").write_text(content + "\n")
-    refused = agents.stagetrace("agent", "--collectors", "", "--store", f"chdb://{tmp_path / 'store'}",
-                                "--web-config-file", str(files / "web.yml"), "--otlp", "none", "--otlp-grpc", "none")  # fmt: skip
+    refused = agents.stagetrace(
+        "agent",
+        "--collectors",
+        "",
+        "--store",
+        f"chdb://{tmp_path / 'store'}",
+        "--web-config-file",
+        str(files / "web.yml"),
+        "--otlp",
+        "none",
+        "--otlp-grpc",
+        "none",
+    )
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert says in refused.stderr and "Traceback" not in refused.stderr
 

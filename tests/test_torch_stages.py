@@ -41,15 +41,25 @@ def _free_port() -> int:
 
 # -- two ranks, one perturbed
 def test_explain_names_the_allreduce_of_the_rank_whose_shard_was_perturbed(store):
-    plan = {"requests": [{"id": f"tp-{i}", "prompt": PROMPT, "tokens": TOKENS} for i in range(3)]
-            + [{"id": "tp-bad", "prompt": PROMPT, "tokens": TOKENS, "perturb_rank": 1},
-               {"id": "tp-other", "prompt": [1, 2], "tokens": TOKENS}]}  # fmt: skip
+    plan = {
+        "requests": [{"id": f"tp-{i}", "prompt": PROMPT, "tokens": TOKENS} for i in range(3)]
+        + [
+            {"id": "tp-bad", "prompt": PROMPT, "tokens": TOKENS, "perturb_rank": 1},
+            {"id": "tp-other", "prompt": [1, 2], "tokens": TOKENS},
+        ]
+    }
     receiver = OtlpReceiver(store, "127.0.0.1:0")
     try:
         port = _free_port()
-        ranks = [subprocess.Popen([sys.executable, str(APP), str(rank), "2", str(port), f"{receiver.url}/v1/traces",
-                                   json.dumps(plan)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank in (0, 1)]  # fmt: skip
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, str(APP), str(rank), "2", str(port), f"{receiver.url}/v1/traces", json.dumps(plan)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
         results = [rank.communicate(timeout=240) for rank in ranks]
         for process, (_, err) in zip(ranks, results):
             assert process.returncode == 0, err
@@ -81,9 +91,14 @@ def test_explain_names_the_allreduce_of_the_rank_whose_shard_was_perturbed(store
     # from it, so both ranks' folded contributions differ; the first collective at which a rank's differs names rank 1
     assert report["divergent_ranks"] == ["1"], report["summary"]
     compared = {(c["stage"], c["rank"]): c for c in report["stages"]}
-    assert compared[("allreduce", "1")]["input_matches"] is False and compared[("allreduce", "0")]["input_matches"] is False
+    assert (
+        compared[("allreduce", "1")]["input_matches"] is False
+        and compared[("allreduce", "0")]["input_matches"] is False
+    )
     assert not compared[("allreduce", "0")]["output_matches"] and not compared[("allreduce", "1")]["output_matches"]
-    steps = {rank: span.attributes["stagetrace.stage.step_input_digests"].split(",") for rank, span in allreduce.items()}
+    steps = {
+        rank: span.attributes["stagetrace.stage.step_input_digests"].split(",") for rank, span in allreduce.items()
+    }
     assert len(steps["0"]) == len(steps["1"]) == min(LAYERS * TOKENS, 256) and len(steps["0"][0]) == 16
 
 
@@ -125,10 +140,16 @@ class Head(torch.nn.Module):
 def _stages(memory) -> dict[tuple[str, str], dict]:
     """(request ID, stage) -> the stage span's attributes."""
     finished = memory.get_finished_spans()
-    ids = {s.context.span_id: s.attributes["stagetrace.request.id"]
-           for s in finished if "stagetrace.request.id" in s.attributes}  # fmt: skip
-    return {(ids[s.parent.span_id], s.attributes["stagetrace.stage"]): dict(s.attributes)
-            for s in finished if "stagetrace.stage" in s.attributes}  # fmt: skip
+    ids = {
+        s.context.span_id: s.attributes["stagetrace.request.id"]
+        for s in finished
+        if "stagetrace.request.id" in s.attributes
+    }
+    return {
+        (ids[s.parent.span_id], s.attributes["stagetrace.stage"]): dict(s.attributes)
+        for s in finished
+        if "stagetrace.stage" in s.attributes
+    }
 
 
 def _root(request_id: str):
@@ -201,14 +222,17 @@ def test_nothing_is_recorded_outside_serving_and_remove_restores_torch(tmp_path,
     assert "async_op=True" in stage[completion.DIGEST_ERROR]
 
 
-@pytest.mark.parametrize("requests, error, says", [
-    ([("not a request", 0)], TypeError, "serving() takes a request"),
-    (42, TypeError, "serving() takes a request"),
-    ([], ValueError, "at least one request"),
-    ([({}, slice(2, None))], ValueError, "a stop and step 1"),
-    ([({}, [-1])], ValueError, "numbered from 0"),
-    ([({}, "rows")], ValueError, "rows must be"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "requests, error, says",
+    [
+        ([("not a request", 0)], TypeError, "serving() takes a request"),
+        (42, TypeError, "serving() takes a request"),
+        ([], ValueError, "at least one request"),
+        ([({}, slice(2, None))], ValueError, "a stop and step 1"),
+        ([({}, [-1])], ValueError, "numbered from 0"),
+        ([({}, "rows")], ValueError, "rows must be"),
+    ],
+)
 def test_bad_batches_are_one_line_errors(requests, error, says):
     with pytest.raises(error) as raised:
         stagetrace_torch.serving(requests)

@@ -37,14 +37,22 @@ def serve(store, minutes: int, start: datetime, hosts_alive: tuple[str, ...]) ->
     root_tracer = providers["node-a"].get_tracer("app")
     for second in range(0, minutes * 60, 5):
         at = int((start + timedelta(seconds=second)).timestamp() * 1e9)
-        root = root_tracer.start_span("inference.request", start_time=at,
-                                      attributes={st.REQUEST_ID: f"tp-{start:%H%M}-{second}"})  # fmt: skip
+        root = root_tracer.start_span(
+            "inference.request", start_time=at, attributes={st.REQUEST_ID: f"tp-{start:%H%M}-{second}"}
+        )
         context = trace.set_span_in_context(root)
         for rank, host in enumerate(("node-a", "node-a", "node-b", "node-b")):
             if host in hosts_alive:
-                span = providers[host].get_tracer("app").start_span(
-                    "allreduce", context=context, start_time=at + 1000,
-                    attributes={st.STAGE: "allreduce", st.TP_RANK: rank, st.TP_SIZE: 4})  # fmt: skip
+                span = (
+                    providers[host]
+                    .get_tracer("app")
+                    .start_span(
+                        "allreduce",
+                        context=context,
+                        start_time=at + 1000,
+                        attributes={st.STAGE: "allreduce", st.TP_RANK: rank, st.TP_SIZE: 4},
+                    )
+                )
                 span.end(end_time=at + 2_000_000)
         root.end(end_time=at + 5_000_000)
     writer = ClickHouseSpanExporter(store=store, spool_dir=False, create_schema=False)
@@ -71,16 +79,24 @@ def test_a_host_that_fails_mid_run_degrades_its_tp_group_and_is_last_seen_first(
     assert healthy == [{"service": "tp-svc", "head": "node-a", "hosts": "node-a node-b", "missing_ranks": 0}]
     assert all(r["missing_ranks"] <= RULE.threshold for r in healthy)  # no alert while the group is whole
 
-    degraded = rows(store, RULE.sql, failed_at + timedelta(minutes=5) - timedelta(seconds=RULE.window_s),
-                    failed_at + timedelta(minutes=5))  # fmt: skip
-    assert degraded == [{"service": "tp-svc", "head": "node-a", "hosts": "node-a", "missing_ranks": 1}]  # fires: above 0.01
+    degraded = rows(
+        store,
+        RULE.sql,
+        failed_at + timedelta(minutes=5) - timedelta(seconds=RULE.window_s),
+        failed_at + timedelta(minutes=5),
+    )
+    assert degraded == [
+        {"service": "tp-svc", "head": "node-a", "hosts": "node-a", "missing_ranks": 1}
+    ]  # fires: above 0.01
 
     panels = {panel["title"]: panel for panel in build_all()["stagetrace-fabric"]["panels"]}
     last_seen = rows(store, panels["TP hosts, last seen"]["targets"][0]["rawSql"], T0, failed_at + timedelta(minutes=5))
     assert [r["host"] for r in last_seen] == ["node-b", "node-a"]  # the failed host is the one last seen first
     assert last_seen[0]["last_seen"] < failed_at.strftime("%Y-%m-%d %H:%M:%S") <= last_seen[1]["last_seen"]
     assert (last_seen[0]["ranks"], last_seen[1]["ranks"]) == ("2 3", "0 1")
-    missing = rows(store, panels["Requests missing TP ranks"]["targets"][0]["rawSql"], T0, failed_at + timedelta(minutes=5))
+    missing = rows(
+        store, panels["Requests missing TP ranks"]["targets"][0]["rawSql"], T0, failed_at + timedelta(minutes=5)
+    )
     before = {r["host"]: r["missing"] for r in missing if r["time"] < failed_at.strftime("%Y-%m-%d %H:%M:%S")}
     after = {r["host"]: r["missing"] for r in missing if r["time"] >= failed_at.strftime("%Y-%m-%d %H:%M:%S")}
     assert before == {"node-a": 0, "node-b": 0} and after == {"node-a": 1}

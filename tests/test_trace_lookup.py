@@ -37,14 +37,29 @@ def _write_with_plain_sdk(dsn, request_id):
     provider = TracerProvider(resource=Resource.create({"service.name": "plain-sdk", "host.name": "gpu-node-3"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("someone-elses-app")
-    root = tracer.start_span("llm", kind=SpanKind.SERVER, start_time=T0, attributes={
-        "stagetrace.request.id": request_id, "stagetrace.input.digest": "in-root", "gen_ai.request.seed": 1})
+    root = tracer.start_span(
+        "llm",
+        kind=SpanKind.SERVER,
+        start_time=T0,
+        attributes={
+            "stagetrace.request.id": request_id,
+            "stagetrace.input.digest": "in-root",
+            "gen_ai.request.seed": 1,
+        },
+    )
     ctx = set_span_in_context(root)
     for i, name in enumerate(STAGES):
         start = T0 + (i * 10 + 1) * 1_000_000
-        span = tracer.start_span(f"do-{name}", context=ctx, start_time=start, attributes={
-            "stagetrace.stage": name, "stagetrace.stage.input_digest": f"in-{name}",
-            "stagetrace.stage.output_digest": f"out-{name}"})
+        span = tracer.start_span(
+            f"do-{name}",
+            context=ctx,
+            start_time=start,
+            attributes={
+                "stagetrace.stage": name,
+                "stagetrace.stage.input_digest": f"in-{name}",
+                "stagetrace.stage.output_digest": f"out-{name}",
+            },
+        )
         span.end(end_time=start + (i + 1) * 1_000_000)  # stage i lasts i+1 ms
     root.set_attribute("stagetrace.output.digest", "out-root")
     root.end(end_time=T0 + 60_000_000)
@@ -110,7 +125,9 @@ def test_vllm_request_id_alias_is_indexed(store_dsn):
         assert lookup.by_request_id(store, "cmpl-abc").spans[0].name == "llm_request"
 
 
-@pytest.mark.parametrize("request_id", ["it's", 'q"uote', "a\\b", "x'; DROP TABLE stagetrace.otel_traces; --", "nul\0byte", "{rid:String}"])
+@pytest.mark.parametrize(
+    "request_id", ["it's", 'q"uote', "a\\b", "x'; DROP TABLE stagetrace.otel_traces; --", "nul\0byte", "{rid:String}"]
+)
 def test_request_ids_with_quotes_or_sql_are_just_ids(store_dsn, request_id):
     _write_with_plain_sdk(store_dsn, request_id)
     with open_store(store_dsn) as store:
@@ -123,13 +140,23 @@ def test_request_ids_with_quotes_or_sql_are_just_ids(store_dsn, request_id):
 def test_unknown_ids_exit_1_with_a_clear_message(store_dsn):
     _write_with_plain_sdk(store_dsn, "known")
     for argv in (["no-such-request"], ["--trace-id", "0" * 32], ["x' OR '1'='1"]):
-        cli = subprocess.run([sys.executable, "-m", "stagetrace", "trace", *argv, "--store", store_dsn],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        cli = subprocess.run(
+            [sys.executable, "-m", "stagetrace", "trace", *argv, "--store", store_dsn],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert cli.returncode == 1, cli.stderr
         assert cli.stderr.startswith("stagetrace: no ") and "Traceback" not in cli.stderr
-    assert "no request with id 'no-such-request'" in subprocess.run(
-        [sys.executable, "-m", "stagetrace", "trace", "no-such-request", "--store", store_dsn],
-        capture_output=True, text=True, timeout=60).stderr  # fmt: skip
+    assert (
+        "no request with id 'no-such-request'"
+        in subprocess.run(
+            [sys.executable, "-m", "stagetrace", "trace", "no-such-request", "--store", store_dsn],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stderr
+    )
 
 
 def test_piped_waterfall_is_tab_separated_with_every_stage_in_order(store_dsn, capsys):
@@ -141,6 +168,7 @@ def test_piped_waterfall_is_tab_separated_with_every_stage_in_order(store_dsn, c
     assert header[:3] == ["span", "start ms", "dur ms"] and all(len(row) == len(header) for row in rows)
     assert [row[0].strip() for row in rows if row[0].strip() in STAGES] == STAGES
     assert "in-ret→out-re" in out  # digests, shortened
+
 
 def _granules(plan: str) -> list[tuple[str, int, int]]:
     """(what it reads, granules selected, granules in all) for each table read of an ``EXPLAIN indexes = 1`` plan."""
@@ -184,7 +212,9 @@ def test_every_lookup_query_reads_a_bounded_part_of_each_table(store, monkeypatc
     for sql, parameters in ran:
         if "FROM system.columns" in sql:  # the store's attribute layout, asked once (Store.readable): no table of it
             continue
-        plan = "\n".join(row[0] for row in store.client.query(f"EXPLAIN indexes = 1 {sql}", parameters=parameters).result_rows)
+        plan = "\n".join(
+            row[0] for row in store.client.query(f"EXPLAIN indexes = 1 {sql}", parameters=parameters).result_rows
+        )
         reads = _granules(plan)
         assert reads, plan
         for name, selected, total in reads:
@@ -233,29 +263,47 @@ def _span_on(dsn, host: str, name: str, start: int, end: int, parent=None, attri
     provider = TracerProvider(resource=Resource.create({"service.name": "rag", "host.name": host}))
     provider.add_span_processor(SimpleSpanProcessor(ClickHouseSpanExporter(store=dsn)))
     context = None if trace_root else set_span_in_context(NonRecordingSpan(parent))
-    span = provider.get_tracer("t").start_span(name, context=context, start_time=start, attributes=attributes or {},
-                                               kind=SpanKind.SERVER if trace_root else SpanKind.INTERNAL)  # fmt: skip
+    span = provider.get_tracer("t").start_span(
+        name,
+        context=context,
+        start_time=start,
+        attributes=attributes or {},
+        kind=SpanKind.SERVER if trace_root else SpanKind.INTERNAL,
+    )
     span.end(end_time=end)
     provider.shutdown()
     return span.get_span_context()
 
 
 def _stage(dsn, host, stage, start, parent):
-    return _span_on(dsn, host, f"stage.{stage}", start, start + 1_000_000, parent, {
-        "stagetrace.stage": stage, "stagetrace.stage.input_digest": "i", "stagetrace.stage.output_digest": "o"})
+    return _span_on(
+        dsn,
+        host,
+        f"stage.{stage}",
+        start,
+        start + 1_000_000,
+        parent,
+        {"stagetrace.stage": stage, "stagetrace.stage.input_digest": "i", "stagetrace.stage.output_digest": "o"},
+    )
 
 
 def test_spans_from_hosts_with_skewed_clocks_are_found_whole(store_dsn):
     """The root on a host with a good clock; the all-reduce rank spans from hosts whose clocks run four minutes
     behind and five ahead: a lookup by request ID and by trace ID returns all of them."""
-    root = _span_on(store_dsn, "gpu-a", "request", T0, T0 + 2_000_000_000, trace_root=True,
-                    attributes={"stagetrace.request.id": "skewed"})  # fmt: skip
+    root = _span_on(
+        store_dsn,
+        "gpu-a",
+        "request",
+        T0,
+        T0 + 2_000_000_000,
+        trace_root=True,
+        attributes={"stagetrace.request.id": "skewed"},
+    )
     _stage(store_dsn, "gpu-a", "retrieval", T0 + 1_000_000, root)
     _stage(store_dsn, "gpu-behind", "allreduce", T0 - 4 * MINUTE_NS, root)
     _stage(store_dsn, "gpu-ahead", "allreduce", T0 + 5 * MINUTE_NS, root)
     with open_store(store_dsn) as store:
-        for trace in (lookup.by_request_id(store, "skewed"),
-                      lookup.by_trace_id(store, format(root.trace_id, "032x"))):
+        for trace in (lookup.by_request_id(store, "skewed"), lookup.by_trace_id(store, format(root.trace_id, "032x"))):
             hosts = sorted(s.resource.get("host.name") for s in trace.spans)
             assert hosts == ["gpu-a", "gpu-a", "gpu-ahead", "gpu-behind"], hosts
             assert trace.request_id == "skewed"
@@ -264,8 +312,15 @@ def test_spans_from_hosts_with_skewed_clocks_are_found_whole(store_dsn):
 def test_spans_that_arrive_minutes_late_are_found(store_dsn):
     """A request looked up, then two more of its spans stored minutes later: one inside its time, one that started
     three minutes after the root ended (a slow host's flush). The next lookup returns them all."""
-    root = _span_on(store_dsn, "gpu-a", "request", T0, T0 + 1_000_000_000, trace_root=True,
-                    attributes={"stagetrace.request.id": "late"})  # fmt: skip
+    root = _span_on(
+        store_dsn,
+        "gpu-a",
+        "request",
+        T0,
+        T0 + 1_000_000_000,
+        trace_root=True,
+        attributes={"stagetrace.request.id": "late"},
+    )
     _stage(store_dsn, "gpu-a", "retrieval", T0 + 1_000_000, root)
     with open_store(store_dsn) as store:
         assert len(lookup.by_request_id(store, "late").spans) == 2
@@ -279,11 +334,19 @@ def test_spans_that_arrive_minutes_late_are_found(store_dsn):
 def test_a_retried_request_id_shows_its_latest_trace_whole(store_dsn):
     """The same request ID served twice, ten minutes apart, in two traces: the lookup shows the retry, with its own
     spans and none of the first attempt's."""
-    first = _span_on(store_dsn, "gpu-a", "request", T0, T0 + 10**9, trace_root=True,
-                     attributes={"stagetrace.request.id": "retried"})  # fmt: skip
+    first = _span_on(
+        store_dsn, "gpu-a", "request", T0, T0 + 10**9, trace_root=True, attributes={"stagetrace.request.id": "retried"}
+    )
     _stage(store_dsn, "gpu-a", "retrieval", T0 + 10**6, first)
-    retry = _span_on(store_dsn, "gpu-b", "request", T0 + 10 * MINUTE_NS, T0 + 10 * MINUTE_NS + 10**9, trace_root=True,
-                     attributes={"stagetrace.request.id": "retried"})  # fmt: skip
+    retry = _span_on(
+        store_dsn,
+        "gpu-b",
+        "request",
+        T0 + 10 * MINUTE_NS,
+        T0 + 10 * MINUTE_NS + 10**9,
+        trace_root=True,
+        attributes={"stagetrace.request.id": "retried"},
+    )
     for i, stage in enumerate(("retrieval", "decode")):
         _stage(store_dsn, "gpu-b", stage, T0 + 10 * MINUTE_NS + (i + 1) * 10**6, retry)
     with open_store(store_dsn) as store:
@@ -300,8 +363,15 @@ def test_many_traces_are_read_whole_in_the_seconds_they_ran(store_dsn):
     read of the whole window gives it, and no span of a trace not asked for."""
     roots = []
     for i, offset in enumerate((0, 2, 20 * MINUTE_NS, 20 * MINUTE_NS + 5, 50 * MINUTE_NS)):
-        root = _span_on(store_dsn, "gpu-a", "request", T0 + offset, T0 + offset + 10**9, trace_root=True,
-                        attributes={"stagetrace.request.id": f"r{i}"})  # fmt: skip
+        root = _span_on(
+            store_dsn,
+            "gpu-a",
+            "request",
+            T0 + offset,
+            T0 + offset + 10**9,
+            trace_root=True,
+            attributes={"stagetrace.request.id": f"r{i}"},
+        )
         _stage(store_dsn, "gpu-a", "retrieval", T0 + offset + 1_000_000, root)
         roots.append(format(root.trace_id, "032x"))
     skewed = _span_on(store_dsn, "gpu-a", "request", T0 + 30 * MINUTE_NS, T0 + 30 * MINUTE_NS + 10**9, trace_root=True)
@@ -312,8 +382,9 @@ def test_many_traces_are_read_whole_in_the_seconds_they_ran(store_dsn):
         whole = lookup.spans_of(store, asked, *window)
         for windows in (lookup.MAX_WINDOWS, 2, 1):
             found = lookup.spans_of_many(store, asked, window, max_windows=windows)
-            assert {t: [s.span_id for s in spans] for t, spans in found.items()} == \
-                   {t: [s.span_id for s in spans] for t, spans in whole.items()} and len(found) == 6
+            assert {t: [s.span_id for s in spans] for t, spans in found.items()} == {
+                t: [s.span_id for s in spans] for t, spans in whole.items()
+            } and len(found) == 6
             assert len(found[asked[-1]]) == 2
         assert lookup.spans_of_many(store, [], window) == {}
 
@@ -325,13 +396,24 @@ def _write_ties(dsn, request_id):
     provider = TracerProvider(resource=Resource.create({"service.name": "ties", "host.name": "gpu-node-1"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("ties")
-    root = tracer.start_span("inference.request", kind=SpanKind.SERVER, start_time=T0, attributes={
-        "stagetrace.request.id": request_id, "stagetrace.input.digest": "in"})
+    root = tracer.start_span(
+        "inference.request",
+        kind=SpanKind.SERVER,
+        start_time=T0,
+        attributes={"stagetrace.request.id": request_id, "stagetrace.input.digest": "in"},
+    )
     ctx = set_span_in_context(root)
     retrieval = tracer.start_span("retrieval", context=ctx, start_time=T0, attributes={"stagetrace.stage": "retrieval"})
     retrieval.end(end_time=T0 + 1_000_000)
-    ranks = [tracer.start_span("allreduce", context=ctx, start_time=T0 + 2_000_000, attributes={
-        "stagetrace.stage": "allreduce", "parallel.tp_rank": rank}) for rank in (3, 0, 2, 1)]
+    ranks = [
+        tracer.start_span(
+            "allreduce",
+            context=ctx,
+            start_time=T0 + 2_000_000,
+            attributes={"stagetrace.stage": "allreduce", "parallel.tp_rank": rank},
+        )
+        for rank in (3, 0, 2, 1)
+    ]
     for span in ranks:
         span.end(end_time=T0 + 3_000_000)
     root.set_attribute("stagetrace.output.digest", "out")
@@ -351,7 +433,9 @@ def test_spans_whose_starts_tie_are_listed_parent_first_then_by_rank(store_dsn, 
     for n in range(4):
         _write_ties(store_dsn, f"ties-{n}")
         doc = _trace_json(capsys, f"ties-{n}", "--store", store_dsn)
-        assert [(s["stage"] or s["name"]) + (f"[{s['rank']}]" if s.get("rank") else "") for s in doc["spans"]] == expected
+        assert [
+            (s["stage"] or s["name"]) + (f"[{s['rank']}]" if s.get("rank") else "") for s in doc["spans"]
+        ] == expected
         with open_store(store_dsn) as store:
             trace = lookup.by_request_id(store, f"ties-{n}")
         console = Console(file=io.StringIO(), width=80, force_terminal=True, color_system=None, record=True)
@@ -369,9 +453,19 @@ def test_a_trace_id_given_as_a_request_id_is_named_with_the_option_that_finds_it
     _write_with_plain_sdk(store_dsn, "named")
     with open_store(store_dsn) as store:
         trace_id = lookup.by_request_id(store, "named").trace_id
-    cli = subprocess.run([sys.executable, "-m", "stagetrace", "trace", trace_id.upper(), "--store", store_dsn],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert cli.returncode == 1 and f"(it is a trace ID: stagetrace trace --trace-id {trace_id})" in cli.stderr, cli.stderr
-    unknown = subprocess.run([sys.executable, "-m", "stagetrace", "trace", "0" * 32, "--store", store_dsn],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    cli = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "trace", trace_id.upper(), "--store", store_dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 1 and f"(it is a trace ID: stagetrace trace --trace-id {trace_id})" in cli.stderr, (
+        cli.stderr
+    )
+    unknown = subprocess.run(
+        [sys.executable, "-m", "stagetrace", "trace", "0" * 32, "--store", store_dsn],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert unknown.returncode == 1 and "trace ID" not in unknown.stderr

@@ -95,6 +95,7 @@ def test_attribute_values_otel_cannot_hold_are_kept_as_json(spans):
 
 def test_worker_threads_join_the_request(spans):
     with stagetrace.request("r-5") as req:
+
         def rank(r):
             with req.stage("allreduce", rank=r, attributes={"parallel.tp_size": 2}) as st:
                 st.set_output(r)
@@ -134,8 +135,12 @@ def test_a_rank_in_another_process_adds_its_stage_to_the_request(store_dsn):
     provider.add_span_processor(SimpleSpanProcessor(memory))
     stagetrace.configure(tracer_provider=provider)
     with stagetrace.request("r-xproc") as req:
-        child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(req.carrier()), store_dsn],
-                               capture_output=True, text=True, timeout=120)  # fmt: skip
+        child = subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(req.carrier()), store_dsn],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert child.returncode == 0, child.stderr
     exporter = ClickHouseSpanExporter(store=store_dsn)
     exporter.export(memory.get_finished_spans())

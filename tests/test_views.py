@@ -17,8 +17,9 @@ from tests.views_reference import assert_same_rows
 
 def _insert(store, spans) -> None:
     resources = Resources()
-    store.client.insert("otel_traces", [span_row(s, resources) for s in spans], column_names=COLUMNS,
-                        database=store.database)  # fmt: skip
+    store.client.insert(
+        "otel_traces", [span_row(s, resources) for s in spans], column_names=COLUMNS, database=store.database
+    )
 
 
 def test_the_views_write_schema_10_s_rows_for_the_span_api_s_and_openinference_s_spans(store):
@@ -39,20 +40,29 @@ def test_the_views_write_schema_10_s_rows_for_the_synthetic_stores(store):
 def test_a_span_without_content_attributes_needs_no_digest_rule():
     """What the views without the rules rely on: of every digest's sources, the given digest comes first and all the
     others read attributes HAS_CONTENT_SQL looks for, so a span without those has the given digest or none."""
-    for sources in (conventions.REQUEST_INPUT_DIGEST_SOURCES, conventions.REQUEST_OUTPUT_DIGEST_SOURCES,
-                    conventions.STAGE_INPUT_DIGEST_SOURCES, conventions.STAGE_OUTPUT_DIGEST_SOURCES):  # fmt: skip
+    for sources in (
+        conventions.REQUEST_INPUT_DIGEST_SOURCES,
+        conventions.REQUEST_OUTPUT_DIGEST_SOURCES,
+        conventions.STAGE_INPUT_DIGEST_SOURCES,
+        conventions.STAGE_OUTPUT_DIGEST_SOURCES,
+    ):
         first, *rest = sources
         assert isinstance(first, conventions.Digest)
         for source in rest:
-            assert (source.key in conventions.CONTENT_SOURCE_KEYS if isinstance(source, conventions.Content)
-                    else source.prefix in conventions.CONTENT_SOURCE_PREFIXES), source  # fmt: skip
+            assert (
+                source.key in conventions.CONTENT_SOURCE_KEYS
+                if isinstance(source, conventions.Content)
+                else source.prefix in conventions.CONTENT_SOURCE_PREFIXES
+            ), source
 
 
 def test_spans_with_content_pass_through_and_nothing_is_kept_on_the_way(store):
     _insert(store, openinference_spans(3))
     assert int(store.client.command("SELECT count() FROM stagetrace.stagetrace_content_spans")) == 0
-    engine = store.client.command("SELECT engine FROM system.tables WHERE database = 'stagetrace' AND name = "
-                                  "'stagetrace_content_spans'")  # fmt: skip
+    engine = store.client.command(
+        "SELECT engine FROM system.tables WHERE database = 'stagetrace' AND name = 'stagetrace_content_spans'"
+    )
     assert engine == "Null"
     assert {v.name for v in schema.VIEWS} <= set(
-        store.client.query("SELECT name FROM system.tables WHERE database = 'stagetrace'").result_columns[0])
+        store.client.query("SELECT name FROM system.tables WHERE database = 'stagetrace'").result_columns[0]
+    )

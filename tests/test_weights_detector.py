@@ -29,8 +29,12 @@ from stagetrace.lookup import iso_ns
 
 SECOND = 1_000_000_000
 MINUTE = 60 * SECOND
-PROMPT = {"prompt": "why is the sky blue?", "model": "acme-8b", "gen_ai.request.temperature": 0.0,
-          "gen_ai.request.seed": 7}  # fmt: skip
+PROMPT = {
+    "prompt": "why is the sky blue?",
+    "model": "acme-8b",
+    "gen_ai.request.temperature": 0.0,
+    "gen_ai.request.seed": 7,
+}
 OLD, NEW = 41, 42
 
 
@@ -59,17 +63,43 @@ class Fleet:
         tracer = self._tracer(host)
         stage_input = digest(["decode", PROMPT])
         output = digest(["tokens", PROMPT, step, odd])
-        root = tracer.start_span("inference.request", kind=SpanKind.SERVER, start_time=at_ns, attributes={
-            cv.REQUEST_ID: rid, cv.INPUT_DIGEST: digest(PROMPT), cv.OUTPUT_DIGEST: output,
-            "gen_ai.request.model": PROMPT["model"], "gen_ai.request.temperature": 0.0, "gen_ai.request.seed": 7})  # fmt: skip
-        decode = tracer.start_span("stage.decode", context=trace.set_span_in_context(root), kind=SpanKind.INTERNAL,
-                                   start_time=at_ns + 1_000_000, attributes={
-            cv.STAGE: "decode", cv.STAGE_INPUT_DIGEST: stage_input, cv.STAGE_OUTPUT_DIGEST: output,
-            cv.GPU_UUID: gpu, cv.WEIGHTS_STEP: step, "decode.batch_size": batch})  # fmt: skip
+        root = tracer.start_span(
+            "inference.request",
+            kind=SpanKind.SERVER,
+            start_time=at_ns,
+            attributes={
+                cv.REQUEST_ID: rid,
+                cv.INPUT_DIGEST: digest(PROMPT),
+                cv.OUTPUT_DIGEST: output,
+                "gen_ai.request.model": PROMPT["model"],
+                "gen_ai.request.temperature": 0.0,
+                "gen_ai.request.seed": 7,
+            },
+        )
+        decode = tracer.start_span(
+            "stage.decode",
+            context=trace.set_span_in_context(root),
+            kind=SpanKind.INTERNAL,
+            start_time=at_ns + 1_000_000,
+            attributes={
+                cv.STAGE: "decode",
+                cv.STAGE_INPUT_DIGEST: stage_input,
+                cv.STAGE_OUTPUT_DIGEST: output,
+                cv.GPU_UUID: gpu,
+                cv.WEIGHTS_STEP: step,
+                "decode.batch_size": batch,
+            },
+        )
         decode.end(end_time=at_ns + 150_000_000)
         root.end(end_time=at_ns + 160_000_000)
-        recorded = {"request_id": rid, "start_ns": at_ns, "decode_ns": at_ns + 1_000_000, "gpu": gpu, "host": host,
-                    "step": step}  # fmt: skip
+        recorded = {
+            "request_id": rid,
+            "start_ns": at_ns,
+            "decode_ns": at_ns + 1_000_000,
+            "gpu": gpu,
+            "host": host,
+            "step": step,
+        }
         self.requests.append(recorded)
         return recorded
 
@@ -102,8 +132,14 @@ def weights_causes(report: dict) -> list[dict]:
     return [c for c in report["causes"] if c["kind"] == "weights"]
 
 
-def synced_fleet(store, lagging: str, gpus: dict[str, str], sync_after_ns: int = 3 * MINUTE,
-                 minutes: int = 20, apart_ns: int = SECOND) -> tuple[Fleet, int]:  # fmt: skip
+def synced_fleet(
+    store,
+    lagging: str,
+    gpus: dict[str, str],
+    sync_after_ns: int = 3 * MINUTE,
+    minutes: int = 20,
+    apart_ns: int = SECOND,
+) -> tuple[Fleet, int]:
     """Every GPU but ``lagging`` moves from OLD to NEW ``sync_after_ns`` into the run (``apart_ns`` apart), so that
     most requests are served on NEW; ``lagging`` stays on OLD. Returns the fleet and the sync's first moment."""
     fl = Fleet(store)
@@ -132,12 +168,25 @@ def test_a_gpu_that_missed_the_sync_is_blamed_on_its_weights_with_its_fleets_ste
     assert report["diverged"] and report["first_divergent_stage"] == "decode", report["summary"]
     top = report["causes"][0]
     assert (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) == (
-        "weights", "decode", cv.WEIGHTS_STEP, str(OLD), str(NEW)), report["causes"][:3]  # fmt: skip
+        "weights",
+        "decode",
+        cv.WEIGHTS_STEP,
+        str(OLD),
+        str(NEW),
+    ), report["causes"][:3]
     assert top["weak"] is False
-    assert {k: top[k] for k in ("gpu", "host", "fleet_step", "steps_behind", "gpus", "gpus_on_fleet_step",
-                                "fleet_step_since")} == {
-        "gpu": lagging, "host": gpus[lagging], "fleet_step": NEW, "steps_behind": NEW - OLD, "gpus": 3,
-        "gpus_on_fleet_step": 3, "fleet_step_since": iso_ns(first_new)}  # fmt: skip
+    assert {
+        k: top[k]
+        for k in ("gpu", "host", "fleet_step", "steps_behind", "gpus", "gpus_on_fleet_step", "fleet_step_since")
+    } == {
+        "gpu": lagging,
+        "host": gpus[lagging],
+        "fleet_step": NEW,
+        "steps_behind": NEW - OLD,
+        "gpus": 3,
+        "gpus_on_fleet_step": 3,
+        "fleet_step_since": iso_ns(first_new),
+    }
     # one entry for the step: the attribute difference and the lagging rollout of it are the same fact
     assert [c["kind"] for c in report["causes"] if c["name"] == cv.WEIGHTS_STEP] == ["weights"], report["causes"]
     summary = report["summary"]
@@ -158,8 +207,11 @@ def test_a_gpu_that_missed_the_sync_is_blamed_on_its_weights_with_its_fleets_ste
     report = explain(store, late["request_id"])
     top = report["causes"][0]
     assert (top["kind"], top["value"], top["fleet_step"], top["gpus_on_fleet_step"]) == ("weights", "41", NEW, 3)
-    in_window = [r["decode_ns"] for r in fl.requests
-                 if r["step"] == NEW and r["decode_ns"] >= late["start_ns"] - WINDOW_S * SECOND]  # fmt: skip
+    in_window = [
+        r["decode_ns"]
+        for r in fl.requests
+        if r["step"] == NEW and r["decode_ns"] >= late["start_ns"] - WINDOW_S * SECOND
+    ]
     assert top["fleet_step_since"] == iso_ns(min(in_window))
     fl.close()
 
@@ -208,7 +260,11 @@ def test_a_canary_ahead_of_its_fleet_gets_no_weights_cause(store):
     assert weights_causes(report) == [], report["causes"]
     top = report["causes"][0]
     assert (top["kind"], top["name"], top["value"], top["baseline_value"]) == (
-        "attribute", cv.WEIGHTS_STEP, str(NEW), str(OLD)), report["causes"][:3]  # fmt: skip
+        "attribute",
+        cv.WEIGHTS_STEP,
+        str(NEW),
+        str(OLD),
+    ), report["causes"][:3]
     fl.close()
 
 

@@ -46,7 +46,9 @@ def assert_same_rows(store) -> int:
             expected = _rows(store.client, reference)
             found = _rows(store.client, f"SELECT {', '.join(f'`{c}`' for c in columns)} FROM {db}.`{target}`")
         missing, extra = expected - found, found - expected
-        assert not missing and not extra, f"{target}: rows of schema 10's {name} missing {list(missing)[:3]}, " \
-                                          f"rows it would not write {list(extra)[:3]}"  # fmt: skip
+        assert not missing and not extra, (
+            f"{target}: rows of schema 10's {name} missing {list(missing)[:3]}, "
+            f"rows it would not write {list(extra)[:3]}"
+        )
         compared += sum(expected.values())
     return compared

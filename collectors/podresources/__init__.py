@@ -38,10 +38,16 @@ PROTO = Path(__file__).with_name("api.proto")
 
 _FIELD = descriptor_pb2.FieldDescriptorProto
 _SCALARS = {
-    "string": _FIELD.TYPE_STRING, "bytes": _FIELD.TYPE_BYTES, "bool": _FIELD.TYPE_BOOL,
-    "int32": _FIELD.TYPE_INT32, "int64": _FIELD.TYPE_INT64, "uint32": _FIELD.TYPE_UINT32,
-    "uint64": _FIELD.TYPE_UINT64, "double": _FIELD.TYPE_DOUBLE, "float": _FIELD.TYPE_FLOAT,
-}  # fmt: skip
+    "string": _FIELD.TYPE_STRING,
+    "bytes": _FIELD.TYPE_BYTES,
+    "bool": _FIELD.TYPE_BOOL,
+    "int32": _FIELD.TYPE_INT32,
+    "int64": _FIELD.TYPE_INT64,
+    "uint32": _FIELD.TYPE_UINT32,
+    "uint64": _FIELD.TYPE_UINT64,
+    "double": _FIELD.TYPE_DOUBLE,
+    "float": _FIELD.TYPE_FLOAT,
+}
 _TOKEN = re.compile(r'"[^"]*"|[A-Za-z_][A-Za-z0-9_.]*|\d+|[{}();=]')
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 
@@ -107,7 +113,9 @@ def parse_proto(text: str, name: str = "api.proto") -> descriptor_pb2.FileDescri
         for method in service.method:
             for kind in ("input_type", "output_type"):
                 if getattr(method, kind) not in messages:
-                    raise ProtoSyntaxError(f"{name}: {service.name}.{method.name} names unknown {getattr(method, kind)}")
+                    raise ProtoSyntaxError(
+                        f"{name}: {service.name}.{method.name} names unknown {getattr(method, kind)}"
+                    )
                 setattr(method, kind, f".{file.package}.{getattr(method, kind)}")
     return file
 
@@ -198,19 +206,27 @@ def call(channel: grpc.Channel, method: str, request: Message | None = None, *, 
 
 def channel(socket_path: str | os.PathLike) -> grpc.Channel:
     """A plaintext channel to a unix socket (the kubelet's is root-only; no TLS, as the kubelet serves it)."""
-    return grpc.insecure_channel(f"unix:{os.fspath(socket_path)}", options=[
-        ("grpc.max_receive_message_length", 16 * 2**20),  # the kubelet's own limit for this server
-        ("grpc.enable_http_proxy", 0),
-    ])  # fmt: skip
+    return grpc.insecure_channel(
+        f"unix:{os.fspath(socket_path)}",
+        options=[
+            ("grpc.max_receive_message_length", 16 * 2**20),  # the kubelet's own limit for this server
+            ("grpc.enable_http_proxy", 0),
+        ],
+    )
 
 
-def generic_handler(answers: Mapping[str, Callable[[Message, grpc.ServicerContext], Message]]) -> grpc.GenericRpcHandler:
+def generic_handler(
+    answers: Mapping[str, Callable[[Message, grpc.ServicerContext], Message]],
+) -> grpc.GenericRpcHandler:
     """A gRPC handler of the PodResourcesLister service: ``answers`` maps method names to functions."""
     handlers = {
-        name: grpc.unary_unary_rpc_method_handler(answer, request_deserializer=METHODS[name][0].FromString,
-                                                  response_serializer=METHODS[name][1].SerializeToString)
+        name: grpc.unary_unary_rpc_method_handler(
+            answer,
+            request_deserializer=METHODS[name][0].FromString,
+            response_serializer=METHODS[name][1].SerializeToString,
+        )
         for name, answer in answers.items()
-    }  # fmt: skip
+    }
     return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
 
 
@@ -261,11 +277,19 @@ class RecordedKubelet:
                 self.socket_path.parent.mkdir(parents=True, exist_ok=True)
                 self.socket_path.unlink(missing_ok=True)  # a socket left by an earlier run
                 server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kubelet"))
-                server.add_generic_rpc_handlers([generic_handler({
-                    "List": lambda request, context: self._recorded("List", context),
-                    "GetAllocatableResources": lambda request, context: self._recorded("GetAllocatableResources", context),
-                    "Get": self._get,
-                })])  # fmt: skip
+                server.add_generic_rpc_handlers(
+                    [
+                        generic_handler(
+                            {
+                                "List": lambda request, context: self._recorded("List", context),
+                                "GetAllocatableResources": lambda request, context: self._recorded(
+                                    "GetAllocatableResources", context
+                                ),
+                                "Get": self._get,
+                            }
+                        )
+                    ]
+                )
                 server.add_insecure_port(f"unix:{self.socket_path}")
                 server.start()
                 self._server = server
@@ -298,8 +322,11 @@ def write_answers(directory: str | os.PathLike, answers: Mapping[str, Message | 
 
 def load_answers(directory: str | os.PathLike) -> dict[str, Message]:
     """The recorded answers in ``directory``, by method name."""
-    return {method: parse_answer(method, (Path(directory) / f"{method}.json").read_text())
-            for method in METHODS if (Path(directory) / f"{method}.json").exists()}  # fmt: skip
+    return {
+        method: parse_answer(method, (Path(directory) / f"{method}.json").read_text())
+        for method in METHODS
+        if (Path(directory) / f"{method}.json").exists()
+    }
 
 
 __all__ = [

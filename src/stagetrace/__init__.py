@@ -10,10 +10,15 @@ __version__ = "0.1.0"
 from stagetrace.digest import digest  # noqa: E402
 
 _SPAN_API = {
-    "Request": "stagetrace.tracing", "Stage": "stagetrace.tracing", "configure": "stagetrace.tracing",
-    "current_carrier": "stagetrace.tracing", "flush": "stagetrace.tracing", "request": "stagetrace.tracing",
-    "shutdown": "stagetrace.tracing", "stage": "stagetrace.tracing",
-}  # fmt: skip
+    "Request": "stagetrace.tracing",
+    "Stage": "stagetrace.tracing",
+    "configure": "stagetrace.tracing",
+    "current_carrier": "stagetrace.tracing",
+    "flush": "stagetrace.tracing",
+    "request": "stagetrace.tracing",
+    "shutdown": "stagetrace.tracing",
+    "stage": "stagetrace.tracing",
+}
 
 
 def __getattr__(name: str):

@@ -141,8 +141,12 @@ def _busy(listens: list[tuple[str | None, str]]) -> list[str]:
 
 def _exposed(listen: str, what: str, token: str | None) -> None:
     if token is None and not httpd.is_loopback(parse_listen(listen)[0]):
-        logger.warning("%s listens on %s without a token: anyone who can reach it can use it "
-                       "(set one with --token-file or %s)", what, listen, STAGETRACE_AGENT_TOKEN)  # fmt: skip
+        logger.warning(
+            "%s listens on %s without a token: anyone who can reach it can use it (set one with --token-file or %s)",
+            what,
+            listen,
+            STAGETRACE_AGENT_TOKEN,
+        )
 
 
 def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) -> int:
@@ -156,8 +160,10 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
     """
     busy = _busy(config.listeners())
     if len(busy) > 1:  # one alone gets the message of the listener that fails, below
-        raise AgentError(f"cannot listen on {', '.join(busy)}: choose other addresses with those options "
-                         "(or none for the receivers and the query endpoint)")  # fmt: skip
+        raise AgentError(
+            f"cannot listen on {', '.join(busy)}: choose other addresses with those options "
+            "(or none for the receivers and the query endpoint)"
+        )
     listen, otlp, otlp_grpc, query_listen = (config.listen, config.otlp, config.otlp_grpc, config.query_listen)
     token, web, interval_s = config.token, config.web, config.interval_s
     stop = stop or threading.Event()
@@ -174,8 +180,9 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
         location = opened.location
         reserve = config.reserve
         spool_base = spool.directory_setting(location)
-        headroom = diskspace.Headroom({"store": location.path if location.embedded else None, "spool": spool_base},
-                                      reserve)  # fmt: skip
+        headroom = diskspace.Headroom(
+            {"store": location.path if location.embedded else None, "spool": spool_base}, reserve
+        )
         if config.agent_logs:
             own = StoreLogHandler(opened, node.host, headroom=headroom)
             cleanup.callback(own.close)  # after it is removed: what it holds is written
@@ -191,15 +198,24 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
         shared.health = health
         guard = None
         if location.embedded and location.path:  # a server's disks and merges are its operator's
-            guard = PartGuard(checked, headroom, after_reload=lambda short: health.check(known=short),
-                              settled=lambda: not restorer.waiting)  # fmt: skip
+            guard = PartGuard(
+                checked,
+                headroom,
+                after_reload=lambda short: health.check(known=short),
+                settled=lambda: not restorer.waiting,
+            )
             guard.check()  # what the engine loaded: the parts made from now on are checked
             cleanup.callback(guard.close)
             guarding = threading.Event()
             cleanup.callback(_guard_thread(guard, guarding).join, 30)
             cleanup.callback(guarding.set)
-        writer = ClickHouseMetricWriter(opened, host=node.host, create_schema=False, headroom=headroom,
-                                        insert_every_s=max(config.insert_every_s, interval_s))  # fmt: skip
+        writer = ClickHouseMetricWriter(
+            opened,
+            host=node.host,
+            create_schema=False,
+            headroom=headroom,
+            insert_every_s=max(config.insert_every_s, interval_s),
+        )
         cleanup.callback(writer.close)
         server = _bind(lambda: serve(shared, listen, web=web), listen, "--listen")
         cleanup.callback(server.close)
@@ -207,10 +223,14 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
         if otlp or otlp_grpc:
             if otlp:
                 _exposed(otlp, "the OTLP receiver", token)
-            receiver = _bind(lambda: OtlpReceiver(opened, otlp, token=token, web=web, headroom=headroom, logs=config.otlp_logs,
-                                                  part_guard=guard),
-                             otlp or "",
-                             "--otlp", " for OTLP")  # fmt: skip
+            receiver = _bind(
+                lambda: OtlpReceiver(
+                    opened, otlp, token=token, web=web, headroom=headroom, logs=config.otlp_logs, part_guard=guard
+                ),
+                otlp or "",
+                "--otlp",
+                " for OTLP",
+            )
             cleanup.callback(receiver.close)  # before the store closes: its replay stops
             if otlp:
                 endpoints["otlp"] = receiver.url
@@ -218,25 +238,42 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
                 from stagetrace.exporters.otlp_grpc import OtlpGrpcServer  # grpc is loaded only when served
 
                 _exposed(otlp_grpc, "the OTLP/gRPC receiver", token)
-                grpc_server = _bind(lambda: OtlpGrpcServer(receiver, otlp_grpc, tls=web.tls if web else None),
-                                    otlp_grpc, "--otlp-grpc", " for OTLP/gRPC")  # fmt: skip
+                grpc_server = _bind(
+                    lambda: OtlpGrpcServer(receiver, otlp_grpc, tls=web.tls if web else None),
+                    otlp_grpc,
+                    "--otlp-grpc",
+                    " for OTLP/gRPC",
+                )
                 cleanup.callback(grpc_server.close)  # first: calls in flight finish before the receiver closes
                 endpoints["otlp_grpc"] = grpc_server.url
         else:  # no receiver, whose writer would: store what processes that found the store held handed over
             cleanup.callback(DurableWriter(opened, "spans", headroom=headroom, part_guard=guard).close)
         if query_listen and location.embedded and location.path:
             # who reaches it must show something: a token, a basic-auth user, or a certificate the CA signed
-            verified = web is not None and bool(web.users or (web.tls and web.tls.client_auth == "RequireAndVerifyClientCert"))
+            verified = web is not None and bool(
+                web.users or (web.tls and web.tls.client_auth == "RequireAndVerifyClientCert")
+            )
             exposed = not httpd.is_loopback(parse_listen(query_listen)[0])
             if token is None and not verified and not config.query_open and exposed:
-                raise AgentError(f"the query endpoint would read the store for anyone who can reach {query_listen}: "
-                                 "give it a token (--token-file) or require client certificates (--web-config-file), "
-                                 "keep it on loopback, or accept that with --query-open")  # fmt: skip
+                raise AgentError(
+                    f"the query endpoint would read the store for anyone who can reach {query_listen}: "
+                    "give it a token (--token-file) or require client certificates (--web-config-file), "
+                    "keep it on loopback, or accept that with --query-open"
+                )
             _exposed(query_listen, "the query endpoint", token)
-            endpoint = _bind(lambda: hub.QueryEndpoint(location.path, query_listen, database=location.database,
-                                                            token=token, limits=config.query_limits, web=web),
-                             query_listen,
-                             "--query-listen", " for queries")  # fmt: skip
+            endpoint = _bind(
+                lambda: hub.QueryEndpoint(
+                    location.path,
+                    query_listen,
+                    database=location.database,
+                    token=token,
+                    limits=config.query_limits,
+                    web=web,
+                ),
+                query_listen,
+                "--query-listen",
+                " for queries",
+            )
             cleanup.callback(endpoint.close)
             endpoints["query"] = endpoint.url
             cleanup.callback(hub.withdraw, hub.advertise(location.path, **endpoints))
@@ -255,14 +292,20 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
         for sig in (signal.SIGTERM, signal.SIGINT):
             cleanup.callback(signal.signal, sig, signal.signal(sig, lambda *_: stop.set()))
         logger.info(
-            "serving %s, sampling every %gs into %s (collectors: %s)", server.url, interval_s,
-            location.redacted(), ", ".join(c.name for c in node.collectors) or "none",
-        )  # fmt: skip
+            "serving %s, sampling every %gs into %s (collectors: %s)",
+            server.url,
+            interval_s,
+            location.redacted(),
+            ", ".join(c.name for c in node.collectors) or "none",
+        )
         if lowered:
             logger.info("running at low priority: %s (--no-low-priority to turn off)", ", ".join(lowered))
         if not headroom.off:
-            logger.info("refusing writes while free space under %s is below %s (--min-free-space)",
-                        " or ".join(str(p) for p in headroom.paths.values()), reserve)  # fmt: skip
+            logger.info(
+                "refusing writes while free space under %s is below %s (--min-free-space)",
+                " or ".join(str(p) for p in headroom.paths.values()),
+                reserve,
+            )
         if "otlp" in endpoints:
             logger.info("receiving OTLP/HTTP at %s/v1/traces and /v1/metrics", endpoints["otlp"])
         if "otlp_grpc" in endpoints:
@@ -270,7 +313,11 @@ def run(node: Node, config: AgentConfig, stop: threading.Event | None = None) ->
         if "query" in endpoints:
             logger.info("sharing the store read-only at %s (ClickHouse HTTP interface)", endpoints["query"])
         elif query_listen:
-            why = "an in-memory store cannot be shared" if location.embedded else "other commands reach the server directly"
+            why = (
+                "an in-memory store cannot be shared"
+                if location.embedded
+                else "other commands reach the server directly"
+            )
             logger.info("no query endpoint: %s", why)
         due = time.monotonic()
         said = None
@@ -323,5 +370,4 @@ def _say_diagnosis(collected, host: str, said: str | None) -> str | None:
     return line
 
 
-__all__ = ["AgentError", "SerializedNode", "failed_collectors", "lower_priority", "run",
-           "samples_json"]
+__all__ = ["AgentError", "SerializedNode", "failed_collectors", "lower_priority", "run", "samples_json"]

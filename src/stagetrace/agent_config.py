@@ -109,8 +109,12 @@ class AgentConfig:
 
     def listeners(self) -> list[tuple[str | None, str]]:
         """Each address with the flag that sets it."""
-        return [(self.listen, "--listen"), (self.otlp, "--otlp"), (self.otlp_grpc, "--otlp-grpc"),
-                (self.query_listen, "--query-listen")]  # fmt: skip
+        return [
+            (self.listen, "--listen"),
+            (self.otlp, "--otlp"),
+            (self.otlp_grpc, "--otlp-grpc"),
+            (self.query_listen, "--query-listen"),
+        ]
 
     @classmethod
     def from_args(cls, args: Any, environ: Mapping[str, str] = os.environ) -> AgentConfig:
@@ -121,8 +125,9 @@ class AgentConfig:
         from stagetrace.exporters import diskspace
         from stagetrace.httpd import parse_listen
 
-        otlp, otlp_grpc, query_listen = (None if text.lower() in OFF else text
-                                         for text in (args.otlp, args.otlp_grpc, args.query_listen))  # fmt: skip
+        otlp, otlp_grpc, query_listen = (
+            None if text.lower() in OFF else text for text in (args.otlp, args.otlp_grpc, args.query_listen)
+        )
         for address in filter(None, (args.listen, otlp, otlp_grpc, query_listen)):
             parse_listen(address)
         try:
@@ -133,16 +138,26 @@ class AgentConfig:
         asked = bool((every or "").strip())
         off = asked and is_zero(every)
         return cls(
-            store=args.store, listen=args.listen, otlp=otlp, otlp_grpc=otlp_grpc, query_listen=query_listen,
-            interval_s=interval, insert_every_s=INSERT_EVERY.value(args.insert_every, environ),
-            token=load_token(args.token_file), web=web_config.load(args.web_config_file), query_open=args.query_open,
+            store=args.store,
+            listen=args.listen,
+            otlp=otlp,
+            otlp_grpc=otlp_grpc,
+            query_listen=query_listen,
+            interval_s=interval,
+            insert_every_s=INSERT_EVERY.value(args.insert_every, environ),
+            token=load_token(args.token_file),
+            web=web_config.load(args.web_config_file),
+            query_open=args.query_open,
             query_limits=query_limits(args, environ),
-            analysis=None if off else schedule(every if asked else DEFAULT_ANALYSE_EVERY, "--analyse-every",
-                                               environ=environ),
-            analysis_asked=asked, reserve=diskspace.reserve_setting(args.min_free_space),
-            low_priority=args.low_priority, otlp_logs=OTLP_LOGS.value(args.otlp_logs, environ),
+            analysis=None
+            if off
+            else schedule(every if asked else DEFAULT_ANALYSE_EVERY, "--analyse-every", environ=environ),
+            analysis_asked=asked,
+            reserve=diskspace.reserve_setting(args.min_free_space),
+            low_priority=args.low_priority,
+            otlp_logs=OTLP_LOGS.value(args.otlp_logs, environ),
             agent_logs=AGENT_LOGS.value(args.agent_logs, environ),
-        )  # fmt: skip
+        )
 
 
 def query_limits(args: Any, environ: Mapping[str, str] = os.environ) -> QueryLimits:
@@ -166,13 +181,21 @@ def is_zero(text: str) -> bool:
     return re.fullmatch(r"\s*0+(\.0*)?\s*(ms|s|m|h|d|w)?\s*", text) is not None
 
 
-def schedule(every: str, flag: str, settle: str | None = None, lookback: str | None = None,
-             environ: Mapping[str, str] = os.environ) -> Schedule:  # fmt: skip
+def schedule(
+    every: str,
+    flag: str,
+    settle: str | None = None,
+    lookback: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Schedule:
     """The live analyser's schedule: each duration from its option, else its environment variable, else default."""
     from stagetrace.analysis import live
 
-    texts = {flag: every, "--settle": settle or environ.get(STAGETRACE_ANALYSE_SETTLE),
-             "--lookback": lookback or environ.get(STAGETRACE_ANALYSE_LOOKBACK)}  # fmt: skip
+    texts = {
+        flag: every,
+        "--settle": settle or environ.get(STAGETRACE_ANALYSE_SETTLE),
+        "--lookback": lookback or environ.get(STAGETRACE_ANALYSE_LOOKBACK),
+    }
     seconds = {}
     for option, text in texts.items():
         if not (text or "").strip():  # unset, or set empty: the default
@@ -183,8 +206,11 @@ def schedule(every: str, flag: str, settle: str | None = None, lookback: str | N
             raise ValueError(f"{option}: {exc}") from None
     if seconds[flag] <= 0:
         raise ValueError(f"{flag} must be a positive duration such as 30s or 1m")
-    return live.Schedule(every_s=seconds[flag], settle_s=seconds.get("--settle", live.DEFAULT_SETTLE_S),
-                         lookback_s=seconds.get("--lookback", live.DEFAULT_LOOKBACK_S))
+    return live.Schedule(
+        every_s=seconds[flag],
+        settle_s=seconds.get("--settle", live.DEFAULT_SETTLE_S),
+        lookback_s=seconds.get("--lookback", live.DEFAULT_LOOKBACK_S),
+    )
 
 
 __all__ = ["AgentConfig", "is_zero", "query_limits", "schedule"]

@@ -22,8 +22,10 @@ LAYOUTS = (MAP, JSON)
 
 # the attribute columns of the Collector's tables stagetrace reads, by table, and the arrays of attributes (a span's
 # events' and links', which the trace panel shows)
-COLUMNS = {"otel_traces": ("ResourceAttributes", "SpanAttributes"),
-           "otel_logs": ("ResourceAttributes", "ScopeAttributes", "LogAttributes")}  # fmt: skip
+COLUMNS = {
+    "otel_traces": ("ResourceAttributes", "SpanAttributes"),
+    "otel_logs": ("ResourceAttributes", "ScopeAttributes", "LogAttributes"),
+}
 ARRAYS = {"otel_traces": ("Events.Attributes", "Links.Attributes")}
 
 LAYOUT_SQL = """
@@ -55,7 +57,8 @@ def layouts(client, database: str, tables=tuple(COLUMNS)) -> dict[str, str]:
     """The layout of each of ``tables`` the store has (a table with any JSON attribute column is JSON)."""
     columns = sorted({c for t in tables for c in COLUMNS.get(t.removesuffix("_local"), ())})
     found: dict[str, str] = {}
-    for table, layout in client.query(LAYOUT_SQL, parameters={"db": database, "tables": list(tables),
-                                                               "columns": columns}).result_rows:  # fmt: skip
+    for table, layout in client.query(
+        LAYOUT_SQL, parameters={"db": database, "tables": list(tables), "columns": columns}
+    ).result_rows:
         found[table] = JSON if JSON in (layout, found.get(table)) else MAP
     return found

@@ -35,9 +35,11 @@ from stagetrace.environment_variables import (
 from stagetrace.errors import SchemaError, StoreError
 
 
-_STORE_HELP = (f"chdb:///path or http(s)://user@host:8123/db (env {config.ENV_STORE}; "
-               f"password from {config.ENV_STORE_PASSWORD} or {config.ENV_STORE_PASSWORD_FILE}); "
-               f"default chdb://{config.default_store_path()}")
+_STORE_HELP = (
+    f"chdb:///path or http(s)://user@host:8123/db (env {config.ENV_STORE}; "
+    f"password from {config.ENV_STORE_PASSWORD} or {config.ENV_STORE_PASSWORD_FILE}); "
+    f"default chdb://{config.default_store_path()}"
+)
 # ``stagetrace --store DSN trace ID``: the top level keeps its own destination, as the command's default (None) would
 # overwrite a shared one; after parsing, the command's own --store wins over this one.
 _STORE_BEFORE_COMMAND = "store_before_command"
@@ -54,8 +56,12 @@ def _collector_options() -> argparse.ArgumentParser:
     from stagetrace.collectors import add_arguments
 
     parent = argparse.ArgumentParser(add_help=False)
-    group = parent.add_argument_group("collectors", "Each setting: its flag, else its environment variable, else default.")
-    group.add_argument("--collectors", metavar="LIST", help="comma-separated collectors to run (default: every default-enabled one)")
+    group = parent.add_argument_group(
+        "collectors", "Each setting: its flag, else its environment variable, else default."
+    )
+    group.add_argument(
+        "--collectors", metavar="LIST", help="comma-separated collectors to run (default: every default-enabled one)"
+    )
     add_arguments(group)
     return parent
 
@@ -77,17 +83,25 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     every collector to learn them), for a command line that runs neither ``collect`` nor ``agent``."""
     parser = argparse.ArgumentParser(prog="stagetrace", description="Tracing for stateless GPU inference pipelines.")
     parser.add_argument("--version", action="version", version=f"stagetrace {__version__}")
-    parser.add_argument("--store", metavar="DSN", dest=_STORE_BEFORE_COMMAND, default=None,
-                        help="the store of every command that reads or writes one, given before the command")
+    parser.add_argument(
+        "--store",
+        metavar="DSN",
+        dest=_STORE_BEFORE_COMMAND,
+        default=None,
+        help="the store of every command that reads or writes one, given before the command",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     store = _store_option()
 
     p = commands.add_parser("schema", parents=[store], help="create the ClickHouse tables (idempotent)")
     p.add_argument("--cluster", metavar="NAME", help="emit ON CLUSTER DDL with Replicated and Distributed tables")
     p.add_argument("--print", action="store_true", help="print the DDL instead of running it")
-    p.add_argument("--check", action="store_true",
-                   help="change nothing: say which generation of the Collector's layout each table has, which are "
-                        "stagetrace's own, and which are missing")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing: say which generation of the Collector's layout each table has, which are "
+        "stagetrace's own, and which are missing",
+    )
     p.set_defaults(run=_schema)
 
     p = commands.add_parser("trace", parents=[store], help="show a request's spans in order")
@@ -100,100 +114,202 @@ def build_parser(collector_flags: bool = True) -> argparse.ArgumentParser:
     p = commands.add_parser("explain", parents=[store], help="why a request's output deviates: stage, change, hardware")
     p.add_argument("request_id", metavar="REQUEST_ID")
     p.add_argument("--against", metavar="OTHER_ID", help="compare with this request instead of the majority output")
-    p.add_argument("--window", metavar="DURATION", default="24h",
-                   help="peers: requests with the same input this close in time (default 24h)")
+    p.add_argument(
+        "--window",
+        metavar="DURATION",
+        default="24h",
+        help="peers: requests with the same input this close in time (default 24h)",
+    )
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
-    p.add_argument("--html", metavar="FILE", type=Path,
-                   help="also write a self-contained incident report page (inline SVG, no network) to FILE")
+    p.add_argument(
+        "--html",
+        metavar="FILE",
+        type=Path,
+        help="also write a self-contained incident report page (inline SVG, no network) to FILE",
+    )
     p.set_defaults(run=_explain)
 
-    p = commands.add_parser("divergences", parents=[store], help="every group of same-input requests whose outputs disagree")
+    p = commands.add_parser(
+        "divergences", parents=[store], help="every group of same-input requests whose outputs disagree"
+    )
     p.add_argument("--since", metavar="DURATION", default="1h", help="requests that started this long ago (default 1h)")
-    p.add_argument("--limit", metavar="N", type=int, default=100,
-                   help="analyse the latest N deviating requests in full (default 100; 0 for all)")
+    p.add_argument(
+        "--limit",
+        metavar="N",
+        type=int,
+        default=100,
+        help="analyse the latest N deviating requests in full (default 100; 0 for all)",
+    )
     p.add_argument("--json", action="store_true", help="print the groups as JSON")
     p.set_defaults(run=_divergences)
 
     p = commands.add_parser("demo", parents=[store], help="run a simulated stateless GPU pipeline with injected faults")
     p.add_argument("--requests", type=int, default=1000, metavar="N", help="requests to serve (default 1000)")
     p.add_argument("--nodes", type=int, default=4, metavar="K", help="node processes, 2 to 16 (default 4)")
-    p.add_argument("--seed", type=int, default=7, metavar="S", help="the same seed gives the same requests, faults and outputs")
+    p.add_argument(
+        "--seed", type=int, default=7, metavar="S", help="the same seed gives the same requests, faults and outputs"
+    )
     p.add_argument("--json", action="store_true", help="print {requests, deviating, truth} as JSON")
     earlier = p.add_mutually_exclusive_group()
-    earlier.add_argument("--fresh", action="store_true",
-                         help="remove earlier demo runs first: the demo's own spans, samples and ground truth; other "
-                              "services' data stays")
-    earlier.add_argument("--append", action="store_true",
-                         help="add this run beside an earlier one (its own request IDs; counts then cover both)")
+    earlier.add_argument(
+        "--fresh",
+        action="store_true",
+        help="remove earlier demo runs first: the demo's own spans, samples and ground truth; other "
+        "services' data stays",
+    )
+    earlier.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run beside an earlier one (its own request IDs; counts then cover both)",
+    )
     p.set_defaults(run=_demo)
 
     collectors = _collector_options() if collector_flags else argparse.ArgumentParser(add_help=False)
     p = commands.add_parser("collect", parents=[collectors], help="print one snapshot of every collector")
     p.add_argument("--once", action="store_true", help="one snapshot (the only mode; `agent` collects continuously)")
-    p.add_argument("--format", choices=("prometheus", "json"), default="prometheus", help="text exposition or JSON samples")
+    p.add_argument(
+        "--format", choices=("prometheus", "json"), default="prometheus", help="text exposition or JSON samples"
+    )
     p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
     p.set_defaults(run=_collect)
 
-    p = commands.add_parser("agent", parents=[store, collectors], help="serve /metrics, receive OTLP, write to ClickHouse, share an embedded store read-only")
-    p.add_argument("--listen", metavar="HOST:PORT", default="127.0.0.1:9464", help="where /metrics is served (default 127.0.0.1:9464)")
-    p.add_argument("--interval", metavar="DURATION", default="5s", help="how often samples are taken, e.g. 500ms, 5s, 1m (default 5s)")
-    p.add_argument("--insert-every", metavar="DURATION", default=os.environ.get(STAGETRACE_INSERT_EVERY, "10s"),
-                   help="how often samples are inserted into the store, at least every interval "
-                        f"(default 10s, env {STAGETRACE_INSERT_EVERY})")
-    p.add_argument("--otlp", metavar="HOST:PORT", default="127.0.0.1:4318",
-                   help="OTLP/HTTP receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4318)")
-    p.add_argument("--otlp-grpc", metavar="HOST:PORT", default="127.0.0.1:4317",
-                   help="OTLP/gRPC receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4317)")
-    p.add_argument("--query-listen", metavar="HOST:PORT", default=DEFAULT_QUERY_LISTEN,
-                   help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands and "
-                        f"Grafana, or 'none' (default {DEFAULT_QUERY_LISTEN})")
+    p = commands.add_parser(
+        "agent",
+        parents=[store, collectors],
+        help="serve /metrics, receive OTLP, write to ClickHouse, share an embedded store read-only",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default="127.0.0.1:9464",
+        help="where /metrics is served (default 127.0.0.1:9464)",
+    )
+    p.add_argument(
+        "--interval",
+        metavar="DURATION",
+        default="5s",
+        help="how often samples are taken, e.g. 500ms, 5s, 1m (default 5s)",
+    )
+    p.add_argument(
+        "--insert-every",
+        metavar="DURATION",
+        default=os.environ.get(STAGETRACE_INSERT_EVERY, "10s"),
+        help="how often samples are inserted into the store, at least every interval "
+        f"(default 10s, env {STAGETRACE_INSERT_EVERY})",
+    )
+    p.add_argument(
+        "--otlp",
+        metavar="HOST:PORT",
+        default="127.0.0.1:4318",
+        help="OTLP/HTTP receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4318)",
+    )
+    p.add_argument(
+        "--otlp-grpc",
+        metavar="HOST:PORT",
+        default="127.0.0.1:4317",
+        help="OTLP/gRPC receiver for spans, metrics and logs, or 'none' (default 127.0.0.1:4317)",
+    )
+    p.add_argument(
+        "--query-listen",
+        metavar="HOST:PORT",
+        default=DEFAULT_QUERY_LISTEN,
+        help="read-only ClickHouse HTTP endpoint sharing an embedded store with other commands and "
+        f"Grafana, or 'none' (default {DEFAULT_QUERY_LISTEN})",
+    )
     limits = p.add_argument_group(
-        "query endpoint limits", "Applied to every query; no client can raise them. Each has an environment variable: "
-        f"{STAGETRACE_QUERY_TIMEOUT}, _MAX_MEMORY, _MAX_THREADS, _MAX_RESULT_ROWS, _MAX_RESULT_BYTES, _MAX_CONCURRENT.")  # fmt: skip
+        "query endpoint limits",
+        "Applied to every query; no client can raise them. Each has an environment variable: "
+        f"{STAGETRACE_QUERY_TIMEOUT}, _MAX_MEMORY, _MAX_THREADS, _MAX_RESULT_ROWS, _MAX_RESULT_BYTES, _MAX_CONCURRENT.",
+    )
     limits.add_argument("--query-timeout", metavar="DURATION", help="per query (default 30s)")
     limits.add_argument("--query-max-memory", metavar="SIZE", help="per query, e.g. 512MiB (default 1GiB)")
     limits.add_argument("--query-max-threads", metavar="N", help="engine threads per query (default 2)")
     limits.add_argument("--query-max-result-rows", metavar="N", help="rows in a result (default 1000000)")
     limits.add_argument("--query-max-result-bytes", metavar="SIZE", help="bytes in a result (default 256MiB)")
-    limits.add_argument("--query-max-concurrent", metavar="N",
-                        help="queries in flight, one running; beyond, 503 with Retry-After (default 16)")
-    p.add_argument("--low-priority", action=argparse.BooleanOptionalAction, default=None,
-                   help="nice 10 and the lowest best-effort I/O class, for the engine's threads too (default: on for an "
-                        "embedded store)")
-    p.add_argument("--token-file", metavar="FILE",
-                   help="bearer token required by the OTLP receiver and the query endpoint "
-                        f"(default: ${STAGETRACE_AGENT_TOKEN_FILE}, else ${STAGETRACE_AGENT_TOKEN}; neither: no token required)")
-    p.add_argument("--query-open", action="store_true",
-                   help="let the query endpoint listen off loopback without a token or client certificates (it "
-                        "refuses to otherwise)")
-    p.add_argument("--web-config-file", metavar="FILE",
-                   help="TLS and basic auth for every listener, in Prometheus' web configuration format "
-                        f"(tls_server_config, basic_auth_users; env {STAGETRACE_WEB_CONFIG_FILE})")
-    p.add_argument("--otlp-logs", choices=("store", "none"), default=os.environ.get(STAGETRACE_OTLP_LOGS, "store"),
-                   help="OTLP log records (/v1/logs, LogsService) into otel_logs, bodies as sent, or none: refused "
-                        f"(default store; env {STAGETRACE_OTLP_LOGS})")
-    p.add_argument("--agent-logs", choices=("store", "none"), default=os.environ.get(STAGETRACE_AGENT_LOGS, "none"),
-                   help="the agent's own log lines (INFO and above) into otel_logs too, service stagetrace-agent "
-                        f"(default none; env {STAGETRACE_AGENT_LOGS})")
-    p.add_argument("--min-free-space", metavar="SIZE|PCT",
-                   help="refuse new writes (503 / UNAVAILABLE, the senders retry) while free space on the store's or "
-                        "the spool's filesystem is below this, e.g. 2GiB or 5%%, 0 for never (default 1GiB, at most 5%% "
-                        f"of the filesystem; env {STAGETRACE_MIN_FREE_SPACE})")
-    p.add_argument("--analyse-every", metavar="DURATION", default=os.environ.get(STAGETRACE_ANALYSE_EVERY),
-                   help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
-                        f"0 with a server store, where `stagetrace analyse` runs it; env {STAGETRACE_ANALYSE_EVERY})")
+    limits.add_argument(
+        "--query-max-concurrent",
+        metavar="N",
+        help="queries in flight, one running; beyond, 503 with Retry-After (default 16)",
+    )
+    p.add_argument(
+        "--low-priority",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="nice 10 and the lowest best-effort I/O class, for the engine's threads too (default: on for an "
+        "embedded store)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="bearer token required by the OTLP receiver and the query endpoint "
+        f"(default: ${STAGETRACE_AGENT_TOKEN_FILE}, else ${STAGETRACE_AGENT_TOKEN}; neither: no token required)",
+    )
+    p.add_argument(
+        "--query-open",
+        action="store_true",
+        help="let the query endpoint listen off loopback without a token or client certificates (it "
+        "refuses to otherwise)",
+    )
+    p.add_argument(
+        "--web-config-file",
+        metavar="FILE",
+        help="TLS and basic auth for every listener, in Prometheus' web configuration format "
+        f"(tls_server_config, basic_auth_users; env {STAGETRACE_WEB_CONFIG_FILE})",
+    )
+    p.add_argument(
+        "--otlp-logs",
+        choices=("store", "none"),
+        default=os.environ.get(STAGETRACE_OTLP_LOGS, "store"),
+        help="OTLP log records (/v1/logs, LogsService) into otel_logs, bodies as sent, or none: refused "
+        f"(default store; env {STAGETRACE_OTLP_LOGS})",
+    )
+    p.add_argument(
+        "--agent-logs",
+        choices=("store", "none"),
+        default=os.environ.get(STAGETRACE_AGENT_LOGS, "none"),
+        help="the agent's own log lines (INFO and above) into otel_logs too, service stagetrace-agent "
+        f"(default none; env {STAGETRACE_AGENT_LOGS})",
+    )
+    p.add_argument(
+        "--min-free-space",
+        metavar="SIZE|PCT",
+        help="refuse new writes (503 / UNAVAILABLE, the senders retry) while free space on the store's or "
+        "the spool's filesystem is below this, e.g. 2GiB or 5%%, 0 for never (default 1GiB, at most 5%% "
+        f"of the filesystem; env {STAGETRACE_MIN_FREE_SPACE})",
+    )
+    p.add_argument(
+        "--analyse-every",
+        metavar="DURATION",
+        default=os.environ.get(STAGETRACE_ANALYSE_EVERY),
+        help="run the live divergence analysis this often, 0 for never (default 1m with an embedded store, "
+        f"0 with a server store, where `stagetrace analyse` runs it; env {STAGETRACE_ANALYSE_EVERY})",
+    )
     p.set_defaults(run=_agent)
 
     p = commands.add_parser("analyse", parents=[store], help="the live divergence analysis as a loop, one per store")
-    p.add_argument("--every", metavar="DURATION", default=os.environ.get(STAGETRACE_ANALYSE_EVERY, "1m"),
-                   help=f"how often a pass runs (default 1m, env {STAGETRACE_ANALYSE_EVERY})")
-    p.add_argument("--settle", metavar="DURATION",
-                   help="leave out requests this recent, whose spans may still arrive (default 10s, env "
-                        f"{STAGETRACE_ANALYSE_SETTLE}; the agent's analyser reads the same variables)")
-    p.add_argument("--lookback", metavar="DURATION",
-                   help=f"same-input peers: requests this long before (default 1h, env {STAGETRACE_ANALYSE_LOOKBACK})")
-    p.add_argument("--listen", metavar="HOST:PORT", default=os.environ.get(STAGETRACE_ANALYSE_LISTEN, "127.0.0.1:9465"),
-                   help="where the analyser's /metrics is served, or 'none' (default 127.0.0.1:9465)")
+    p.add_argument(
+        "--every",
+        metavar="DURATION",
+        default=os.environ.get(STAGETRACE_ANALYSE_EVERY, "1m"),
+        help=f"how often a pass runs (default 1m, env {STAGETRACE_ANALYSE_EVERY})",
+    )
+    p.add_argument(
+        "--settle",
+        metavar="DURATION",
+        help="leave out requests this recent, whose spans may still arrive (default 10s, env "
+        f"{STAGETRACE_ANALYSE_SETTLE}; the agent's analyser reads the same variables)",
+    )
+    p.add_argument(
+        "--lookback",
+        metavar="DURATION",
+        help=f"same-input peers: requests this long before (default 1h, env {STAGETRACE_ANALYSE_LOOKBACK})",
+    )
+    p.add_argument(
+        "--listen",
+        metavar="HOST:PORT",
+        default=os.environ.get(STAGETRACE_ANALYSE_LISTEN, "127.0.0.1:9465"),
+        help="where the analyser's /metrics is served, or 'none' (default 127.0.0.1:9465)",
+    )
     p.add_argument("--once", action="store_true", help="one pass, then exit (if this process gets the lease)")
     p.set_defaults(run=_analyse)
 
@@ -236,7 +352,11 @@ def _trace(args) -> int:
 
     with open_store(args.store, must_exist=True) as store:
         try:
-            found = lookup.by_trace_id(store, args.trace_id) if args.trace_id else lookup.by_request_id(store, args.request_id)
+            found = (
+                lookup.by_trace_id(store, args.trace_id)
+                if args.trace_id
+                else lookup.by_request_id(store, args.request_id)
+            )
         except lookup.NotFound as exc:
             print(f"stagetrace: {exc} in {store.location.redacted()}", file=sys.stderr)
             return 1
@@ -245,9 +365,19 @@ def _trace(args) -> int:
         pods = gpu_pods(store, found)
         logs = lookup.logs_of(store, found)
     if args.json:
-        json.dump({**found.to_json(), "resources": lookup.resources(found), "hardware": hardware, "activity": busy,
-                   "pods": pods, "logs": [line.to_json() for line in logs]},
-                  sys.stdout, indent=2, ensure_ascii=False)  # fmt: skip
+        json.dump(
+            {
+                **found.to_json(),
+                "resources": lookup.resources(found),
+                "hardware": hardware,
+                "activity": busy,
+                "pods": pods,
+                "logs": [line.to_json() for line in logs],
+            },
+            sys.stdout,
+            indent=2,
+            ensure_ascii=False,
+        )
         sys.stdout.write("\n")
     else:
         from stagetrace.render import Output, gpu_activity, gpu_holders, hardware_rises, log_lines, waterfall
@@ -344,8 +474,13 @@ def _older_requests_hint(store, since_ns: int, since: str) -> str:
     hours = math.ceil(age_ns / HOUR_NS)
     # the latest request and an hour or a day before it: its peers, which a baseline is chosen from, ran earlier
     cover = f"{hours + 1}h" if hours <= 48 else f"{math.ceil(hours / 24) + 1}d"
-    age = (f"{math.ceil(age_ns / 60e9)} min" if age_ns < HOUR_NS else f"{age_ns / HOUR_NS:.1f} h" if hours <= 48
-           else f"{age_ns / (24 * HOUR_NS):.1f} days")  # fmt: skip
+    age = (
+        f"{math.ceil(age_ns / 60e9)} min"
+        if age_ns < HOUR_NS
+        else f"{age_ns / HOUR_NS:.1f} h"
+        if hours <= 48
+        else f"{age_ns / (24 * HOUR_NS):.1f} days"
+    )
     return f"no request in the last {since}; the store's latest started {age} ago: try --since {cover}"
 
 
@@ -359,8 +494,10 @@ def _demo(args) -> int:
         if finished:
             what = " after the run completed: the store holds it whole"
         elif began:
-            what = ("; the store marks this run as interrupted (stagetrace_demo_runs), and the next `stagetrace demo` "
-                    "removes what it wrote")  # fmt: skip
+            what = (
+                "; the store marks this run as interrupted (stagetrace_demo_runs), and the next `stagetrace demo` "
+                "removes what it wrote"
+            )
         else:
             what = " before the run began: nothing was written"
         print(f"stagetrace demo: interrupted{what}", file=sys.stderr)
@@ -377,9 +514,16 @@ def _run_demo(args, began, finished) -> int:
             raise StoreError(store.client.refusal)
         try:
             earlier = "fresh" if args.fresh else "append" if args.append else "refuse"
-            result = demo.run(store, requests=args.requests, nodes=args.nodes, seed=args.seed, progress=progress,
-                              earlier=earlier, notice=lambda line: print(f"stagetrace demo: {line}", file=sys.stderr),
-                              began=lambda: began(True))  # fmt: skip
+            result = demo.run(
+                store,
+                requests=args.requests,
+                nodes=args.nodes,
+                seed=args.seed,
+                progress=progress,
+                earlier=earlier,
+                notice=lambda line: print(f"stagetrace demo: {line}", file=sys.stderr),
+                began=lambda: began(True),
+            )
         except demo.DemoError as exc:
             print(f"stagetrace demo: {exc}", file=sys.stderr)
             return 2
@@ -450,8 +594,16 @@ def _agent(args) -> int:
         return 2
 
 
-DURATION_OPTIONS = ("--since", "--window", "--interval", "--insert-every", "--analyse-every", "--every", "--settle",
-                    "--lookback")
+DURATION_OPTIONS = (
+    "--since",
+    "--window",
+    "--interval",
+    "--insert-every",
+    "--analyse-every",
+    "--every",
+    "--settle",
+    "--lookback",
+)
 
 
 def _analyse(args) -> int:
@@ -477,8 +629,11 @@ def _analyse(args) -> int:
         return 2
     with open_store(args.store) as store:
         if store.read_only:
-            print(f"stagetrace analyse: store {store.location.redacted()} is read-only here: the agent that holds it "
-                  "runs the analysis itself (--analyse-every)", file=sys.stderr)  # fmt: skip
+            print(
+                f"stagetrace analyse: store {store.location.redacted()} is read-only here: the agent that holds it "
+                "runs the analysis itself (--analyse-every)",
+                file=sys.stderr,
+            )
             return 2
         analyser = live.Analyser(store, schedule)
         if args.once:
@@ -487,8 +642,13 @@ def _analyse(args) -> int:
                 analyser.release()
             except Exception as exc:  # the store went away after the pass: the lease runs out by itself
                 logging.getLogger("stagetrace").debug("releasing the lease: %s", exc)
-            print("another analyser holds this store's lease" if done is None and not analyser.stats.failures
-                  else f"analysed {done.analysed} deviating requests" if done else "the pass failed")  # fmt: skip
+            print(
+                "another analyser holds this store's lease"
+                if done is None and not analyser.stats.failures
+                else f"analysed {done.analysed} deviating requests"
+                if done
+                else "the pass failed"
+            )
             return 0 if done else 1
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -503,8 +663,11 @@ def _analyse(args) -> int:
             try:
                 server = serve(Metrics(), listen)
             except OSError as exc:
-                print(f"stagetrace analyse: cannot listen on {listen}: {exc.strerror or exc} (choose another with "
-                      "--listen, or --listen none)", file=sys.stderr)  # fmt: skip
+                print(
+                    f"stagetrace analyse: cannot listen on {listen}: {exc.strerror or exc} (choose another with "
+                    "--listen, or --listen none)",
+                    file=sys.stderr,
+                )
                 return 2
             logging.getLogger("stagetrace").info("serving %s", server.url)
         logging.getLogger("stagetrace").info("analysing %s every %gs", store.location.redacted(), schedule.every_s)
@@ -521,7 +684,12 @@ def _joined_durations(argv: list[str]) -> list[str]:
     its usage; joined, the value reaches the duration check, which says in one line what to write."""
     out, i = [], 0
     while i < len(argv):
-        if argv[i] in DURATION_OPTIONS and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1][1:2].isdigit():
+        if (
+            argv[i] in DURATION_OPTIONS
+            and i + 1 < len(argv)
+            and argv[i + 1].startswith("-")
+            and argv[i + 1][1:2].isdigit()
+        ):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
             continue
@@ -547,8 +715,9 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str], command: str | None
     command gets that command's usage, not the top level's (argparse hands unknown options up to the top level)."""
     commands = _subcommands(parser)
     if command is not None and command not in commands:
-        parser.error(f"unknown command {command!r}{_did_you_mean(command, commands)}; the commands: "
-                     + ", ".join(commands))
+        parser.error(
+            f"unknown command {command!r}{_did_you_mean(command, commands)}; the commands: " + ", ".join(commands)
+        )
     args, extra = parser.parse_known_args(argv)
     if extra:
         sub = commands[args.command]

@@ -10,9 +10,15 @@ import os
 from pathlib import Path
 
 from stagetrace.environment_variables import (
-    STAGETRACE_AGENT_TOKEN, STAGETRACE_AGENT_TOKEN_FILE, STAGETRACE_PEER_KEY, STAGETRACE_RECORD_CONTENT,
-    STAGETRACE_SERVICE_NAME, STAGETRACE_STORE, STAGETRACE_STORE_PASSWORD, STAGETRACE_STORE_PASSWORD_FILE,
-)  # fmt: skip
+    STAGETRACE_AGENT_TOKEN,
+    STAGETRACE_AGENT_TOKEN_FILE,
+    STAGETRACE_PEER_KEY,
+    STAGETRACE_RECORD_CONTENT,
+    STAGETRACE_SERVICE_NAME,
+    STAGETRACE_STORE,
+    STAGETRACE_STORE_PASSWORD,
+    STAGETRACE_STORE_PASSWORD_FILE,
+)
 
 # the names the command line, the agent's clients and tests still import from here
 ENV_STORE, ENV_STORE_PASSWORD = STAGETRACE_STORE, STAGETRACE_STORE_PASSWORD
@@ -56,8 +62,10 @@ def peer_key(text: str | None = None) -> tuple[str, ...]:
     parts = tuple(p.strip() for p in text.split(",") if p.strip() and p.strip() != "none")
     unknown = [p for p in parts if p not in conventions.PEER_KEY_PARTS]
     if unknown:
-        raise ValueError(f"{STAGETRACE_PEER_KEY}: {', '.join(unknown)} is not a peer key part; use a comma-separated subset "
-                         f"of {', '.join(conventions.PEER_KEY_PARTS)}, or none")
+        raise ValueError(
+            f"{STAGETRACE_PEER_KEY}: {', '.join(unknown)} is not a peer key part; use a comma-separated subset "
+            f"of {', '.join(conventions.PEER_KEY_PARTS)}, or none"
+        )
     return tuple(p for p in conventions.PEER_KEY_PARTS if p in parts)
 
 

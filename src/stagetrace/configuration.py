@@ -74,8 +74,11 @@ def gpu_attributes(environ=None) -> dict[str, str]:
         uuids = [source.read(gpu, "nvmlDeviceGetUUID") for gpu in range(count)]
         visible = _visible(count, uuids, environ)
         models = [source.read(gpu, "nvmlDeviceGetName") for gpu in visible]
-        out = {cv.CONFIGURATION_GPU_UUIDS: ",".join(uuids[gpu] for gpu in visible),
-               cv.CONFIGURATION_GPU_MODEL: ", ".join(dict.fromkeys(models)), cv.CONFIGURATION_GPU_COUNT: len(visible)}  # fmt: skip
+        out = {
+            cv.CONFIGURATION_GPU_UUIDS: ",".join(uuids[gpu] for gpu in visible),
+            cv.CONFIGURATION_GPU_MODEL: ", ".join(dict.fromkeys(models)),
+            cv.CONFIGURATION_GPU_COUNT: len(visible),
+        }
         names = {"driver_version": cv.CONFIGURATION_DRIVER, "cuda_version": cv.CONFIGURATION_CUDA}
         return out | {names[label]: value for label, value in nvml.driver_versions(source).items()}
     except Exception as exc:

@@ -78,50 +78,72 @@ CONFIGURATION_NCCL = "nccl.version"
 CONFIGURATION_ENV_PREFIX = "env."  # env.NCCL_ALGO = Ring
 # environment variables that change numerics (docs/design.md#settings-that-change-numerics)
 CONFIGURATION_ENVIRONMENT = (
-    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE",
-    "CUBLAS_WORKSPACE_CONFIG", "VLLM_BATCH_INVARIANT", "VLLM_ATTENTION_BACKEND", "VLLM_USE_V1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE", "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_P2P_DISABLE",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "VLLM_BATCH_INVARIANT",
+    "VLLM_ATTENTION_BACKEND",
+    "VLLM_USE_V1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "SGLANG_ENABLE_DETERMINISTIC_INFERENCE",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
     "NVIDIA_TF32_OVERRIDE",
-)  # fmt: skip
+)
 CONFIGURATION_ENGINE = "engine"  # engine = vllm; engine.version; engine.<setting> for each flag below
 CONFIGURATION_ENGINE_VERSION = "engine.version"
-CONFIGURATION_ENGINES = {"vllm": ("vllm serve", "vllm.entrypoints", "vllm/entrypoints"),
-                         "sglang": ("sglang.launch_server", "sglang serve", "sglang/launch_server")}  # fmt: skip
+CONFIGURATION_ENGINES = {
+    "vllm": ("vllm serve", "vllm.entrypoints", "vllm/entrypoints"),
+    "sglang": ("sglang.launch_server", "sglang serve", "sglang/launch_server"),
+}
 # the engines' command-line flags that change numerics -> the setting's name under "engine."
 CONFIGURATION_FLAGS = {
-    "--kv-cache-dtype": "kv_cache_dtype", "--attention-backend": "attention_backend", "--quantization": "quantization",
-    "--dtype": "dtype", "--tensor-parallel-size": "tensor_parallel_size", "--tp-size": "tensor_parallel_size",
-    "--tp": "tensor_parallel_size", "--speculative-config": "speculative_config",
-    "--speculative-algorithm": "speculative_algorithm", "--enable-prefix-caching": "enable_prefix_caching",
-    "--no-enable-prefix-caching": "disable_prefix_caching", "--disable-radix-cache": "disable_prefix_caching",
-    "--enable-chunked-prefill": "enable_chunked_prefill", "--chunked-prefill-size": "chunked_prefill_size",
-    "--max-num-batched-tokens": "max_num_batched_tokens", "--disable-custom-all-reduce": "disable_custom_all_reduce",
-    "--enable-deterministic-inference": "deterministic_inference", "--seed": "seed",
-}  # fmt: skip
+    "--kv-cache-dtype": "kv_cache_dtype",
+    "--attention-backend": "attention_backend",
+    "--quantization": "quantization",
+    "--dtype": "dtype",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "--tp-size": "tensor_parallel_size",
+    "--tp": "tensor_parallel_size",
+    "--speculative-config": "speculative_config",
+    "--speculative-algorithm": "speculative_algorithm",
+    "--enable-prefix-caching": "enable_prefix_caching",
+    "--no-enable-prefix-caching": "disable_prefix_caching",
+    "--disable-radix-cache": "disable_prefix_caching",
+    "--enable-chunked-prefill": "enable_chunked_prefill",
+    "--chunked-prefill-size": "chunked_prefill_size",
+    "--max-num-batched-tokens": "max_num_batched_tokens",
+    "--disable-custom-all-reduce": "disable_custom_all_reduce",
+    "--enable-deterministic-inference": "deterministic_inference",
+    "--seed": "seed",
+}
 
 # What the serving engines and libraries document about settings that change numerics
 # (docs/design.md#settings-that-change-numerics, with the sources there): a verdict whose top cause is one of them
 # says it, so the operator reads why it can.
 KNOWN_CAUSES = {
     "decode.batch_size": "kernels reduce in an order that depends on the batch size unless batch invariance is on "
-                         "(vLLM VLLM_BATCH_INVARIANT=1, SGLang --enable-deterministic-inference)",
+    "(vLLM VLLM_BATCH_INVARIANT=1, SGLang --enable-deterministic-inference)",
     "engine.enable_prefix_caching": "a prefix-cache hit computes the prompt on another kernel path than a miss; "
-                                    "bit-exact only with batch invariance",
+    "bit-exact only with batch invariance",
     "engine.disable_prefix_caching": "a prefix-cache hit computes the prompt on another kernel path than a miss",
     "engine.speculative_config": "speculative decoding is documented to change greedy outputs",
     "engine.speculative_algorithm": "speculative decoding is documented to change greedy outputs",
     "engine.attention_backend": "attention backends round differently (SGLang's deterministic mode supports only "
-                                "FlashInfer, FA3 and Triton)",
+    "FlashInfer, FA3 and Triton)",
     "env.VLLM_ATTENTION_BACKEND": "attention backends round differently",
     "engine.kv_cache_dtype": "a lower-precision KV cache (FP8) changes the values attention reads",
     "engine.quantization": "quantized weights compute other values",
     "engine.dtype": "another compute dtype rounds differently",
     "engine.tensor_parallel_size": "another tensor-parallel degree splits every reduction differently",
     "engine.disable_custom_all_reduce": "custom all-reduce and NCCL sum in different orders (vLLM picks one by "
-                                        "message size)",
+    "message size)",
     "engine.enable_chunked_prefill": "chunked prefill runs other kernels",
     "engine.deterministic_inference": "deterministic inference fixes the reduction order; without it outputs vary "
-                                      "with the batch",
+    "with the batch",
     "allreduce.algorithm": "ring and tree all-reduce sum in different orders",
     "env.NCCL_ALGO": "NCCL's algorithms sum in different orders",
     "env.NCCL_PROTO": "NCCL's protocols can change the reduction's chunking",
@@ -129,7 +151,7 @@ KNOWN_CAUSES = {
     "gpu.driver.version": "outputs are reproducible only on the same driver and CUDA versions",
     "cuda.driver.version": "outputs are reproducible only on the same driver and CUDA versions",
     "engine.version": "outputs are reproducible only on the same engine version",
-}  # fmt: skip
+}
 
 # Settings the engines and libraries document as not changing what is computed (logging, ports, names, the sockets of
 # NCCL's bootstrap): never blamed for a deviation, whatever else they coincide with; each says why.
@@ -145,14 +167,17 @@ NUMERICS_NEUTRAL = {
     "engine.disable_log_requests": "whether requests are logged",
     "engine.disable_log_stats": "whether statistics are logged",
     "engine.api_key": "the API key clients present",
-}  # fmt: skip
+}
 
 # The GPU inventory the gpu collector exports as gpu_info{gpu, uuid, model, driver_version, cuda_version, ...}, by the
 # configuration attribute each label stands for: the analysis fills these in from the host's inventory for spans whose
 # process recorded no configuration (joined by host and GPU UUID).
 INVENTORY_METRIC = "gpu_info"
-INVENTORY_LABELS = {CONFIGURATION_GPU_MODEL: "model", CONFIGURATION_DRIVER: "driver_version",
-                    CONFIGURATION_CUDA: "cuda_version"}  # fmt: skip
+INVENTORY_LABELS = {
+    CONFIGURATION_GPU_MODEL: "model",
+    CONFIGURATION_DRIVER: "driver_version",
+    CONFIGURATION_CUDA: "cuda_version",
+}
 
 # -- the prefix cache: how many of a request's prompt tokens the engine's prefix (KV) cache supplied instead of
 # computing them. A hit computes the prompt on another kernel path than a miss, and a longer hit computes fewer of
@@ -162,15 +187,23 @@ INVENTORY_LABELS = {CONFIGURATION_GPU_MODEL: "model", CONFIGURATION_DRIVER: "dri
 # whole request. Where each producer records it (docs/instrumented.md), first found wins: SGLang's root (vLLM
 # declares the name and never sets it), the GenAI conventions and OpenLLMetry (and OpenLLMetry's spelling before its
 # v0.5), OpenInference. The last three are a provider's prompt cache: the same mechanism, run by the provider.
-CACHED_TOKENS_KEYS = ("gen_ai.usage.cached_tokens", "gen_ai.usage.cache_read.input_tokens",
-                      "gen_ai.usage.cache_read_input_tokens", "llm.token_count.prompt_details.cache_read")  # fmt: skip
+CACHED_TOKENS_KEYS = (
+    "gen_ai.usage.cached_tokens",
+    "gen_ai.usage.cache_read.input_tokens",
+    "gen_ai.usage.cache_read_input_tokens",
+    "llm.token_count.prompt_details.cache_read",
+)
 # Batch invariance makes a hit bit-exact with a miss (vLLM pull 52701; SGLang's deterministic inference): with it on
 # for both requests a differing hit is named, never blamed. Configuration keys (``configuration``) and their "on".
-BATCH_INVARIANT = {f"{CONFIGURATION_ENV_PREFIX}VLLM_BATCH_INVARIANT": "1",
-                   f"{CONFIGURATION_ENV_PREFIX}SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1",
-                   f"{CONFIGURATION_ENGINE}.deterministic_inference": "true"}  # fmt: skip
-PREFIX_CACHE_HIT = ("a prefix-cache hit computes the prompt on another kernel path than a miss, and a longer hit "
-                    "computes fewer of its tokens; bit-exact only with batch invariance")
+BATCH_INVARIANT = {
+    f"{CONFIGURATION_ENV_PREFIX}VLLM_BATCH_INVARIANT": "1",
+    f"{CONFIGURATION_ENV_PREFIX}SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "1",
+    f"{CONFIGURATION_ENGINE}.deterministic_inference": "true",
+}
+PREFIX_CACHE_HIT = (
+    "a prefix-cache hit computes the prompt on another kernel path than a miss, and a longer hit "
+    "computes fewer of its tokens; bit-exact only with batch invariance"
+)
 KNOWN_CAUSES.update(dict.fromkeys(CACHED_TOKENS_KEYS, PREFIX_CACHE_HIT))
 
 
@@ -199,10 +232,16 @@ SYNC_SOURCE_RANKS = "weights.sync.source_ranks"  # how many training ranks hold 
 SYNC_DESTINATION_RANKS = "weights.sync.destination_ranks"  # how many inference ranks receive them
 LINK_BYTES = "weights.link.bytes"
 LINK_SOURCE_HOST, LINK_SOURCE_RANK, LINK_SOURCE_DEVICE = (
-    "weights.link.source.host", "weights.link.source.rank", "weights.link.source.device")  # fmt: skip
+    "weights.link.source.host",
+    "weights.link.source.rank",
+    "weights.link.source.device",
+)
 LINK_DESTINATION_HOST, LINK_DESTINATION_RANK, LINK_DESTINATION_DEVICE, LINK_DESTINATION_GPU = (
-    "weights.link.destination.host", "weights.link.destination.rank", "weights.link.destination.device",
-    "weights.link.destination.gpu.uuid")  # fmt: skip
+    "weights.link.destination.host",
+    "weights.link.destination.rank",
+    "weights.link.destination.device",
+    "weights.link.destination.gpu.uuid",
+)
 # Which weights a GPU serves: the step of its latest decode span, counted only when it is a whole number (SGLang's
 # weight_version "default" orders nothing); its fleet's step is the (lower) median of its service's GPUs' steps, so one
 # canary ahead moves no one. The dashboards' board and alert and the weights detector share both rules.
@@ -256,8 +295,15 @@ DYNAMO_RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 # decorated function's module as ``code.namespace`` (``vllm.v1.engine.core_client``): which of its dozens of names
 # is the root depends on how vLLM was started (``Overall Loading`` for ``vllm serve``, ``SyncMPClient init`` for the
 # ``LLM`` class, in 0.33.0), so the module says it, the names being kept for producers that drop ``code.*``.
-NOT_REQUEST_ROOT_NAMES = ("API server setup", "Overall Loading", "Executor init", "Worker init", "Init device",
-                          "Load model", "Prepare model")  # fmt: skip
+NOT_REQUEST_ROOT_NAMES = (
+    "API server setup",
+    "Overall Loading",
+    "Executor init",
+    "Worker init",
+    "Init device",
+    "Load model",
+    "Prepare model",
+)
 VLLM_CODE_NAMESPACE = ("code.namespace", "vllm.")
 SGLANG_MODULE_PREFIX = "sglang::"
 # SGLang's prefill/decode disaggregation serves one request on two servers, each opening a root of its own
@@ -272,13 +318,15 @@ def disaggregated_role(root_name: str) -> str | None:
     return role if rest and role in DISAGGREGATED_ROLES else None
 
 
-
 def is_not_request(name: str, attributes: dict[str, str]) -> bool:
     """A span that is never a request, even as a trace's root (same rule as ``IS_NOT_REQUEST_SQL``)."""
     module = attributes.get(SGLANG_MODULE[0], "")
-    return (name in NOT_REQUEST_ROOT_NAMES or str(attributes.get(VLLM_CODE_NAMESPACE[0], "")).startswith(
-        VLLM_CODE_NAMESPACE[1]) or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
-        or attributes.get(DYNAMO_TARGET) == DYNAMO_SYSTEM_SPAN)
+    return (
+        name in NOT_REQUEST_ROOT_NAMES
+        or str(attributes.get(VLLM_CODE_NAMESPACE[0], "")).startswith(VLLM_CODE_NAMESPACE[1])
+        or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
+        or attributes.get(DYNAMO_TARGET) == DYNAMO_SYSTEM_SPAN
+    )
 
 
 def is_dynamo_request(name: str, attributes: dict[str, str]) -> bool:
@@ -294,8 +342,9 @@ IS_DYNAMO_REQUEST_SQL = (
 def request_id_candidates(request_id: str) -> tuple[str, ...]:
     """The IDs a request may be stored under, given the one a person holds: Dynamo's response ``id`` is its
     ``request_id`` behind ``chatcmpl-`` or ``cmpl-``, which its spans record bare."""
-    bare = next((request_id[len(p):] for p in DYNAMO_RESPONSE_ID_PREFIXES if request_id.startswith(p)), "")
+    bare = next((request_id[len(p) :] for p in DYNAMO_RESPONSE_ID_PREFIXES if request_id.startswith(p)), "")
     return (request_id, bare) if bare else (request_id,)
+
 
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
@@ -348,8 +397,10 @@ class Rule:
 _OI_KIND = "openinference.span.kind"
 # SGLang's prefill/decode disaggregation: the spans of the KV cache's move from the prefill server to the decode server
 # (its bootstrap and transfer slices, and mooncake's own), a stage and a fabric transfer at once (moves_over_fabric)
-KV_TRANSFER = Name(exact=("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap", "decode_transferred"),
-                   parts=("mooncake_",))  # fmt: skip
+KV_TRANSFER = Name(
+    exact=("prefill_bootstrap", "prefill_transfer_kv_cache", "decode_bootstrap", "decode_transferred"),
+    parts=("mooncake_",),
+)
 _VECTOR_STORES = ("chroma", "Pinecone", "pinecone", "Qdrant", "qdrant", "milvus", "weaviate", "lancedb", "marqo")
 
 STAGE_RULES = (
@@ -357,15 +408,24 @@ STAGE_RULES = (
     Rule("context_assembly", (Attr(_OI_KIND, ("PROMPT",)),), "OpenInference (LangChain templates)"),
     Rule("context_assembly", (Attr(_OI_KIND), Name(suffixes=("PromptBuilder.run",))), "OpenInference (Haystack)"),
     # LlamaIndex's response synthesizers pack the retrieved chunks into the prompt window with a text splitter
-    Rule("context_assembly", (Attr(_OI_KIND, ("CHAIN",)), Name(suffixes=("TextSplitter.split_text",))),
-         "OpenInference (LlamaIndex)"),  # fmt: skip
+    Rule(
+        "context_assembly",
+        (Attr(_OI_KIND, ("CHAIN",)), Name(suffixes=("TextSplitter.split_text",))),
+        "OpenInference (LlamaIndex)",
+    ),
     Rule("retrieval", (Attr(_OI_KIND, ("RETRIEVER", "RERANKER", "EMBEDDING")),), "OpenInference"),
     Rule("decode", (Attr(_OI_KIND, ("LLM",)),), "OpenInference"),
     Rule("context_assembly", (Attr("traceloop.span.kind"), Name(parts=("PromptTemplate",))), "OpenLLMetry (LangChain)"),
-    Rule("retrieval", (Attr("gen_ai.operation.name", ("retrieval", "vector_db_retrieve", "embeddings")),),
-         "OpenTelemetry GenAI, OpenLLMetry"),  # fmt: skip
-    Rule("decode", (Attr("gen_ai.operation.name", ("chat", "text_completion", "generate_content")),),
-         "OpenTelemetry GenAI, OpenLLMetry"),  # fmt: skip
+    Rule(
+        "retrieval",
+        (Attr("gen_ai.operation.name", ("retrieval", "vector_db_retrieve", "embeddings")),),
+        "OpenTelemetry GenAI, OpenLLMetry",
+    ),
+    Rule(
+        "decode",
+        (Attr("gen_ai.operation.name", ("chat", "text_completion", "generate_content")),),
+        "OpenTelemetry GenAI, OpenLLMetry",
+    ),
     Rule("retrieval", (Attr("llm.request.type", ("embedding", "rerank")),), "OpenLLMetry (before semconv-ai 0.5)"),
     Rule("decode", (Attr("llm.request.type", ("chat", "completion")),), "OpenLLMetry (before semconv-ai 0.5)"),
     Rule("retrieval", (Attr("db.system.name", _VECTOR_STORES),), "vector stores, DB semantic conventions"),
@@ -422,8 +482,10 @@ class Family:
     def sql(self) -> str:
         # the members in one pass over the map: looking each key up again (SpanAttributes[k]) scans the map once per
         # key, which made the views 3x the bare insert on OpenInference spans (issue 32)
-        found = (f"mapFilter((k, v) -> startsWith(k, {_quote(self.prefix)}) AND endsWith(k, {_quote(self.suffix)})"
-                 f" AND v != {_quote(REDACTED)}, SpanAttributes)")  # fmt: skip
+        found = (
+            f"mapFilter((k, v) -> startsWith(k, {_quote(self.prefix)}) AND endsWith(k, {_quote(self.suffix)})"
+            f" AND v != {_quote(REDACTED)}, SpanAttributes)"
+        )
         members = _alias("m", found)
         lines = f"arrayMap((k, v) -> concat(k, '=', v), mapKeys({members}), mapValues({members}))"
         joined = f"arrayStringConcat(arraySort((line, k) -> k, {lines}, mapKeys({members})), '\\n')"  # in key order
@@ -435,51 +497,127 @@ class Family:
 CONTENT_DIGEST_SQL = "lower(hex(sipHash128({x})))"
 
 REQUEST_INPUT_DIGEST_SOURCES = (
-    Digest(INPUT_DIGEST), Content("input.value"), Content("traceloop.entity.input"), Content("gen_ai.input.messages"),
-)  # fmt: skip
+    Digest(INPUT_DIGEST),
+    Content("input.value"),
+    Content("traceloop.entity.input"),
+    Content("gen_ai.input.messages"),
+)
 REQUEST_OUTPUT_DIGEST_SOURCES = (
-    Digest(OUTPUT_DIGEST), Content("output.value"), Content("traceloop.entity.output"), Content("gen_ai.output.messages"),
-)  # fmt: skip
+    Digest(OUTPUT_DIGEST),
+    Content("output.value"),
+    Content("traceloop.entity.output"),
+    Content("gen_ai.output.messages"),
+)
 STAGE_INPUT_DIGEST_SOURCES = (
-    Digest(STAGE_INPUT_DIGEST), Family("llm.input_messages.", ".content"), Content("gen_ai.input.messages"),
-    Family("gen_ai.prompt.", ".content"), Content("llm.prompts"), Family("reranker.input_documents.", ".content"),
-    Content("traceloop.entity.input"), Content("input.value"),
-)  # fmt: skip
+    Digest(STAGE_INPUT_DIGEST),
+    Family("llm.input_messages.", ".content"),
+    Content("gen_ai.input.messages"),
+    Family("gen_ai.prompt.", ".content"),
+    Content("llm.prompts"),
+    Family("reranker.input_documents.", ".content"),
+    Content("traceloop.entity.input"),
+    Content("input.value"),
+)
 # Retrieved documents by content, not ID: each replica that ingests a corpus gives its chunks new IDs.
 STAGE_OUTPUT_DIGEST_SOURCES = (
-    Digest(STAGE_OUTPUT_DIGEST), Family("retrieval.documents.", ".document.content"),
-    Family("reranker.output_documents.", ".document.content"), Family("retrieval.documents.", ".document.id"),
-    Family("llm.output_messages.", ".content"), Content("gen_ai.output.messages"), Family("gen_ai.completion.", ".content"),
-    Content("traceloop.entity.output"), Content("output.value"),
-)  # fmt: skip
+    Digest(STAGE_OUTPUT_DIGEST),
+    Family("retrieval.documents.", ".document.content"),
+    Family("reranker.output_documents.", ".document.content"),
+    Family("retrieval.documents.", ".document.id"),
+    Family("llm.output_messages.", ".content"),
+    Content("gen_ai.output.messages"),
+    Family("gen_ai.completion.", ".content"),
+    Content("traceloop.entity.output"),
+    Content("output.value"),
+)
 
 
 # -- attribute roles: what analysis may blame. Content (what a stage read and produced, retrieved IDs included) and
 # digests are what a stage did, identifiers differ on every request, measurements are effects; the rest are settings.
-CONTENT_KEYS = frozenset({
-    "input.value", "output.value", "traceloop.entity.input", "traceloop.entity.output", "gen_ai.task.input",
-    "gen_ai.task.output", "gen_ai.input.messages", "gen_ai.output.messages", "gen_ai.system_instructions",
-    "gen_ai.retrieval.documents", "gen_ai.retrieval.query.text", "llm.prompts", "llm.prompt_template.variables",
-    "reranker.query", "retrieval.doc_ids", INPUT_CONTENT, OUTPUT_CONTENT, STAGE_INPUT_CONTENT, STAGE_OUTPUT_CONTENT,
-})  # fmt: skip
-CONTENT_PREFIXES = ("retrieval.documents.", "reranker.input_documents.", "reranker.output_documents.",
-                    "llm.input_messages.", "llm.output_messages.", "llm.choices.", "gen_ai.prompt.",
-                    "gen_ai.completion.", "embedding.embeddings.")  # fmt: skip
+CONTENT_KEYS = frozenset(
+    {
+        "input.value",
+        "output.value",
+        "traceloop.entity.input",
+        "traceloop.entity.output",
+        "gen_ai.task.input",
+        "gen_ai.task.output",
+        "gen_ai.input.messages",
+        "gen_ai.output.messages",
+        "gen_ai.system_instructions",
+        "gen_ai.retrieval.documents",
+        "gen_ai.retrieval.query.text",
+        "llm.prompts",
+        "llm.prompt_template.variables",
+        "reranker.query",
+        "retrieval.doc_ids",
+        INPUT_CONTENT,
+        OUTPUT_CONTENT,
+        STAGE_INPUT_CONTENT,
+        STAGE_OUTPUT_CONTENT,
+    }
+)
+CONTENT_PREFIXES = (
+    "retrieval.documents.",
+    "reranker.input_documents.",
+    "reranker.output_documents.",
+    "llm.input_messages.",
+    "llm.output_messages.",
+    "llm.choices.",
+    "gen_ai.prompt.",
+    "gen_ai.completion.",
+    "embedding.embeddings.",
+)
 DIGEST_KEYS = frozenset({INPUT_DIGEST, OUTPUT_DIGEST, STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST})
-IDENTIFIER_KEYS = frozenset({
-    *REQUEST_ID_ALIASES, SGLANG_RID, "gen_ai.response.id", "gen_ai.task.id", "gen_ai.task.parent.id",
-    "gen_ai.agent.id", "gen_ai.conversation.id", "session.id", "user.id", "bid", "vllm.process_id", "process.pid",
-    "pid", "bootstrap_room",  # SGLang's thread span and request root
-    *DYNAMO_REQUEST_IDS, "trace_id", "parent_id", "trace_flags", "thread.id",  # Dynamo copies its context onto spans
-})  # fmt: skip
-MEASUREMENT_KEYS = frozenset({
-    "cache.hit", "cache.hits", "cache.misses", "cache.entry.age_s", "context.tokens", "context.truncated",
-    "allreduce.time_ms", "allreduce.max_ms", "allreduce.count", "allreduce.bytes", "decode.tokens", "decode.ttft_ms",
-    "gen_ai.task.status",
-    # Dynamo: what its spans measured (tracing's busy and idle time, tokens) and how the request ended
-    "busy_ns", "idle_ns", "input_tokens", "output_tokens", "request.outcome", "request.attempt", "migration.is_retry",
-    "migration.tokens_completed",
-})  # fmt: skip
+IDENTIFIER_KEYS = frozenset(
+    {
+        *REQUEST_ID_ALIASES,
+        SGLANG_RID,
+        "gen_ai.response.id",
+        "gen_ai.task.id",
+        "gen_ai.task.parent.id",
+        "gen_ai.agent.id",
+        "gen_ai.conversation.id",
+        "session.id",
+        "user.id",
+        "bid",
+        "vllm.process_id",
+        "process.pid",
+        "pid",
+        "bootstrap_room",  # SGLang's thread span and request root
+        *DYNAMO_REQUEST_IDS,
+        "trace_id",
+        "parent_id",
+        "trace_flags",
+        "thread.id",  # Dynamo copies its context onto spans
+    }
+)
+MEASUREMENT_KEYS = frozenset(
+    {
+        "cache.hit",
+        "cache.hits",
+        "cache.misses",
+        "cache.entry.age_s",
+        "context.tokens",
+        "context.truncated",
+        "allreduce.time_ms",
+        "allreduce.max_ms",
+        "allreduce.count",
+        "allreduce.bytes",
+        "decode.tokens",
+        "decode.ttft_ms",
+        "gen_ai.task.status",
+        # Dynamo: what its spans measured (tracing's busy and idle time, tokens) and how the request ended
+        "busy_ns",
+        "idle_ns",
+        "input_tokens",
+        "output_tokens",
+        "request.outcome",
+        "request.attempt",
+        "migration.is_retry",
+        "migration.tokens_completed",
+    }
+)
 MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", "llm.token_count.", "llm.cost.")
 MEASUREMENT_SUFFIXES = ("_ms", "_s", "_seconds", "_bytes", ".duration")
 # Never compared: they describe the telemetry, not the request.
@@ -494,13 +632,30 @@ def is_content(key: str) -> bool:
 # What names *where* a request ran, not *why* its output changed: when a setting separates deviating from agreeing
 # requests as well as the identity carrying it, the setting is the cause and the identity is where
 # (docs/design.md#an-identity-is-where-a-setting-is-why).
-IDENTITY_KEYS = frozenset({
-    HOST, "host.id", "k8s.node.name", "k8s.pod.name", "k8s.pod.uid", "k8s.container.name", "container.id",
-    "container.name", "k8s.replicaset.name", "k8s.statefulset.name", "service.instance.id", GPU_UUID,
-    CONFIGURATION_GPU_UUIDS, "cloud.resource_id", "host_id",  # SGLang's machine ID, on its thread spans
-    DP_RANK,  # the data-parallel replica that served the request
-    "instance_id", "worker_id", "prefill_worker_id", "decode_worker_id",  # Dynamo's worker that served it
-})  # fmt: skip
+IDENTITY_KEYS = frozenset(
+    {
+        HOST,
+        "host.id",
+        "k8s.node.name",
+        "k8s.pod.name",
+        "k8s.pod.uid",
+        "k8s.container.name",
+        "container.id",
+        "container.name",
+        "k8s.replicaset.name",
+        "k8s.statefulset.name",
+        "service.instance.id",
+        GPU_UUID,
+        CONFIGURATION_GPU_UUIDS,
+        "cloud.resource_id",
+        "host_id",  # SGLang's machine ID, on its thread spans
+        DP_RANK,  # the data-parallel replica that served the request
+        "instance_id",
+        "worker_id",
+        "prefill_worker_id",
+        "decode_worker_id",  # Dynamo's worker that served it
+    }
+)
 
 
 def is_identity(key: str) -> bool:
@@ -513,8 +668,13 @@ def is_measurement(key: str) -> bool:
 
 def is_comparable(key: str) -> bool:
     """May differ between a request and its baseline as a cause: not content, a digest, an identifier or telemetry."""
-    return not (is_content(key) or key in DIGEST_KEYS or key in IDENTIFIER_KEYS or key in UNCOMPARED_KEYS
-                or key.startswith(UNCOMPARED_PREFIXES))  # fmt: skip
+    return not (
+        is_content(key)
+        or key in DIGEST_KEYS
+        or key in IDENTIFIER_KEYS
+        or key in UNCOMPARED_KEYS
+        or key.startswith(UNCOMPARED_PREFIXES)
+    )
 
 
 # -- peers: the requests a request is compared with are those with its input digest *and* its peer key. A store is
@@ -536,8 +696,15 @@ DEFAULT_PEER_KEY = PEER_KEY_PARTS
 # ``request_model``): an application's root often names none above the engine's or framework's span that does
 # (OpenInference's LLM span under a chain, a decode span under an app's request). The decode span's first, then the
 # earliest: the model that generates the answer tells deployments apart, not an embedding model its retrieval names.
-MODEL_KEYS = ("gen_ai.request.model", "gen_ai.response.model", "llm.model_name", "llm.request.model_name",
-              "llm.response.model_name", "llm.request.model", "llm.response.model")  # fmt: skip
+MODEL_KEYS = (
+    "gen_ai.request.model",
+    "gen_ai.response.model",
+    "llm.model_name",
+    "llm.request.model_name",
+    "llm.response.model_name",
+    "llm.request.model",
+    "llm.response.model",
+)
 DYNAMO_MODEL = "model"
 
 
@@ -592,9 +759,12 @@ def peer_of(service: str, model: str, key=DEFAULT_PEER_KEY) -> tuple[str, str]:
 def candidate_sql(k: str) -> str:
     keys = sorted(CONTENT_KEYS | DIGEST_KEYS | IDENTIFIER_KEYS | UNCOMPARED_KEYS | MEASUREMENT_KEYS)
     prefixes = CONTENT_PREFIXES + UNCOMPARED_PREFIXES + MEASUREMENT_PREFIXES
-    return (f"NOT ({k} IN ({', '.join(_quote(x) for x in keys)})"
-            + "".join(f" OR startsWith({k}, {_quote(p)})" for p in prefixes)
-            + "".join(f" OR endsWith({k}, {_quote(x)})" for x in MEASUREMENT_SUFFIXES) + ")")  # fmt: skip
+    return (
+        f"NOT ({k} IN ({', '.join(_quote(x) for x in keys)})"
+        + "".join(f" OR startsWith({k}, {_quote(p)})" for p in prefixes)
+        + "".join(f" OR endsWith({k}, {_quote(x)})" for x in MEASUREMENT_SUFFIXES)
+        + ")"
+    )
 
 
 # -- nondeterminism: outputs that differ by design are no deviation. A request samples nondeterministically when it
@@ -636,14 +806,19 @@ def unknown_seed(attributes: dict[str, str], name: str = "") -> str:
     nondeterminism (issue 53)."""
     if any(attributes.get(k, "") != "" for k in SEED_KEYS):
         return ""
-    if is_dynamo_request(name, attributes) and not any(
-            attributes.get(k, "") != "" for k in TEMPERATURE_KEYS):  # fmt: skip
+    if is_dynamo_request(name, attributes) and not any(attributes.get(k, "") != "" for k in TEMPERATURE_KEYS):
         return "Dynamo records neither the temperature nor the seed"
     if not seed_unknown(attributes):
         return ""
     producer = "SGLang" if attributes.get(SGLANG_MODULE[0]) == SGLANG_MODULE[1] else "the engine"
-    return next((f"{k} {attributes[k]}, and {producer} does not record the seed" for k in TEMPERATURE_KEYS
-                 if _positive(str(attributes.get(k, "")))), "")  # fmt: skip
+    return next(
+        (
+            f"{k} {attributes[k]}, and {producer} does not record the seed"
+            for k in TEMPERATURE_KEYS
+            if _positive(str(attributes.get(k, "")))
+        ),
+        "",
+    )
 
 
 def nondeterminism(attributes: dict[str, str]) -> str:
@@ -672,9 +847,14 @@ def _positive(text: str) -> bool:
         return False
 
 
-SEED_UNKNOWN_SQL = "(" + " OR ".join(
-    f"SpanAttributes[{_quote(k)}] != ''" if v is None else f"SpanAttributes[{_quote(k)}] = {_quote(v)}"
-    for k, v in SEED_UNRECORDED) + ")"  # fmt: skip
+SEED_UNKNOWN_SQL = (
+    "("
+    + " OR ".join(
+        f"SpanAttributes[{_quote(k)}] != ''" if v is None else f"SpanAttributes[{_quote(k)}] = {_quote(v)}"
+        for k, v in SEED_UNRECORDED
+    )
+    + ")"
+)
 
 
 def _seeded_sql() -> str:
@@ -697,10 +877,14 @@ NONDETERMINISM_SQL = (
 )
 
 
-def nondeterministic_traces_sql(where: str, requests: str = "stagetrace_requests", stages: str = "stagetrace_stages") -> str:
+def nondeterministic_traces_sql(
+    where: str, requests: str = "stagetrace_requests", stages: str = "stagetrace_stages"
+) -> str:
     """Trace IDs of nondeterministic requests among root and stage rows matching ``where`` (``Start`` bounds)."""
-    return (f"SELECT TraceId FROM {requests} WHERE Nondeterministic != '' AND {where} "
-            f"UNION DISTINCT SELECT TraceId FROM {stages} WHERE Nondeterministic != '' AND {where}")  # fmt: skip
+    return (
+        f"SELECT TraceId FROM {requests} WHERE Nondeterministic != '' AND {where} "
+        f"UNION DISTINCT SELECT TraceId FROM {stages} WHERE Nondeterministic != '' AND {where}"
+    )
 
 
 # -- a stage run as several spans: spans nested in a span of the same stage are part of that one (LlamaIndex's
@@ -741,8 +925,11 @@ def inherit_ranks(spans) -> int:
     for span in spans:
         if any(k in span.attributes for k in ENCLOSING_RANKS):
             continue
-        inherited = {ours: rank(span, engine, ours) for engine, ours in ENCLOSING_RANKS.items()
-                     if span.attributes.get(ours, "") == ""}  # fmt: skip
+        inherited = {
+            ours: rank(span, engine, ours)
+            for engine, ours in ENCLOSING_RANKS.items()
+            if span.attributes.get(ours, "") == ""
+        }
         inherited = {k: v for k, v in inherited.items() if v}
         span.attributes.update(inherited)
         given += bool(inherited)
@@ -794,15 +981,15 @@ STAGE_SQL = (
     + ", '')"
 )
 IS_EXPLICIT_STAGE_SQL = f"mapContains(SpanAttributes, {_quote(STAGE)})"
-IS_SGLANG_REQUEST_SQL = (
-    f"SpanAttributes[{_quote(SGLANG_RID)}] != '' AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] = {_quote(SGLANG_MODULE[1])}"
-)
+IS_SGLANG_REQUEST_SQL = f"SpanAttributes[{_quote(SGLANG_RID)}] != '' AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] = {_quote(SGLANG_MODULE[1])}"
 ATTRIBUTE_REQUEST_ID_SQL = (
     "multiIf("
     + ", ".join(f"SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]" for k in REQUEST_ID_ALIASES)
     + f", {IS_SGLANG_REQUEST_SQL}, SpanAttributes[{_quote(SGLANG_RID)}]"
-    + "".join(f", {IS_DYNAMO_REQUEST_SQL} AND SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
-              for k in DYNAMO_REQUEST_IDS)
+    + "".join(
+        f", {IS_DYNAMO_REQUEST_SQL} AND SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
+        for k in DYNAMO_REQUEST_IDS
+    )
     + ", '')"
 )
 # A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync, nor a
@@ -831,25 +1018,33 @@ STAGE_OUTPUT_DIGEST_SQL = _first_sql(STAGE_OUTPUT_DIGEST_SOURCES)
 # digest attributes alone (a Content source of an absent key and a Family without members are ''), so the views
 # compute the digest rules only for spans that carry content (HAS_CONTENT_SQL) and read the others' digests as the
 # attributes they are (the *_GIVEN_SQL twins, equal to the full rules on such spans).
-_SOURCES = (REQUEST_INPUT_DIGEST_SOURCES, REQUEST_OUTPUT_DIGEST_SOURCES, STAGE_INPUT_DIGEST_SOURCES,
-            STAGE_OUTPUT_DIGEST_SOURCES)  # fmt: skip
+_SOURCES = (
+    REQUEST_INPUT_DIGEST_SOURCES,
+    REQUEST_OUTPUT_DIGEST_SOURCES,
+    STAGE_INPUT_DIGEST_SOURCES,
+    STAGE_OUTPUT_DIGEST_SOURCES,
+)
 CONTENT_SOURCE_KEYS = tuple(sorted({s.key for sources in _SOURCES for s in sources if isinstance(s, Content)}))
 CONTENT_SOURCE_PREFIXES = tuple(sorted({s.prefix for sources in _SOURCES for s in sources if isinstance(s, Family)}))
 HAS_CONTENT_SQL = "arrayExists(k -> k IN ({keys}) OR {prefixes}, mapKeys(SpanAttributes))".format(
     keys=", ".join(_quote(k) for k in CONTENT_SOURCE_KEYS),
     prefixes=" OR ".join(f"startsWith(k, {_quote(p)})" for p in CONTENT_SOURCE_PREFIXES),
 )
-REQUEST_INPUT_DIGEST_GIVEN_SQL, REQUEST_OUTPUT_DIGEST_GIVEN_SQL, STAGE_INPUT_DIGEST_GIVEN_SQL, \
-    STAGE_OUTPUT_DIGEST_GIVEN_SQL = (sources[0].sql() for sources in _SOURCES)  # fmt: skip
-RANK_SQL = (f"if(SpanAttributes[{_quote(PP_RANK)}] IN ('', '0'), SpanAttributes[{_quote(TP_RANK)}], "
-            f"concat(if(SpanAttributes[{_quote(TP_RANK)}] = '', '0', SpanAttributes[{_quote(TP_RANK)}]), '@pp', "
-            f"SpanAttributes[{_quote(PP_RANK)}]))")  # fmt: skip
+(
+    REQUEST_INPUT_DIGEST_GIVEN_SQL,
+    REQUEST_OUTPUT_DIGEST_GIVEN_SQL,
+    STAGE_INPUT_DIGEST_GIVEN_SQL,
+    STAGE_OUTPUT_DIGEST_GIVEN_SQL,
+) = (sources[0].sql() for sources in _SOURCES)
+RANK_SQL = (
+    f"if(SpanAttributes[{_quote(PP_RANK)}] IN ('', '0'), SpanAttributes[{_quote(TP_RANK)}], "
+    f"concat(if(SpanAttributes[{_quote(TP_RANK)}] = '', '0', SpanAttributes[{_quote(TP_RANK)}]), '@pp', "
+    f"SpanAttributes[{_quote(PP_RANK)}]))"
+)
 # Stage attributes as stagetrace keeps them: without content, which stays only where its producer sent it.
-STAGE_ATTRIBUTES_SQL = (
-    "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), SpanAttributes)".format(
-        keys=", ".join(_quote(k) for k in sorted(CONTENT_KEYS)),
-        prefixes=" OR ".join(f"startsWith(k, {_quote(p)})" for p in CONTENT_PREFIXES),
-    )
+STAGE_ATTRIBUTES_SQL = "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), SpanAttributes)".format(
+    keys=", ".join(_quote(k) for k in sorted(CONTENT_KEYS)),
+    prefixes=" OR ".join(f"startsWith(k, {_quote(p)})" for p in CONTENT_PREFIXES),
 )
 
 
@@ -869,14 +1064,26 @@ def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bo
     else from a span below them (``request_model``'s rule), in ``stagetrace_models`` beside ``table``.
     """
     order = _ROOT_ORDER.format(start="RowStart")
-    columns = ("RequestId", "TraceId", "SpanId", "Start", "End", "ServiceName", "HostName", "SpanName", "InputDigest",
-               "OutputDigest", "StatusCode")  # fmt: skip
+    columns = (
+        "RequestId",
+        "TraceId",
+        "SpanId",
+        "Start",
+        "End",
+        "ServiceName",
+        "HostName",
+        "SpanName",
+        "InputDigest",
+        "OutputDigest",
+        "StatusCode",
+    )
     roots = f"""SELECT argMin(RequestId, {order}) AS RequestId, TraceId, argMin(SpanId, {order}) AS SpanId,
        min(RowStart) AS Start, max(RowEnd) AS End,
        argMin(ServiceName, {order}) AS ServiceName, argMin(HostName, {order}) AS HostName,
        argMin(SpanName, {order}) AS SpanName, argMinIf(InputDigest, {order}, InputDigest != '') AS InputDigest,
        argMinIf(OutputDigest, {order}, OutputDigest != '') AS OutputDigest, argMin(StatusCode, {order}) AS StatusCode{
-           f", argMinIf(Model, {order}, Model != '') AS RootModel" if model else ""}
+        f", argMinIf(Model, {order}, Model != '') AS RootModel" if model else ""
+    }
 FROM (SELECT RequestId, TraceId, SpanId, Start AS RowStart, End AS RowEnd, ServiceName, HostName, SpanName,
              InputDigest AS InputDigest, OutputDigest AS OutputDigest, StatusCode, Source{", Model" if model else ""}
       FROM {table}

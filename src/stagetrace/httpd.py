@@ -153,8 +153,13 @@ class Handler(BaseHTTPRequestHandler):
         if web is not None and web.users:  # one Authorization header: a user's password stands in for the token
             self.user_admitted = web.user_admitted(self.headers.get("Authorization"))
             if not self.user_admitted and not self.token_allowed():
-                self.reply(401, b"unauthorized: give a user and password of the web configuration\n",
-                           "text/plain; charset=UTF-8", {"WWW-Authenticate": 'Basic realm="stagetrace"'}, close=True)
+                self.reply(
+                    401,
+                    b"unauthorized: give a user and password of the web configuration\n",
+                    "text/plain; charset=UTF-8",
+                    {"WWW-Authenticate": 'Basic realm="stagetrace"'},
+                    close=True,
+                )
                 return False
         if self.slots is not None:
             if not self.slots.acquire(blocking=False):
@@ -182,14 +187,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def too_busy(self) -> None:
         """The answer when ``slots`` are all taken (the body is left unread): 503 with Retry-After."""
-        self.reply(503, b"too many requests in flight: retry later\n", "text/plain; charset=UTF-8",
-                   {"Retry-After": "1"}, close=True)  # fmt: skip
+        self.reply(
+            503,
+            b"too many requests in flight: retry later\n",
+            "text/plain; charset=UTF-8",
+            {"Retry-After": "1"},
+            close=True,
+        )
 
     def log_message(self, format, *args):  # noqa: A002 - the stdlib's signature
         pass
 
-    def reply(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None,
-              close: bool = False) -> None:  # fmt: skip
+    def reply(
+        self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None, close: bool = False
+    ) -> None:
         """Send a complete response; ``close`` when the request body was not read, so the connection is not reused."""
         try:
             self.send_response(status)
@@ -292,5 +303,16 @@ def is_loopback(address: str) -> bool:
     return address in ("localhost", "::1") or address.startswith("127.")
 
 
-__all__ = ["Handler", "HttpError", "Listener", "TokenError", "read_body", "authorized",
-           "form_fields", "is_loopback", "load_token", "parse_listen", "start"]  # fmt: skip
+__all__ = [
+    "Handler",
+    "HttpError",
+    "Listener",
+    "TokenError",
+    "read_body",
+    "authorized",
+    "form_fields",
+    "is_loopback",
+    "load_token",
+    "parse_listen",
+    "start",
+]

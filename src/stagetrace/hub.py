@@ -45,9 +45,13 @@ from urllib.parse import parse_qsl, urlsplit
 
 from stagetrace import httpd, schema
 from stagetrace.environment_variables import (
-    STAGETRACE_QUERY_MAX_CONCURRENT, STAGETRACE_QUERY_MAX_MEMORY, STAGETRACE_QUERY_MAX_RESULT_BYTES,
-    STAGETRACE_QUERY_MAX_RESULT_ROWS, STAGETRACE_QUERY_MAX_THREADS, STAGETRACE_QUERY_TIMEOUT,
-)  # fmt: skip
+    STAGETRACE_QUERY_MAX_CONCURRENT,
+    STAGETRACE_QUERY_MAX_MEMORY,
+    STAGETRACE_QUERY_MAX_RESULT_BYTES,
+    STAGETRACE_QUERY_MAX_RESULT_ROWS,
+    STAGETRACE_QUERY_MAX_THREADS,
+    STAGETRACE_QUERY_TIMEOUT,
+)
 from stagetrace.query_guard import Denied, QueryGuard
 from stagetrace.through_agent import AGENT_FILE, READ_ONLY_MESSAGE, Refused, read_only_format
 
@@ -72,12 +76,14 @@ class QueryLimits:
     max_concurrent: int = 16  # in flight: one runs, the others wait their turn
 
     # each field's agent option and environment variable
-    OPTIONS = {"timeout_s": ("--query-timeout", STAGETRACE_QUERY_TIMEOUT),
-               "max_memory_bytes": ("--query-max-memory", STAGETRACE_QUERY_MAX_MEMORY),
-               "max_threads": ("--query-max-threads", STAGETRACE_QUERY_MAX_THREADS),
-               "max_result_rows": ("--query-max-result-rows", STAGETRACE_QUERY_MAX_RESULT_ROWS),
-               "max_result_bytes": ("--query-max-result-bytes", STAGETRACE_QUERY_MAX_RESULT_BYTES),
-               "max_concurrent": ("--query-max-concurrent", STAGETRACE_QUERY_MAX_CONCURRENT)}  # fmt: skip
+    OPTIONS = {
+        "timeout_s": ("--query-timeout", STAGETRACE_QUERY_TIMEOUT),
+        "max_memory_bytes": ("--query-max-memory", STAGETRACE_QUERY_MAX_MEMORY),
+        "max_threads": ("--query-max-threads", STAGETRACE_QUERY_MAX_THREADS),
+        "max_result_rows": ("--query-max-result-rows", STAGETRACE_QUERY_MAX_RESULT_ROWS),
+        "max_result_bytes": ("--query-max-result-bytes", STAGETRACE_QUERY_MAX_RESULT_BYTES),
+        "max_concurrent": ("--query-max-concurrent", STAGETRACE_QUERY_MAX_CONCURRENT),
+    }
 
     def __post_init__(self):
         for field in fields(self):
@@ -87,10 +93,16 @@ class QueryLimits:
 
     def settings(self) -> dict[str, str]:
         """The engine settings the limits are, for every query of the session."""
-        return {"max_execution_time": f"{self.timeout_s:g}", "max_memory_usage": str(self.max_memory_bytes),
-                "max_threads": str(self.max_threads), "max_result_rows": str(self.max_result_rows),
-                "max_result_bytes": str(self.max_result_bytes), "result_overflow_mode": "'throw'",
-                "timeout_overflow_mode": "'throw'"}  # fmt: skip
+        return {
+            "max_execution_time": f"{self.timeout_s:g}",
+            "max_memory_usage": str(self.max_memory_bytes),
+            "max_threads": str(self.max_threads),
+            "max_result_rows": str(self.max_result_rows),
+            "max_result_bytes": str(self.max_result_bytes),
+            "result_overflow_mode": "'throw'",
+            "timeout_overflow_mode": "'throw'",
+        }
+
 
 # --- the endpoint, in the agent ---------------------------------------------------------------------------
 
@@ -100,8 +112,14 @@ _HTTP_STATUS = {
     **dict.fromkeys((164, 497, 516), 403),  # READONLY, ACCESS_DENIED, AUTHENTICATION_FAILED
     **dict.fromkeys((46, 47, 50, 60, 81, 115), 404),  # unknown function, identifier, type, table, database, setting
 }
-_ERROR_NAMES = {36: "BAD_ARGUMENTS", 62: "SYNTAX_ERROR", 164: "READONLY", 202: "TOO_MANY_SIMULTANEOUS_QUERIES",
-                497: "ACCESS_DENIED", 516: "AUTHENTICATION_FAILED"}
+_ERROR_NAMES = {
+    36: "BAD_ARGUMENTS",
+    62: "SYNTAX_ERROR",
+    164: "READONLY",
+    202: "TOO_MANY_SIMULTANEOUS_QUERIES",
+    497: "ACCESS_DENIED",
+    516: "AUTHENTICATION_FAILED",
+}
 _CODE = re.compile(r"Code: (\d+)\.")
 
 
@@ -120,8 +138,16 @@ class QueryEndpoint:
     """The read-only ClickHouse HTTP interface on ``listen`` to the store's ``database`` in the embedded engine at
     ``path`` (held by this process)."""
 
-    def __init__(self, path: str, listen: str = DEFAULT_LISTEN, *, database: str, token: str | None = None,
-                 limits: QueryLimits | None = None, web=None):  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        listen: str = DEFAULT_LISTEN,
+        *,
+        database: str,
+        token: str | None = None,
+        limits: QueryLimits | None = None,
+        web=None,
+    ):
         import chdb
 
         self.limits = limits or QueryLimits()
@@ -136,8 +162,9 @@ class QueryEndpoint:
         self._lock = threading.Lock()  # one query at a time on the session (its USE state is shared)
         self._slots = threading.BoundedSemaphore(self.limits.max_concurrent)
         self._closing = threading.Event()
-        self.version, self.timezone = self._session.query("SELECT version(), timezone()", "TabSeparated") \
-            .bytes().decode().split()  # fmt: skip
+        self.version, self.timezone = (
+            self._session.query("SELECT version(), timezone()", "TabSeparated").bytes().decode().split()
+        )
         self.token = token
         handler = type("QueryHandler", (_QueryHandler,), {"endpoint": self})
         try:
@@ -181,8 +208,9 @@ class QueryEndpoint:
                 return None
             checked = self.guard.check(sql, params, database)
             done = threading.Event()
-            watcher = threading.Thread(target=self._watch, args=(mark, gone, done), name="stagetrace-query-watch",
-                                       daemon=True)  # fmt: skip
+            watcher = threading.Thread(
+                target=self._watch, args=(mark, gone, done), name="stagetrace-query-watch", daemon=True
+            )
             watcher.start()
             fmt = checked.format or fmt
             try:
@@ -205,8 +233,9 @@ class QueryEndpoint:
 
     def _kill(self, mark: str) -> None:
         try:  # the KILL statement's own text starts with KILL: it never matches itself
-            self._control.query("KILL QUERY WHERE startsWith(query, {mark:String}) ASYNC", "TabSeparated",
-                                params={"mark": mark})  # fmt: skip
+            self._control.query(
+                "KILL QUERY WHERE startsWith(query, {mark:String}) ASYNC", "TabSeparated", params={"mark": mark}
+            )
         except Exception as exc:  # a query that just ended, a session closing: nothing left to cancel
             logger.debug("KILL QUERY: %s", exc)
 
@@ -253,9 +282,13 @@ class _QueryHandler(httpd.Handler):
             self.reply(200, b"Ok.\n", "text/plain; charset=UTF-8", close=body_unread)
         elif path != "/":
             self._fail(404, 36, f"no handler for {path}: query at / or check /ping", close=body_unread)
-        elif not (self.admitted(self.endpoint.token)
-                  or self.admitted(self.endpoint.token, f"Bearer {self.headers.get('X-ClickHouse-Key', '')}")):
-            self._fail(403, 516, "missing or wrong token (send it as a bearer token or as the password)", close=body_unread)
+        elif not (
+            self.admitted(self.endpoint.token)
+            or self.admitted(self.endpoint.token, f"Bearer {self.headers.get('X-ClickHouse-Key', '')}")
+        ):
+            self._fail(
+                403, 516, "missing or wrong token (send it as a bearer token or as the password)", close=body_unread
+            )
         else:
             return True
         return False
@@ -271,8 +304,13 @@ class _QueryHandler(httpd.Handler):
             return True
 
     def _fail(self, status: int, code: int, message: str, close: bool = False) -> None:
-        self.reply(status, self.endpoint.error_body(code, message), "text/plain; charset=UTF-8",
-                   {"X-ClickHouse-Exception-Code": str(code)}, close=close)  # fmt: skip
+        self.reply(
+            status,
+            self.endpoint.error_body(code, message),
+            "text/plain; charset=UTF-8",
+            {"X-ClickHouse-Exception-Code": str(code)},
+            close=close,
+        )
 
     def _answer(self, body: bytes) -> None:
         url = urlsplit(self.path)
@@ -295,13 +333,22 @@ class _QueryHandler(httpd.Handler):
         query_params = {name[6:]: value for name, value in params.items() if name.startswith("param_")}
         if not self.endpoint.admit():
             limit = self.endpoint.limits.max_concurrent
-            self.reply(503, self.endpoint.error_body(202, f"Too many simultaneous queries. Maximum: {limit}"),
-                       "text/plain; charset=UTF-8", {"X-ClickHouse-Exception-Code": "202", "Retry-After": "1"})  # fmt: skip
+            self.reply(
+                503,
+                self.endpoint.error_body(202, f"Too many simultaneous queries. Maximum: {limit}"),
+                "text/plain; charset=UTF-8",
+                {"X-ClickHouse-Exception-Code": "202", "Retry-After": "1"},
+            )
             return
         started = time.monotonic_ns()
         try:
-            answer = self.endpoint.run(sql, params.get("default_format") or "TabSeparated", query_params,
-                                       params.get("database", ""), self._client_gone)  # fmt: skip
+            answer = self.endpoint.run(
+                sql,
+                params.get("default_format") or "TabSeparated",
+                query_params,
+                params.get("database", ""),
+                self._client_gone,
+            )
         except Denied as exc:
             self._fail(403, exc.code, str(exc))
             return
@@ -309,8 +356,12 @@ class _QueryHandler(httpd.Handler):
             text = str(exc).strip() or type(exc).__name__
             match = _CODE.search(text)
             code = int(match[1]) if match else 0
-            self.reply(_HTTP_STATUS.get(code, 500), text.encode() + b"\n", "text/plain; charset=UTF-8",
-                       {"X-ClickHouse-Exception-Code": str(code)})  # fmt: skip
+            self.reply(
+                _HTTP_STATUS.get(code, 500),
+                text.encode() + b"\n",
+                "text/plain; charset=UTF-8",
+                {"X-ClickHouse-Exception-Code": str(code)},
+            )
             return
         finally:
             self.endpoint.release()
@@ -319,15 +370,25 @@ class _QueryHandler(httpd.Handler):
             return
         result, fmt = answer
         data = result.bytes()
-        summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
-                   "written_rows": "0", "written_bytes": "0", "result_bytes": str(len(data)),
-                   "elapsed_ns": str(time.monotonic_ns() - started)}  # fmt: skip
-        self.reply(200, data, _content_type(fmt), {
-            "X-ClickHouse-Format": fmt,
-            "X-ClickHouse-Timezone": self.endpoint.timezone,
-            "X-ClickHouse-Query-Id": params.get("query_id") or str(uuid.uuid4()),
-            "X-ClickHouse-Summary": json.dumps(summary, separators=(",", ":")),
-        })  # fmt: skip
+        summary = {
+            "read_rows": str(result.rows_read()),
+            "read_bytes": str(result.bytes_read()),
+            "written_rows": "0",
+            "written_bytes": "0",
+            "result_bytes": str(len(data)),
+            "elapsed_ns": str(time.monotonic_ns() - started),
+        }
+        self.reply(
+            200,
+            data,
+            _content_type(fmt),
+            {
+                "X-ClickHouse-Format": fmt,
+                "X-ClickHouse-Timezone": self.endpoint.timezone,
+                "X-ClickHouse-Query-Id": params.get("query_id") or str(uuid.uuid4()),
+                "X-ClickHouse-Summary": json.dumps(summary, separators=(",", ":")),
+            },
+        )
 
 
 # --- discovery: agent.json in the store, read by open_store in other processes ----------------------------

@@ -60,15 +60,18 @@ class Span:
         for key, value in self.attributes.items():
             if key.startswith(ENGINE_LATENCY_PREFIX):
                 try:
-                    timings[key[len(ENGINE_LATENCY_PREFIX):]] = round(float(value) * 1000, 6)  # to the ns
+                    timings[key[len(ENGINE_LATENCY_PREFIX) :]] = round(float(value) * 1000, 6)  # to the ns
                 except ValueError:
                     pass  # not a number: it stays among the attributes
         return timings
 
     def to_json(self) -> dict:
         engine = {"engine_ms": self.engine_ms} if self.engine_ms else {}
-        derived = {"rank": self.rank or None, "input_digest": self.input_digest,
-                   "output_digest": self.output_digest} if self.stage else {}  # fmt: skip
+        derived = (
+            {"rank": self.rank or None, "input_digest": self.input_digest, "output_digest": self.output_digest}
+            if self.stage
+            else {}
+        )
         return {
             "span_id": self.span_id,
             "parent_span_id": self.parent_span_id,
@@ -120,8 +123,12 @@ class Trace:
                 by_key.setdefault((span.stage, span.rank), []).append(span)
         passes = {key: conventions.stage_passes(spans) for key, spans in by_key.items()}
         order = {name: i for i, name in enumerate(conventions.PIPELINE_STAGES)}
-        return dict(sorted(passes.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns,
-                                                              conventions.rank_order(kv[0][1]))))  # fmt: skip
+        return dict(
+            sorted(
+                passes.items(),
+                key=lambda kv: (order.get(kv[0][0], len(order)), kv[1][0].start_ns, conventions.rank_order(kv[0][1])),
+            )
+        )
 
     @property
     def root(self) -> Span:
@@ -140,8 +147,9 @@ def iso_ns(ns: int) -> str:
 # bounded number of granules however large the store grows.
 # The request a trace stands for, by the conventions' root rule (the projection by trace ID).
 REQUEST_OF_TRACE_SQL = f"""
-SELECT RequestId, InputDigest, OutputDigest, SpanId FROM ({conventions.requests_sql(
-    "TraceId = {tid:String}", "{db:Identifier}.stagetrace_requests")})"""
+SELECT RequestId, InputDigest, OutputDigest, SpanId FROM ({
+    conventions.requests_sql("TraceId = {tid:String}", "{db:Identifier}.stagetrace_requests")
+})"""
 # The traces recorded for a request ID (a retry has several), by the table's key.
 TRACES_OF_REQUEST_SQL = """
 SELECT TraceId, toUnixTimestamp64Nano(Start), toUnixTimestamp64Nano(End), ServiceName, SpanName
@@ -174,7 +182,9 @@ def _request(store: Store, trace_id: str) -> tuple[str | None, str, str, str]:
 def by_request_id(store: Store, request_id: str) -> Trace:
     # the ID as given first; Dynamo's response ID ``chatcmpl-<id>`` then as the bare ID its spans record
     for candidate in conventions.request_id_candidates(request_id):
-        rows = store.client.query(TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": candidate}).result_rows
+        rows = store.client.query(
+            TRACES_OF_REQUEST_SQL, parameters={"db": store.database, "rid": candidate}
+        ).result_rows
         if rows:
             break
     if not rows:
@@ -197,7 +207,9 @@ def by_request_id(store: Store, request_id: str) -> Trace:
         # needed: a margin would read a minute of every stage's rows either side. Without an entry there, the root
         # rows' span and a margin.
         first, last = _extent(store, trace_id)
-        first, last = (min(start, first), max(end, last)) if last else (start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
+        first, last = (
+            (min(start, first), max(end, last)) if last else (start - WINDOW_MARGIN_NS, end + WINDOW_MARGIN_NS)
+        )
         spans += _spans(store, trace_id, first, last)
     spans = in_trace_order(spans) if len(traces) > 1 else spans
     # An engine's request span (found by gen_ai.request.id) may sit inside a pipeline's trace: span it all.
@@ -230,7 +242,9 @@ def halves_of(store: Store, request_ids) -> dict[str, list[str]]:
 
 def _extents(store: Store, trace_ids) -> dict[str, tuple[int, int]]:
     """Trace ID → the first and after the last second (ns) its spans started in, by the trace-ID table."""
-    rows = store.client.query(TRACE_SPANS_SQL, parameters={"db": store.database, "traces": sorted(set(trace_ids))}).result_rows
+    rows = store.client.query(
+        TRACE_SPANS_SQL, parameters={"db": store.database, "traces": sorted(set(trace_ids))}
+    ).result_rows
     return {trace_id: (start * S, end * S) for trace_id, start, end in rows}
 
 
@@ -285,8 +299,9 @@ LIMIT 1 BY TraceId, SpanId
 """
 
 
-def spans_of(store: Store, trace_ids: list[str], start_ns: int, end_ns: int,
-             stages_only: bool = False) -> dict[str, list[Span]]:  # fmt: skip
+def spans_of(
+    store: Store, trace_ids: list[str], start_ns: int, end_ns: int, stages_only: bool = False
+) -> dict[str, list[Span]]:
     """The spans of these traces within the window, by trace ID, in start order; ``stages_only``: their stage spans
     (``STAGE_SPANS_SQL``)."""
     out: dict[str, list[Span]] = {}
@@ -319,13 +334,16 @@ def in_trace_order(spans: list[Span]) -> list[Span]:
 MAX_WINDOWS = 32  # queries one spans_of_many runs at most
 
 
-def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows: int = MAX_WINDOWS,
-                  stages_only: bool = False) -> dict[str, list[Span]]:  # fmt: skip
+def spans_of_many(
+    store: Store, trace_ids, within: tuple[int, int], max_windows: int = MAX_WINDOWS, stages_only: bool = False
+) -> dict[str, list[Span]]:
     """The spans of many traces within ``within``, read only in the seconds they ran (by the trace-ID table): traces
     close in time share one window, at most ``max_windows`` of them (the nearest merged), so that a few thousand
     traces cost what their seconds of spans cost, not the whole window's; ``stages_only``: their stage spans."""
-    extents = sorted((max(start, within[0]), min(end, within[1]), trace_id)
-                     for trace_id, (start, end) in _extents(store, trace_ids).items())  # fmt: skip
+    extents = sorted(
+        (max(start, within[0]), min(end, within[1]), trace_id)
+        for trace_id, (start, end) in _extents(store, trace_ids).items()
+    )
     if not extents:
         return {}
     # windows split at the widest gaps between one trace's end and the next one's start
@@ -333,10 +351,11 @@ def spans_of_many(store: Store, trace_ids, within: tuple[int, int], max_windows:
     gaps = sorted(((b[0] - reach[i], i) for i, b in enumerate(extents[1:]) if b[0] > reach[i]), reverse=True)
     out: dict[str, list[Span]] = {}
     first = 0
-    for cut in sorted(i + 1 for _, i in gaps[:max_windows - 1]) + [len(extents)]:
+    for cut in sorted(i + 1 for _, i in gaps[: max_windows - 1]) + [len(extents)]:
         members = extents[first:cut]
-        out.update(spans_of(store, [t for _, _, t in members], members[0][0], max(e for _, e, _ in members),
-                            stages_only))  # fmt: skip
+        out.update(
+            spans_of(store, [t for _, _, t in members], members[0][0], max(e for _, e, _ in members), stages_only)
+        )
         first = cut
     return out
 
@@ -363,17 +382,31 @@ class LogLine:
     attributes: dict
 
     def to_json(self) -> dict:
-        return {"time": iso_ns(self.time_ns), "severity": self.severity, "service": self.service,
-                "span_id": self.span_id or None, "body": self.body, "attributes": self.attributes}  # fmt: skip
+        return {
+            "time": iso_ns(self.time_ns),
+            "severity": self.severity,
+            "service": self.service,
+            "span_id": self.span_id or None,
+            "body": self.body,
+            "attributes": self.attributes,
+        }
 
 
 def logs_of(store: Store, trace: Trace, limit: int = 10_000) -> list[LogLine]:
     """The log lines of the trace, in time order (at most ``limit``); none where the store keeps no logs."""
-    params = {"db": store.database, "tid": trace.trace_id, "t0": trace.start_ns - WINDOW_MARGIN_NS,
-              "t1": trace.start_ns + trace.duration_ns + WINDOW_MARGIN_NS, "limit": limit,
-              "logs": store.readable("otel_logs")}  # fmt: skip
+    params = {
+        "db": store.database,
+        "tid": trace.trace_id,
+        "t0": trace.start_ns - WINDOW_MARGIN_NS,
+        "t1": trace.start_ns + trace.duration_ns + WINDOW_MARGIN_NS,
+        "limit": limit,
+        "logs": store.readable("otel_logs"),
+    }
     rows = store.client.query(LOGS_SQL, parameters=params).result_rows
-    return [LogLine(int(t), sev, int(num), service, span, body, dict(attrs)) for t, sev, num, service, span, body, attrs in rows]
+    return [
+        LogLine(int(t), sev, int(num), service, span, body, dict(attrs))
+        for t, sev, num, service, span, body, attrs in rows
+    ]
 
 
 def _spans(store: Store, trace_id: str, start_ns: int, end_ns: int) -> list[Span]:
@@ -386,8 +419,11 @@ def resources(trace: Trace) -> list[dict]:
     the order its spans come; host and service name it (they are not repeated among its attributes)."""
     found: dict[tuple, dict] = {}
     for span in trace.spans:
-        shown = {k: v for k, v in sorted(span.resource.items())
-                 if conventions.is_comparable(k) and k not in (conventions.HOST, conventions.PEER_SERVICE)}  # fmt: skip
+        shown = {
+            k: v
+            for k, v in sorted(span.resource.items())
+            if conventions.is_comparable(k) and k not in (conventions.HOST, conventions.PEER_SERVICE)
+        }
         key = (span.resource.get(conventions.HOST, ""), span.service, tuple(shown.items()))
         if shown and key not in found:
             found[key] = {"host": key[0], "service": span.service, "attributes": shown}

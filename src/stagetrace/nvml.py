@@ -600,7 +600,6 @@ def write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-
 class CachedReads:
     """Reads through a source, remembering which (gpu, call) NVML does not support so it is not asked again.
 
@@ -649,9 +648,32 @@ class CachedReads:
 
 
 __all__ = [
-    "H200_MEMORY_BYTES", "LOST", "NO_INSTANCE", "NVLINK_LINKS", "NVML_ERRORS", "SNAPSHOT_FILE", "SYSTEM_CALLS",
-    "UNSUPPORTED", "XID_WAIT_MS", "CachedReads", "FixtureSource", "NvmlSource", "PynvmlSource", "RecordedGpmSample",
-    "XidWatcher", "driver_versions", "error_name", "gpm_answers", "gpu_snapshot", "nvml_error", "nvml_error_name",
-    "open_source", "plain", "process_info", "unavailable_reason", "write_json_atomic", "write_nvml_fixture",
+    "H200_MEMORY_BYTES",
+    "LOST",
+    "NO_INSTANCE",
+    "NVLINK_LINKS",
+    "NVML_ERRORS",
+    "SNAPSHOT_FILE",
+    "SYSTEM_CALLS",
+    "UNSUPPORTED",
+    "XID_WAIT_MS",
+    "CachedReads",
+    "FixtureSource",
+    "NvmlSource",
+    "PynvmlSource",
+    "RecordedGpmSample",
+    "XidWatcher",
+    "driver_versions",
+    "error_name",
+    "gpm_answers",
+    "gpu_snapshot",
+    "nvml_error",
+    "nvml_error_name",
+    "open_source",
+    "plain",
+    "process_info",
+    "unavailable_reason",
+    "write_json_atomic",
+    "write_nvml_fixture",
     "xid_event",
-]  # fmt: skip
+]

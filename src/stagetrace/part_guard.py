@@ -124,8 +124,10 @@ class PartGuard:
 
     def _active(self):
         rows = self.store.client.query(_ACTIVE_PARTS_SQL, parameters={"db": self.store.database}).result_rows
-        return [(table, name, Path(path), int(size), int(count), _utc(low), _utc(high, 1))
-                for table, name, path, size, count, low, high in rows]  # fmt: skip
+        return [
+            (table, name, Path(path), int(size), int(count), _utc(low), _utc(high, 1))
+            for table, name, path, size, count, low, high in rows
+        ]
 
     def check(self) -> list[ShortPart]:
         """One round: merges held or released by free space, new parts compared with what they should hold, and
@@ -173,24 +175,35 @@ class PartGuard:
     def _broken(self, table: str, name: str) -> bool:
         """Whether the engine, reading the part, finds it broken (a part a merge replaced meanwhile is not)."""
         try:
-            answer = self.store.client.query(_CHECK_PART_SQL, settings=_CHECK_SETTINGS, parameters={
-                "db": self.store.database, "table": table, "part": name}).result_rows  # fmt: skip
+            answer = self.store.client.query(
+                _CHECK_PART_SQL,
+                settings=_CHECK_SETTINGS,
+                parameters={"db": self.store.database, "table": table, "part": name},
+            ).result_rows
         except Exception as exc:
             return "NO_SUCH_DATA_PART" not in str(exc) and "No such data part" not in str(exc)
         return any(not int(row[1]) for row in answer)
 
     def _reload(self, short: list[ShortPart]) -> None:
         for table in dict.fromkeys(part.table for part in short):
-            names = ", ".join(f"{p.name} ({p.found:,} of {p.expected:,} bytes, {p.rows:,} rows)"
-                              for p in short if p.table == table)  # fmt: skip
-            logger.error("store: table %s: the engine committed part %s short (a write it lost, the disk full?): "
-                         "loading the table again to put back the parts it was made from", table, names)  # fmt: skip
+            names = ", ".join(
+                f"{p.name} ({p.found:,} of {p.expected:,} bytes, {p.rows:,} rows)" for p in short if p.table == table
+            )
+            logger.error(
+                "store: table %s: the engine committed part %s short (a write it lost, the disk full?): "
+                "loading the table again to put back the parts it was made from",
+                table,
+                names,
+            )
             names_sql = {"db": self.store.database, "table": table}
             try:
                 self.store.client.command(_DETACH_SQL, parameters=names_sql)
             except Exception as exc:
-                logger.error("store: table %s: cannot detach it to load it again: %s; the next start loads it",
-                             table, first_line(exc))  # fmt: skip
+                logger.error(
+                    "store: table %s: cannot detach it to load it again: %s; the next start loads it",
+                    table,
+                    first_line(exc),
+                )
                 continue
             for attempt in range(30):  # a table detached must come back: retried while the store refuses
                 try:

@@ -33,57 +33,173 @@ from dataclasses import dataclass
 
 # the parse trees' root kinds that read: SELECT (WITH, UNION, INTERSECT and EXCEPT included), DESCRIBE, the SHOW
 # statements that list names (databases, tables), EXISTS and SHOW CREATE TABLE
-READ_STATEMENTS = frozenset({"SelectWithUnionQuery", "DescribeQuery", "ShowTables", "ExistsTableQuery",
-                             "ShowCreateTableQuery"})  # fmt: skip
+READ_STATEMENTS = frozenset(
+    {"SelectWithUnionQuery", "DescribeQuery", "ShowTables", "ExistsTableQuery", "ShowCreateTableQuery"}
+)
 
 # system tables that clients ask for: clickhouse-connect reads settings; the Grafana data source lists databases,
 # tables, columns and functions (its schema browser and editor); a SELECT without FROM reads one
-SYSTEM_TABLES = frozenset({"one", "databases", "tables", "columns", "functions", "settings", "data_type_families",
-                           "aggregate_function_combinators", "time_zones"})  # fmt: skip
+SYSTEM_TABLES = frozenset(
+    {
+        "one",
+        "databases",
+        "tables",
+        "columns",
+        "functions",
+        "settings",
+        "data_type_families",
+        "aggregate_function_combinators",
+        "time_zones",
+    }
+)
 METADATA_DATABASES = frozenset({"information_schema", "INFORMATION_SCHEMA"})  # views over the tables above
 
 # system.functions categories whose functions compute on their arguments alone (no file, network, server state or
 # configuration); a category the engine adds later is refused until it is listed here
-FUNCTION_CATEGORIES = frozenset({
-    "Aggregate Functions", "Arithmetic", "Arrays", "Bit", "Bitmap", "Comparison", "Conditional", "Dates and Times",
-    "Distance", "Encoding", "Encryption", "Financial", "Geo", "Geo Polygon", "Hash", "IP Address", "JSON",
-    "Logical", "Map", "Mathematical", "Null", "NumericIndexedVector", "QBit", "Random Number", "Rounding", "String",
-    "String Replacement", "String Search", "String Splitting", "Time Series", "Time Window", "Tuple",
-    "Type Conversion", "URL", "UUID",
-})  # fmt: skip
+FUNCTION_CATEGORIES = frozenset(
+    {
+        "Aggregate Functions",
+        "Arithmetic",
+        "Arrays",
+        "Bit",
+        "Bitmap",
+        "Comparison",
+        "Conditional",
+        "Dates and Times",
+        "Distance",
+        "Encoding",
+        "Encryption",
+        "Financial",
+        "Geo",
+        "Geo Polygon",
+        "Hash",
+        "IP Address",
+        "JSON",
+        "Logical",
+        "Map",
+        "Mathematical",
+        "Null",
+        "NumericIndexedVector",
+        "QBit",
+        "Random Number",
+        "Rounding",
+        "String",
+        "String Replacement",
+        "String Search",
+        "String Splitting",
+        "Time Series",
+        "Time Window",
+        "Tuple",
+        "Type Conversion",
+        "URL",
+        "UUID",
+    }
+)
 # from the category "Other", those that read only their arguments, the query itself or the session's settings
 # (clickhouse-go's hello asks displayName(), version(), revision(), timezone(); Grafana's check asks getSetting)
-OTHER_FUNCTIONS = frozenset({
-    "version", "revision", "displayName", "currentDatabase", "currentQueryID", "queryID", "initialQueryID",
-    "getSetting", "getSettingOrDefault", "toTypeName", "toColumnTypeName", "isConstant", "materialize", "ignore",
-    "identity", "bar", "formatReadableSize", "formatReadableDecimalSize", "formatReadableQuantity",
-    "formatReadableTimeDelta", "parseTimeDelta", "parseReadableSize", "parseReadableSizeOrNull",
-    "parseReadableSizeOrZero", "parseISO8601Duration", "transform", "throwIf", "neighbor", "runningDifference",
-    "runningDifferenceStartingWithFirstValue", "runningAccumulate", "finalizeAggregation", "initializeAggregation",
-    "blockSize", "blockNumber", "rowNumberInBlock", "rowNumberInAllBlocks", "indexHint", "byteSize", "visibleWidth",
-    "defaultValueOfArgumentType", "defaultValueOfTypeName", "getSizeOfEnumType", "isDecimalOverflow",
-    "countDigits", "getSubcolumn", "variantElement", "variantType", "errorCodeToName", "lowCardinalityIndices",
-    "lowCardinalityKeys", "MACNumToString", "MACStringToNum", "MACStringToOUI",
-})  # fmt: skip
+OTHER_FUNCTIONS = frozenset(
+    {
+        "version",
+        "revision",
+        "displayName",
+        "currentDatabase",
+        "currentQueryID",
+        "queryID",
+        "initialQueryID",
+        "getSetting",
+        "getSettingOrDefault",
+        "toTypeName",
+        "toColumnTypeName",
+        "isConstant",
+        "materialize",
+        "ignore",
+        "identity",
+        "bar",
+        "formatReadableSize",
+        "formatReadableDecimalSize",
+        "formatReadableQuantity",
+        "formatReadableTimeDelta",
+        "parseTimeDelta",
+        "parseReadableSize",
+        "parseReadableSizeOrNull",
+        "parseReadableSizeOrZero",
+        "parseISO8601Duration",
+        "transform",
+        "throwIf",
+        "neighbor",
+        "runningDifference",
+        "runningDifferenceStartingWithFirstValue",
+        "runningAccumulate",
+        "finalizeAggregation",
+        "initializeAggregation",
+        "blockSize",
+        "blockNumber",
+        "rowNumberInBlock",
+        "rowNumberInAllBlocks",
+        "indexHint",
+        "byteSize",
+        "visibleWidth",
+        "defaultValueOfArgumentType",
+        "defaultValueOfTypeName",
+        "getSizeOfEnumType",
+        "isDecimalOverflow",
+        "countDigits",
+        "getSubcolumn",
+        "variantElement",
+        "variantType",
+        "errorCodeToName",
+        "lowCardinalityIndices",
+        "lowCardinalityKeys",
+        "MACNumToString",
+        "MACStringToNum",
+        "MACStringToOUI",
+    }
+)
 # what the parser itself writes for syntax: x -> y, EXISTS (...), untuple, GROUPING, x::T and query parameters,
 # CASE x WHEN
 SYNTAX_FUNCTIONS = frozenset({"lambda", "exists", "untuple", "grouping", "_CAST", "caseWithExpression"})
 # table functions that generate rows or wrap a subquery (whose own nodes are checked like any other)
-TABLE_FUNCTIONS = frozenset({"numbers", "numbers_mt", "zeros", "zeros_mt", "values", "generateSeries",
-                             "generate_series", "view", "format"})  # fmt: skip
+TABLE_FUNCTIONS = frozenset(
+    {"numbers", "numbers_mt", "zeros", "zeros_mt", "values", "generateSeries", "generate_series", "view", "format"}
+)
 
 # the parse tree's node kinds a read may hold. EXPLAIN AST does not print every expression a node keeps (the APPLY
 # column transformer's function, a SHOW statement's LIMIT), so a kind not listed here is refused, and one the engine
 # adds later is refused until it is looked at and listed
-NODE_KINDS = frozenset({
-    *READ_STATEMENTS, "SelectQuery", "SelectIntersectExceptQuery", "ExpressionList", "Subquery", "WithElement",
-    "TablesInSelectQuery", "TablesInSelectQueryElement", "TableExpression", "TableIdentifier", "TableJoin", "ArrayJoin",
-    "Identifier", "Literal", "Function", "OrderByElement", "InterpolateElement", "WindowDefinition",
-    "WindowListElement", "Asterisk", "QualifiedAsterisk", "ColumnsRegexpMatcher", "ColumnsListMatcher",
-    "QualifiedColumnsRegexpMatcher", "QualifiedColumnsListMatcher", "ColumnsTransformerList",
-    "ColumnsExceptTransformer", "ColumnsReplaceTransformer", "ColumnsReplaceTransformer::Replacement",
-    "Set",  # a SETTINGS clause: the readonly session refuses it with the engine's own message
-})  # fmt: skip
+NODE_KINDS = frozenset(
+    {
+        *READ_STATEMENTS,
+        "SelectQuery",
+        "SelectIntersectExceptQuery",
+        "ExpressionList",
+        "Subquery",
+        "WithElement",
+        "TablesInSelectQuery",
+        "TablesInSelectQueryElement",
+        "TableExpression",
+        "TableIdentifier",
+        "TableJoin",
+        "ArrayJoin",
+        "Identifier",
+        "Literal",
+        "Function",
+        "OrderByElement",
+        "InterpolateElement",
+        "WindowDefinition",
+        "WindowListElement",
+        "Asterisk",
+        "QualifiedAsterisk",
+        "ColumnsRegexpMatcher",
+        "ColumnsListMatcher",
+        "QualifiedColumnsRegexpMatcher",
+        "QualifiedColumnsListMatcher",
+        "ColumnsTransformerList",
+        "ColumnsExceptTransformer",
+        "ColumnsReplaceTransformer",
+        "ColumnsReplaceTransformer::Replacement",
+        "Set",  # a SETTINGS clause: the readonly session refuses it with the engine's own message
+    }
+)
 # SHOW statements keep their LIKE and LIMIT outside the printed tree: only these forms, as the engine formats them
 _SHOW = re.compile(r"SHOW (?:DATABASES|TABLES(?: FROM [A-Za-z_][A-Za-z0-9_]*)?)(?:\nFORMAT \w+)?")
 # URL functions that read the top-level-domain lists the server's configuration names
@@ -123,8 +239,9 @@ class QueryGuard:
         self._query = query
         self.database = database
         self._functions, self._case_insensitive, self._aggregates = _allowed_functions(query)
-        self._combinators = sorted(query("SELECT name FROM system.aggregate_function_combinators", {}).split(),
-                                   key=len, reverse=True)  # fmt: skip
+        self._combinators = sorted(
+            query("SELECT name FROM system.aggregate_function_combinators", {}).split(), key=len, reverse=True
+        )
 
     def check(self, sql: str, params: dict[str, str], database: str = "") -> Checked:
         """The statement to run for ``sql``; raises Denied, or the engine's own error for one that does not parse."""
@@ -142,13 +259,18 @@ class QueryGuard:
         if root.kind not in READ_STATEMENTS:
             raise Denied(READONLY, "the query endpoint runs only reads: SELECT, WITH, SHOW, DESCRIBE or EXISTS")
         if root.kind == "ShowTables" and not _SHOW.fullmatch(canonical):
-            raise Denied(READONLY, "of SHOW statements the query endpoint runs SHOW DATABASES and SHOW TABLES "
-                                   "[FROM database], without LIKE or LIMIT")  # fmt: skip
+            raise Denied(
+                READONLY,
+                "of SHOW statements the query endpoint runs SHOW DATABASES and SHOW TABLES "
+                "[FROM database], without LIKE or LIMIT",
+            )
         databases: list[set[str]] = []  # the engine's databases, asked at most once per statement
         for node in nodes[1:]:
             if node.kind not in NODE_KINDS:
-                raise Denied(ACCESS_DENIED, f"the query endpoint does not run {node.kind} (a part of the statement "
-                                            "it cannot check)")  # fmt: skip
+                raise Denied(
+                    ACCESS_DENIED,
+                    f"the query endpoint does not run {node.kind} (a part of the statement it cannot check)",
+                )
             if node.depth == 1 and node.kind == "Literal":  # a root's literal child is INTO OUTFILE's path
                 raise Denied(READONLY, "the query endpoint does not write files (INTO OUTFILE)")
             if node.kind == "Function" and not self._function_allowed(node.name):
@@ -187,8 +309,12 @@ class QueryGuard:
 
 def _allowed_functions(query) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
     """(names, lower-case names of case-insensitive ones, aggregate names) of the functions statements may call."""
-    rows = [line.split("\t") for line in query(
-        "SELECT name, alias_to, is_aggregate, case_insensitive, categories FROM system.functions", {}).splitlines()]
+    rows = [
+        line.split("\t")
+        for line in query(
+            "SELECT name, alias_to, is_aggregate, case_insensitive, categories FROM system.functions", {}
+        ).splitlines()
+    ]
     table_functions = set(query("SELECT name FROM system.table_functions", {}).split())
 
     def allowed(name: str, categories: str) -> bool:
@@ -223,8 +349,12 @@ def _tree(text: str) -> list[_Node]:
         body = body[: match.start()] if match else body
         kind, _, name = body.partition(" ")
         name = name.split(" (alias ", 1)[0]
-        if (depth == 0) != (not nodes) or depth > len(open_counts) or any(open_counts[depth:]) \
-                or (depth and open_counts[depth - 1] <= 0):
+        if (
+            (depth == 0) != (not nodes)
+            or depth > len(open_counts)
+            or any(open_counts[depth:])
+            or (depth and open_counts[depth - 1] <= 0)
+        ):
             raise Denied(ACCESS_DENIED, "the statement's parse tree is not one tree")
         if depth:
             open_counts[depth - 1] -= 1

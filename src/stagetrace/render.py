@@ -62,7 +62,7 @@ def wrapped(text: Text, width: int) -> list[Text]:
     for paragraph in text.split("\n", allow_blank=True):
         offsets, start = [], 0
         for word in re.finditer(r"[^\s,;]+[,;]*|[,;]+", paragraph.plain):
-            if word.end() - start > width and paragraph.plain[start:word.start()].strip():
+            if word.end() - start > width and paragraph.plain[start : word.start()].strip():
                 offsets.append(word.start())
                 start = word.start()
         for part in paragraph.divide(offsets):
@@ -122,11 +122,23 @@ class Output:
         if self.spare(columns, rows) < 0:
             self._blocks(title, columns, rows)
             return
-        table = Table(title=title or None, title_justify="left", title_style="bold", box=box.SIMPLE_HEAD,
-                      show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+        table = Table(
+            title=title or None,
+            title_justify="left",
+            title_style="bold",
+            box=box.SIMPLE_HEAD,
+            show_edge=False,
+            pad_edge=False,
+            collapse_padding=True,
+        )
         for column, width in zip(columns, least):
-            table.add_column(column.header, no_wrap=column.keep, min_width=width, overflow="fold",
-                             justify="right" if column.right else "left")  # fmt: skip
+            table.add_column(
+                column.header,
+                no_wrap=column.keep,
+                min_width=width,
+                overflow="fold",
+                justify="right" if column.right else "left",
+            )
         for row in rows:
             table.add_row(*row)
         self.console.print(table)
@@ -143,8 +155,11 @@ class Output:
             self.line(Text(title, style="bold"))
         for row in rows:
             self.line(row[0] if isinstance(row[0], Text) else Text(str(row[0]), style="bold"))
-            fields = [(column, Text.assemble(f"{column.header}: ", cell)) for column, cell in zip(columns[1:], row[1:])
-                      if _plain(cell).strip()]  # fmt: skip
+            fields = [
+                (column, Text.assemble(f"{column.header}: ", cell))
+                for column, cell in zip(columns[1:], row[1:])
+                if _plain(cell).strip()
+            ]
             # a field wider than the line is alone on it: its further lines hang under its value, not at column 0,
             # where they read as the next row's first cell
             line, hang = Text("  "), ""
@@ -162,8 +177,10 @@ class Output:
 def _least_widths(columns: Sequence[Column], rows: Sequence[Sequence[Cell]]) -> list[int]:
     """A kept column whole, any other at least as wide as its longest word (a word is never broken), and every
     header whole: "start ms" over a column of "0.00" split into two header lines at 80 columns."""
-    return [max(cell_len(c.header), *((cell_len if c.keep else _longest_word)(_plain(row[i])) for row in rows))
-            for i, c in enumerate(columns)]  # fmt: skip
+    return [
+        max(cell_len(c.header), *((cell_len if c.keep else _longest_word)(_plain(row[i])) for row in rows))
+        for i, c in enumerate(columns)
+    ]
 
 
 def _longest_word(text: str) -> int:
@@ -207,8 +224,14 @@ def _digests(span: Span, trace: Trace) -> str:
 
 
 # vLLM's gen_ai.latency.* names, shortened, in the order a request goes through the engine; others follow.
-_ENGINE_LABELS = {"time_in_queue": "queue", "time_to_first_token": "ttft", "time_in_model_prefill": "prefill",
-                  "time_in_model_decode": "decode", "time_in_model_inference": "inference", "e2e": "e2e"}  # fmt: skip
+_ENGINE_LABELS = {
+    "time_in_queue": "queue",
+    "time_to_first_token": "ttft",
+    "time_in_model_prefill": "prefill",
+    "time_in_model_decode": "decode",
+    "time_in_model_inference": "inference",
+    "e2e": "e2e",
+}
 
 
 def engine_timings(span: Span) -> str:
@@ -222,10 +245,15 @@ def engine_timings(span: Span) -> str:
 def _shown_attributes(attrs: dict[str, str]) -> str:
     """Settings worth seeing (batch size, index version, model), whole; content, digests, IDs and the GPU
     (its own column) are not shown."""
-    return " ".join(f"{k}={v}" for k, v in attrs.items()
-                    if not conventions.is_content(k) and k not in conventions.DIGEST_KEYS and k != conventions.GPU_UUID
-                    and k not in conventions.REQUEST_ID_ALIASES
-                    and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX)))  # fmt: skip
+    return " ".join(
+        f"{k}={v}"
+        for k, v in attrs.items()
+        if not conventions.is_content(k)
+        and k not in conventions.DIGEST_KEYS
+        and k != conventions.GPU_UUID
+        and k not in conventions.REQUEST_ID_ALIASES
+        and not k.startswith(("stagetrace.", ENGINE_LATENCY_PREFIX))
+    )
 
 
 BAR_WIDTH = 20  # the waterfall's bars on a wide terminal; a narrow one gives them what the other columns leave
@@ -259,13 +287,20 @@ def waterfall(out: Output, trace: Trace) -> None:
     columns += [Column("in→out", keep=True), Column("host", keep=True), Column("gpu", keep=True)]
     if not narrow:
         columns.append(Column("attributes"))
-    labels = {s.span_id: ("  " * depths[s.span_id] if out.terminal else "") + (s.stage or s.name)
-              + (f"[{s.rank}]" if s.rank else "") for s in trace.spans}  # fmt: skip
+    labels = {
+        s.span_id: ("  " * depths[s.span_id] if out.terminal else "")
+        + (s.stage or s.name)
+        + (f"[{s.rank}]" if s.rank else "")
+        for s in trace.spans
+    }
     rows = []
     for span in trace.spans:
         status = _STATUS_TEXT.get(span.status, span.status)
-        cells: list[Cell] = [labels[span.span_id], f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
-                             f"{span.duration_ns / 1e6:.2f}"]  # fmt: skip
+        cells: list[Cell] = [
+            labels[span.span_id],
+            f"{(span.start_ns - trace.start_ns) / 1e6:.2f}",
+            f"{span.duration_ns / 1e6:.2f}",
+        ]
         if show_status:
             cells.append(Text(status, style=_STATUS_STYLE.get(status, "")))
         cells += [_digests(span, trace), span.resource.get("host.name", ""), gpu_cell(span)]
@@ -302,8 +337,12 @@ def waterfall(out: Output, trace: Trace) -> None:
 def gpu_holders(out: Output, pods: list[dict]) -> None:
     """Which pods held the request's GPUs (the kubelet's allocations), and which of them served it."""
     rows = [[Text(p["gpu"]), p["host"], " ".join(p["held_by"]), " ".join(p["served_by"])] for p in pods]
-    columns = [Column("gpu", keep=True), Column("host", keep=True), Column("held by (kubelet)", keep=True),
-               Column("this request's pod", keep=True)]  # fmt: skip
+    columns = [
+        Column("gpu", keep=True),
+        Column("host", keep=True),
+        Column("held by (kubelet)", keep=True),
+        Column("this request's pod", keep=True),
+    ]
     if rows:
         out.table("pods on its GPUs", columns, rows)
 
@@ -312,10 +351,21 @@ def gpu_activity(out: Output, rows: list[dict]) -> None:
     """How busy each span's GPU was while it ran (GPM: Hopper and newer), where it has the series."""
     from stagetrace.analysis.activity import SHOWN
 
-    columns = [Column("stage", keep=True), Column("gpu", keep=True), Column("host", keep=True),
-               *(Column(key.replace("_", " "), right=True) for key in SHOWN)]  # fmt: skip
-    cells = [[row["stage"] + (f"[{row['rank']}]" if row.get("rank") else ""), Text(row["device"]), row["host"],
-              *(f"{row[k]:.0%}" if k in row else "" for k in SHOWN)] for row in rows]  # fmt: skip
+    columns = [
+        Column("stage", keep=True),
+        Column("gpu", keep=True),
+        Column("host", keep=True),
+        *(Column(key.replace("_", " "), right=True) for key in SHOWN),
+    ]
+    cells = [
+        [
+            row["stage"] + (f"[{row['rank']}]" if row.get("rank") else ""),
+            Text(row["device"]),
+            row["host"],
+            *(f"{row[k]:.0%}" if k in row else "" for k in SHOWN),
+        ]
+        for row in rows
+    ]
     if cells:
         out.table("GPU activity while it ran (GPM)", columns, cells)
 
@@ -326,10 +376,26 @@ def hardware_rises(out: Output, rises: list[dict]) -> None:
     rows = []
     for rise in rises:
         labels = " ".join(f"{k}={v}" for k, v in rise["labels"].items() if k not in ("uuid", "device", "gpu", "model"))
-        rows.append([Text(rise["device"], style="red"), rise["stage"] or "", rise["host"], rise["metric"], labels,
-                     f"+{rise['increase']:g}", rise.get("when", "")])  # fmt: skip
-    columns = [Column("device", keep=True), Column("stage"), Column("host", keep=True), Column("counter", keep=True),
-               Column("labels"), Column("increase", right=True), Column("when")]  # fmt: skip
+        rows.append(
+            [
+                Text(rise["device"], style="red"),
+                rise["stage"] or "",
+                rise["host"],
+                rise["metric"],
+                labels,
+                f"+{rise['increase']:g}",
+                rise.get("when", ""),
+            ]
+        )
+    columns = [
+        Column("device", keep=True),
+        Column("stage"),
+        Column("host", keep=True),
+        Column("counter", keep=True),
+        Column("labels"),
+        Column("increase", right=True),
+        Column("when"),
+    ]
     out.table("hardware around each stage: error counters that rose", columns, rows)
 
 
@@ -338,8 +404,10 @@ def log_lines(out: Output, lines: list, first: int | None) -> None:
     if not lines:
         return
     shown = lines if first is None else lines[:first]
-    rows = [[iso_ns(line.time_ns), line.severity or str(line.severity_number or ""), line.service,
-             Text(line.body)] for line in shown]  # fmt: skip
+    rows = [
+        [iso_ns(line.time_ns), line.severity or str(line.severity_number or ""), line.service, Text(line.body)]
+        for line in shown
+    ]
     more = f" (the first {len(shown)}; --logs for all)" if len(shown) < len(lines) else ""
     columns = [Column("time", keep=True), Column("severity"), Column("service"), Column("body")]
     out.table(f"{len(lines)} log line{'s' if len(lines) != 1 else ''} of the request{more}", columns, rows)
@@ -352,9 +420,11 @@ def evidence(cause: dict, text=str, device=str) -> str:
     """What a cause rests on, in a line; ``text`` and ``device`` render its words and its device's name (the
     incident report escapes the one and puts the other in ``<code>``)."""
     if "requests_with_value" in cause:
-        return text(f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
-                    f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the "
-                    "baseline's")  # fmt: skip
+        return text(
+            f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
+            f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the "
+            "baseline's"
+        )
     if cause["kind"] == "hardware" and cause.get("tenant"):
         from stagetrace.analysis.tenants import describe
 
@@ -370,8 +440,10 @@ def evidence(cause: dict, text=str, device=str) -> str:
         return text(cause["reason"])
     if cause["kind"] == "weights":
         behind = f"({cause['host']}) {cause['steps_behind']} step{'s' if cause['steps_behind'] != 1 else ''} behind"
-        fleet = (f"{cause['gpus_on_fleet_step']}/{cause['gpus']} other GPUs on step {cause['fleet_step']} since "
-                 f"{_seen(cause['fleet_step_since'])}")  # fmt: skip
+        fleet = (
+            f"{cause['gpus_on_fleet_step']}/{cause['gpus']} other GPUs on step {cause['fleet_step']} since "
+            f"{_seen(cause['fleet_step_since'])}"
+        )
         return f"{device(cause['gpu'])} {text(behind + '; ' + fleet)}"
     return text(cause.get("device") or "")
 
@@ -391,8 +463,10 @@ def baseline_words(baseline: Baseline | dict) -> str:
 def cause_groups(causes: list[dict]) -> list[tuple[str, list[dict]]]:
     """The causes as they are labelled: the strong ones best first, then the weak ones (less evidence) best first,
     each group by score; a group without causes left out."""
-    groups = [("causes, best first", [c for c in causes if not c.get("weak")]),
-              ("weak causes (less evidence), best first", [c for c in causes if c.get("weak")])]  # fmt: skip
+    groups = [
+        ("causes, best first", [c for c in causes if not c.get("weak")]),
+        ("weak causes (less evidence), best first", [c for c in causes if c.get("weak")]),
+    ]
     return [(title, sorted(group, key=lambda c: -c["score"])) for title, group in groups if group]
 
 
@@ -402,8 +476,13 @@ def explanation(out: Output, report: Explanation | dict, causes_shown: int = 8) 
     if isinstance(report, dict):
         report = Explanation.from_json(report)
     # with no baseline there is nothing the request could agree with: saying "agrees" would vouch for it
-    verdict = (Text("diverged", style="bold red") if report.diverged else
-               Text("agrees", style="bold green") if report.baseline else Text("nothing to compare", style="bold"))
+    verdict = (
+        Text("diverged", style="bold red")
+        if report.diverged
+        else Text("agrees", style="bold green")
+        if report.baseline
+        else Text("nothing to compare", style="bold")
+    )
     out.line(f"request {report.request_id}")
     out.line(f"trace {report.trace_id}")
     out.line(Text.assemble("verdict: ", verdict))
@@ -419,15 +498,37 @@ def explanation(out: Output, report: Explanation | dict, causes_shown: int = 8) 
         if not stage.present:
             stages.append([name, Text("missing", style="red"), Text("missing", style="red")])
             continue
-        stages.append([name, *(Text("same") if same else Text("differs", style="red")
-                               for same in (stage.input_matches, stage.output_matches))])  # fmt: skip
+        stages.append(
+            [
+                name,
+                *(
+                    Text("same") if same else Text("differs", style="red")
+                    for same in (stage.input_matches, stage.output_matches)
+                ),
+            ]
+        )
     out.table("stages against the baseline", [Column("stage", keep=True), Column("input"), Column("output")], stages)
-    columns = [Column("cause", keep=True), Column("kind"), Column("value"), Column("baseline"),
-               Column("score", right=True), Column("evidence")]  # fmt: skip
+    columns = [
+        Column("cause", keep=True),
+        Column("kind"),
+        Column("value"),
+        Column("baseline"),
+        Column("score", right=True),
+        Column("evidence"),
+    ]
     # a cause's evidence is the detector's own, as its JSON has it: the groups and the evidence read that
     for title, group in cause_groups([c.to_json() for c in report.causes[:causes_shown]]):
-        rows = [[cause["name"], cause["kind"], cause["value"] or "(unset)", cause["baseline_value"] or "(unset)",
-                 f"{cause['score']:.2f}", evidence(cause)] for cause in group]  # fmt: skip
+        rows = [
+            [
+                cause["name"],
+                cause["kind"],
+                cause["value"] or "(unset)",
+                cause["baseline_value"] or "(unset)",
+                f"{cause['score']:.2f}",
+                evidence(cause),
+            ]
+            for cause in group
+        ]
         out.table(title, columns, rows)
 
 
@@ -448,42 +549,89 @@ def _by_service(counts: dict[str, int]) -> str:
 
 def divergence_groups(out: Output, found: dict, since: str) -> None:
     """``stagetrace divergences``: a tally by cause and stage first, then each deviating request."""
-    out.line(f"{found['deviating']} deviating requests in the last {since}"
-             + (f"; the latest {found['analysed'] + found.get('analysed_expected', 0)} analysed in full: "
-                f"{found['analysed']} deviating, {found['analysed_expected']} a rollout's expected changes "
-                "(--limit 0 analyses all)" if found["analysed"] < found["deviating"] and found.get("analysed_expected")
-                else f"; the latest {found['analysed']} analysed in full (--limit 0 analyses all)"
-                if found["analysed"] < found["deviating"] else "")
-             + (f"; {found['nondeterministic']} sampled without a seed, not compared"
-                + _by_service(found.get("nondeterministic_by_service", {}))
-                if found.get("nondeterministic") else "")
-             + (f"; {found['seed_unknown']} with the seed unknown (their engine does not record it), compared as "
-                "if seeded" if found.get("seed_unknown") else ""))  # fmt: skip
+    out.line(
+        f"{found['deviating']} deviating requests in the last {since}"
+        + (
+            f"; the latest {found['analysed'] + found.get('analysed_expected', 0)} analysed in full: "
+            f"{found['analysed']} deviating, {found['analysed_expected']} a rollout's expected changes "
+            "(--limit 0 analyses all)"
+            if found["analysed"] < found["deviating"] and found.get("analysed_expected")
+            else f"; the latest {found['analysed']} analysed in full (--limit 0 analyses all)"
+            if found["analysed"] < found["deviating"]
+            else ""
+        )
+        + (
+            f"; {found['nondeterministic']} sampled without a seed, not compared"
+            + _by_service(found.get("nondeterministic_by_service", {}))
+            if found.get("nondeterministic")
+            else ""
+        )
+        + (
+            f"; {found['seed_unknown']} with the seed unknown (their engine does not record it), compared as if seeded"
+            if found.get("seed_unknown")
+            else ""
+        )
+    )
     for rollout in found.get("rollouts", ()):
         out.line(f"rollout: {rollout['summary']}")
     # every deviating request, analysed in full or not: a cause of those not analysed is the setting the contrast
     # ranks first, and none when no setting stands out (a hardware fault shows only in the analysed ones)
     if found.get("tally_covers") == "analysed" and found["analysed"] < found["deviating"]:
-        out.line(f"the tally below covers the {found['analysed']} analysed in full, not all {found['deviating']}: "
-                 "so many take long to tally one by one (--limit 0 tallies all)")
-    tally = [[t["cause"] or ("(none found)" if t.get("analysed", t["requests"]) else "(no setting stands out)"),
-              t["stage"] or "after the last stage", str(t["requests"]), str(t.get("analysed", t["requests"])),
-              " ".join(t["hosts"]), _seen(t["first_seen"]), _seen(t["last_seen"])]
-             for t in found.get("tally", ())]  # fmt: skip
-    out.table("by cause", [Column("cause", keep=True), Column("stage", keep=True), Column("requests", right=True),
-                           Column("analysed", right=True), Column("hosts"), Column("first seen", keep=True),
-                           Column("last seen", keep=True)], tally)  # fmt: skip
+        out.line(
+            f"the tally below covers the {found['analysed']} analysed in full, not all {found['deviating']}: "
+            "so many take long to tally one by one (--limit 0 tallies all)"
+        )
+    tally = [
+        [
+            t["cause"] or ("(none found)" if t.get("analysed", t["requests"]) else "(no setting stands out)"),
+            t["stage"] or "after the last stage",
+            str(t["requests"]),
+            str(t.get("analysed", t["requests"])),
+            " ".join(t["hosts"]),
+            _seen(t["first_seen"]),
+            _seen(t["last_seen"]),
+        ]
+        for t in found.get("tally", ())
+    ]
+    out.table(
+        "by cause",
+        [
+            Column("cause", keep=True),
+            Column("stage", keep=True),
+            Column("requests", right=True),
+            Column("analysed", right=True),
+            Column("hosts"),
+            Column("first seen", keep=True),
+            Column("last seen", keep=True),
+        ],
+        tally,
+    )
     rows = []
     for group in found["groups"]:
         for item in group["deviating"]:
             top = item["top_cause"] or {}
-            rows.append([item["request_id"], item["first_divergent_stage"] or "after the last stage",
-                         item.get("host", ""), item.get("device", ""), top.get("name", "-"),
-                         f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "",
-                         group["input_digest"][:8], f"{group['support']}/{group['requests']}"])  # fmt: skip
-    columns = [Column("request", keep=True), Column("stage", keep=True), Column("host", keep=True),
-               Column("device", keep=True), Column("top cause", keep=True), Column("value vs baseline"),
-               Column("input"), Column("majority")]  # fmt: skip
+            rows.append(
+                [
+                    item["request_id"],
+                    item["first_divergent_stage"] or "after the last stage",
+                    item.get("host", ""),
+                    item.get("device", ""),
+                    top.get("name", "-"),
+                    f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "",
+                    group["input_digest"][:8],
+                    f"{group['support']}/{group['requests']}",
+                ]
+            )
+    columns = [
+        Column("request", keep=True),
+        Column("stage", keep=True),
+        Column("host", keep=True),
+        Column("device", keep=True),
+        Column("top cause", keep=True),
+        Column("value vs baseline"),
+        Column("input"),
+        Column("majority"),
+    ]
     out.table("deviating requests", columns, rows)
     for item in (i for group in found["groups"] for i in group["deviating"] if i.get("seed_unknown")):
         out.line(f"seed unknown: {item['request_id']}: {item['seed_unknown']}")
@@ -528,17 +676,21 @@ def demo_counts(result) -> list[str]:
     expected = Counter(t.cause for t in result.truth if t.expected)
     nondeterministic = sum(1 for t in result.truth if t.nondeterministic)
     explained = deviating <= {t.request_id for t in result.truth if t.deviation}
-    lines = [f"deviating outputs: {len(deviating)} (same input and fleet settings, an output other than the most "
-             "common one)" + (", each caused by an injected fault" if explained else "")]  # fmt: skip
+    lines = [
+        f"deviating outputs: {len(deviating)} (same input and fleet settings, an output other than the most "
+        "common one)" + (", each caused by an injected fault" if explained else "")
+    ]
     left_out = []
     if unseen:
-        left_out.append(f"{unseen} outputs a fault changed where no output of their input is the most common, so "
-                        "none deviates")  # fmt: skip
+        left_out.append(
+            f"{unseen} outputs a fault changed where no output of their input is the most common, so none deviates"
+        )
     for cause, n in sorted(expected.items()):
         left_out.append(f"{n} expected changes while {cause} rolled out (hosts ahead of or behind the fleet)")
     if nondeterministic:
-        left_out.append(f"{nondeterministic} nondeterministic requests (sampled without a seed: outputs differ by "
-                        "design)")  # fmt: skip
+        left_out.append(
+            f"{nondeterministic} nondeterministic requests (sampled without a seed: outputs differ by design)"
+        )
     if left_out:
         lines.append("not counted as deviating: " + "; ".join(left_out))
     return lines
@@ -547,18 +699,28 @@ def demo_counts(result) -> list[str]:
 def demo_summary(out: Output, result, command: str = "stagetrace", store: str = "") -> None:
     """What the demo did, what deviated and why, and the next commands to type (``command``: how to start stagetrace,
     for a shell; ``store``: the store to name in them, if any)."""
-    out.line(f"served {result.requests} requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
-             f"{result.spans} spans, {result.metric_samples} hardware samples")  # fmt: skip
+    out.line(
+        f"served {result.requests} requests on {len(result.nodes)} nodes ({', '.join(result.nodes)}): "
+        f"{result.spans} spans, {result.metric_samples} hardware samples"
+    )
     for line in demo_counts(result):
         out.line(line)
     if result.fabric_spans:
-        out.line(f"and the half hour before: a TP=16 pair on two rails, RL weight syncs, {result.fabric_spans} spans and "
-                 f"{result.fabric_samples} samples (Fabric and Weights dashboards; truth in stagetrace_demo_fabric)")
+        out.line(
+            f"and the half hour before: a TP=16 pair on two rails, RL weight syncs, {result.fabric_spans} spans and "
+            f"{result.fabric_samples} samples (Fabric and Weights dashboards; truth in stagetrace_demo_fabric)"
+        )
     causes = deviations_by_cause(result)
-    out.table(f"the {len(result.deviating)} deviating outputs by cause (ground truth: the injected fault)",
-              [Column("cause", keep=True), Column("stage", keep=True), Column("requests", right=True),
-               Column("e.g.", keep=True)],
-              [[cause, stage, str(len(ids)), ids[0]] for (stage, cause), ids in causes.items()])  # fmt: skip
+    out.table(
+        f"the {len(result.deviating)} deviating outputs by cause (ground truth: the injected fault)",
+        [
+            Column("cause", keep=True),
+            Column("stage", keep=True),
+            Column("requests", right=True),
+            Column("e.g.", keep=True),
+        ],
+        [[cause, stage, str(len(ids)), ids[0]] for (stage, cause), ids in causes.items()],
+    )
     examples = [ids[0] for (_, cause), ids in causes.items() if cause != NO_FAULT][:3]
     if examples:
         out.line("next, look one up and ask why it deviates:")
@@ -569,6 +731,21 @@ def demo_summary(out: Output, result, command: str = "stagetrace", store: str = 
         out.command([command, "divergences", *store_option])
 
 
-__all__ = ["Column", "Output", "WIDE", "demo_counts", "demo_summary", "deviations_by_cause", "divergence_groups",
-           "engine_timings", "evidence", "explanation", "gpu_activity", "gpu_holders", "hardware_rises", "progress_bar",
-           "resources", "waterfall"]
+__all__ = [
+    "Column",
+    "Output",
+    "WIDE",
+    "demo_counts",
+    "demo_summary",
+    "deviations_by_cause",
+    "divergence_groups",
+    "engine_timings",
+    "evidence",
+    "explanation",
+    "gpu_activity",
+    "gpu_holders",
+    "hardware_rises",
+    "progress_bar",
+    "resources",
+    "waterfall",
+]

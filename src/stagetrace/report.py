@@ -63,10 +63,12 @@ def waterfall_svg(trace: lookup.Trace, marked_stage: str | None, width: int = 64
     plot_w = width - label_w - 60
     total = max(trace.duration_ns, 1)
     height = top + row * len(trace.spans) + 8
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
-             f'height="{height}" role="img" aria-label="waterfall of trace {escape(trace.trace_id)}">',
-             f'<text x="{label_w}" y="12">0 ms</text>'
-             f'<text x="{label_w + plot_w}" y="12" text-anchor="end">{trace.duration_ns / 1e6:.2f} ms</text>']  # fmt: skip
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="waterfall of trace {escape(trace.trace_id)}">',
+        f'<text x="{label_w}" y="12">0 ms</text>'
+        f'<text x="{label_w + plot_w}" y="12" text-anchor="end">{trace.duration_ns / 1e6:.2f} ms</text>',
+    ]
     for i, span in enumerate(trace.spans):
         y = top + i * row
         marked = bool(marked_stage) and span.stage == marked_stage
@@ -75,17 +77,27 @@ def waterfall_svg(trace: lookup.Trace, marked_stage: str | None, width: int = 64
         colour = "#c92a2a" if marked else "#1c7ed6"
         if marked:
             parts.append(f'<rect class="marked-row" x="0" y="{y - 2}" width="{width}" height="{row}" fill="#fff0f0"/>')
-        parts.append(f'<text x="4" y="{y + 11}">{escape(_span_label(span))}</text>'
-                     f'<rect class="bar{" marked" if marked else ""}" data-stage="{escape(span.stage or "")}" '
-                     f'x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 6}" fill="{colour}"/>'
-                     f'<text x="{x + w + 4:.1f}" y="{y + 11}">{span.duration_ns / 1e6:.2f}</text>')  # fmt: skip
+        parts.append(
+            f'<text x="4" y="{y + 11}">{escape(_span_label(span))}</text>'
+            f'<rect class="bar{" marked" if marked else ""}" data-stage="{escape(span.stage or "")}" '
+            f'x="{x:.1f}" y="{y + 2}" width="{w:.1f}" height="{row - 6}" fill="{colour}"/>'
+            f'<text x="{x + w + 4:.1f}" y="{y + 11}">{span.duration_ns / 1e6:.2f}</text>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
 
-def series_svg(times: list[int], values: list[float], window: tuple[int, int], title: str, width: int = 640,
-               frame: tuple[int, int] | None = None, counter: bool = False, stage: tuple[int, int] | None = None,
-               rise: tuple[int, int] | None = None) -> str:  # fmt: skip
+def series_svg(
+    times: list[int],
+    values: list[float],
+    window: tuple[int, int],
+    title: str,
+    width: int = 640,
+    frame: tuple[int, int] | None = None,
+    counter: bool = False,
+    stage: tuple[int, int] | None = None,
+    rise: tuple[int, int] | None = None,
+) -> str:
     """A series' samples as a step line over ``frame`` (default: the samples and the window), ``window`` shaded.
 
     For a hardware cause ``window`` is the window its detector weighed, ``stage`` the stage's own span (outlined
@@ -112,15 +124,25 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
     def y(v: float) -> float:
         return top + plot_h - (v - v0) / span_v * plot_h
 
-    def band(name: str, times: tuple[int, int], style: str, within: tuple[float, float] | None = None,
-             tall: float = 1.0, least: float = MIN_SHADE_PX) -> tuple[str, float, float]:  # fmt: skip
+    def band(
+        name: str,
+        times: tuple[int, int],
+        style: str,
+        within: tuple[float, float] | None = None,
+        tall: float = 1.0,
+        least: float = MIN_SHADE_PX,
+    ) -> tuple[str, float, float]:
         """The band's ``<rect>`` and its drawn left and right x, at least ``least`` wide; ``within`` (x, default
         the plot) bounds it: a widened band is moved inside, and one wider than ``within`` is cut to it."""
         lo, hi = within or (left, left + plot_w)
         w = min(max(least, x(times[1]) - x(times[0])), hi - lo)
         bx = min(max((x(times[0]) + x(times[1]) - w) / 2, lo), hi - w)
-        return (f'<rect class="{name}" data-from-ns="{times[0]}" data-to-ns="{times[1]}" x="{bx:.1f}" y="{top}" '
-                f'width="{w:.1f}" height="{plot_h * tall:.1f}" {style}/>', bx, bx + w)  # fmt: skip
+        return (
+            f'<rect class="{name}" data-from-ns="{times[0]}" data-to-ns="{times[1]}" x="{bx:.1f}" y="{top}" '
+            f'width="{w:.1f}" height="{plot_h * tall:.1f}" {style}/>',
+            bx,
+            bx + w,
+        )
 
     points = []
     for i, (t, v) in enumerate(zip(times, values)):
@@ -133,23 +155,29 @@ def series_svg(times: list[int], values: list[float], window: tuple[int, int], t
         # inside the shaded window as drawn, its 1 px outline included (a stroke straddles the rect's edge): a
         # stage widened about its middle near the window's end stuck out past it
         inset = STAGE_OUTLINE_PX / 2
-        bands += band("stage", stage, f'fill="#ffc9c9" stroke="#c92a2a" stroke-width="{STAGE_OUTLINE_PX:g}" '
-                      'stroke-dasharray="3 2"', within=(window_lo + inset, window_hi - inset))[0]  # fmt: skip
+        bands += band(
+            "stage",
+            stage,
+            f'fill="#ffc9c9" stroke="#c92a2a" stroke-width="{STAGE_OUTLINE_PX:g}" stroke-dasharray="3 2"',
+            within=(window_lo + inset, window_hi - inset),
+        )[0]
     if rise is not None:
         # a strip along the top: a rise that spans the window leaves the window's shading and the line in view
         bands += band("rise", rise, 'fill="#f08c00" fill-opacity="0.8"', within=(window_lo, window_hi), tall=0.12)[0]
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
-            f'height="{height}" role="img" aria-label="{escape(title)}" data-t0="{t0}" data-t1="{t1}">'
-            f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>{bands}'
-            f'<line class="axis" x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
-            'stroke="#868e96"/>'
-            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#868e96"/>'
-            f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{unit}{v1:g}</text>'
-            f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{v0:g}</text>'
-            f'<text x="{left}" y="{height - 8}">{escape(lookup.iso_ns(t0)[11:19])} UTC</text>'
-            f'<text x="{left + plot_w}" y="{height - 8}" text-anchor="end">{escape(lookup.iso_ns(t1)[11:19])} UTC</text>'
-            f'<polyline class="series" points="{" ".join(points)}" fill="none" stroke="#1c7ed6" stroke-width="2"/>'
-            "</svg>")  # fmt: skip
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="{escape(title)}" data-t0="{t0}" data-t1="{t1}">'
+        f'<text x="{left}" y="14">{escape(title)}{" (increase)" if counter else ""}</text>{bands}'
+        f'<line class="axis" x1="{left}" y1="{top + plot_h}" x2="{left + plot_w}" y2="{top + plot_h}" '
+        'stroke="#868e96"/>'
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{top + plot_h}" stroke="#868e96"/>'
+        f'<text x="{left - 4}" y="{top + 8}" text-anchor="end">{unit}{v1:g}</text>'
+        f'<text x="{left - 4}" y="{top + plot_h}" text-anchor="end">{v0:g}</text>'
+        f'<text x="{left}" y="{height - 8}">{escape(lookup.iso_ns(t0)[11:19])} UTC</text>'
+        f'<text x="{left + plot_w}" y="{height - 8}" text-anchor="end">{escape(lookup.iso_ns(t1)[11:19])} UTC</text>'
+        f'<polyline class="series" points="{" ".join(points)}" fill="none" stroke="#1c7ed6" stroke-width="2"/>'
+        "</svg>"
+    )
 
 
 def _framed(times: list[int], values: list[float], frame: tuple[int, int], counter: bool):
@@ -191,8 +219,16 @@ def _value(text: str) -> str:
     return _code(text)
 
 
-def _figure(times: list[int], values: list[float], window: tuple[int, int], frame: tuple[int, int], name: str,
-            caption: str, counter: bool = False, timing: Timing | None = None) -> str:
+def _figure(
+    times: list[int],
+    values: list[float],
+    window: tuple[int, int],
+    frame: tuple[int, int],
+    name: str,
+    caption: str,
+    counter: bool = False,
+    timing: Timing | None = None,
+) -> str:
     if timing is not None:  # a hardware cause: the detector's window, the stage inside it, and the rise
         window, stage, rise = timing.window_ns, timing.stage_ns, timing.rise_ns
     else:
@@ -211,8 +247,12 @@ def _stage_window(trace: lookup.Trace, stage: str | None, rank: str = "") -> tup
 def _frame(trace: lookup.Trace, stage: str | None, causes: list[dict]) -> tuple[int, int]:
     """One span of time for every chart of the report: the stages they shade, ``FRAME_MARGIN_NS`` either side."""
     hardware = [c for c in causes if c["kind"] == "hardware"]
-    windows = [w for w in [_stage_window(trace, stage)] + [_stage_window(trace, c["stage"], c.get("rank") or "")
-                                                           for c in hardware] if w]  # fmt: skip
+    windows = [
+        w
+        for w in [_stage_window(trace, stage)]
+        + [_stage_window(trace, c["stage"], c.get("rank") or "") for c in hardware]
+        if w
+    ]
     windows += [timing.window_ns for timing in map(Timing.of, hardware) if timing]  # a lookback reaches further
     start = min((w[0] for w in windows), default=trace.start_ns)
     end = max((w[1] for w in windows), default=trace.start_ns + trace.duration_ns)
@@ -232,8 +272,17 @@ def _activity_charts(store: Store, trace: lookup.Trace, stage: str | None, frame
         for name in ACTIVITY_NAMES:
             times, values = found.series(host, uuid, name)
             if times:
-                charts.append(_figure(times, values, window, frame, name, f"{escape(name)} on {_code(uuid)} "
-                                      f"({escape(host)}) while {escape(stage)} ran (shaded): GPM activity"))  # fmt: skip
+                charts.append(
+                    _figure(
+                        times,
+                        values,
+                        window,
+                        frame,
+                        name,
+                        f"{escape(name)} on {_code(uuid)} "
+                        f"({escape(host)}) while {escape(stage)} ran (shaded): GPM activity",
+                    )
+                )
     return charts
 
 
@@ -244,9 +293,15 @@ def _tenant_chart(store: Store, cause: dict, window: tuple[int, int], frame: tup
     times, values = tenancy.series(cause["host"], cause["device"], cause["name"], labels["namespace"], labels["pod"])
     if not times:
         return ""
-    return _figure(times, values, window, frame, cause["name"],
-                   f"{escape(cause['name'])} of {escape(cause['tenant'])} on {_code(cause['device'])} "
-                   f"({escape(cause['host'])}) while {escape(cause['stage'])} ran (shaded)")  # fmt: skip
+    return _figure(
+        times,
+        values,
+        window,
+        frame,
+        cause["name"],
+        f"{escape(cause['name'])} of {escape(cause['tenant'])} on {_code(cause['device'])} "
+        f"({escape(cause['host'])}) while {escape(cause['stage'])} ran (shaded)",
+    )
 
 
 def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame: tuple[int, int]) -> list[str]:
@@ -267,12 +322,24 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame
                 continue
             timing = Timing.of(cause)
             rank = escape(f"rank {cause['rank']}, ") if cause.get("rank") else ""  # two ranks may share a NIC
-            when = (f"{timing.words(cause['stage'])} (marked); the window weighed shaded, {cause['stage']} outlined"
-                    if timing else f"while {cause['stage']} ran (shaded)")  # fmt: skip
-            charts.append(_figure(series.times, series.values, window, frame, name,
-                                  f"{escape(name)} on {rank}{_code(cause['device'])} ({escape(cause['host'])}): "
-                                  f"{escape(cause['value'])} {escape(when)}",
-                                  counter=not series.signal.is_gauge, timing=timing))  # fmt: skip
+            when = (
+                f"{timing.words(cause['stage'])} (marked); the window weighed shaded, {cause['stage']} outlined"
+                if timing
+                else f"while {cause['stage']} ran (shaded)"
+            )
+            charts.append(
+                _figure(
+                    series.times,
+                    series.values,
+                    window,
+                    frame,
+                    name,
+                    f"{escape(name)} on {rank}{_code(cause['device'])} ({escape(cause['host'])}): "
+                    f"{escape(cause['value'])} {escape(when)}",
+                    counter=not series.signal.is_gauge,
+                    timing=timing,
+                )
+            )
     return charts
 
 
@@ -288,15 +355,21 @@ def incident_html(store: Store, report: Explanation | dict, made_ns: int | None 
     # a cause's evidence is the detector's own, as its JSON has it: the tables and the charts read that
     causes = [c.to_json() for c in report.causes[:CAUSES_SHOWN]]
     verdict = "diverged" if report.diverged else "agrees"
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           f"<title>stagetrace: request {escape(report.request_id)} {verdict}</title>",
-           '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; style-src \'unsafe-inline\'; '
-           'img-src data:">', f"<style>{_STYLE}</style></head><body>",
-           f'<h1>Request {_code(report.request_id)} <span class="verdict {verdict}" id="verdict">{verdict}</span></h1>',
-           f"<div>trace {_code(report.trace_id)}</div>"]  # fmt: skip
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>stagetrace: request {escape(report.request_id)} {verdict}</title>",
+        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; style-src 'unsafe-inline'; "
+        'img-src data:">',
+        f"<style>{_STYLE}</style></head><body>",
+        f'<h1>Request {_code(report.request_id)} <span class="verdict {verdict}" id="verdict">{verdict}</span></h1>',
+        f"<div>trace {_code(report.trace_id)}</div>",
+    ]
     if baseline:
-        out.append(f"<div>baseline request {_code(baseline.request_id)} ({escape(baseline.how)}, "
-                   f"{baseline.support} of {baseline.group_size} requests with this input)</div>")  # fmt: skip
+        out.append(
+            f"<div>baseline request {_code(baseline.request_id)} ({escape(baseline.how)}, "
+            f"{baseline.support} of {baseline.group_size} requests with this input)</div>"
+        )
     out.append(f'<p class="summary" id="summary">{escape(report.summary)}</p>')
     out.append('<section><h2>Waterfalls</h2><div class="pair">')
     out.append(f'<div id="waterfall-request"><h3>this request</h3>{waterfall_svg(trace, stage)}</div>')
@@ -304,26 +377,36 @@ def incident_html(store: Store, report: Explanation | dict, made_ns: int | None 
         out.append(f'<div id="waterfall-baseline"><h3>baseline</h3>{waterfall_svg(baseline_trace, stage)}</div>')
     out.append("</div></section>")
     if report.stages:
-        out.append('<section><h2>Stages against the baseline</h2><table id="stages"><tr><th>stage</th><th>input</th>'
-                   "<th>output</th></tr>")  # fmt: skip
+        out.append(
+            '<section><h2>Stages against the baseline</h2><table id="stages"><tr><th>stage</th><th>input</th>'
+            "<th>output</th></tr>"
+        )
         for row in report.stages:
             name = row.stage + (f"[{row.rank}]" if row.rank else "")
-            cells = (("missing", "missing") if not row.present else
-                     tuple("same" if same else "differs" for same in (row.input_matches, row.output_matches)))  # fmt: skip
+            cells = (
+                ("missing", "missing")
+                if not row.present
+                else tuple("same" if same else "differs" for same in (row.input_matches, row.output_matches))
+            )
             marked = ' class="marked"' if row.stage == stage else ""
-            out.append(f"<tr{marked}><td>{escape(name)}</td>"
-                       + "".join(f'<td class="{c}">{c}</td>' for c in cells) + "</tr>")  # fmt: skip
+            out.append(
+                f"<tr{marked}><td>{escape(name)}</td>" + "".join(f'<td class="{c}">{c}</td>' for c in cells) + "</tr>"
+            )
         out.append("</table></section>")
     for n, (title, group) in enumerate(cause_groups(causes)):
         # the value above the baseline's, in one column: two columns as wide as a GPU UUID each, beside a cause's
         # name and an evidence that names a device, were wider than a 1280 px window
-        out.append(f'<section><h2>{escape(title[0].upper() + title[1:])}</h2><table id="{"causes" if n == 0 else "weak"}"'
-                   ' class="causes"><tr><th>#</th><th>cause</th><th>kind</th>'
-                   "<th>value<div class=vs>the baseline's</div></th><th>score</th><th>evidence</th></tr>")  # fmt: skip
+        out.append(
+            f'<section><h2>{escape(title[0].upper() + title[1:])}</h2><table id="{"causes" if n == 0 else "weak"}"'
+            ' class="causes"><tr><th>#</th><th>cause</th><th>kind</th>'
+            "<th>value<div class=vs>the baseline's</div></th><th>score</th><th>evidence</th></tr>"
+        )
         for i, cause in enumerate(group, 1):
-            out.append(f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(cause['kind'])}</td>"
-                       f"<td>{_value(cause['value'])}<div class=vs>baseline: {_value(cause['baseline_value'])}</div>"
-                       f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>")  # fmt: skip
+            out.append(
+                f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(cause['kind'])}</td>"
+                f"<td>{_value(cause['value'])}<div class=vs>baseline: {_value(cause['baseline_value'])}</div>"
+                f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>"
+            )
         out.append("</table></section>")
     frame = _frame(trace, stage, causes)
     charts = _counter_charts(store, trace, causes, frame) + _activity_charts(store, trace, stage, frame)
@@ -331,8 +414,10 @@ def incident_html(store: Store, report: Explanation | dict, made_ns: int | None 
         out.append('<section id="counters"><h2>Counters around the stage</h2>' + "".join(charts) + "</section>")
     made = lookup.iso_ns(time.time_ns() if made_ns is None else made_ns)[:19].replace("T", " ")
     started = lookup.iso_ns(trace.start_ns)[:19].replace("T", " ")
-    out.append(f"<footer><p>Made by stagetrace explain at {made} UTC for request {_code(report.request_id)}, "
-               f"which started at {started} UTC.</p></footer>")  # fmt: skip
+    out.append(
+        f"<footer><p>Made by stagetrace explain at {made} UTC for request {_code(report.request_id)}, "
+        f"which started at {started} UTC.</p></footer>"
+    )
     out.append("</body></html>")
     return "\n".join(out)
 

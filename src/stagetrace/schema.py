@@ -127,9 +127,18 @@ class View:
 
 # The spans that carry content, on their way to the views that digest it: a Null table keeps nothing.
 _CONTENT_SPANS = "stagetrace_content_spans"
-_CONTENT_TYPES = {"TraceId": "String", "SpanId": "String", "ParentSpanId": "String", "Timestamp": "DateTime64(9)",
-                  "Duration": "UInt64", "SpanName": "LowCardinality(String)", "ServiceName": "LowCardinality(String)",
-                  "StatusCode": "LowCardinality(String)", "ResourceAttributes": _MAP, "SpanAttributes": _MAP}  # fmt: skip
+_CONTENT_TYPES = {
+    "TraceId": "String",
+    "SpanId": "String",
+    "ParentSpanId": "String",
+    "Timestamp": "DateTime64(9)",
+    "Duration": "UInt64",
+    "SpanName": "LowCardinality(String)",
+    "ServiceName": "LowCardinality(String)",
+    "StatusCode": "LowCardinality(String)",
+    "ResourceAttributes": _MAP,
+    "SpanAttributes": _MAP,
+}
 _CONTENT_COLUMNS = tuple(_CONTENT_TYPES)
 
 
@@ -438,18 +447,38 @@ GROUP BY TraceId""",
     # digests), take their digests as the attributes they are; spans with content are passed on to a Null table whose
     # views apply the digest rules. ClickHouse plans a view's query anew for every insert, and the rules' query takes
     # tens of milliseconds to plan, which an insert without content spans now skips (an empty block goes no further).
-    View("stagetrace_requests_mv", "stagetrace_requests",
-         _requests_select(cv.REQUEST_INPUT_DIGEST_GIVEN_SQL, cv.REQUEST_OUTPUT_DIGEST_GIVEN_SQL, content=False)),
-    View("stagetrace_stages_mv", "stagetrace_stages",
-         _stages_select(cv.STAGE_INPUT_DIGEST_GIVEN_SQL, cv.STAGE_OUTPUT_DIGEST_GIVEN_SQL, content=False)),
-    View(_CONTENT_SPANS + "_mv", _CONTENT_SPANS,
-         f"SELECT {', '.join(_CONTENT_COLUMNS)}\nFROM {{source}}\nWHERE {cv.HAS_CONTENT_SQL}"),
-    View("stagetrace_requests_content_mv", "stagetrace_requests",
-         _requests_select(cv.REQUEST_INPUT_DIGEST_SQL, cv.REQUEST_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
-    View("stagetrace_stages_content_mv", "stagetrace_stages",
-         _stages_select(cv.STAGE_INPUT_DIGEST_SQL, cv.STAGE_OUTPUT_DIGEST_SQL, content=True), _CONTENT_SPANS),
+    View(
+        "stagetrace_requests_mv",
+        "stagetrace_requests",
+        _requests_select(cv.REQUEST_INPUT_DIGEST_GIVEN_SQL, cv.REQUEST_OUTPUT_DIGEST_GIVEN_SQL, content=False),
+    ),
+    View(
+        "stagetrace_stages_mv",
+        "stagetrace_stages",
+        _stages_select(cv.STAGE_INPUT_DIGEST_GIVEN_SQL, cv.STAGE_OUTPUT_DIGEST_GIVEN_SQL, content=False),
+    ),
+    View(
+        _CONTENT_SPANS + "_mv",
+        _CONTENT_SPANS,
+        f"SELECT {', '.join(_CONTENT_COLUMNS)}\nFROM {{source}}\nWHERE {cv.HAS_CONTENT_SQL}",
+    ),
+    View(
+        "stagetrace_requests_content_mv",
+        "stagetrace_requests",
+        _requests_select(cv.REQUEST_INPUT_DIGEST_SQL, cv.REQUEST_OUTPUT_DIGEST_SQL, content=True),
+        _CONTENT_SPANS,
+    ),
+    View(
+        "stagetrace_stages_content_mv",
+        "stagetrace_stages",
+        _stages_select(cv.STAGE_INPUT_DIGEST_SQL, cv.STAGE_OUTPUT_DIGEST_SQL, content=True),
+        _CONTENT_SPANS,
+    ),
     # the stage rule runs only on the spans that name a model, which the filter keeps
-    View("stagetrace_models_mv", "stagetrace_models", f"""SELECT
+    View(
+        "stagetrace_models_mv",
+        "stagetrace_models",
+        f"""SELECT
     TraceId,
     SpanId,
     Timestamp AS Start,
@@ -457,7 +486,8 @@ GROUP BY TraceId""",
     {cv.STAGE_SQL} AS Stage,
     {cv.OWN_MODEL_SQL} AS Model
 FROM {{source}}
-WHERE Model != '' AND NOT ({cv.IS_REQUEST_ROOT_SQL})"""),
+WHERE Model != '' AND NOT ({cv.IS_REQUEST_ROOT_SQL})""",
+    ),
 )
 
 # The Collector's span and log tables as stagetrace reads them, with Map attributes in either of the Collector's
@@ -468,41 +498,73 @@ READ_VIEWS = {"stagetrace_spans": "otel_traces", "stagetrace_logs": "otel_logs"}
 # Tables added by a version are filled from the spans already stored when a store is upgraded to it.
 BACKFILLS = {2: ("stagetrace_stages_mv",), 18: ("stagetrace_models_mv",)}
 # Views whose rules a version changed: dropped, recreated, and their tables refilled from the stored spans.
-REBUILDS = {4: ("stagetrace_requests_mv", "stagetrace_stages_mv"), 5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
-            6: ("stagetrace_requests_mv",),
-            12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv"),
-            13: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
-                 "stagetrace_stages_content_mv"),
-            14: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
-                 "stagetrace_stages_content_mv"),
-            17: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_stages_mv",
-                 "stagetrace_stages_content_mv")}  # fmt: skip
+REBUILDS = {
+    4: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
+    5: ("stagetrace_requests_mv", "stagetrace_stages_mv"),
+    6: ("stagetrace_requests_mv",),
+    12: ("stagetrace_requests_mv", "stagetrace_requests_content_mv"),
+    13: (
+        "stagetrace_requests_mv",
+        "stagetrace_requests_content_mv",
+        "stagetrace_stages_mv",
+        "stagetrace_stages_content_mv",
+    ),
+    14: (
+        "stagetrace_requests_mv",
+        "stagetrace_requests_content_mv",
+        "stagetrace_stages_mv",
+        "stagetrace_stages_content_mv",
+    ),
+    17: (
+        "stagetrace_requests_mv",
+        "stagetrace_requests_content_mv",
+        "stagetrace_stages_mv",
+        "stagetrace_stages_content_mv",
+    ),
+}
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
 # Columns a version added to tables created before it: {version: ((table, column definition), ...)}.
 NEW_COLUMNS = {
-    4: (("stagetrace_requests", "Source LowCardinality(String) CODEC(ZSTD(1))"),
+    4: (
+        ("stagetrace_requests", "Source LowCardinality(String) CODEC(ZSTD(1))"),
         ("stagetrace_stages", "ParentSpanId String CODEC(ZSTD(1)) AFTER SpanId"),
-        ("stagetrace_stages", "SpanName LowCardinality(String) CODEC(ZSTD(1)) AFTER ParentSpanId")),
-    5: (("stagetrace_requests", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
-        ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))")),
+        ("stagetrace_stages", "SpanName LowCardinality(String) CODEC(ZSTD(1)) AFTER ParentSpanId"),
+    ),
+    5: (
+        ("stagetrace_requests", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
+        ("stagetrace_stages", "Nondeterministic LowCardinality(String) CODEC(ZSTD(1))"),
+    ),
     7: (("stagetrace_divergences", "Devices String CODEC(ZSTD(1))"),),
     12: (("stagetrace_requests", "Model LowCardinality(String) CODEC(ZSTD(1)) AFTER Nondeterministic"),),
-    16: (("stagetrace_divergences", "BeganRank String CODEC(ZSTD(1))"),
-         ("stagetrace_divergences", "BeganGpu String CODEC(ZSTD(1))"),
-         ("stagetrace_divergences", "BeganHost String CODEC(ZSTD(1))")),
-}  # fmt: skip
+    16: (
+        ("stagetrace_divergences", "BeganRank String CODEC(ZSTD(1))"),
+        ("stagetrace_divergences", "BeganGpu String CODEC(ZSTD(1))"),
+        ("stagetrace_divergences", "BeganHost String CODEC(ZSTD(1))"),
+    ),
+}
 
 # Projections a version added to tables created before it, built from the rows they hold: {version: ((table,
 # projection, its SELECT), ...)}.
-NEW_PROJECTIONS = {8: (("stagetrace_requests", _BY_TRACE, _BY_TRACE_SELECT),),
-                   9: (("stagetrace_requests", _BY_INPUT, _BY_INPUT_SELECT),)}
+NEW_PROJECTIONS = {
+    8: (("stagetrace_requests", _BY_TRACE, _BY_TRACE_SELECT),),
+    9: (("stagetrace_requests", _BY_INPUT, _BY_INPUT_SELECT),),
+}
 
 # Table settings a version changed, applied to tables created before it: {version: (setting, tables)}.
 SETTING_CHANGES = {
-    3: (_DEDUP, ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum",
-                 "stagetrace_requests", "stagetrace_stages")),
-}  # fmt: skip
+    3: (
+        _DEDUP,
+        (
+            "otel_traces",
+            "otel_traces_trace_id_ts",
+            "otel_metrics_gauge",
+            "otel_metrics_sum",
+            "stagetrace_requests",
+            "stagetrace_stages",
+        ),
+    ),
+}
 
 TABLE_NAMES = tuple(t.name for t in TABLES)
 VIEW_NAMES = tuple(v.name for v in VIEWS) + tuple(READ_VIEWS)
@@ -515,8 +577,14 @@ def _replicated(engine: str) -> str:
     return f"Replicated{kind}({params}{', ' + args if args else ''})"
 
 
-def statements(database: str = "stagetrace", cluster: str | None = None, *, views: bool = True,
-               tables: bool = True, layouts: dict[str, str] | None = None) -> list[str]:  # fmt: skip
+def statements(
+    database: str = "stagetrace",
+    cluster: str | None = None,
+    *,
+    views: bool = True,
+    tables: bool = True,
+    layouts: dict[str, str] | None = None,
+) -> list[str]:
     """Every DDL statement (or only those of the tables, or of the views), in the order it must run.
 
     With ``cluster``, each table is a ``<name>_local`` Replicated table on every node plus a
@@ -550,8 +618,10 @@ def statements(database: str = "stagetrace", cluster: str | None = None, *, view
             f" TO {db}.`{view.target}{local}`\nAS {view.select.format(source=source)}"
         )
     for name, table in READ_VIEWS.items() if views else ():  # replaced: a table the Collector made anew is read anew
-        out.append(f"CREATE OR REPLACE VIEW {db}.`{name}`{on_cluster}\n"
-                   f"AS SELECT * FROM {read_sql(f'{db}.`{table}`', table, layouts)}")
+        out.append(
+            f"CREATE OR REPLACE VIEW {db}.`{name}`{on_cluster}\n"
+            f"AS SELECT * FROM {read_sql(f'{db}.`{table}`', table, layouts)}"
+        )
     return out
 
 
@@ -591,8 +661,10 @@ def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
     """Each of the store's tables stagetrace reads or keeps, and what it is: which generation of the Collector's
     layout (and, where the Collector stores attributes as JSON, that it does), stagetrace's own, or missing
     (``ensure_schema`` creates what is missing and keeps what is there)."""
-    found = {name: (engine, key, time_type or "")
-             for name, engine, key, time_type in client.query(_TABLES_SQL, parameters={"db": database}).result_rows}
+    found = {
+        name: (engine, key, time_type or "")
+        for name, engine, key, time_type in client.query(_TABLES_SQL, parameters={"db": database}).result_rows
+    }
     layouts = attributes.layouts(client, database)
     out = []
     for table in TABLE_NAMES + VIEW_NAMES:
@@ -614,11 +686,22 @@ def check(client, database: str = "stagetrace") -> list[tuple[str, str]]:
 # part_guard.SOURCES_KEPT_S (chdb's default is 0): a merged part the engine committed short when the disk filled is
 # undone from them (schema 12). A server store keeps the engine's settings: its operator decides (replicas, its
 # own fsync).
-DURABLE_TABLES = ("otel_traces", "otel_traces_trace_id_ts", "otel_metrics_gauge", "otel_metrics_sum", "otel_logs",
-                  "stagetrace_requests", "stagetrace_stages", "stagetrace_models", "stagetrace_divergences",
-                  "stagetrace_analyser")
-DURABLE_SETTINGS = ("fsync_after_insert = 1, fsync_part_directory = 1, min_compressed_bytes_to_fsync_after_merge = 1, "
-                    f"old_parts_lifetime = {SOURCES_KEPT_S}")
+DURABLE_TABLES = (
+    "otel_traces",
+    "otel_traces_trace_id_ts",
+    "otel_metrics_gauge",
+    "otel_metrics_sum",
+    "otel_logs",
+    "stagetrace_requests",
+    "stagetrace_stages",
+    "stagetrace_models",
+    "stagetrace_divergences",
+    "stagetrace_analyser",
+)
+DURABLE_SETTINGS = (
+    "fsync_after_insert = 1, fsync_part_directory = 1, min_compressed_bytes_to_fsync_after_merge = 1, "
+    f"old_parts_lifetime = {SOURCES_KEPT_S}"
+)
 _NOT_DURABLE_SQL = """
 SELECT name FROM system.tables
 WHERE database = {db:String} AND name IN {tables:Array(String)}
@@ -627,19 +710,33 @@ WHERE database = {db:String} AND name IN {tables:Array(String)}
 
 def make_durable(client, database: str = "stagetrace") -> list[str]:
     """Fsync the inserts into the tables the spool writes (those not yet so); the tables changed."""
-    changed = [r[0] for r in client.query(_NOT_DURABLE_SQL, parameters={
-        "db": database, "tables": list(DURABLE_TABLES), "durable": f"old_parts_lifetime = {SOURCES_KEPT_S}\\b"}
-                                          ).result_rows]  # fmt: skip
+    changed = [
+        r[0]
+        for r in client.query(
+            _NOT_DURABLE_SQL,
+            parameters={
+                "db": database,
+                "tables": list(DURABLE_TABLES),
+                "durable": f"old_parts_lifetime = {SOURCES_KEPT_S}\\b",
+            },
+        ).result_rows
+    ]
     for table in changed:
-        client.command(f"ALTER TABLE {identifier(database, 'database name')}.`{table}` MODIFY SETTING {DURABLE_SETTINGS}")
+        client.command(
+            f"ALTER TABLE {identifier(database, 'database name')}.`{table}` MODIFY SETTING {DURABLE_SETTINGS}"
+        )
     return changed
 
 
 def installed_version(client, database: str) -> int:
     """The schema version recorded in ``database``, 0 when there is none yet."""
     try:  # one query where the version table exists, as it does for every command but the first
-        return int(client.command("SELECT max(Version) FROM {db:Identifier}.stagetrace_schema_version",
-                                  parameters={"db": database}) or 0)  # fmt: skip
+        return int(
+            client.command(
+                "SELECT max(Version) FROM {db:Identifier}.stagetrace_schema_version", parameters={"db": database}
+            )
+            or 0
+        )
     except Exception:
         exists = client.command(
             "SELECT count() FROM system.tables WHERE database = {db:String} AND name = 'stagetrace_schema_version'",

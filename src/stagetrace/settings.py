@@ -20,8 +20,22 @@ from dataclasses import dataclass
 from typing import Any
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(|b|kib|mib|gib|tib|kb|mb|gb|tb|k|m|g|t)\s*", re.IGNORECASE)
-_BYTES = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20,
-          "g": 1 << 30, "t": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+_BYTES = {
+    "": 1,
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 _DURATION = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(ms|s|m|h|d|w)\s*")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
@@ -32,8 +46,10 @@ def parse_size(text: str, zero: bool = False) -> int:
     match = _SIZE.fullmatch(text)
     size = int(float(match[1]) * _BYTES[match[2].lower()]) if match else -1
     if size < 0 or (size == 0 and not zero):
-        raise ValueError(f"{text!r} is not a {'' if zero else 'positive '}size: write e.g. 1GiB, 512MiB or 1000000"
-                         + (" (0 for none)" if zero else ""))  # fmt: skip
+        raise ValueError(
+            f"{text!r} is not a {'' if zero else 'positive '}size: write e.g. 1GiB, 512MiB or 1000000"
+            + (" (0 for none)" if zero else "")
+        )
     return size
 
 
@@ -111,7 +127,9 @@ class Options:
         settings = self._settings()
         unknown = sorted(values.keys() - {s.name for s in settings})
         if unknown:
-            raise TypeError(f"{type(self).__name__}() got an unexpected keyword argument {', '.join(map(repr, unknown))}")
+            raise TypeError(
+                f"{type(self).__name__}() got an unexpected keyword argument {', '.join(map(repr, unknown))}"
+            )
         for setting in settings:
             setattr(self, setting.name, values[setting.name] if setting.name in values else setting.value())
 
@@ -137,8 +155,9 @@ def add_arguments(group, settings: Iterable[Setting]) -> None:
     :meth:`Options.from_args` parses it, so a refused value is one line naming the flag, not argparse's usage."""
     for setting in settings:
         if setting.flag:
-            group.add_argument(setting.flag, dest=setting.name, metavar=setting.metavar, default=None,
-                               help=setting.help_text())  # fmt: skip
+            group.add_argument(
+                setting.flag, dest=setting.name, metavar=setting.metavar, default=None, help=setting.help_text()
+            )
 
 
 __all__ = ["Options", "Setting", "add_arguments", "parse_duration", "parse_size"]

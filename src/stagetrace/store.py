@@ -21,6 +21,7 @@ from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from stagetrace import attributes, config, schema, through_agent
+
 # StoreError and StoreLockedError re-exported: callers catch them from here
 from stagetrace.environment_variables import STAGETRACE_STORE_PASSWORD_FILE, STAGETRACE_STORE_USER
 from stagetrace.errors import StoreError, StoreLockedError, first_line
@@ -147,8 +148,10 @@ class Store:
         on 120,000 spans, issue 55), which a Map store need not pay. Asked of the store once."""
         if not self._readable:
             layouts = self.layouts()
-            self._readable = {t: next(v for v, of in schema.READ_VIEWS.items() if of == t)
-                              if layouts.get(t) == attributes.JSON else t for t in attributes.COLUMNS}  # fmt: skip
+            self._readable = {
+                t: next(v for v, of in schema.READ_VIEWS.items() if of == t) if layouts.get(t) == attributes.JSON else t
+                for t in attributes.COLUMNS
+            }
         return self._readable[table]
 
     def ensure_schema(self, cluster: str | None = None) -> bool:
@@ -189,8 +192,14 @@ AGENT_ENGINE = {
 }
 
 
-def open_store(dsn: str | Location | None = None, *, create_schema: bool = True, agent_fallback: bool = True,
-               must_exist: bool = False, engine: dict[str, str] | None = None) -> Store:  # fmt: skip
+def open_store(
+    dsn: str | Location | None = None,
+    *,
+    create_schema: bool = True,
+    agent_fallback: bool = True,
+    must_exist: bool = False,
+    engine: dict[str, str] | None = None,
+) -> Store:
     """Open the store ``dsn`` names, creating the database and tables unless told not to.
 
     An embedded store held by ``stagetrace agent`` is opened read-only through the agent's query endpoint
@@ -203,8 +212,7 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
     if must_exist and location.embedded and location.path and not (Path(location.path) / "metadata").is_dir():
         default = Path(location.path) == Path(config.default_store_path())
         where = "the default store" if default else f"a typo? the default is {config.default_store_path()}"
-        raise StoreError(f"no store at {location.path} ({where}; `stagetrace demo` or `stagetrace agent` creates "
-                         "one)")  # fmt: skip
+        raise StoreError(f"no store at {location.path} ({where}; `stagetrace demo` or `stagetrace agent` creates one)")
     try:
         if must_exist and location.embedded and location.path and not os.access(location.path, os.W_OK | os.X_OK):
             store = Store(_open_read_only(location), location, read_only=True)
@@ -216,11 +224,16 @@ def open_store(dsn: str | Location | None = None, *, create_schema: bool = True,
             raise
         # raises ``locked`` when no agent serves this store
         store = Store(through_agent.client(location, locked), location, read_only=True)
-    if must_exist and not location.embedded and not store.client.command(
-            "EXISTS DATABASE {db:Identifier}", parameters={"db": location.database}):  # fmt: skip
+    if (
+        must_exist
+        and not location.embedded
+        and not store.client.command("EXISTS DATABASE {db:Identifier}", parameters={"db": location.database})
+    ):
         store.close()
-        raise StoreError(f"no database {location.database} at {location.redacted()} (a typo? `stagetrace schema "
-                         f"--store {location.redacted()}` creates it)")  # fmt: skip
+        raise StoreError(
+            f"no database {location.database} at {location.redacted()} (a typo? `stagetrace schema "
+            f"--store {location.redacted()}` creates it)"
+        )
     if create_schema:
         try:
             store.ensure_schema()
@@ -263,8 +276,9 @@ def _open_read_only(location: Location):
     scratch = tempfile.mkdtemp(prefix="stagetrace-read-only-")
     atexit.register(shutil.rmtree, scratch, True)
     try:
-        client = clickhouse_connect.get_client(interface="chdb", path=scratch,
-                                               chdb_options={"custom_local_disks_base_directory": str(root.parent)})  # fmt: skip
+        client = clickhouse_connect.get_client(
+            interface="chdb", path=scratch, chdb_options={"custom_local_disks_base_directory": str(root.parent)}
+        )
         client.command("CREATE DATABASE IF NOT EXISTS {db:Identifier}", parameters={"db": location.database})
         disk = f"disk = disk(type = 'local', path = '{root}/', readonly = 1)"
         for table in tables:
@@ -389,5 +403,7 @@ def _unreachable(exc: BaseException, location: Location) -> str:
     reason = re.search(r"\[Errno -?\d+\] ([^'\")]+)", text) or re.search(r"(timed out|Name or service not known)", text)
     if reason:
         text = reason[1].strip().rstrip(".")
-        text = f"{text[0].lower()}{text[1:]} (is the server running, and is {location.host}:{location.port} its address?)"
+        text = (
+            f"{text[0].lower()}{text[1:]} (is the server running, and is {location.host}:{location.port} its address?)"
+        )
     return text.replace(location.password, "***") if location.password else text

@@ -27,17 +27,31 @@ from stagetrace.metrics import GAUGE, MetricSpec, Samples
 logger = logging.getLogger("stagetrace.agent")
 
 CHECK_EVERY_S = 60.0
-BROKEN_PARTS = MetricSpec("stagetrace_store_broken_parts", GAUGE,
-                          "Parts of the store's tables that the engine detached as broken: their rows are not read.",
-                          ("table",))  # fmt: skip
-LOST_ROWS = MetricSpec("stagetrace_store_lost_rows", GAUGE,
-                       "Rows of broken parts that neither the parts they were merged from nor the spool's kept records "
-                       "put back, while the part is under detached/ (a part whose row count is unreadable counts one).",
-                       ("table",))  # fmt: skip
-LOST_FIRST = MetricSpec("stagetrace_store_lost_rows_first_timestamp_seconds", GAUGE,
-                        "The earliest time of the rows stagetrace_store_lost_rows counts (0: unknown).", ("table",))
-LOST_LAST = MetricSpec("stagetrace_store_lost_rows_last_timestamp_seconds", GAUGE,
-                       "The latest time of the rows stagetrace_store_lost_rows counts (0: unknown).", ("table",))
+BROKEN_PARTS = MetricSpec(
+    "stagetrace_store_broken_parts",
+    GAUGE,
+    "Parts of the store's tables that the engine detached as broken: their rows are not read.",
+    ("table",),
+)
+LOST_ROWS = MetricSpec(
+    "stagetrace_store_lost_rows",
+    GAUGE,
+    "Rows of broken parts that neither the parts they were merged from nor the spool's kept records "
+    "put back, while the part is under detached/ (a part whose row count is unreadable counts one).",
+    ("table",),
+)
+LOST_FIRST = MetricSpec(
+    "stagetrace_store_lost_rows_first_timestamp_seconds",
+    GAUGE,
+    "The earliest time of the rows stagetrace_store_lost_rows counts (0: unknown).",
+    ("table",),
+)
+LOST_LAST = MetricSpec(
+    "stagetrace_store_lost_rows_last_timestamp_seconds",
+    GAUGE,
+    "The latest time of the rows stagetrace_store_lost_rows counts (0: unknown).",
+    ("table",),
+)
 
 # detached parts' reasons that mean damage (the others: detached by a person, or the engine's temporary states)
 _DAMAGED = "(startsWith(reason, 'broken') OR reason IN ('unexpected', 'covered-by-broken', 'noquorum'))"
@@ -68,8 +82,10 @@ class BrokenPart:
         if self.first is not None and self.last is not None:
             what.append(f"{self.first:%Y-%m-%d %H:%M:%S} to {self.last:%Y-%m-%d %H:%M:%S} UTC")
         what.append(f"{self.bytes:,} bytes")
-        return (f"store: table {self.table}: the engine detached part {self.name.removeprefix(self.reason + '_')} as "
-                f"{self.reason} ({', '.join(what)}): its rows are no longer read; its files are in {self.path}")
+        return (
+            f"store: table {self.table}: the engine detached part {self.name.removeprefix(self.reason + '_')} as "
+            f"{self.reason} ({', '.join(what)}): its rows are no longer read; its files are in {self.path}"
+        )
 
 
 def _min_max(part: Path, column: str, type_: str) -> tuple[datetime, datetime] | None:
@@ -79,7 +95,7 @@ def _min_max(part: Path, column: str, type_: str) -> tuple[datetime, datetime] |
     except OSError:
         return None
     if type_.startswith("DateTime64"):
-        digits = type_[len("DateTime64("):].split(",")[0].rstrip(")")
+        digits = type_[len("DateTime64(") :].split(",")[0].rstrip(")")
         scale = 10 ** int(digits) if digits.isdigit() else 1000
         fmt, to_seconds = "<qq", lambda v: v / scale
     elif type_.startswith("DateTime"):
@@ -92,8 +108,10 @@ def _min_max(part: Path, column: str, type_: str) -> tuple[datetime, datetime] |
         return None
     low, high = struct.unpack(fmt, data)
     try:
-        return (datetime.fromtimestamp(to_seconds(low), timezone.utc),
-                datetime.fromtimestamp(to_seconds(high), timezone.utc))  # fmt: skip
+        return (
+            datetime.fromtimestamp(to_seconds(low), timezone.utc),
+            datetime.fromtimestamp(to_seconds(high), timezone.utc),
+        )
     except (OverflowError, OSError, ValueError):
         return None
 

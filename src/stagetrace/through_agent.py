@@ -58,8 +58,6 @@ def read_only_format(sql: str) -> str | None:
     return None
 
 
-
-
 # --- the client, in other processes ------------------------------------------------------------------------
 
 
@@ -89,7 +87,9 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
     except config.TokenError as exc:
         raise StoreError(f"{holder}: {exc}") from None
     if record.get("token") and token is None:
-        raise StoreError(f"{holder}, whose query endpoint needs a token: set {config.ENV_TOKEN} or {config.ENV_TOKEN_FILE}")
+        raise StoreError(
+            f"{holder}, whose query endpoint needs a token: set {config.ENV_TOKEN} or {config.ENV_TOKEN_FILE}"
+        )
     connection = AgentClient(host, port, token, location.database, scheme=url.scheme)
     try:
         connection.command("SELECT 1")
@@ -97,7 +97,8 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise StoreError(f"{holder}, but its query endpoint {url.geturl()} does not answer: {reason}") from None
     sinks = ([f"{record['otlp']}/v1/traces"] if record.get("otlp") else []) + (
-        [f"{record['otlp_grpc']} (gRPC)"] if record.get("otlp_grpc") else [])  # fmt: skip
+        [f"{record['otlp_grpc']} (gRPC)"] if record.get("otlp_grpc") else []
+    )
     otlp = f", or send spans over OTLP to {' or '.join(sinks)}" if sinks else ""
     refusal = f"{holder}, which shares it read-only: stop the agent to write to it{otlp}"
     return ReadOnlyClient(connection, refusal)
@@ -116,8 +117,9 @@ class AgentClient:
     answer as JSON converted by column type. The commands that read (``trace``, ``explain``, ``divergences``)
     need no more, and loading no driver keeps them quick to start (clickhouse-connect takes 0.2 s to import)."""
 
-    def __init__(self, host: str, port: int, token: str | None, database: str, timeout_s: float = 60.0,
-                 scheme: str = "http"):  # fmt: skip
+    def __init__(
+        self, host: str, port: int, token: str | None, database: str, timeout_s: float = 60.0, scheme: str = "http"
+    ):
         import http.client
 
         if scheme == "https":  # verified against $STAGETRACE_CA_FILE (else the system's CAs)
@@ -126,8 +128,11 @@ class AgentClient:
             self._connection = http.client.HTTPSConnection(host, port, timeout=timeout_s, context=client_context())
         else:
             self._connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        self._headers = {"Content-Type": "text/plain; charset=utf-8", "Connection": "keep-alive",
-                         **({"Authorization": f"Bearer {token}"} if token else {})}  # fmt: skip
+        self._headers = {
+            "Content-Type": "text/plain; charset=utf-8",
+            "Connection": "keep-alive",
+            **({"Authorization": f"Bearer {token}"} if token else {}),
+        }
         self.database = database
 
     def query(self, sql: str, parameters: dict | None = None, settings: dict | None = None) -> QueryResult:
@@ -145,12 +150,16 @@ class AgentClient:
             self._connection.close()  # a kept-alive connection the endpoint closed meanwhile: opened again, once
             status, answer = self._post(path, body)
         if status != 200:
-            raise StoreError(f"the agent's query endpoint answered {status}: "
-                             f"{answer.decode(errors='replace').strip().splitlines()[0] if answer.strip() else ''}")  # fmt: skip
+            raise StoreError(
+                f"the agent's query endpoint answered {status}: "
+                f"{answer.decode(errors='replace').strip().splitlines()[0] if answer.strip() else ''}"
+            )
         try:
             result = json.loads(answer)
         except ValueError:
-            raise StoreError(f"the agent's query endpoint answered with {len(answer)} bytes that are not JSON") from None
+            raise StoreError(
+                f"the agent's query endpoint answered with {len(answer)} bytes that are not JSON"
+            ) from None
         types = [_converter(column["type"]) for column in result["meta"]]
         rows = [tuple(convert(value) for convert, value in zip(types, row)) for row in result["data"]]
         return QueryResult(tuple(column["name"] for column in result["meta"]), rows)
@@ -193,7 +202,7 @@ def _converter(type_name: str):
     inner = type_name
     for wrapper in ("LowCardinality(", "Nullable("):
         if inner.startswith(wrapper):
-            inner = inner[len(wrapper):-1]
+            inner = inner[len(wrapper) : -1]
     if inner.startswith("Array("):
         element = _converter(inner[6:-1])
         return lambda v: None if v is None else [element(x) for x in v]
@@ -256,7 +265,14 @@ class ReadOnlyClient:
         raise StoreError(self.refusal)
 
 
-
-
-__all__ = ["AGENT_FILE", "READ_ONLY_MESSAGE", "AgentClient", "QueryResult", "advertised",
-           "ReadOnlyClient", "Refused", "client", "read_only_format"]
+__all__ = [
+    "AGENT_FILE",
+    "READ_ONLY_MESSAGE",
+    "AgentClient",
+    "QueryResult",
+    "advertised",
+    "ReadOnlyClient",
+    "Refused",
+    "client",
+    "read_only_format",
+]

@@ -112,9 +112,11 @@ def configure(
 
 # The exporter stores each batch before it answers, and one insert costs about the same up to a few thousand
 # rows: batches larger than the SDK's 512 (OTEL_BSP_* variables still decide when set).
-_BATCHING = {"OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", 4096),
-             "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", 16384),
-             "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", 1000)}  # fmt: skip
+_BATCHING = {
+    "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": ("max_export_batch_size", 4096),
+    "OTEL_BSP_MAX_QUEUE_SIZE": ("max_queue_size", 16384),
+    "OTEL_BSP_SCHEDULE_DELAY": ("schedule_delay_millis", 1000),
+}
 
 
 def batching() -> dict:
@@ -182,7 +184,9 @@ def _parent_context(parent):
         return parent
     if isinstance(parent, Mapping):
         return extract(parent)
-    raise TypeError(f"parent must be a request or stage, an OpenTelemetry Context or a traceparent carrier, not {type(parent).__name__}")
+    raise TypeError(
+        f"parent must be a request or stage, an OpenTelemetry Context or a traceparent carrier, not {type(parent).__name__}"
+    )
 
 
 _UNSET = object()
@@ -231,7 +235,10 @@ class _Span:
     def __enter__(self):
         clock = self._cfg.clock
         self.span = self._cfg.tracer.start_span(
-            self._name, context=self._parent, kind=self._kind, attributes=self._attributes,
+            self._name,
+            context=self._parent,
+            kind=self._kind,
+            attributes=self._attributes,
             start_time=clock() if clock else None,
         )
         self._token = otel_context.attach(trace.set_span_in_context(self.span))
@@ -292,11 +299,22 @@ class Request(_Span):
     _input_key, _output_key = INPUT_DIGEST, OUTPUT_DIGEST
     _input_content_key, _output_content_key = INPUT_CONTENT, OUTPUT_CONTENT
 
-    def __init__(self, request_id: str, input=_UNSET, *, input_digest=None, attributes=None, name="inference.request", parent=None):
+    def __init__(
+        self,
+        request_id: str,
+        input=_UNSET,
+        *,
+        input_digest=None,
+        attributes=None,
+        name="inference.request",
+        parent=None,
+    ):
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         self.request_id = request_id
-        super().__init__(name, SpanKind.SERVER, {**(attributes or {}), REQUEST_ID: request_id}, parent, input, input_digest)
+        super().__init__(
+            name, SpanKind.SERVER, {**(attributes or {}), REQUEST_ID: request_id}, parent, input, input_digest
+        )
 
     def stage(self, name: str, input=_UNSET, **kwargs) -> Stage:
         """A stage of this request, whatever the current context is (for worker threads)."""
@@ -310,7 +328,17 @@ class Stage(_Span):
     _input_key, _output_key = STAGE_INPUT_DIGEST, STAGE_OUTPUT_DIGEST
     _input_content_key, _output_content_key = STAGE_INPUT_CONTENT, STAGE_OUTPUT_CONTENT
 
-    def __init__(self, name: str, input=_UNSET, *, input_digest=None, attributes=None, parent=None, rank: int | None = None, span_name: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        input=_UNSET,
+        *,
+        input_digest=None,
+        attributes=None,
+        parent=None,
+        rank: int | None = None,
+        span_name: str | None = None,
+    ):
         attrs = {**(attributes or {}), STAGE: name}
         if rank is not None:
             attrs[TP_RANK] = rank
@@ -327,8 +355,16 @@ def stage(name: str, input=_UNSET, **kwargs) -> Stage:
     return Stage(name, input, **kwargs)
 
 
-def measured_stage(name: str, *, parent, start_time_ns: int, end_time_ns: int, attributes: Mapping | None = None,
-                   rank: int | None = None, values: Mapping | None = None) -> None:
+def measured_stage(
+    name: str,
+    *,
+    parent,
+    start_time_ns: int,
+    end_time_ns: int,
+    attributes: Mapping | None = None,
+    rank: int | None = None,
+    values: Mapping | None = None,
+) -> None:
     """A stage an integration measured itself (many collectives or decode steps folded into one span): its span
     starts and ends at the given times, under ``parent`` (a request or stage, Context or carrier). ``values`` are
     attributes still being computed (``done()``/``result()``: device digests, device timings); they are set, and the
@@ -337,8 +373,13 @@ def measured_stage(name: str, *, parent, start_time_ns: int, end_time_ns: int, a
     attrs[STAGE] = name
     if rank is not None:
         attrs[TP_RANK] = rank
-    span = _current().tracer.start_span(f"stage.{name}", context=_parent_context(parent), kind=SpanKind.INTERNAL,
-                                        attributes=attrs, start_time=start_time_ns)  # fmt: skip
+    span = _current().tracer.start_span(
+        f"stage.{name}",
+        context=_parent_context(parent),
+        kind=SpanKind.INTERNAL,
+        attributes=attrs,
+        start_time=start_time_ns,
+    )
     completion.submit(span, dict(values or {}), end_time_ns)
 
 

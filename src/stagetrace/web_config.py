@@ -39,10 +39,17 @@ from stagetrace.environment_variables import (
 
 logger = logging.getLogger(__name__)
 
-CLIENT_AUTH = {"NoClientCert": ssl.CERT_NONE, "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-               "RequireAndVerifyClientCert": ssl.CERT_REQUIRED}  # fmt: skip
-VERSIONS = {"TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1, "TLS12": ssl.TLSVersion.TLSv1_2,
-            "TLS13": ssl.TLSVersion.TLSv1_3}  # fmt: skip
+CLIENT_AUTH = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+}
+VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version", "max_version"}
 RELOAD_CHECK_S = 1.0  # how often a new connection looks at the files' modification times
 
@@ -69,17 +76,24 @@ class WebConfig:
         except yaml.YAMLError as exc:
             raise WebConfigError(f"the web configuration {path} is not YAML: {str(exc).splitlines()[0]}") from None
         if not isinstance(document, dict):
-            raise WebConfigError(f"the web configuration {path} must be a mapping (tls_server_config, basic_auth_users)")
+            raise WebConfigError(
+                f"the web configuration {path} must be a mapping (tls_server_config, basic_auth_users)"
+            )
         unknown = set(document) - {"tls_server_config", "basic_auth_users", "http_server_config"}
         if unknown:
-            raise WebConfigError(f"the web configuration {path} has {', '.join(sorted(unknown))}, which stagetrace does "
-                                 "not know: use tls_server_config and basic_auth_users")  # fmt: skip
+            raise WebConfigError(
+                f"the web configuration {path} has {', '.join(sorted(unknown))}, which stagetrace does "
+                "not know: use tls_server_config and basic_auth_users"
+            )
         users = document.get("basic_auth_users") or {}
         if not isinstance(users, dict) or not all(isinstance(h, str) and h.startswith("$2") for h in users.values()):
             raise WebConfigError(f"basic_auth_users in {path} must map each user to a bcrypt hash ($2y$...)")
         tls = document.get("tls_server_config")
-        return cls(path, ServerTLS(_tls_settings(path, tls)) if tls else None,
-                   {str(user): hashed.encode() for user, hashed in users.items()})  # fmt: skip
+        return cls(
+            path,
+            ServerTLS(_tls_settings(path, tls)) if tls else None,
+            {str(user): hashed.encode() for user, hashed in users.items()},
+        )
 
     @property
     def scheme(self) -> str:
@@ -124,14 +138,18 @@ def _tls_settings(path: Path, tls) -> _Settings:
         raise WebConfigError(f"{where} must be a mapping")
     unknown = set(tls) - _TLS_KEYS
     if unknown:
-        raise WebConfigError(f"{where}: {', '.join(sorted(unknown))} cannot be set here (Go's TLS settings); "
-                             f"stagetrace reads {', '.join(sorted(_TLS_KEYS))}")  # fmt: skip
+        raise WebConfigError(
+            f"{where}: {', '.join(sorted(unknown))} cannot be set here (Go's TLS settings); "
+            f"stagetrace reads {', '.join(sorted(_TLS_KEYS))}"
+        )
     if not tls.get("cert_file") or not tls.get("key_file"):
         raise WebConfigError(f"{where} needs cert_file and key_file")
     client_auth = tls.get("client_auth_type") or "NoClientCert"
     if client_auth not in CLIENT_AUTH:
-        raise WebConfigError(f"{where}: client_auth_type {client_auth} is not supported (Python's TLS verifies every "
-                             f"certificate it asks for): use {', '.join(CLIENT_AUTH)}")  # fmt: skip
+        raise WebConfigError(
+            f"{where}: client_auth_type {client_auth} is not supported (Python's TLS verifies every "
+            f"certificate it asks for): use {', '.join(CLIENT_AUTH)}"
+        )
     if client_auth != "NoClientCert" and not tls.get("client_ca_file"):
         raise WebConfigError(f"{where}: client_auth_type {client_auth} needs client_ca_file to verify clients against")
     for key in ("min_version", "max_version"):
@@ -141,8 +159,14 @@ def _tls_settings(path: Path, tls) -> _Settings:
     def file(key: str) -> Path | None:
         return (path.parent / tls[key]) if tls.get(key) else None
 
-    return _Settings(file("cert_file"), file("key_file"), client_auth, file("client_ca_file"),
-                     tls.get("min_version") or "TLS12", tls.get("max_version"))  # fmt: skip
+    return _Settings(
+        file("cert_file"),
+        file("key_file"),
+        client_auth,
+        file("client_ca_file"),
+        tls.get("min_version") or "TLS12",
+        tls.get("max_version"),
+    )
 
 
 class ServerTLS:
@@ -185,9 +209,11 @@ class ServerTLS:
             if s.client_ca_file:
                 context.load_verify_locations(cafile=s.client_ca_file)
         except (OSError, ssl.SSLError) as exc:
-            raise WebConfigError(f"cannot load the TLS certificate {s.cert_file} with key {s.key_file}"
-                                 f"{f' and CA {s.client_ca_file}' if s.client_ca_file else ''}: "
-                                 f"{getattr(exc, 'strerror', None) or exc}") from None  # fmt: skip
+            raise WebConfigError(
+                f"cannot load the TLS certificate {s.cert_file} with key {s.key_file}"
+                f"{f' and CA {s.client_ca_file}' if s.client_ca_file else ''}: "
+                f"{getattr(exc, 'strerror', None) or exc}"
+            ) from None
         context.verify_mode = CLIENT_AUTH[s.client_auth]
         return context
 
@@ -222,8 +248,9 @@ class ServerTLS:
 
         def configuration():
             root = s.client_ca_file.read_bytes() if s.client_ca_file else None
-            return grpc.ssl_server_certificate_configuration([(s.key_file.read_bytes(), s.cert_file.read_bytes())],
-                                                             root_certificates=root)  # fmt: skip
+            return grpc.ssl_server_certificate_configuration(
+                [(s.key_file.read_bytes(), s.cert_file.read_bytes())], root_certificates=root
+            )
 
         served = {"stamp": self._stamps()}
 
@@ -239,8 +266,9 @@ class ServerTLS:
             served["stamp"] = stamp
             return fresh
 
-        return grpc.dynamic_ssl_server_credentials(configuration(), fetch,
-                                                   require_client_authentication=s.client_auth == "RequireAndVerifyClientCert")  # fmt: skip
+        return grpc.dynamic_ssl_server_credentials(
+            configuration(), fetch, require_client_authentication=s.client_auth == "RequireAndVerifyClientCert"
+        )
 
 
 def client_context(ca_file: str | None = None) -> ssl.SSLContext:

@@ -26,9 +26,13 @@ store = InMemoryDocumentStore()
 store.write_documents([Document(id=key, content=text) for key, text in corpus(args.edited).items()])
 pipeline = Pipeline()
 pipeline.add_component("retriever", InMemoryBM25Retriever(document_store=store, top_k=2))
-pipeline.add_component("prompt_builder", PromptBuilder(
-    template="Answer from the context.\n{% for d in documents %}{{ d.content }}\n{% endfor %}Question: {{ query }}",
-    required_variables=["query", "documents"]))
+pipeline.add_component(
+    "prompt_builder",
+    PromptBuilder(
+        template="Answer from the context.\n{% for d in documents %}{{ d.content }}\n{% endfor %}Question: {{ query }}",
+        required_variables=["query", "documents"],
+    ),
+)
 pipeline.add_component("llm", EchoGenerator())
 pipeline.connect("retriever", "prompt_builder.documents")
 pipeline.connect("prompt_builder", "llm")

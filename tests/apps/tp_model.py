@@ -79,7 +79,7 @@ def generate(model: TinyLM, prompt: list[int], tokens: int, logprobs: bool = Fal
         logits = model(torch.tensor(sequence))
         sequence.append(int(logits[-1].argmax()))
         scores.append(float(torch.log_softmax(logits[-1], -1)[sequence[-1]]))
-    generated = sequence[len(prompt):]
+    generated = sequence[len(prompt) :]
     return [[t, s] for t, s in zip(generated, scores)] if logprobs else generated
 
 

@@ -40,9 +40,14 @@ PRECISION = "torch.float32_matmul_precision"  # the process's setting, as ``torc
 def main(rank: int, world: int, port: int, otlp_url: str, job: dict) -> None:
     prefix = job["hosts"]
     torch.set_float32_matmul_precision(job.get("precision", {}).get(str(rank), "highest"))
-    resource = Resource.create({"service.name": job["service"], "host.name": f"{prefix}-node-{rank}",
-                                "gpu.uuid": f"GPU-{prefix}-{rank}",
-                                PRECISION: torch.get_float32_matmul_precision()})  # fmt: skip
+    resource = Resource.create(
+        {
+            "service.name": job["service"],
+            "host.name": f"{prefix}-node-{rank}",
+            "gpu.uuid": f"GPU-{prefix}-{rank}",
+            PRECISION: torch.get_float32_matmul_precision(),
+        }
+    )
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_url)))
     stagetrace.configure(tracer_provider=provider)

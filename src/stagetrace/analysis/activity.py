@@ -19,8 +19,11 @@ from stagetrace.analysis.hardware import DEVICE_LABELS, GPU, LOOKAROUND_NS, devi
 from stagetrace.gpm_metrics import GPM_METRICS
 
 # shown, in this order, under these column names
-SHOWN = {"sm_active": "gpu_sm_active_ratio", "tensor_active": "gpu_tensor_active_ratio",
-         "dram_active": "gpu_dram_bandwidth_active_ratio"}  # fmt: skip
+SHOWN = {
+    "sm_active": "gpu_sm_active_ratio",
+    "tensor_active": "gpu_tensor_active_ratio",
+    "dram_active": "gpu_dram_bandwidth_active_ratio",
+}
 _SPECS = {m.spec.name: m.spec for m in GPM_METRICS}
 NAMES = tuple(_SPECS[name].name for name in SHOWN.values())  # a renamed series fails here, not silently
 
@@ -44,10 +47,17 @@ class Activity:
         self._series: dict[tuple[str, str, str], tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
         if not gpus:
             return
-        rows = store.client.query(ACTIVITY_SQL, parameters={
-            "db": store.database, "names": list(NAMES), "hosts": sorted({h for h, _ in gpus}),
-            "uuids": sorted({u for _, u in gpus}), "t0": t0_ns - LOOKAROUND_NS, "t1": t1_ns + LOOKAROUND_NS,
-        }).result_rows  # fmt: skip
+        rows = store.client.query(
+            ACTIVITY_SQL,
+            parameters={
+                "db": store.database,
+                "names": list(NAMES),
+                "hosts": sorted({h for h, _ in gpus}),
+                "uuids": sorted({u for _, u in gpus}),
+                "t0": t0_ns - LOOKAROUND_NS,
+                "t1": t1_ns + LOOKAROUND_NS,
+            },
+        ).result_rows
         for host, uuid, name, t, value in rows:
             times, values = self._series[(host, uuid, name)]
             times.append(t)
@@ -63,15 +73,16 @@ class Activity:
             times, values = self.series(host, uuid, name)
             first = bisect.bisect_right(times, start_ns) - 1
             last = bisect.bisect_left(times, end_ns)
-            covering = values[first + 1:last + 1] if first >= 0 and last < len(times) else []
+            covering = values[first + 1 : last + 1] if first >= 0 and last < len(times) else []
             if covering:
                 out[column] = fmean(covering)
         return out
 
 
 def _gpus(spans) -> list[tuple[object, str, str]]:
-    return [(span, span.resource.get(conventions.HOST, ""), uuid) for span in spans
-            for uuid in devices(span.attributes)[0]]  # fmt: skip
+    return [
+        (span, span.resource.get(conventions.HOST, ""), uuid) for span in spans for uuid in devices(span.attributes)[0]
+    ]
 
 
 def of_trace(store, trace) -> list[dict]:
@@ -84,6 +95,7 @@ def of_trace(store, trace) -> list[dict]:
     for span, host, uuid in found:
         values = activity.during(host, uuid, span.start_ns, span.start_ns + span.duration_ns)
         if values:
-            out.append({"stage": span.stage or span.name, "rank": span.rank or None, "host": host, "device": uuid,
-                        **values})  # fmt: skip
+            out.append(
+                {"stage": span.stage or span.name, "rank": span.rank or None, "host": host, "device": uuid, **values}
+            )
     return out

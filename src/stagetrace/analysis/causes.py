@@ -49,9 +49,16 @@ class Cause:
     weak: bool = False  # supporting evidence only: a measurement, a signal that rose for both, contradicted
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "stage": self.stage, "name": self.name, "value": self.value,
-                "baseline_value": self.baseline_value, "score": round(self.score, 4), "weak": self.weak,
-                **self.evidence}  # fmt: skip
+        return {
+            "kind": self.kind,
+            "stage": self.stage,
+            "name": self.name,
+            "value": self.value,
+            "baseline_value": self.baseline_value,
+            "score": round(self.score, 4),
+            "weak": self.weak,
+            **self.evidence,
+        }
 
 
 def bucket(value: str) -> str:
@@ -103,9 +110,14 @@ class Contrast:
     faults at once); the baseline's value is weighed without them.
     """
 
-    def __init__(self, counts: dict[tuple[str, str], tuple[int, int]], spans: int, diverged: int,
-                 identifiers: frozenset[str] = frozenset(),
-                 explained: dict[tuple[str, str], int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        counts: dict[tuple[str, str], tuple[int, int]],
+        spans: int,
+        diverged: int,
+        identifiers: frozenset[str] = frozenset(),
+        explained: dict[tuple[str, str], int] | None = None,
+    ):
         self.counts = counts
         self.explained = explained or {}
         self.prior = diverged / spans if spans else 0.0
@@ -115,8 +127,9 @@ class Contrast:
             b = self._buckets.get((key, bucket(value)), (0, 0))
             self._buckets[(key, bucket(value))] = (b[0] + n, b[1] + d)
 
-    def rate(self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False,
-             explaining_away: bool = False) -> tuple[float, int, int]:  # fmt: skip
+    def rate(
+        self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False, explaining_away: bool = False
+    ) -> tuple[float, int, int]:
         """(smoothed divergence rate, requests, diverged) among the others whose span had this value (or bucket);
         ``explaining_away``: without the diverged spans another cause explains (for the baseline's value: a cause
         is weighed against the requests it could explain, not against another fault's)."""
@@ -147,14 +160,17 @@ class OnRank:
         """Whether the key is weighed on the rank's own spans."""
         return any(k == key for k, _ in self.rank.counts)
 
-    def rate(self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False,
-             explaining_away: bool = False) -> tuple[float, int, int]:  # fmt: skip
-        return (self.rank if self.weighs(key) else self.stage).rate(key, value, counted_as_diverged, by_bucket,
-                                                                    explaining_away)  # fmt: skip
+    def rate(
+        self, key: str, value: str, counted_as_diverged: bool, by_bucket: bool = False, explaining_away: bool = False
+    ) -> tuple[float, int, int]:
+        return (self.rank if self.weighs(key) else self.stage).rate(
+            key, value, counted_as_diverged, by_bucket, explaining_away
+        )
 
 
-def attribute_causes(stage: str, request: Span, baseline: Span | None,
-                     contrast: Contrast | OnRank | None) -> list[Cause]:  # fmt: skip
+def attribute_causes(
+    stage: str, request: Span, baseline: Span | None, contrast: Contrast | OnRank | None
+) -> list[Cause]:
     """Every setting (and, as weak evidence, measurement) of the span that differs from the baseline's. A setting
     weighed on the rank that began the difference (``OnRank``) says so, with that rank's host as where it ran."""
     causes = []
@@ -169,8 +185,13 @@ def attribute_causes(stage: str, request: Span, baseline: Span | None,
         else:
             rate, n, d = contrast.rate(key, value, counted_as_diverged=True)
             baseline_rate, bn, bd = contrast.rate(key, baseline_value, counted_as_diverged=False, explaining_away=True)
-            if (not measurement and n < MIN_SUPPORT and _NUMBER.fullmatch(value) and _NUMBER.fullmatch(baseline_value)
-                    and bucket(value) != bucket(baseline_value)):  # fmt: skip
+            if (
+                not measurement
+                and n < MIN_SUPPORT
+                and _NUMBER.fullmatch(value)
+                and _NUMBER.fullmatch(baseline_value)
+                and bucket(value) != bucket(baseline_value)
+            ):
                 rate, n, d = contrast.rate(key, value, counted_as_diverged=True, by_bucket=True)
                 baseline_rate, bn, bd = contrast.rate(key, baseline_value, counted_as_diverged=False, by_bucket=True)
                 evidence["compared"] = "magnitude"
@@ -179,8 +200,14 @@ def attribute_causes(stage: str, request: Span, baseline: Span | None,
             weak = measurement or (n >= MIN_SUPPORT and rate < LIFT * baseline_rate)
             if n == bn == 0:  # no other request carried either value: nothing to weigh it by
                 score, weak = UNSCORED, True
-            evidence.update({"diverged_with_value": d, "requests_with_value": n,
-                             "diverged_with_baseline_value": bd, "requests_with_baseline_value": bn})  # fmt: skip
+            evidence.update(
+                {
+                    "diverged_with_value": d,
+                    "requests_with_value": n,
+                    "diverged_with_baseline_value": bd,
+                    "requests_with_baseline_value": bn,
+                }
+            )
         if key.startswith(RESOURCE):
             evidence["resource"] = True
         if isinstance(contrast, OnRank) and contrast.weighs(key):
@@ -199,7 +226,13 @@ def merged(causes: list[Cause]) -> list[Cause]:
     """One entry per (kind family, stage, name, device): two detectors naming the same setting keep the stronger."""
     best: dict[tuple, Cause] = {}
     for cause in causes:
-        key = (cause.kind == "hardware", cause.stage, cause.name, cause.evidence.get("device"), cause.evidence.get("rank"))
+        key = (
+            cause.kind == "hardware",
+            cause.stage,
+            cause.name,
+            cause.evidence.get("device"),
+            cause.evidence.get("rank"),
+        )
         kept = best.get(key)
         if kept is None or (kept.weak, -kept.score) > (cause.weak, -cause.score):
             best[key] = cause
@@ -211,8 +244,12 @@ def _is_identity(cause: Cause) -> bool:
 
 
 def _is_setting(cause: Cause) -> bool:
-    return cause.kind == "attribute" and not cause.weak and not conventions.is_identity(cause.name) \
+    return (
+        cause.kind == "attribute"
+        and not cause.weak
+        and not conventions.is_identity(cause.name)
         and cause.evidence.get("role") == "setting"
+    )
 
 
 def _weighed(cause: Cause) -> bool:
@@ -223,8 +260,12 @@ def _weighed(cause: Cause) -> bool:
 def _split(cause: Cause) -> tuple:
     """Which requests the cause separates: the counts its contrast found."""
     ev = cause.evidence
-    return ev.get("diverged_with_value"), ev.get("requests_with_value"), ev.get("diverged_with_baseline_value"), \
-        ev.get("requests_with_baseline_value")
+    return (
+        ev.get("diverged_with_value"),
+        ev.get("requests_with_value"),
+        ev.get("diverged_with_baseline_value"),
+        ev.get("requests_with_baseline_value"),
+    )
 
 
 def ranked(causes: list[Cause]) -> list[Cause]:
@@ -239,8 +280,13 @@ def ranked(causes: list[Cause]) -> list[Cause]:
     best_setting = max((c.score for c in kept if _is_setting(c) and _weighed(c)), default=None)
 
     def order(c: Cause):
-        demoted = (_is_identity(c) and not c.weak and _weighed(c) and best_setting is not None
-                   and best_setting >= c.score - TIE)  # fmt: skip
+        demoted = (
+            _is_identity(c)
+            and not c.weak
+            and _weighed(c)
+            and best_setting is not None
+            and best_setting >= c.score - TIE
+        )
         # a demoted identity follows the settings that separate as well as it, and precedes those that do not
         return (c.weak, -(c.score - TIE) if demoted else -c.score, demoted, c.kind != "hardware", c.name)
 
@@ -248,8 +294,11 @@ def ranked(causes: list[Cause]) -> list[Cause]:
     top = next((c for c in out if not c.weak), None)
     if top is not None and _is_setting(top) and _weighed(top):
         where = {c.name: c.value for c in out if _is_identity(c) and not c.weak and c.score >= top.score - TIE}
-        together = [{"name": c.name, "value": c.value, "baseline_value": c.baseline_value} for c in out
-                    if c is not top and _is_setting(c) and abs(c.score - top.score) <= TIE and _split(c) == _split(top)]
+        together = [
+            {"name": c.name, "value": c.value, "baseline_value": c.baseline_value}
+            for c in out
+            if c is not top and _is_setting(c) and abs(c.score - top.score) <= TIE and _split(c) == _split(top)
+        ]
         if where:
             top.evidence["where"] = where
         if together:

@@ -44,8 +44,13 @@ class StageComparison:
     steps: bool = False  # both record their steps' inputs
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "rank": self.rank or None, "input_matches": self.input_matches,
-                "output_matches": self.output_matches, "present": self.present}  # fmt: skip
+        return {
+            "stage": self.stage,
+            "rank": self.rank or None,
+            "input_matches": self.input_matches,
+            "output_matches": self.output_matches,
+            "present": self.present,
+        }
 
 
 def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageComparison]:
@@ -60,10 +65,17 @@ def compare_stages(request: lookup.Trace, baseline: lookup.Trace) -> list[StageC
             continue
         if set(a) == set(b):
             for rank in sorted(b, key=rank_order):
-                out.append(StageComparison(stage, rank, a[rank][0].input_digest == b[rank][0].input_digest,
-                                           _output(a[rank]) == _output(b[rank]), True,
-                                           _first_step(a[rank][0], b[rank][0]),
-                                           _has_steps(a[rank][0]) and _has_steps(b[rank][0])))  # fmt: skip
+                out.append(
+                    StageComparison(
+                        stage,
+                        rank,
+                        a[rank][0].input_digest == b[rank][0].input_digest,
+                        _output(a[rank]) == _output(b[rank]),
+                        True,
+                        _first_step(a[rank][0], b[rank][0]),
+                        _has_steps(a[rank][0]) and _has_steps(b[rank][0]),
+                    )
+                )
             continue
         first_a, first_b = a[min(a, key=rank_order)], b[min(b, key=rank_order)]
         same_out = sorted({_output(p) for p in a.values()}) == sorted({_output(p) for p in b.values()})
@@ -92,8 +104,10 @@ def _first_step(request: lookup.Span, baseline: lookup.Span) -> int | None:
     if not mine or not theirs:
         return None
     mine, theirs = mine.split(","), theirs.split(",")
-    return next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y),
-                None if len(mine) == len(theirs) else min(len(mine), len(theirs)))  # fmt: skip
+    return next(
+        (i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y),
+        None if len(mine) == len(theirs) else min(len(mine), len(theirs)),
+    )
 
 
 def first_divergence(comparisons: list[StageComparison]) -> Divergence:
@@ -112,8 +126,11 @@ def first_divergence(comparisons: list[StageComparison]) -> Divergence:
 def _origin(comparisons: list[StageComparison], stage: str) -> _ranks.Origin | None:
     """Where the stage's difference began among its ranks (``ranks.locate``); None without ranks on both sides."""
     at = [c for c in comparisons if c.stage == stage]
-    compared = [_ranks.RankComparison(c.rank, c.input_matches, c.output_matches, c.first_step, c.steps)
-                for c in at if c.rank and c.present]  # fmt: skip
+    compared = [
+        _ranks.RankComparison(c.rank, c.input_matches, c.output_matches, c.first_step, c.steps)
+        for c in at
+        if c.rank and c.present
+    ]
     return _ranks.locate(compared) if compared and len(compared) == len(at) else None
 
 
@@ -147,8 +164,9 @@ def _output(passes: list[lookup.Span]) -> str:
     return conventions.combined_output(s.output_digest for s in passes)
 
 
-def stage_differences(request: lookup.Trace, baseline: lookup.Trace, stage: str,
-                      began: list[str] = ()) -> list[str] | None:  # fmt: skip
+def stage_differences(
+    request: lookup.Trace, baseline: lookup.Trace, stage: str, began: list[str] = ()
+) -> list[str] | None:
     """Contrast keys of the attributes that differ between the two requests' first passes of the stage at the
     lowest rank that ``began`` the difference (``ranks.locate``), else its lowest rank; None when the request did
     not run the stage."""
@@ -169,8 +187,11 @@ def rank_settings(request: lookup.Trace, baseline: lookup.Trace, first: Divergen
     began = [r for r in first.ranks if r in mine]
     if not began:
         return None
-    keys = [k for k in stage_differences(request, baseline, first.stage, began) or ()
-            if not is_measurement(k) and not conventions.is_identity(k.removeprefix(RESOURCE))]  # fmt: skip
+    keys = [
+        k
+        for k in stage_differences(request, baseline, first.stage, began) or ()
+        if not is_measurement(k) and not conventions.is_identity(k.removeprefix(RESOURCE))
+    ]
     return (min(began, key=rank_order), keys) if keys else None
 
 

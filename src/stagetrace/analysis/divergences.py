@@ -23,14 +23,30 @@ from collections import Counter
 from stagetrace import conventions, lookup
 from stagetrace.analysis import inventory, population, ranks, rollouts, silent
 from stagetrace.analysis.causes import RESOURCE, OnRank, attribute_causes, is_measurement, ranked
-from stagetrace.analysis.comparison import (Divergence, ambiguous, compare_stages, confirmed, first_divergence,
-                                           rank_settings, ranks_of, setting_keys, stage_differences)
+from stagetrace.analysis.comparison import (
+    Divergence,
+    ambiguous,
+    compare_stages,
+    confirmed,
+    first_divergence,
+    rank_settings,
+    ranks_of,
+    setting_keys,
+    stage_differences,
+)
 from stagetrace.analysis.detectors import prefix_cache
 from stagetrace.analysis.explain import REFERENCES, Baseline, contrast_window, diagnose, summary, unknown_seed
 from stagetrace.analysis.hardware import Samples, devices
+
 # COLUMNS, KEPT_CAUSES and began_columns are read from here too, where they were first
-from stagetrace.analysis.results import (COLUMNS, KEPT_CAUSES, DeviatingRequest, DivergenceReport, InputGroup,
-                                         began_columns)
+from stagetrace.analysis.results import (
+    COLUMNS,
+    KEPT_CAUSES,
+    DeviatingRequest,
+    DivergenceReport,
+    InputGroup,
+    began_columns,
+)
 from stagetrace.analysis.tenants import Tenancy, gpus_of
 from stagetrace.store import Store
 
@@ -46,8 +62,13 @@ TALLY_ALL_MAX = 10_000
 CONTRAST_SAMPLE = 100_000
 
 
-def _traces(store: Store, deviations: list[population.Deviation], window: tuple[int, int],
-            gpus: inventory.Inventory, whole: bool = False) -> dict[str, lookup.Trace]:  # fmt: skip
+def _traces(
+    store: Store,
+    deviations: list[population.Deviation],
+    window: tuple[int, int],
+    gpus: inventory.Inventory,
+    whole: bool = False,
+) -> dict[str, lookup.Trace]:
     """The traces of these deviations and of their baselines, with what their processes did not record of their GPUs
     filled in from the inventory: their stage spans, which is what comparing them and ranking causes at a stage
     reads (a third of the time of whole traces at 10,000 requests/s), or ``whole``."""
@@ -58,26 +79,38 @@ def _traces(store: Store, deviations: list[population.Deviation], window: tuple[
     for trace_id, members in found.items():
         start = min(s.start_ns for s in members)
         end = max(s.start_ns + s.duration_ns for s in members)
-        out[trace_id] = inventory.filled(lookup.Trace(None, trace_id, members[0].service, start, end - start, members),
-                                         gpus)  # fmt: skip
+        out[trace_id] = inventory.filled(
+            lookup.Trace(None, trace_id, members[0].service, start, end - start, members), gpus
+        )
     return out
 
 
-def _other_halves(store: Store, deviations: list[population.Deviation], found: dict[str, list[lookup.Span]],
-                  window: tuple[int, int], whole: bool) -> None:  # fmt: skip
+def _other_halves(
+    store: Store,
+    deviations: list[population.Deviation],
+    found: dict[str, list[lookup.Span]],
+    window: tuple[int, int],
+    whole: bool,
+) -> None:
     """Add to each read trace of a disaggregated request the spans of its other half (SGLang's prefill and decode
     servers, each a trace of its own without a traced router), as ``explain`` reads the request: the other end of its
     KV transfer. Asked only of traces whose spans show a transfer (``conventions.moves_over_fabric``): one query."""
-    request_of = {t: r for d in deviations for t, r in ((d.trace_id, d.request_id),
-                                                        (d.baseline_trace_id, d.baseline_request_id))}  # fmt: skip
-    split = {request_of[t] for t, members in found.items()
-             if t in request_of and any(conventions.moves_over_fabric(s.name) for s in members)}  # fmt: skip
+    request_of = {
+        t: r for d in deviations for t, r in ((d.trace_id, d.request_id), (d.baseline_trace_id, d.baseline_request_id))
+    }
+    split = {
+        request_of[t]
+        for t, members in found.items()
+        if t in request_of and any(conventions.moves_over_fabric(s.name) for s in members)
+    }
     halves = lookup.halves_of(store, split) if split else {}
     if not halves:
         return
     wanted = {h for t in found if request_of.get(t) in halves for h in halves[request_of[t]] if h != t}
-    read = {**{t: list(m) for t, m in found.items()},
-            **lookup.spans_of_many(store, wanted - set(found), window, stages_only=not whole)}  # fmt: skip
+    read = {
+        **{t: list(m) for t, m in found.items()},
+        **lookup.spans_of_many(store, wanted - set(found), window, stages_only=not whole),
+    }
     for trace_id, members in found.items():
         others = [h for h in halves.get(request_of.get(trace_id), []) if h != trace_id]
         members += [s for h in others for s in read.get(h, [])]
@@ -85,12 +118,20 @@ def _other_halves(store: Store, deviations: list[population.Deviation], found: d
 
 def _divergences(deviations: list[population.Deviation], traces: dict[str, lookup.Trace]) -> dict[str, Divergence]:
     """Trace ID → where each deviation first differs from its baseline, compared as ``explain`` compares them."""
-    return {d.trace_id: first_divergence(compare_stages(traces[d.trace_id], traces[d.baseline_trace_id]))
-            for d in deviations if d.trace_id in traces and d.baseline_trace_id in traces}  # fmt: skip
+    return {
+        d.trace_id: first_divergence(compare_stages(traces[d.trace_id], traces[d.baseline_trace_id]))
+        for d in deviations
+        if d.trace_id in traces and d.baseline_trace_id in traces
+    }
 
 
-def _confirm(store: Store, deviations: list[population.Deviation], where: dict[str, Divergence],
-             traces: dict[str, lookup.Trace], window: tuple[int, int]) -> None:
+def _confirm(
+    store: Store,
+    deviations: list[population.Deviation],
+    where: dict[str, Divergence],
+    traces: dict[str, lookup.Trace],
+    window: tuple[int, int],
+) -> None:
     """Where several TP ranks began a deviation's difference against its baseline, the ranks confirmed against other
     requests with the majority output (``comparison.confirmed``): their members read in one query, their stages in
     another."""
@@ -99,17 +140,30 @@ def _confirm(store: Store, deviations: list[population.Deviation], where: dict[s
         return
     keys = {(d.service, d.input_digest, d.majority_output) for d in unsure}
     members = population.majority_members(store, keys, *window, REFERENCES + 1)
-    chosen = {d.trace_id: [t for t in members.get((d.service, d.input_digest, d.majority_output), [])
-                           if t not in (d.trace_id, d.baseline_trace_id)][:REFERENCES] for d in unsure}  # fmt: skip
+    chosen = {
+        d.trace_id: [
+            t
+            for t in members.get((d.service, d.input_digest, d.majority_output), [])
+            if t not in (d.trace_id, d.baseline_trace_id)
+        ][:REFERENCES]
+        for d in unsure
+    }
     read = lookup.spans_of_many(store, {t for ts in chosen.values() for t in ts}, window, stages_only=True)
     for d in unsure:
-        references = [lookup.Trace(None, t, read[t][0].service, 0, 0, read[t])
-                      for t in chosen[d.trace_id] if read.get(t)]  # fmt: skip
+        references = [
+            lookup.Trace(None, t, read[t][0].service, 0, 0, read[t]) for t in chosen[d.trace_id] if read.get(t)
+        ]
         where[d.trace_id] = confirmed(where[d.trace_id], traces[d.trace_id], references)
 
 
-def _suspect_silent_corruption(store: Store, analysed: list[population.Deviation], where: dict[str, Divergence],
-                               diagnosed: dict[str, list], t0: int, t1: int) -> None:  # fmt: skip
+def _suspect_silent_corruption(
+    store: Store,
+    analysed: list[population.Deviation],
+    where: dict[str, Divergence],
+    diagnosed: dict[str, list],
+    t0: int,
+    t1: int,
+) -> None:
     """Each unexplained deviation that began on a GPU which began ``silent.MIN_REQUESTS`` or more unexplained ones (in
     this run, or recorded before it in the window) gets the suspected silent data corruption first among its causes."""
     unexplained = [d for d in analysed if not any(not c.weak for c in diagnosed[d.trace_id])]
@@ -121,8 +175,9 @@ def _suspect_silent_corruption(store: Store, analysed: list[population.Deviation
         for gpu in silent.gpus(where[d.trace_id].origin):
             began.setdefault(gpu, set()).add(d.request_id)
     for d in unexplained:
-        diagnosed[d.trace_id] = silent.suspected(diagnosed[d.trace_id], where[d.trace_id].stage,
-                                                 where[d.trace_id].origin, began, d.request_id)  # fmt: skip
+        diagnosed[d.trace_id] = silent.suspected(
+            diagnosed[d.trace_id], where[d.trace_id].stage, where[d.trace_id].origin, began, d.request_id
+        )
 
 
 def _located(deviations: list[population.Deviation], where: dict[str, Divergence]):
@@ -130,8 +185,16 @@ def _located(deviations: list[population.Deviation], where: dict[str, Divergence
     return [(d, where[d.trace_id]) for d in deviations if d.trace_id in where and where[d.trace_id].stage]
 
 
-def find(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
-         analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0, tally_all: bool | None = None) -> dict:
+def find(
+    store: Store,
+    since_ns: int,
+    until_ns: int | None = None,
+    limit: int | None = 100,
+    analyse_from_ns: int = 0,
+    analyse=None,
+    inputs_from_ns: int = 0,
+    tally_all: bool | None = None,
+) -> dict:
     """:func:`compute` (the same arguments), its rows stored (:func:`record`), as JSON: what ``stagetrace
     divergences --json`` prints."""
     report = compute(store, since_ns, until_ns, limit, analyse_from_ns, analyse, inputs_from_ns, tally_all)
@@ -147,9 +210,16 @@ def record(store: Store, report: DivergenceReport) -> None:
         store.client.insert("stagetrace_divergences", rows, column_names=COLUMNS, database=store.database)
 
 
-def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int | None = 100,
-            analyse_from_ns: int = 0, analyse=None, inputs_from_ns: int = 0,
-            tally_all: bool | None = None) -> DivergenceReport:
+def compute(
+    store: Store,
+    since_ns: int,
+    until_ns: int | None = None,
+    limit: int | None = 100,
+    analyse_from_ns: int = 0,
+    analyse=None,
+    inputs_from_ns: int = 0,
+    tally_all: bool | None = None,
+) -> DivergenceReport:
     """Deviating requests of the last ``since_ns`` (the latest ``limit`` analysed in full, and only those that
     started at ``analyse_from_ns`` or later and, when ``analyse`` is given, for which ``analyse(deviation)`` is
     true: the live analyser's new ones), grouped by input; with ``inputs_from_ns``, only the groups of the inputs
@@ -174,19 +244,26 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     # Where every deviation first differs (in SQL, for all of them): the settings a rollout may have moved, and the
     # tally. Rollouts are looked for among those settings, checked on a sample across the window and the latest
     # SAMPLED, so that what is found (and so which requests deviate) does not depend on how many are analysed.
-    differences = population.first_differences(store, t0, until_ns, window, inputs_from_ns=inputs_from_ns) \
-        if tally_all else {}
+    differences = (
+        population.first_differences(store, t0, until_ns, window, inputs_from_ns=inputs_from_ns) if tally_all else {}
+    )
     analysed = chosen(deviations)
-    sample = list({id(d): d for d in deviations[-SAMPLED:] + deviations[::max(1, len(deviations) // SAMPLED)]}.values())
+    sample = list(
+        {id(d): d for d in deviations[-SAMPLED:] + deviations[:: max(1, len(deviations) // SAMPLED)]}.values()
+    )
     traces = _traces(store, list({id(d): d for d in analysed + sample}.values()), window, gpus)
     first = _divergences(sample, traces)
-    candidates = {(where.stage, key) for d, where in _located(sample, first)
-                  for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage,
-                                          where.ranks)}  # fmt: skip
+    candidates = {
+        (where.stage, key)
+        for d, where in _located(sample, first)
+        for key in setting_keys(traces[d.trace_id], traces[d.baseline_trace_id], where.stage, where.ranks)
+    }
     candidates |= {(found.stage, name) for found in differences.values() for name in _settings(found)}
     in_sample = {t for d in sample for t in (d.trace_id, d.baseline_trace_id)}
-    seen = rollouts.values_of(((s.stage, s) for t in traces.values() if t.trace_id in in_sample for s in t.spans
-                               if s.stage), sorted(candidates))  # fmt: skip
+    seen = rollouts.values_of(
+        ((s.stage, s) for t in traces.values() if t.trace_id in in_sample for s in t.spans if s.stage),
+        sorted(candidates),
+    )
     found_rollouts = rollouts.detect(store, rollouts.suspects(seen), t0, until_ns)
     if found_rollouts:  # group again within the rollouts' epochs; the requests their waves explain are analysed too
         epochs = population.epochs_of(found_rollouts)
@@ -196,13 +273,18 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     latest = {d.trace_id for d in chosen(deviations)}
     waves: set[str] = set()
     if found_rollouts:  # the latest of the new grouping, and every request in a wave
-        during = [d for d in deviations
-                  if d.trace_id in latest or rollouts.in_wave(None, d.start_ns, found_rollouts, d.service)]
+        during = [
+            d
+            for d in deviations
+            if d.trace_id in latest or rollouts.in_wave(None, d.start_ns, found_rollouts, d.service)
+        ]
         traces = _traces(store, during, window, gpus)
         first = _divergences(during, traces)
-        waves = {d.trace_id for d in during
-                 if d.trace_id in first
-                 and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts, d.service)}
+        waves = {
+            d.trace_id
+            for d in during
+            if d.trace_id in first and rollouts.in_wave(first[d.trace_id].stage, d.start_ns, found_rollouts, d.service)
+        }
         analysed = [d for d in during if d.trace_id in latest or d.trace_id in waves]
     else:
         first = _divergences(analysed, traces)
@@ -217,7 +299,8 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     keys: dict[str, set[str]] = {}
     for d, at in _located(analysed, where):
         keys.setdefault(at.stage, set()).update(
-            stage_differences(traces[d.trace_id], traces[d.baseline_trace_id], at.stage, at.ranks) or ())
+            stage_differences(traces[d.trace_id], traces[d.baseline_trace_id], at.stage, at.ranks) or ()
+        )
     # weighed over the requests around the analysed ones, each against the majority of the whole window (a live
     # pass: of the requests around, so that its cost follows the new traffic here too)
     starts = [d.start_ns for d in analysed]
@@ -226,9 +309,15 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     # analysed requests spread over a busy minute put every request of it around them: weigh a sample of inputs
     # as large as CONTRAST_SAMPLE, not all of them
     sample = population.requests_in(store, *around) // CONTRAST_SAMPLE if keys else 1
-    contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, *around, found_rollouts,
-                                     around if inputs_from_ns else (t0, until_ns), inventory=gpus,
-                                     sample=sample)  # fmt: skip
+    contrasts = population.contrasts(
+        store,
+        {stage: sorted(k) for stage, k in keys.items()},
+        *around,
+        found_rollouts,
+        around if inputs_from_ns else (t0, until_ns),
+        inventory=gpus,
+        sample=sample,
+    )
     # the settings of the ranks that began TP differences by their contribution, weighed on those ranks' own spans
     on_rank: dict[str, tuple[str, str, str]] = {}
     wanted: dict[tuple[str, str, str], set[str]] = {}
@@ -248,8 +337,12 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     hosts = sorted({s.resource.get("host.name", "") for t in traces.values() for s in t.spans})
     samples = Samples(store, hosts, t0, until_ns)
     read = [t for t in traces.values() if t.spans]
-    tenancy = Tenancy(store, gpus_of(s for t in read for s in t.spans), min((t.start_ns for t in read), default=t0),
-                      max((t.start_ns + t.duration_ns for t in read), default=t0))  # fmt: skip
+    tenancy = Tenancy(
+        store,
+        gpus_of(s for t in read for s in t.spans),
+        min((t.start_ns for t in read), default=t0),
+        max((t.start_ns + t.duration_ns for t in read), default=t0),
+    )
 
     groups: dict[str, InputGroup] = {}
     items: list[DeviatingRequest] = []
@@ -258,16 +351,36 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
     detected = time.time_ns() // 1_000_000
     diagnosed = {}
     # the prefix-cache hits the analysed requests and their baselines record, in one query, not one a request
-    cache_hits = prefix_cache.stored(store, [traces[t] for d in analysed if where[d.trace_id].stage
-                                             for t in (d.trace_id, d.baseline_trace_id) if t in traces])  # fmt: skip
+    cache_hits = prefix_cache.stored(
+        store,
+        [
+            traces[t]
+            for d in analysed
+            if where[d.trace_id].stage
+            for t in (d.trace_id, d.baseline_trace_id)
+            if t in traces
+        ],
+    )
     for d in analysed:
         stage = where[d.trace_id].stage
         if where[d.trace_id].origin is not None:
             ranks.at(where[d.trace_id].origin, traces[d.trace_id], stage)
-        diagnosed[d.trace_id] = diagnose(store, stage, traces[d.trace_id], traces[d.baseline_trace_id],
-                                         contrast_of(d, stage), samples, found_rollouts, tenancy=tenancy,
-                                         began=where[d.trace_id].ranks,
-                                         cache_hits=cache_hits) if stage else []  # fmt: skip
+        diagnosed[d.trace_id] = (
+            diagnose(
+                store,
+                stage,
+                traces[d.trace_id],
+                traces[d.baseline_trace_id],
+                contrast_of(d, stage),
+                samples,
+                found_rollouts,
+                tenancy=tenancy,
+                began=where[d.trace_id].ranks,
+                cache_hits=cache_hits,
+            )
+            if stage
+            else []
+        )
     _suspect_silent_corruption(store, analysed, where, diagnosed, t0, until_ns)
     for d in analysed:
         baseline = Baseline(d.baseline_request_id, "majority", d.support, d.group_size)
@@ -276,18 +389,31 @@ def compute(store: Store, since_ns: int, until_ns: int | None = None, limit: int
         top = next((c for c in found if not c.weak), None)
         # a wave's requests are all analysed, whatever the limit: the rollout explains those (not counted as deviating)
         if top is not None and top.kind == "rollout" and top.evidence.get("expected") and d.trace_id in waves:
-            index = next(i for i, r in enumerate(found_rollouts)
-                         if (r.stage, r.name, r.service) == (top.stage, top.name, top.evidence["rollout"]["service"]))
+            index = next(
+                i
+                for i, r in enumerate(found_rollouts)
+                if (r.stage, r.name, r.service) == (top.stage, top.name, top.evidence["rollout"]["service"])
+            )
             expected[index] = expected.get(index, 0) + 1
             explained_ids.add(d.trace_id)
             continue
         if d.trace_id not in latest:
             continue
-        group = groups.setdefault(d.input_digest,
-                                  InputGroup(d.input_digest, d.group_size, d.majority_output, d.support))
+        group = groups.setdefault(
+            d.input_digest, InputGroup(d.input_digest, d.group_size, d.majority_output, d.support)
+        )
         origin = where[d.trace_id].origin
         item = DeviatingRequest(
-            d.request_id, d.trace_id, d.service, d.host, d.start_ns, d.input_digest, baseline, stage, origin, found,
+            d.request_id,
+            d.trace_id,
+            d.service,
+            d.host,
+            d.start_ns,
+            d.input_digest,
+            baseline,
+            stage,
+            origin,
+            found,
             summary(stage, found, baseline, where[d.trace_id].input_differed, where[d.trace_id].ranks, origin),
             ",".join(stage_devices(traces.get(d.trace_id), stage, where[d.trace_id].ranks)),
             unknown_seed(traces.get(d.trace_id)),
@@ -323,7 +449,8 @@ def stage_devices(trace: lookup.Trace | None, stage: str | None, began) -> list[
         return []
     spans = [s for s in trace.spans if s.stage == stage and (not began or s.rank in began)]
     gpus = sorted({g for s in spans for g in devices(s.attributes)[0]}) or sorted(
-        {g for s in spans for g in devices({conventions.GPU_UUID: ranks.gpu_of(s)})[0]})
+        {g for s in spans for g in devices({conventions.GPU_UUID: ranks.gpu_of(s)})[0]}
+    )
     return gpus or sorted({n for s in spans for n in devices(s.attributes)[1]})
 
 
@@ -338,8 +465,16 @@ def _span(stage: str, attributes: dict, resource: dict, start_ns: int) -> lookup
     return lookup.Span("", "", stage, "", "", start_ns, 0, "", "", attributes, resource, stage_name=stage)
 
 
-def _tally_causes(store: Store, deviations: list[population.Deviation], differences: dict, tops: dict[str, str],
-                  t0: int, t1: int, found_rollouts, gpus) -> dict[str, tuple[str, str]]:  # fmt: skip
+def _tally_causes(
+    store: Store,
+    deviations: list[population.Deviation],
+    differences: dict,
+    tops: dict[str, str],
+    t0: int,
+    t1: int,
+    found_rollouts,
+    gpus,
+) -> dict[str, tuple[str, str]]:
     """Trace ID → (first divergent stage, cause) of every deviation: an analysed one's top cause; for the others the
     setting the attribute detector ranks first at that stage (its contrast weighed over the whole window), "" when
     none stands out (a hardware fault, which only the full analysis reads counters for, shows so)."""
@@ -348,10 +483,17 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
         found = differences.get(d.trace_id)
         if found is not None and d.trace_id not in tops:
             keys.setdefault(found.stage, set()).update(
-                k for k in [n for n, _, _ in found.attributes] + [RESOURCE + n for n, _, _ in found.resource]
-                if conventions.is_comparable(k.removeprefix(RESOURCE)))  # fmt: skip
-    contrasts = population.contrasts(store, {stage: sorted(k) for stage, k in keys.items()}, t0, t1, found_rollouts,
-                                     inventory=gpus) if keys else {}  # fmt: skip
+                k
+                for k in [n for n, _, _ in found.attributes] + [RESOURCE + n for n, _, _ in found.resource]
+                if conventions.is_comparable(k.removeprefix(RESOURCE))
+            )
+    contrasts = (
+        population.contrasts(
+            store, {stage: sorted(k) for stage, k in keys.items()}, t0, t1, found_rollouts, inventory=gpus
+        )
+        if keys
+        else {}
+    )
     out = {}
     for d in deviations:
         found = differences.get(d.trace_id)
@@ -361,20 +503,30 @@ def _tally_causes(store: Store, deviations: list[population.Deviation], differen
             continue
         cause = ""
         if found is not None:
-            mine = _span(stage, {n: v for n, v, _ in found.attributes}, {n: v for n, v, _ in found.resource}, d.start_ns)
-            theirs = _span(stage, {n: b for n, _, b in found.attributes}, {n: b for n, _, b in found.resource},
-                           d.start_ns)  # fmt: skip
+            mine = _span(
+                stage, {n: v for n, v, _ in found.attributes}, {n: v for n, v, _ in found.resource}, d.start_ns
+            )
+            theirs = _span(
+                stage, {n: b for n, _, b in found.attributes}, {n: b for n, _, b in found.resource}, d.start_ns
+            )
             # a setting, never an identity: without the counters only the full analysis reads, a host or GPU that
             # separates the deviating requests is where they ran, not why (the tally line lists the hosts)
-            top = next((c for c in ranked(attribute_causes(stage, mine, theirs, contrasts.get((stage, d.peer))))
-                        if not c.weak and not conventions.is_identity(c.name)), None)  # fmt: skip
+            top = next(
+                (
+                    c
+                    for c in ranked(attribute_causes(stage, mine, theirs, contrasts.get((stage, d.peer))))
+                    if not c.weak and not conventions.is_identity(c.name)
+                ),
+                None,
+            )
             cause = top.name if top is not None else ""
         out[d.trace_id] = (stage, cause)
     return out
 
 
-def _began_on(deviations: list[population.Deviation], where: dict[str, Divergence],
-              differences: dict[str, population.Difference]) -> dict[str, str]:  # fmt: skip
+def _began_on(
+    deviations: list[population.Deviation], where: dict[str, Divergence], differences: dict[str, population.Difference]
+) -> dict[str, str]:
     """Trace ID → ``GPU (host)`` of the TP rank that began each deviation's difference, where one did: an analysed
     request's from its comparison, another's from the tally's SQL (``population.first_differences``)."""
     out = {}
@@ -392,8 +544,12 @@ def _began_on(deviations: list[population.Deviation], where: dict[str, Divergenc
     return out
 
 
-def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[str, str]], analysed: set[str],
-          began_on: dict[str, str] | None = None) -> list[dict]:  # fmt: skip
+def tally(
+    deviations: list[population.Deviation],
+    by_request: dict[str, tuple[str, str]],
+    analysed: set[str],
+    began_on: dict[str, str] | None = None,
+) -> list[dict]:
     """Every deviating request (not only those analysed in full) by cause and first divergent stage, most first: how
     many, how many of them were analysed in full, on which hosts, first and last seen (so 80 requests of one index
     rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's.
@@ -406,10 +562,16 @@ def tally(deviations: list[population.Deviation], by_request: dict[str, tuple[st
     began_on = began_on or {}
     lines = []
     for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        line = {"cause": cause, "stage": stage, "service": service, "requests": len(items),
-                "analysed": sum(d.trace_id in analysed for d in items), "hosts": sorted({d.host for d in items}),
-                "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
-                "last_seen": lookup.iso_ns(max(d.start_ns for d in items))}  # fmt: skip
+        line = {
+            "cause": cause,
+            "stage": stage,
+            "service": service,
+            "requests": len(items),
+            "analysed": sum(d.trace_id in analysed for d in items),
+            "hosts": sorted({d.host for d in items}),
+            "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
+            "last_seen": lookup.iso_ns(max(d.start_ns for d in items)),
+        }
         on = Counter(began_on[d.trace_id] for d in items if d.trace_id in began_on)
         if on:
             line["began_on"] = dict(on.most_common())

@@ -26,8 +26,16 @@ from stagetrace import config, conventions, lookup
 from stagetrace.analysis import detectors, inventory, population, rollouts, silent, tenants
 from stagetrace.analysis import ranks as _ranks
 from stagetrace.analysis.causes import RESOURCE, Cause, OnRank, differences, is_measurement, ranked
-from stagetrace.analysis.comparison import (ambiguous, compare_stages, confirmed, first_divergence, rank_settings,
-                                           ranks_of, stage_differences, stage_spans)
+from stagetrace.analysis.comparison import (
+    ambiguous,
+    compare_stages,
+    confirmed,
+    first_divergence,
+    rank_settings,
+    ranks_of,
+    stage_differences,
+    stage_spans,
+)
 from stagetrace.analysis.hardware import Samples, Timing
 from stagetrace.analysis.results import Baseline, Explanation
 from stagetrace.store import Store
@@ -44,8 +52,9 @@ REFERENCES = population.REFERENCES  # other requests with the majority output TP
 def _trace_of(trace_id: str, spans: list[lookup.Span]) -> lookup.Trace:
     """A trace of the spans read for it (its stages, for comparing them)."""
     start = min(s.start_ns for s in spans)
-    return lookup.Trace(None, trace_id, spans[0].service, start, max(s.start_ns + s.duration_ns for s in spans) - start,
-                        spans)  # fmt: skip
+    return lookup.Trace(
+        None, trace_id, spans[0].service, start, max(s.start_ns + s.duration_ns for s in spans) - start, spans
+    )
 
 
 def root(trace: lookup.Trace) -> lookup.Span:
@@ -88,9 +97,19 @@ def rollout_candidates(trace: lookup.Trace) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.Trace, contrast,
-             samples: Samples | None, found_rollouts: list, reason: str = "", tenancy=None,
-             began: list[str] = (), cache_hits: dict | None = None) -> list[Cause]:  # fmt: skip
+def diagnose(
+    store: Store,
+    stage: str,
+    request: lookup.Trace,
+    baseline: lookup.Trace,
+    contrast,
+    samples: Samples | None,
+    found_rollouts: list,
+    reason: str = "",
+    tenancy=None,
+    began: list[str] = (),
+    cache_hits: dict | None = None,
+) -> list[Cause]:
     """Every detector's causes for one divergent stage, ranked (``tenancy``: the GPUs' tenants, ``cache_hits``: the
     stored prefix-cache hits, each read once for many requests; None reads this request's). ``began``: the ranks
     that began the difference (``ranks.locate``); the detectors look at those ranks' spans alone (their GPU, host,
@@ -103,8 +122,9 @@ def diagnose(store: Store, stage: str, request: lookup.Trace, baseline: lookup.T
     if theirs and set(theirs) != set(mine):  # other TP ranks on each side: a rank faces its own or the lowest
         lowest = theirs[min(theirs, key=rank_order)]
         theirs = {rank: theirs.get(rank, lowest) for rank in mine}
-    case = detectors.Case(store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason,
-                          tenancy, cache_hits)  # fmt: skip
+    case = detectors.Case(
+        store, request, baseline, stage, mine, theirs, contrast, samples, found_rollouts, reason, tenancy, cache_hits
+    )
     return sourced(ranked(detectors.detect(case)), case.span, case.baseline_span)
 
 
@@ -121,8 +141,14 @@ def sourced(causes: list[Cause], span: lookup.Span, baseline: lookup.Span | None
     return causes
 
 
-def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_differed: bool = False,
-            ranks: list[str] = (), origin: _ranks.Origin | None = None) -> str:  # fmt: skip
+def summary(
+    stage: str | None,
+    causes: list[Cause],
+    baseline: Baseline,
+    input_differed: bool = False,
+    ranks: list[str] = (),
+    origin: _ranks.Origin | None = None,
+) -> str:
     """The one-line verdict; it names the baseline's request ID so that ``stagetrace trace`` can open it. With the
     ``origin`` of a TP stage's difference, it says which rank began it, on which GPU and host, and which received
     it."""
@@ -140,45 +166,60 @@ def summary(stage: str | None, causes: list[Cause], baseline: Baseline, input_di
         lead, sep = f"{stage} diverged{where}" + (" (its input already differed)" if input_differed else ""), ":"
     if top is None:
         weak = ", ".join(c.name for c in [c for c in causes if not c.evidence.get("neutral")][:WEAK_NAMED])
-        return (f"{lead}; no recorded setting or hardware signal differs; {stage} itself is nondeterministic or an "
-                f"unrecorded input changed" + (f" (weak candidates: {weak})" if weak else "") + f" {tail}")  # fmt: skip
+        return (
+            f"{lead}; no recorded setting or hardware signal differs; {stage} itself is nondeterministic or an "
+            f"unrecorded input changed" + (f" (weak candidates: {weak})" if weak else "") + f" {tail}"
+        )
     if top.kind == "sdc":
         ev = top.evidence
-        return (f"{lead}; suspected silent data corruption: {ev['gpu']} ({ev['host']}) began the difference in "
-                f"{ev['requests']} requests with no error counter or setting recorded against it {tail}")  # fmt: skip
+        return (
+            f"{lead}; suspected silent data corruption: {ev['gpu']} ({ev['host']}) began the difference in "
+            f"{ev['requests']} requests with no error counter or setting recorded against it {tail}"
+        )
     if top.kind == "rollout":
         rollout = top.evidence["rollout"]
         if top.evidence.get("expected"):
             return f"{lead} as expected: {rollout['summary']} {tail}"
-        return (f"{lead}{sep} {top.evidence['host']} still had {top.name} {top.value} after the fleet moved to "
-                f"{top.baseline_value} ({rollout['hosts']}/{rollout['of_hosts']} hosts) {tail}")  # fmt: skip
+        return (
+            f"{lead}{sep} {top.evidence['host']} still had {top.name} {top.value} after the fleet moved to "
+            f"{top.baseline_value} ({rollout['hosts']}/{rollout['of_hosts']} hosts) {tail}"
+        )
     if top.kind == "weights":
         ev = top.evidence
-        return (f"{lead}{sep} {ev['gpu']} ({ev['host']}) used weights of step {top.value} ({top.name}) while its fleet "
-                f"served {top.baseline_value} ({ev['gpus_on_fleet_step']}/{ev['gpus']} other GPUs, since "
-                f"{ev['fleet_step_since'][:19].replace('T', ' ')} UTC): it missed a weight sync {tail}")  # fmt: skip
+        return (
+            f"{lead}{sep} {ev['gpu']} ({ev['host']}) used weights of step {top.value} ({top.name}) while its fleet "
+            f"served {top.baseline_value} ({ev['gpus_on_fleet_step']}/{ev['gpus']} other GPUs, since "
+            f"{ev['fleet_step_since'][:19].replace('T', ' ')} UTC): it missed a weight sync {tail}"
+        )
     if top.kind == "hardware" and "tenant" in top.evidence:
         rank = f" rank {top.evidence['rank']}'s" if top.evidence.get("rank") else " its"
-        return (f"{lead}{sep}{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the "
-                f"baseline {tail}")  # fmt: skip
+        return (
+            f"{lead}{sep}{rank} GPU {tenants.describe(top.name, top.evidence)} while it ran, not for the "
+            f"baseline {tail}"
+        )
     if top.kind == "hardware":
         rank = f" rank {top.evidence['rank']}," if top.evidence.get("rank") else ""
-        change = (f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}")
+        change = f"rose by {top.value.lstrip('+')}" if top.value.startswith("+") else f"was {top.value}"
         usual = f" (usually {top.evidence['typical']:g})" if "typical" in top.evidence else ""
         timing = Timing.of(top.evidence)  # the window the detector weighed, as the report draws it
         when = timing.words(stage) if timing else "while it ran"
         half = f", the {top.evidence['half']} end of the KV transfer" if top.evidence.get("half") else ""
-        return (f"{lead}{sep} {top.name} {change}{usual} {when} on{rank} {top.evidence['device']} "
-                f"({top.evidence['host']}{half}), not for the baseline {tail}")  # fmt: skip
+        return (
+            f"{lead}{sep} {top.name} {change}{usual} {when} on{rank} {top.evidence['device']} "
+            f"({top.evidence['host']}{half}), not for the baseline {tail}"
+        )
     value, usual = top.value or "(unset)", top.baseline_value or "(unset)"
     where = top.evidence.get("where") or {}
     host = where.get(conventions.HOST) or next(iter(where.values()), "")
     together = top.evidence.get("together") or []
     if together:
-        names = " and ".join(f"{c['name']} {c['value'] or '(unset)'}" for c in [{"name": top.name, "value": value},
-                                                                              *together])
-        return (f"{lead}{sep} {names} changed together{f' on {host}' if host else ''} and cannot be told apart here "
-                f"(a host with one and not the others would tell them apart) {tail}")  # fmt: skip
+        names = " and ".join(
+            f"{c['name']} {c['value'] or '(unset)'}" for c in [{"name": top.name, "value": value}, *together]
+        )
+        return (
+            f"{lead}{sep} {names} changed together{f' on {host}' if host else ''} and cannot be told apart here "
+            f"(a host with one and not the others would tell them apart) {tail}"
+        )
     known = conventions.KNOWN_CAUSES.get(top.name)
     known = f"; known: {known}" if known else ""
     if host:
@@ -193,12 +234,20 @@ _WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTim
 _PEERS_SQL = f"""
 SELECT RequestId, argMax(TraceId, Start), toUnixTimestamp64Nano(max(Start)), argMax(HostName, Start),
        argMax(OutputDigest, Start), argMax(TraceId, Start) IN (
-           {conventions.nondeterministic_traces_sql(
-               _WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}),
+           {
+    conventions.nondeterministic_traces_sql(
+        _WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages"
+    )
+}),
        argMax(ServiceName, Start), argMax(Model, Start)
-FROM ({conventions.requests_sql(
-    f"{_WINDOW} AND TraceId IN (SELECT TraceId FROM {{db:Identifier}}.stagetrace_requests "
-    f"WHERE InputDigest = {{input:String}} AND {_WINDOW})", "{db:Identifier}.stagetrace_requests", model=True)})
+FROM ({
+    conventions.requests_sql(
+        f"{_WINDOW} AND TraceId IN (SELECT TraceId FROM {{db:Identifier}}.stagetrace_requests "
+        f"WHERE InputDigest = {{input:String}} AND {_WINDOW})",
+        "{db:Identifier}.stagetrace_requests",
+        model=True,
+    )
+})
 WHERE InputDigest = {{input:String}}
 GROUP BY RequestId"""
 
@@ -212,8 +261,15 @@ class Explainer:
     def explain(self, request_id: str, against: str | None = None) -> Explanation:
         trace = lookup.by_request_id(self.store, request_id)
         reason = nondeterminism(trace)
-        report = Explanation(request_id, trace.trace_id, trace.input_digest, trace.output_digest, bool(reason),
-                             reason or None, unknown_seed(trace) or None)  # fmt: skip
+        report = Explanation(
+            request_id,
+            trace.trace_id,
+            trace.input_digest,
+            trace.output_digest,
+            bool(reason),
+            reason or None,
+            unknown_seed(trace) or None,
+        )
         if against is not None:
             try:
                 other = lookup.by_request_id(self.store, against)
@@ -224,14 +280,16 @@ class Explainer:
         if peer is None:  # no input digest to find its row by: its own root span's service, and its model
             model = conventions.request_model(
                 [(trace.root.attributes, trace.root.resource, trace.root.name)] if trace.spans else [],
-                [(s.stage_name, s.start_ns, s.attributes, s.resource) for s in trace.spans if s is not trace.root])
+                [(s.stage_name, s.start_ns, s.attributes, s.resource) for s in trace.spans if s is not trace.root],
+            )
             peer = conventions.peer_of(trace.service, model, config.peer_key())
         found_rollouts = self._rollouts(trace, peers)
         epochs = population.epochs_of(found_rollouts)
         if against is None:
             # peers on the request's side of every rollout; with none there, across it (the rollout explains it)
             baseline = self._baseline(request_id, trace.start_ns, peers, epochs) or self._baseline(
-                request_id, trace.start_ns, peers, [])
+                request_id, trace.start_ns, peers, []
+            )
         if baseline is None:
             report.summary = "no other request with the same input in the window: nothing to compare against"
             return report
@@ -252,18 +310,28 @@ class Explainer:
             _ranks.at(first.origin, trace, stage)
         found: list[Cause] = []
         if stage is not None:
-            contrast = self._contrast(stage, trace, baseline.trace, found_rollouts, gpus, peer, first.ranks,
-                                      rank_settings(trace, baseline.trace, first))  # fmt: skip
+            contrast = self._contrast(
+                stage,
+                trace,
+                baseline.trace,
+                found_rollouts,
+                gpus,
+                peer,
+                first.ranks,
+                rank_settings(trace, baseline.trace, first),
+            )
             hosts = {s.resource.get("host.name", "") for s in trace.spans + baseline.trace.spans}
             t0 = min(trace.start_ns, baseline.trace.start_ns)
             t1 = max(trace.start_ns + trace.duration_ns, baseline.trace.start_ns + baseline.trace.duration_ns)
             samples = Samples(self.store, sorted(hosts), t0, t1)
-            found = diagnose(self.store, stage, trace, baseline.trace, contrast, samples, found_rollouts, reason,
-                             began=first.ranks)  # fmt: skip
+            found = diagnose(
+                self.store, stage, trace, baseline.trace, contrast, samples, found_rollouts, reason, began=first.ranks
+            )
             suspects = silent.gpus(first.origin) if not any(not c.weak for c in found) else []
             if suspects:  # what the analyser recorded of the same GPUs: one query over its small table
-                began = silent.recorded(self.store, suspects, trace.start_ns - self.window_ns,
-                                        trace.start_ns + self.window_ns)  # fmt: skip
+                began = silent.recorded(
+                    self.store, suspects, trace.start_ns - self.window_ns, trace.start_ns + self.window_ns
+                )
                 found = silent.suspected(found, stage, first.origin, began, request_id)
         elif reason:
             found = diagnose(self.store, "", trace, baseline.trace, None, None, [], reason)
@@ -275,28 +343,39 @@ class Explainer:
         report.summary = summary(stage, found, baseline, first.input_differed, first.ranks, first.origin)
         return report
 
-    def _peers(self, request_id: str, start_ns: int, input_digest: str,
-               nondeterministic: bool) -> tuple[list[tuple], tuple[str, str] | None]:  # fmt: skip
+    def _peers(
+        self, request_id: str, start_ns: int, input_digest: str, nondeterministic: bool
+    ) -> tuple[list[tuple], tuple[str, str] | None]:
         """(request ID, trace ID, start, host, output, service) of the request's peers: the requests with its input and
         its peer key (``conventions.peer_of``: its service and model), sampling alike; and that key."""
         if not input_digest:
             return [], None
         rows = self.store.client.query(
             _PEERS_SQL,
-            parameters={"db": self.store.database, "input": input_digest, "t0": start_ns - self.window_ns,
-                        "t1": start_ns + self.window_ns},  # fmt: skip
+            parameters={
+                "db": self.store.database,
+                "input": input_digest,
+                "t0": start_ns - self.window_ns,
+                "t1": start_ns + self.window_ns,
+            },
         ).result_rows
         key = config.peer_key()
         peer = next((conventions.peer_of(row[6], row[7], key) for row in rows if row[0] == request_id), None)
-        return [(*row[:5], row[6]) for row in rows if conventions.peer_of(row[6], row[7], key) == peer
-                and (bool(row[5]) == nondeterministic or row[0] == request_id)], peer  # fmt: skip
+        return [
+            (*row[:5], row[6])
+            for row in rows
+            if conventions.peer_of(row[6], row[7], key) == peer
+            and (bool(row[5]) == nondeterministic or row[0] == request_id)
+        ], peer
 
     def _references(self, peers: list[tuple], baseline: Baseline, trace: lookup.Trace) -> list[lookup.Trace]:
         """Up to ``REFERENCES`` other peers with the baseline's output, nearest the request in time: their stage
         spans, read in one query."""
         output = baseline.trace.output_digest
-        chosen = sorted((p for p in peers if p[4] == output and p[0] not in (baseline.request_id, trace.request_id)),
-                        key=lambda p: abs(int(p[2]) - trace.start_ns))[:REFERENCES]  # fmt: skip
+        chosen = sorted(
+            (p for p in peers if p[4] == output and p[0] not in (baseline.request_id, trace.request_id)),
+            key=lambda p: abs(int(p[2]) - trace.start_ns),
+        )[:REFERENCES]
         if not chosen:
             return []
         within = (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns)
@@ -305,48 +384,80 @@ class Explainer:
 
     def _baseline(self, request_id: str, start_ns: int, peers: list[tuple], epochs) -> Baseline | None:
         """The majority (or nearest earlier) among the peers on the request's side of every epoch of its service."""
+
         def side(t: int, service: str) -> tuple:
             return tuple(service == s and t >= e for e, s in epochs)
 
         service = next((p[5] for p in peers if p[0] == request_id), "")
         peers = [p for p in peers if side(int(p[2]), p[5]) == side(start_ns, service)]
         outputs = {rid: out for rid, _, _, _, out, _ in peers}
-        others = [population.Member(rid, tid, int(start), host) for rid, tid, start, host, _, _ in peers
-                  if rid != request_id]  # fmt: skip
+        others = [
+            population.Member(rid, tid, int(start), host) for rid, tid, start, host, _, _ in peers if rid != request_id
+        ]
         host = next((h for rid, _, _, h, _, _ in peers if rid == request_id), "")
         counts = Counter(outputs.values())
         ranking = counts.most_common(2)
         if ranking and ranking[0][1] >= 2 and (len(ranking) == 1 or ranking[0][1] > ranking[1][1]):
             chosen = population.nearest([m for m in others if outputs[m.request_id] == ranking[0][0]], start_ns, host)
             if chosen:
-                return Baseline(chosen.request_id, "majority", ranking[0][1], len(peers),
-                                lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
+                return Baseline(
+                    chosen.request_id,
+                    "majority",
+                    ranking[0][1],
+                    len(peers),
+                    lookup.by_request_id(self.store, chosen.request_id),
+                )
         earlier = [m for m in others if m.start_ns < start_ns]
         if not earlier:
             return None
         chosen = max(earlier, key=lambda m: m.start_ns)
-        return Baseline(chosen.request_id, "nearest_earlier", counts[outputs[chosen.request_id]], len(peers),
-                        lookup.by_request_id(self.store, chosen.request_id))  # fmt: skip
+        return Baseline(
+            chosen.request_id,
+            "nearest_earlier",
+            counts[outputs[chosen.request_id]],
+            len(peers),
+            lookup.by_request_id(self.store, chosen.request_id),
+        )
 
     def _rollouts(self, trace: lookup.Trace, peers: list[tuple]) -> list:
         """Rollouts of the settings the request ran with, looked for in the window where its peers suggest one."""
         nearest = sorted(peers, key=lambda p: abs(int(p[2]) - trace.start_ns))[:SUSPECT_PEERS]
-        return rollouts.detect(self.store, rollout_candidates(trace), trace.start_ns - self.window_ns,
-                               trace.start_ns + self.window_ns,
-                               among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest])  # fmt: skip
+        return rollouts.detect(
+            self.store,
+            rollout_candidates(trace),
+            trace.start_ns - self.window_ns,
+            trace.start_ns + self.window_ns,
+            among=[(trace.trace_id, trace.start_ns)] + [(p[1], int(p[2])) for p in nearest],
+        )
 
-    def _contrast(self, stage: str, trace: lookup.Trace, baseline: lookup.Trace, found_rollouts: list,
-                  gpus: inventory.Inventory | None = None, peer: tuple[str, str] = ("", ""),
-                  began: list[str] = (), on_rank: tuple[str, list[str]] | None = None):  # fmt: skip
+    def _contrast(
+        self,
+        stage: str,
+        trace: lookup.Trace,
+        baseline: lookup.Trace,
+        found_rollouts: list,
+        gpus: inventory.Inventory | None = None,
+        peer: tuple[str, str] = ("", ""),
+        began: list[str] = (),
+        on_rank: tuple[str, list[str]] | None = None,
+    ):
         """The stage's contrast; ``on_rank``: (rank, keys) of the beginning rank's settings, weighed on its own spans
         too (``rank_settings``: one more query)."""
         keys = stage_differences(trace, baseline, stage, began)
         if keys is None:
             return None
         t0, t1 = contrast_window(self.store, trace.start_ns, trace.start_ns, self.contrast_window_ns)
-        found = population.contrast(self.store, stage, keys, t0, t1, found_rollouts,
-                                    (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns), inventory=gpus,
-                                    peer=peer)  # fmt: skip
+        found = population.contrast(
+            self.store,
+            stage,
+            keys,
+            t0,
+            t1,
+            found_rollouts,
+            (trace.start_ns - self.window_ns, trace.start_ns + self.window_ns),
+            inventory=gpus,
+            peer=peer,
+        )
         if on_rank is None:
             return found
         at = (stage, on_rank[0], ranks_of(trace, stage)[on_rank[0]].service)

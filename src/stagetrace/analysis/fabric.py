@@ -49,8 +49,17 @@ def watched(trace: lookup.Trace, stage: str, span: lookup.Span, samples: Samples
     for (half, where), spans in sorted(ends.items()):
         gpus = dict.fromkeys(g for s in spans for g in devices(s.attributes)[0])
         nics = dict.fromkeys(n for s in spans for n in weighed(samples, s)[1])
-        out.append(Watched(half, where, tuple(gpus), tuple(nics), min(s.start_ns for s in spans),
-                           max(s.start_ns + s.duration_ns for s in spans), spans[0]))  # fmt: skip
+        out.append(
+            Watched(
+                half,
+                where,
+                tuple(gpus),
+                tuple(nics),
+                min(s.start_ns for s in spans),
+                max(s.start_ns + s.duration_ns for s in spans),
+                spans[0],
+            )
+        )
     return out
 
 

@@ -104,10 +104,18 @@ SIGNALS = (
     Signal("rdma_(out_of_sequence|packet_seq_err|implied_nak_seq_err)_total", NIC, 0.85, pattern=True),
     # the port stalled past the critical timeout and stopped sending pause frames: drops may follow
     Signal("nic_pause_storm_events_total", NIC, 0.85, where=(("level", ("error",)),), label=NETDEV),
-    Signal("rdma_(roce_adp_retrans|roce_adp_retrans_to|rnr_nak_retry_err|req_transport_retries_exceeded)_total",
-           NIC, 0.8, pattern=True),
-    Signal("rdma_(symbol_errors|port_receive_errors|link_error_recovery|local_link_integrity_errors)_total",
-           NIC, 0.75, pattern=True),
+    Signal(
+        "rdma_(roce_adp_retrans|roce_adp_retrans_to|rnr_nak_retry_err|req_transport_retries_exceeded)_total",
+        NIC,
+        0.8,
+        pattern=True,
+    ),
+    Signal(
+        "rdma_(symbol_errors|port_receive_errors|link_error_recovery|local_link_integrity_errors)_total",
+        NIC,
+        0.75,
+        pattern=True,
+    ),
     # packets the port dropped for lack of buffers: loss on what should be a lossless fabric
     Signal("nic_discards_total", NIC, 0.7, label=NETDEV),
     Signal("rdma_.*err.*_total", NIC, 0.7, pattern=True),  # any other error-class hw counter
@@ -115,13 +123,18 @@ SIGNALS = (
     Signal("nic_pause_storm_events_total", NIC, PFC_SEVERITY, where=(("level", ("warning",)),), label=NETDEV),
     Signal("nic_pfc_pause_frames_total", NIC, PFC_SEVERITY, ratio_above=10, floor=1000, label=NETDEV),
     Signal("nic_pfc_pause_duration_seconds_total", NIC, PFC_SEVERITY, ratio_above=10, floor=0.1, label=NETDEV),
-    Signal("gpu_clock_event_active", GPU, 0.6, gauge_above=0,
-           where=(("reason", ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")),)),
+    Signal(
+        "gpu_clock_event_active",
+        GPU,
+        0.6,
+        gauge_above=0,
+        where=(("reason", ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")),),
+    ),
     Signal("nccl_collective_time_seconds", GPU, 0.55, gauge=True, ratio_above=3),  # collectives far slower than usual
     Signal("mps_clients", GPU, 0.5, gauge_above=1),  # co-tenancy: another MPS client on the same GPU
     # the netdev's receive queues had no software buffers (the host's Ethernet path, not RoCE's)
     Signal("nic_out_of_buffer_total", NIC, 0.5, label=NETDEV),
-)  # fmt: skip
+)
 
 LOOKAROUND_NS = 10 * 60 * 1_000_000_000  # samples fetched around the windows: enough for a few scrape intervals
 MIN_TYPICAL = 3  # samples (gauges) or scrape intervals (counters) outside the window that make a typical level
@@ -165,10 +178,13 @@ def present_query(signals: Sequence[Signal]) -> tuple[str, dict]:
         params.update({f"family{i}": prefix for i, prefix in enumerate(prefixes)})
         tests = " OR ".join(f"startsWith(MetricName, {{family{i}:String}})" for i in range(len(prefixes)))
         where = f"\n      AND ({tests})"
-    selects = "\n    UNION ALL".join(_PRESENT.format(gauge=int(gauge), table=table, range=_RANGE, families=where)
-                                     for gauge, table in TABLES.items())  # fmt: skip
-    sql = (f"SELECT Host, arraySort(groupUniqArray(T)), groupUniqArrayIf(MetricName, Gauge = 0),"
-           f" groupUniqArrayIf(MetricName, Gauge = 1)\nFROM ({selects}\n)\nGROUP BY Host\n")  # fmt: skip
+    selects = "\n    UNION ALL".join(
+        _PRESENT.format(gauge=int(gauge), table=table, range=_RANGE, families=where) for gauge, table in TABLES.items()
+    )
+    sql = (
+        f"SELECT Host, arraySort(groupUniqArray(T)), groupUniqArrayIf(MetricName, Gauge = 0),"
+        f" groupUniqArrayIf(MetricName, Gauge = 1)\nFROM ({selects}\n)\nGROUP BY Host\n"
+    )
     return sql, params
 
 
@@ -305,8 +321,12 @@ class Samples:
 
     def __init__(self, store: Store, hosts: list[str], t0_ns: int, t1_ns: int, signals: Sequence[Signal] | None = None):
         signals = tuple(SIGNALS if signals is None else signals)
-        params = {"db": store.database, "hosts": sorted(set(hosts)), "t0": t0_ns - LOOKAROUND_NS,
-                  "t1": t1_ns + LOOKAROUND_NS}  # fmt: skip
+        params = {
+            "db": store.database,
+            "hosts": sorted(set(hosts)),
+            "t0": t0_ns - LOOKAROUND_NS,
+            "t1": t1_ns + LOOKAROUND_NS,
+        }
         self._scrape_times: dict[str, list[int]] = {}
         self._by_device: dict[tuple[str, str], list[tuple[str, Series]]] = defaultdict(list)
         self._nics: dict[str, set[str]] = defaultdict(set)  # host -> the NICs (as spans name them) read there
@@ -373,8 +393,17 @@ class Samples:
                 window = self.window(host, start_ns, end_ns, series.signal.lookback)
                 delta, typical, when = _rise(series, *window, scrapes)
                 if delta > 0 and when is not None:
-                    out.append(Rise(series.signal, name, device, series.labels, delta, typical,
-                                    Timing(window, (start_ns, end_ns), when)))  # fmt: skip
+                    out.append(
+                        Rise(
+                            series.signal,
+                            name,
+                            device,
+                            series.labels,
+                            delta,
+                            typical,
+                            Timing(window, (start_ns, end_ns), when),
+                        )
+                    )
         return out
 
 
@@ -421,8 +450,9 @@ def _increase(series: Series, lo: int, hi: int, w0: int, scrapes: list[int]) -> 
     return increase, ((min(a for a, _ in steps), max(b for _, b in steps)) if steps else None)
 
 
-def _relative(series: Series, lo: int, hi: int, w0: int, w1: int,
-              scrapes: list[int]) -> tuple[float, float | None, tuple[int, int] | None]:  # fmt: skip
+def _relative(
+    series: Series, lo: int, hi: int, w0: int, w1: int, scrapes: list[int]
+) -> tuple[float, float | None, tuple[int, int] | None]:
     signal = series.signal
     times, values = series.times, series.values
     around_lo = bisect.bisect_left(times, w0 - LOOKAROUND_NS)
@@ -487,16 +517,29 @@ def context(store: Store, trace) -> list[dict]:
     spans = [s for s in trace.spans if any(devices(s.attributes)) or conventions.moves_over_fabric(s.name)]
     if not spans:
         return []
-    samples = Samples(store, sorted({s.resource.get("host.name", "") for s in spans}), trace.start_ns,
-                      trace.start_ns + trace.duration_ns)  # fmt: skip
+    samples = Samples(
+        store,
+        sorted({s.resource.get("host.name", "") for s in spans}),
+        trace.start_ns,
+        trace.start_ns + trace.duration_ns,
+    )
     found: dict[tuple, dict] = {}
     severity: dict[tuple, float] = {}
     for span in spans:
         host = span.resource.get("host.name", "")
         for rise in samples.rises(host, *weighed(samples, span), span.start_ns, span.start_ns + span.duration_ns):
             key = (host, rise.device, rise.metric, tuple(sorted(rise.labels.items())))
-            entry = found.setdefault(key, {"stage": span.stage, "host": host, "device": rise.device, "metric": rise.metric,
-                                           "labels": rise.labels, "increase": 0.0})  # fmt: skip
+            entry = found.setdefault(
+                key,
+                {
+                    "stage": span.stage,
+                    "host": host,
+                    "device": rise.device,
+                    "metric": rise.metric,
+                    "labels": rise.labels,
+                    "increase": 0.0,
+                },
+            )
             severity[key] = rise.signal.severity
             if rise.delta > entry["increase"]:
                 entry["increase"] = rise.delta

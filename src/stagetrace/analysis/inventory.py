@@ -80,10 +80,20 @@ class Inventory:
                 if len(values) == 1 and "" not in values:  # every GPU of the host says the same
                     self.hosts.setdefault(host, {})[name] = values.pop()
         # a sample without a UUID still counts in its host's agreement, but is no GPU a span could name
-        self._entries = {_key(name, host, uuid): value for (host, uuid), attributes in gpus.items() if uuid
-                         for name, value in attributes.items() if value}  # fmt: skip
-        self._entries.update({_key(name, host, ""): value for host, attributes in self.hosts.items()
-                              for name, value in attributes.items()})  # fmt: skip
+        self._entries = {
+            _key(name, host, uuid): value
+            for (host, uuid), attributes in gpus.items()
+            if uuid
+            for name, value in attributes.items()
+            if value
+        }
+        self._entries.update(
+            {
+                _key(name, host, ""): value
+                for host, attributes in self.hosts.items()
+                for name, value in attributes.items()
+            }
+        )
 
     def __bool__(self) -> bool:
         return bool(self._entries)
@@ -101,10 +111,17 @@ class Inventory:
 def read(store: Store, at_ns: int) -> Inventory:
     """The inventory of every host's GPUs at ``at_ns`` (see the module's docstring); empty without gpu_info samples."""
     names = list(conventions.INVENTORY_LABELS)
-    rows = store.client.query(INVENTORY_SQL, parameters={
-        "db": store.database, "metric": conventions.INVENTORY_METRIC, "t": at_ns,
-        "labels": [conventions.INVENTORY_LABELS[n] for n in names],
-        "t0": at_ns - LOOKAROUND_NS, "t1": at_ns + LOOKAROUND_NS}).result_rows  # fmt: skip
+    rows = store.client.query(
+        INVENTORY_SQL,
+        parameters={
+            "db": store.database,
+            "metric": conventions.INVENTORY_METRIC,
+            "t": at_ns,
+            "labels": [conventions.INVENTORY_LABELS[n] for n in names],
+            "t0": at_ns - LOOKAROUND_NS,
+            "t1": at_ns + LOOKAROUND_NS,
+        },
+    ).result_rows
     return Inventory({(host, uuid): dict(zip(names, values)) for host, uuid, values in rows if host})
 
 
@@ -112,8 +129,11 @@ def fill(resource: dict[str, str], attributes: dict[str, str], inventory: Invent
     """The span's resource with the inventory's attributes added where the resource lacks them (never over what
     the process recorded); the names added are listed under ``FILLED``. The resource itself when nothing is added."""
     host, uuid = resource.get(conventions.HOST, ""), attributes.get(conventions.GPU_UUID, "")
-    added = {name: value for name in conventions.INVENTORY_LABELS
-             if not resource.get(name) and (value := inventory.value(name, host, uuid))}  # fmt: skip
+    added = {
+        name: value
+        for name in conventions.INVENTORY_LABELS
+        if not resource.get(name) and (value := inventory.value(name, host, uuid))
+    }
     if not added:
         return resource
     return {**resource, **added, FILLED: ",".join(added)}

@@ -69,33 +69,53 @@ class Pass:
 
     until_ns: int  # requests that started before this were analysed
     analysed: int  # deviating requests analysed (new and re-checked)
-    new: dict[tuple[str, str, str], int]  # (service, stage, top cause) -> deviating requests recorded for the first time
+    new: dict[
+        tuple[str, str, str], int
+    ]  # (service, stage, top cause) -> deviating requests recorded for the first time
     duration_s: float
     # (service, stage, rank, GPU, its host) -> of those, the requests whose difference that TP rank began
     began: dict[tuple[str, str, str, str, str], int] = field(default_factory=dict)
 
 
 # what the analyser exposes on /metrics (the agent's, or `stagetrace analyse --listen`), described as data
-DEVIATING = MetricSpec("stagetrace_deviating_requests_total", COUNTER,
-                       "Deviating requests the live analyser recorded, by service, first divergent stage and top "
-                       "cause (its name: values stay out of labels).", ("service", "stage", "cause"))  # fmt: skip
+DEVIATING = MetricSpec(
+    "stagetrace_deviating_requests_total",
+    COUNTER,
+    "Deviating requests the live analyser recorded, by service, first divergent stage and top "
+    "cause (its name: values stay out of labels).",
+    ("service", "stage", "cause"),
+)
 # One series per GPU that began differences (a TP rank's contribution, or inside the stage on it), never per request:
 # as many as the GPUs that went wrong. Its host is ``gpu_host``: ``host`` is the analyser's own, on every series.
-BEGAN = MetricSpec("stagetrace_deviations_began_total", COUNTER,
-                   "Deviating requests the live analyser recorded whose difference a TP rank began, by service, "
-                   "first divergent stage, that rank, its GPU and the GPU's host (gpu_host).",
-                   ("service", "stage", "rank", "gpu", "gpu_host"))  # fmt: skip
-ANALYSED = MetricSpec("stagetrace_analysed_requests_total", COUNTER,
-                      "Deviating requests the live analyser analysed, re-checks included.")
+BEGAN = MetricSpec(
+    "stagetrace_deviations_began_total",
+    COUNTER,
+    "Deviating requests the live analyser recorded whose difference a TP rank began, by service, "
+    "first divergent stage, that rank, its GPU and the GPU's host (gpu_host).",
+    ("service", "stage", "rank", "gpu", "gpu_host"),
+)
+ANALYSED = MetricSpec(
+    "stagetrace_analysed_requests_total", COUNTER, "Deviating requests the live analyser analysed, re-checks included."
+)
 PASSES = MetricSpec("stagetrace_analysis_passes_total", COUNTER, "Analysis passes that completed.")
-FAILURES = MetricSpec("stagetrace_analysis_failures_total", COUNTER,
-                      "Passes that failed (the store unreachable, a query refused); the next period retries.")
+FAILURES = MetricSpec(
+    "stagetrace_analysis_failures_total",
+    COUNTER,
+    "Passes that failed (the store unreachable, a query refused); the next period retries.",
+)
 DURATION = MetricSpec("stagetrace_analysis_duration_seconds", GAUGE, "How long the last pass took.", unit="seconds")
-LAG = MetricSpec("stagetrace_analysis_lag_seconds", GAUGE, "How far behind the newest request the last pass "
-                 "reached (the settle delay and the pass itself at best); it grows while passes fail.",
-                 unit="seconds")  # fmt: skip
-HOLDING = MetricSpec("stagetrace_analyser_holding_lease", GAUGE,
-                     "1 when this process is the store's analyser, 0 while another holds the lease.")
+LAG = MetricSpec(
+    "stagetrace_analysis_lag_seconds",
+    GAUGE,
+    "How far behind the newest request the last pass "
+    "reached (the settle delay and the pass itself at best); it grows while passes fail.",
+    unit="seconds",
+)
+HOLDING = MetricSpec(
+    "stagetrace_analyser_holding_lease",
+    GAUGE,
+    "1 when this process is the store's analyser, 0 while another holds the lease.",
+)
 
 
 class Stats:
@@ -132,8 +152,14 @@ class Stats:
                 out.add_series(DEVIATING, key, n)
             for key, n in sorted(self.began.items()):
                 out.add_series(BEGAN, key, n)
-            for spec, value in ((ANALYSED, self.analysed), (PASSES, self.passes), (FAILURES, self.failures),
-                                (DURATION, self.duration_s), (LAG, self.lag_s), (HOLDING, float(self.holding))):
+            for spec, value in (
+                (ANALYSED, self.analysed),
+                (PASSES, self.passes),
+                (FAILURES, self.failures),
+                (DURATION, self.duration_s),
+                (LAG, self.lag_s),
+                (HOLDING, float(self.holding)),
+            ):
                 out.add_series(spec, (), value)
         return out.families(host)
 
@@ -153,15 +179,25 @@ class Lease:
     def claim(self, analysed_until_ns: int, held: bool = True) -> None:
         now_ms = self.clock() // 1_000_000
         expires_ms = now_ms + int(2 * self.schedule.every_s * 1000) if held else 0
-        self.store.client.insert("stagetrace_analyser", [(self.holder, now_ms, expires_ms, analysed_until_ns)],
-                                 column_names=_LEASE_COLUMNS, database=self.store.database)  # fmt: skip
+        self.store.client.insert(
+            "stagetrace_analyser",
+            [(self.holder, now_ms, expires_ms, analysed_until_ns)],
+            column_names=_LEASE_COLUMNS,
+            database=self.store.database,
+        )
 
 
 class Analyser:
     """The loop over one store. ``clock`` returns nanoseconds since the epoch (tests move it)."""
 
-    def __init__(self, store: Store, schedule: Schedule | None = None, holder: str | None = None,
-                 stats: Stats | None = None, clock=time.time_ns):  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        schedule: Schedule | None = None,
+        holder: str | None = None,
+        stats: Stats | None = None,
+        clock=time.time_ns,
+    ):
         self.store = store
         self.schedule = schedule or Schedule()
         self.holder = holder or f"{socket.gethostname()}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
@@ -212,9 +248,16 @@ class Analyser:
         def changed(d) -> bool:  # a request analysed before is analysed again only if its group's majority changed
             return self._groups.get(d.request_id) != d.majority_output
 
-        report = divergences.compute(self.store, int(schedule.lookback_s * S) + (until_ns - analyse_from), until_ns,
-                                     limit=None, analyse_from_ns=analyse_from, analyse=changed,
-                                     inputs_from_ns=start_ns, tally_all=False)  # fmt: skip
+        report = divergences.compute(
+            self.store,
+            int(schedule.lookback_s * S) + (until_ns - analyse_from),
+            until_ns,
+            limit=None,
+            analyse_from_ns=analyse_from,
+            analyse=changed,
+            inputs_from_ns=start_ns,
+            tally_all=False,
+        )
         divergences.record(self.store, report)
         new: dict[tuple[str, str, str], int] = {}
         began: dict[tuple[str, str, str, str, str], int] = {}
@@ -245,8 +288,9 @@ class Analyser:
         """Seconds between the newest request (a host's clock ahead of ours counts as now) and where the analysis
         reached: the requests still settling and those that arrived during the pass; 0 when none arrived since."""
         now = self.clock()
-        newest = self.store.client.command(_LATEST_REQUEST_SQL, parameters={
-            "db": self.store.database, "t0": reached_ns, "t1": now})  # fmt: skip
+        newest = self.store.client.command(
+            _LATEST_REQUEST_SQL, parameters={"db": self.store.database, "t0": reached_ns, "t1": now}
+        )
         newest = int(newest or 0) or reached_ns
         return max(0.0, (min(newest, now) - reached_ns) / S)
 
@@ -264,8 +308,11 @@ class Analyser:
             self.stats.holding = False
             self.stats.failed((self.clock() - self._cursor) / S if self._cursor else 0.0)
             if not self._failing:  # once per outage, not once per period
-                logger.warning("live analysis failed, retrying every %gs: %s", self.schedule.every_s,
-                               str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+                logger.warning(
+                    "live analysis failed, retrying every %gs: %s",
+                    self.schedule.every_s,
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                )
                 self._failing = True
             return None
         if self._failing:
@@ -283,8 +330,9 @@ class Analyser:
         this runs, a heartbeat renews the lease every period, so a pass longer than two periods keeps it, and a
         process that dies loses it within two."""
         beating = threading.Event()
-        heartbeat = threading.Thread(target=self._heartbeat, args=(beating,), name="stagetrace-analyser-lease",
-                                     daemon=True)  # fmt: skip
+        heartbeat = threading.Thread(
+            target=self._heartbeat, args=(beating,), name="stagetrace-analyser-lease", daemon=True
+        )
         heartbeat.start()
         due = time.monotonic()
         try:
@@ -320,7 +368,9 @@ class Analyser:
                 lease.store.close()
 
 
-def start(store: Store, schedule: Schedule, stats: Stats | None = None) -> tuple[Analyser, threading.Event, threading.Thread]:
+def start(
+    store: Store, schedule: Schedule, stats: Stats | None = None
+) -> tuple[Analyser, threading.Event, threading.Thread]:
     """The loop in a thread of its own (the agent's); set the event and join the thread to stop it."""
     analyser = Analyser(store, schedule, stats=stats)
     stop = threading.Event()

@@ -38,9 +38,16 @@ def holders(store, spans, start_ns: int, end_ns: int) -> dict[tuple[str, str], l
     gpus = {(s.resource.get(HOST, ""), s.attributes[GPU_UUID]) for s in spans if s.attributes.get(GPU_UUID)}
     if not gpus:
         return {}
-    rows = store.client.query(HOLDERS_SQL, parameters={
-        "db": store.database, "hosts": sorted({h for h, _ in gpus}), "uuids": sorted({u for _, u in gpus}),
-        "t0": start_ns - LOOKBACK_NS, "t1": end_ns}).result_rows  # fmt: skip
+    rows = store.client.query(
+        HOLDERS_SQL,
+        parameters={
+            "db": store.database,
+            "hosts": sorted({h for h, _ in gpus}),
+            "uuids": sorted({u for _, u in gpus}),
+            "t0": start_ns - LOOKBACK_NS,
+            "t1": end_ns,
+        },
+    ).result_rows
     return {(host, uuid): list(pods) for host, uuid, pods in rows if (host, uuid) in gpus}
 
 
@@ -49,7 +56,9 @@ def gpu_pods(store, trace) -> list[dict]:
     held = holders(store, trace.spans, trace.start_ns, trace.start_ns + trace.duration_ns)
     out = []
     for (host, uuid), pods in sorted(held.items()):
-        served = sorted({own_pod(s) for s in trace.spans
-                         if s.attributes.get(GPU_UUID) == uuid and s.resource.get(HOST, "") == host} - {""})  # fmt: skip
+        served = sorted(
+            {own_pod(s) for s in trace.spans if s.attributes.get(GPU_UUID) == uuid and s.resource.get(HOST, "") == host}
+            - {""}
+        )
         out.append({"host": host, "gpu": uuid, "held_by": pods, "served_by": served})
     return out

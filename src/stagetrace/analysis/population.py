@@ -25,8 +25,7 @@ _IN_WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start < fromUnixT
 
 
 # A request's side of every rollout of its own service (a rollout in one service is no move of another's requests).
-EPOCH_SQL = ("arrayMap((t, s) -> s = {service} AND {ts} >= t, {{epochs:Array(Int64)}}, "
-             "{{epoch_services:Array(String)}})")  # fmt: skip
+EPOCH_SQL = "arrayMap((t, s) -> s = {service} AND {ts} >= t, {{epochs:Array(Int64)}}, {{epoch_services:Array(String)}})"
 
 
 def _requests(only: str = "") -> str:
@@ -40,17 +39,25 @@ def _requests(only: str = "") -> str:
            {epoch} AS Epoch, {conventions.peer_sql()} AS Peer
     FROM (SELECT RequestId, TraceId, InputDigest, OutputDigest, Start AS S, HostName, ServiceName, Model
           FROM ({conventions.requests_sql(_IN_WINDOW, "{db:Identifier}.stagetrace_requests", model=True)})
-          WHERE {only}TraceId NOT IN ({conventions.nondeterministic_traces_sql(
-              _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")}))
+          WHERE {only}TraceId NOT IN ({
+        conventions.nondeterministic_traces_sql(
+            _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages"
+        )
+    }))
     GROUP BY RequestId
     HAVING InputDigest != ''"""
+
+
 # Requests that sample nondeterministically by design, by the service of their root span (a fleet's services sample
 # differently)
 NONDETERMINISTIC_BY_SERVICE_SQL = f"""
 SELECT ServiceName, count() FROM (
     SELECT TraceId, any(ServiceName) AS ServiceName FROM {{db:Identifier}}.stagetrace_requests
-    WHERE {_IN_WINDOW} AND TraceId IN ({conventions.nondeterministic_traces_sql(
-        _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages")})
+    WHERE {_IN_WINDOW} AND TraceId IN ({
+    conventions.nondeterministic_traces_sql(
+        _IN_WINDOW, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages"
+    )
+})
     GROUP BY TraceId)
 GROUP BY ServiceName ORDER BY count() DESC, ServiceName"""
 
@@ -62,9 +69,13 @@ def _pairs(requests: str, references: int = 0) -> str:
     """Each deviating request with its baseline, in one pass over ``requests``: the members of an input group are
     gathered into an array, and its majority and the baselines found with array functions. ``references``: a 14th
     column, the trace IDs of that many other agreeing members nearest the request in time (``comparison.confirmed``)."""
-    refs = ("" if not references else f""", arraySlice(arrayMap(a -> tupleElement(a, 2), arraySort(
+    refs = (
+        ""
+        if not references
+        else f""", arraySlice(arrayMap(a -> tupleElement(a, 2), arraySort(
            a -> (abs(tupleElement(a, 4) - tupleElement(d, 4)), tupleElement(a, 1)),
-           arrayFilter(a -> tupleElement(a, 1) != tupleElement(b, 1), agreeing))), 1, {int(references)})""")
+           arrayFilter(a -> tupleElement(a, 1) != tupleElement(b, 1), agreeing))), 1, {int(references)})"""
+    )
     return f"""
 SELECT tupleElement(d, 1), tupleElement(d, 2), InputDigest, tupleElement(d, 3), Majority, Support, length(members),
        tupleElement(d, 4), tupleElement(d, 5), tupleElement(b, 1), tupleElement(b, 2), tupleElement(d, 6),
@@ -92,12 +103,15 @@ ORDER BY tupleElement(d, 4)
 
 # A live pass's groups: only the window's requests whose input also arrived in [inputs_from, t1), so that grouping
 # costs what the new traffic's groups cost, not the window's. Those groups are whole: their deviations are the same.
-_NEW_INPUTS = """TraceId IN (
+_NEW_INPUTS = (
+    """TraceId IN (
               SELECT TraceId FROM {db:Identifier}.stagetrace_requests WHERE %s AND InputDigest IN (
                   SELECT InputDigest FROM {db:Identifier}.stagetrace_requests
                   WHERE Start >= fromUnixTimestamp64Nano({inputs_from:Int64})
                         AND Start < fromUnixTimestamp64Nano({t1:Int64}) AND InputDigest != ''))
-          AND """ % _IN_WINDOW
+          AND """
+    % _IN_WINDOW
+)
 PAIRS_SQL = _pairs(_requests())
 PAIRS_OF_NEW_INPUTS_SQL = _pairs(_requests(_NEW_INPUTS))
 
@@ -129,8 +143,14 @@ class Deviation:
 def _window(store: Store, t0_ns: int, t1_ns: int, epochs=()) -> dict:
     """The parameters of a window; ``epochs``: (fleet-wide moment, service) of each rollout."""
     epochs = sorted(epochs)
-    return {"db": store.database, "t0": t0_ns, "t1": t1_ns, "epochs": [t for t, _ in epochs],
-            "epoch_services": [s for _, s in epochs], **conventions.peer_parameters(config.peer_key())}  # fmt: skip
+    return {
+        "db": store.database,
+        "t0": t0_ns,
+        "t1": t1_ns,
+        "epochs": [t for t, _ in epochs],
+        "epoch_services": [s for _, s in epochs],
+        **conventions.peer_parameters(config.peer_key()),
+    }
 
 
 def epochs_of(found_rollouts) -> list[tuple[int, str]]:
@@ -150,10 +170,10 @@ def deviations(store: Store, t0_ns: int, t1_ns: int, epochs=(), inputs_from_ns: 
         parameters["inputs_from"] = inputs_from_ns
     sql = PAIRS_OF_NEW_INPUTS_SQL if inputs_from_ns else PAIRS_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return [Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, service,
-                      model)
-            for (rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service,
-                 model) in rows]  # fmt: skip
+    return [
+        Deviation(rid, tid, din, dout, maj, int(sup), int(size), int(start), host, base_rid, base_tid, service, model)
+        for (rid, tid, din, dout, maj, sup, size, start, host, base_rid, base_tid, service, model) in rows
+    ]
 
 
 REQUESTS_IN_SQL = """
@@ -168,8 +188,9 @@ def requests_in(store: Store, t0_ns: int, t1_ns: int) -> int:
 
 def nondeterministic_by_service(store: Store, t0_ns: int, t1_ns: int) -> dict[str, int]:
     """How many requests in [t0, t1) sample nondeterministically by design, by service, most first."""
-    rows = store.client.query(NONDETERMINISTIC_BY_SERVICE_SQL,
-                              parameters={"db": store.database, "t0": t0_ns, "t1": t1_ns}).result_rows
+    rows = store.client.query(
+        NONDETERMINISTIC_BY_SERVICE_SQL, parameters={"db": store.database, "t0": t0_ns, "t1": t1_ns}
+    ).result_rows
     return {service: int(n) for service, n in rows}
 
 
@@ -185,13 +206,23 @@ def nearest(members: list[Member], start_ns: int, host: str) -> Member | None:
     """The baseline among agreeing requests: on another host if one exists (to tell hardware apart), nearest in time;
     ties to the earlier request, as ``PAIRS_SQL`` breaks them (not to whichever the store read first: other services'
     rows change that order)."""
-    return min(members, key=lambda m: (m.host == host, abs(m.start_ns - start_ns), m.start_ns, m.request_id),
-               default=None)  # fmt: skip
+    return min(
+        members, key=lambda m: (m.host == host, abs(m.start_ns - start_ns), m.start_ns, m.request_id), default=None
+    )
 
 
-def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, found_rollouts=(),
-             majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
-             inventory: Inventory | None = None, peer: tuple[str, str] | None = None):  # fmt: skip
+def contrast(
+    store: Store,
+    stage: str,
+    keys: list[str],
+    t0_ns: int,
+    t1_ns: int,
+    found_rollouts=(),
+    majority_window: tuple[int, int] | None = None,
+    margin_ns: int = 60_000_000_000,
+    inventory: Inventory | None = None,
+    peer: tuple[str, str] | None = None,
+):
     """One stage's :func:`contrasts` among one peer key's requests (``Deviation.peer``); None: the window's only one."""
     found = contrasts(store, {stage: keys}, t0_ns, t1_ns, found_rollouts, majority_window, margin_ns, inventory)
     if peer is None:
@@ -199,9 +230,17 @@ def contrast(store: Store, stage: str, keys: list[str], t0_ns: int, t1_ns: int, 
     return found.get((stage, peer))
 
 
-def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, found_rollouts=(),
-              majority_window: tuple[int, int] | None = None, margin_ns: int = 60_000_000_000,
-              inventory: Inventory | None = None, sample: int = 1) -> dict:  # fmt: skip
+def contrasts(
+    store: Store,
+    keys: dict[str, list[str]],
+    t0_ns: int,
+    t1_ns: int,
+    found_rollouts=(),
+    majority_window: tuple[int, int] | None = None,
+    margin_ns: int = 60_000_000_000,
+    inventory: Inventory | None = None,
+    sample: int = 1,
+) -> dict:
     """Per (stage, peer key), counts for :class:`~stagetrace.analysis.causes.Contrast` over its spans in [t0, t1).
 
     A span *diverged first at the stage* when its output differs from the majority output of the stage's
@@ -228,20 +267,37 @@ def contrasts(store: Store, keys: dict[str, list[str]], t0_ns: int, t1_ns: int, 
     waves = [r for r in found_rollouts if r.stage in keys]
     peer_key = config.peer_key()
     epochs = sorted(epochs_of(found_rollouts))
-    params = {"db": store.database, "stages": [s for s, _ in pairs], "keys": [k for _, k in pairs],
-              "measured": [k for _, k in pairs if is_measurement(k)],
-              "t0": t0_ns - margin_ns, "t1": t1_ns + margin_ns, "w0": w0 - margin_ns, "w1": w1 + margin_ns,
-              "epochs": [t for t, _ in epochs], "epoch_services": [s for _, s in epochs],
-              "rs": [r.stage for r in waves], "rsv": [r.service for r in waves],
-              "rk": [r.key for r in waves], "rold": [r.old for r in waves], "rnew": [r.new for r in waves],
-              "rt": [r.fleet_ns for r in waves], "runtil": [r.until_ns for r in waves], "sample": max(1, sample),
-              **conventions.peer_parameters(peer_key)}  # fmt: skip
+    params = {
+        "db": store.database,
+        "stages": [s for s, _ in pairs],
+        "keys": [k for _, k in pairs],
+        "measured": [k for _, k in pairs if is_measurement(k)],
+        "t0": t0_ns - margin_ns,
+        "t1": t1_ns + margin_ns,
+        "w0": w0 - margin_ns,
+        "w1": w1 + margin_ns,
+        "epochs": [t for t, _ in epochs],
+        "epoch_services": [s for _, s in epochs],
+        "rs": [r.stage for r in waves],
+        "rsv": [r.service for r in waves],
+        "rk": [r.key for r in waves],
+        "rold": [r.old for r in waves],
+        "rnew": [r.new for r in waves],
+        "rt": [r.fleet_ns for r in waves],
+        "runtil": [r.until_ns for r in waves],
+        "sample": max(1, sample),
+        **conventions.peer_parameters(peer_key),
+    }
     # Each service's requests name one model in almost every window: then the service alone tells peers apart as the
     # (service, model) key does, and the spans' models need not be read (a join that costs as much as the contrast)
     models = conventions.PEER_MODEL in peer_key
     if models and conventions.PEER_SERVICE in peer_key:
-        by_service = dict(store.client.query(MODELS_BY_SERVICE_SQL, parameters={
-            "db": store.database, "t0": min(t0_ns, w0) - margin_ns, "t1": max(t1_ns, w1) + margin_ns}).result_rows)
+        by_service = dict(
+            store.client.query(
+                MODELS_BY_SERVICE_SQL,
+                parameters={"db": store.database, "t0": min(t0_ns, w0) - margin_ns, "t1": max(t1_ns, w1) + margin_ns},
+            ).result_rows
+        )
         if all(len(m) <= 1 for m in by_service.values()):
             models, params["peer_model"] = False, 0
     result = []
@@ -280,12 +336,13 @@ def _weighed(rows) -> dict:
             per_key.setdefault(key, []).append(nd)
         # every span counts once for each weighed key: the stage's spans and diverged ones, from any of them
         spans, diverged = (sum(x) for x in zip(*next(iter(per_key.values()), [(0, 0)])))
-        identifiers = {key for key, nds in per_key.items()
-                       if sum(n for n, _ in nds) >= IDENTIFIER_SPANS
-                       and len(nds) >= IDENTIFIER_SHARE * sum(n for n, _ in nds)}  # fmt: skip
+        identifiers = {
+            key
+            for key, nds in per_key.items()
+            if sum(n for n, _ in nds) >= IDENTIFIER_SPANS and len(nds) >= IDENTIFIER_SHARE * sum(n for n, _ in nds)
+        }
         counts = {kv: nd for kv, nd in counts.items() if kv[0] not in identifiers}
-        suspects = {(key, value) for kind, key, value, _, n, d in items
-                    if kind == 1 and suspect(n, d, spans, diverged)}  # fmt: skip
+        suspects = {(key, value) for kind, key, value, _, n, d in items if kind == 1 and suspect(n, d, spans, diverged)}
         explained: dict[tuple[str, str], int] = {}
         for kind, _, _, profile, _, d in items:
             if kind != 2:
@@ -329,29 +386,42 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
     ts = "toUnixTimestamp64Nano(Start)"
     # a rollout's wave (of the span's own service): the new value before the fleet moved, or the old one while the
     # wave still rolled
-    wave = (f"arrayExists((s, sv, k, o, n, t, u) -> s = Stage AND sv = ServiceName "
-            f"AND (({value('k')} = n AND {ts} < t) OR ({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rsv:Array(String)}}, "
-            "{rk:Array(String)}, {rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})")
+    wave = (
+        f"arrayExists((s, sv, k, o, n, t, u) -> s = Stage AND sv = ServiceName "
+        f"AND (({value('k')} = n AND {ts} < t) OR ({value('k')} = o AND {ts} >= t AND {ts} <= u)), {{rs:Array(String)}}, {{rsv:Array(String)}}, "
+        "{rk:Array(String)}, {rold:Array(String)}, {rnew:Array(String)}, {rt:Array(Int64)}, {runtil:Array(Int64)})"
+    )
 
     def comparable(t0: str, t1: str, whole_requests: bool) -> str:
-        window = f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})"
+        window = (
+            f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})"
+        )
         # a span's own sampling always; its request's (which may say so on another span) where it is counted
-        unseeded = ("TraceId NOT IN (" + conventions.nondeterministic_traces_sql(
-            window, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages") + ")"
-                    if whole_requests else "Nondeterministic = ''")  # fmt: skip
+        unseeded = (
+            "TraceId NOT IN ("
+            + conventions.nondeterministic_traces_sql(
+                window, "{db:Identifier}.stagetrace_requests", "{db:Identifier}.stagetrace_stages"
+            )
+            + ")"
+            if whole_requests
+            else "Nondeterministic = ''"
+        )
         # without rollouts the wave test is left out: it would read every span's attribute maps
-        return (f"{window} AND Stage IN {{stages:Array(String)}} AND InputDigest != '' AND {unseeded}"
-                " AND cityHash64(InputDigest) % {sample:UInt64} = 0"
-                + (f" AND NOT {wave}" if waves else ""))  # fmt: skip
+        return (
+            f"{window} AND Stage IN {{stages:Array(String)}} AND InputDigest != '' AND {unseeded}"
+            " AND cityHash64(InputDigest) % {sample:UInt64} = 0" + (f" AND NOT {wave}" if waves else "")
+        )
 
     def with_model(spans: str, t0: str, t1: str) -> str:
         """``spans`` (a subquery with TraceId) with the model of each span's request ('' without ``models``)."""
         if not models:
             return f"SELECT *, '' AS Model FROM ({spans})"
-        window = (f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) "
-                  f"AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})")
-        named = conventions.trace_models_sql(f"SELECT TraceId FROM ({spans})", window,
-                                             "{db:Identifier}.stagetrace_requests")
+        window = (
+            f"Start >= fromUnixTimestamp64Nano({{{t0}:Int64}}) AND Start <= fromUnixTimestamp64Nano({{{t1}:Int64}})"
+        )
+        named = conventions.trace_models_sql(
+            f"SELECT TraceId FROM ({spans})", window, "{db:Identifier}.stagetrace_requests"
+        )
         return f"""SELECT s.*, m.RequestModel AS Model FROM ({spans}) AS s
             LEFT JOIN (SELECT TraceId, Model AS RequestModel FROM ({named})) AS m ON s.TraceId = m.TraceId"""
 
@@ -368,10 +438,11 @@ def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> 
         WHERE Start >= fromUnixTimestamp64Nano({{t0:Int64}}) AND Start <= fromUnixTimestamp64Nano({{t1:Int64}})
               AND Stage IN {{stages:Array(String)}})"""
     # every setting and identity a span records, as (contrast key, value): what may explain its divergence
-    recorded = ("arrayConcat(arrayFilter(p -> {a}, arrayZip(mapKeys(Attributes), mapValues(Attributes))), "
-                "arrayMap(p -> (concat('{r}', tupleElement(p, 1)), tupleElement(p, 2)), arrayFilter(p -> {a}, "
-                "arrayZip(mapKeys(ResourceAttributes), mapValues(ResourceAttributes)))))").format(
-        a=conventions.candidate_sql("tupleElement(p, 1)"), r=RESOURCE)  # fmt: skip
+    recorded = (
+        "arrayConcat(arrayFilter(p -> {a}, arrayZip(mapKeys(Attributes), mapValues(Attributes))), "
+        "arrayMap(p -> (concat('{r}', tupleElement(p, 1)), tupleElement(p, 2)), arrayFilter(p -> {a}, "
+        "arrayZip(mapKeys(ResourceAttributes), mapValues(ResourceAttributes)))))"
+    ).format(a=conventions.candidate_sql("tupleElement(p, 1)"), r=RESOURCE)
     counted_spans = f"""SELECT Stage, TraceId, InputDigest, OutputDigest, ServiceName, Start, Attributes,
                ResourceAttributes{host}
         FROM {{db:Identifier}}.stagetrace_stages WHERE {comparable("t0", "t1", True)}"""
@@ -405,8 +476,8 @@ profiles AS (
 judged AS (
     SELECT Peer, Diverged, Spans,
            -- the weighed keys' values, measurements by magnitude, each key marked with a leading NUL
-           arrayMap(k -> (concat('\\0', k), if(k IN {{measured:Array(String)}}, {BUCKET_SQL.replace('{v}', value('k'))},
-                                                {value('k')})), {{keys:Array(String)}}) AS Weighed,
+           arrayMap(k -> (concat('\\0', k), if(k IN {{measured:Array(String)}}, {BUCKET_SQL.replace("{v}", value("k"))},
+                                                {value("k")})), {{keys:Array(String)}}) AS Weighed,
            {recorded} AS Recorded
     FROM profiles)
 -- one pass: each weighed value (kind 0), each recorded setting or identity (1), and each diverged span's profile (2)
@@ -420,8 +491,12 @@ GROUP BY Peer, item"""
 
 
 # by (rollouts' waves left out, the GPU inventory read, the requests' models read)
-CONTRAST_SQLS = {(waves, inventory, models): _contrast_sql(waves, inventory, models) for waves in (False, True)
-                 for inventory in (False, True) for models in (False, True)}  # fmt: skip
+CONTRAST_SQLS = {
+    (waves, inventory, models): _contrast_sql(waves, inventory, models)
+    for waves in (False, True)
+    for inventory in (False, True)
+    for models in (False, True)
+}
 
 
 # Where every deviating request first differs from its baseline, for the tally of ``divergences`` (which covers all
@@ -443,25 +518,32 @@ def _first_differences(pairs: str) -> str:
                      arrayDistinct(arrayConcat(mapKeys(mine), mapKeys(theirs)))))"""
     steps, gpu, host = conventions.STAGE_STEP_INPUT_DIGESTS, conventions.GPU_UUID, conventions.HOST
     gpus = conventions.CONFIGURATION_GPU_UUIDS  # the one GPU a rank process could see (``ranks.gpu_of``)
+
     # per rank of the request's stage: where its input first differs from the baseline's same rank (1-based step,
     # 1 for the input as a whole, 0 nowhere); with steps only where every rank on both sides records them
     def where(ranks: str, steps: str, inputs: str) -> str:
         """Per rank of the request's stage against another's (the baseline's, or a reference's): its ``ranks``,
         their ``steps`` and ``inputs`` (expressions)."""
         theirs_at = f"indexOf({ranks}, r)"
-        step_at = (f"arrayFirstIndex(k -> splitByChar(',', s)[k] != splitByChar(',', {steps}[{theirs_at}])[k], "
-                   f"range(1, greatest(length(splitByChar(',', s)), "
-                   f"length(splitByChar(',', {steps}[{theirs_at}]))) + 1))")
-        return (f"if(arrayAll(x -> x != '', arrayConcat(m.Steps, {steps})), arrayMap((r, s) -> {step_at}, m.Ranks, "
-                f"m.Steps), arrayMap((r, i) -> toUInt64(i != {inputs}[{theirs_at}]), m.Ranks, m.Inputs))")
+        step_at = (
+            f"arrayFirstIndex(k -> splitByChar(',', s)[k] != splitByChar(',', {steps}[{theirs_at}])[k], "
+            f"range(1, greatest(length(splitByChar(',', s)), "
+            f"length(splitByChar(',', {steps}[{theirs_at}]))) + 1))"
+        )
+        return (
+            f"if(arrayAll(x -> x != '', arrayConcat(m.Steps, {steps})), arrayMap((r, s) -> {step_at}, m.Ranks, "
+            f"m.Steps), arrayMap((r, i) -> toUInt64(i != {inputs}[{theirs_at}]), m.Ranks, m.Inputs))"
+        )
 
     def began(ranks: str, at: str) -> str:
         """The ranks that began it against another stage of ``ranks`` by their contribution (only some ranks' inputs
         differ at the earliest place, ``at`` per rank; both ran the same ranks), else []: ``ranks.locate``'s INPUT."""
         first = f"arrayMin(arrayFilter(a -> a > 0, {at}))"
-        return (f"if(arrayExists(a -> a > 0, {at}) AND countEqual({at}, {first}) < length({at}) "
-                f"AND arrayAll(r -> has({ranks}, r), m.Ranks) AND length(m.Ranks) = length({ranks}), "
-                f"arrayFilter((r, a) -> a = {first}, m.Ranks, {at}), [])")
+        return (
+            f"if(arrayExists(a -> a > 0, {at}) AND countEqual({at}, {first}) < length({at}) "
+            f"AND arrayAll(r -> has({ranks}, r), m.Ranks) AND length(m.Ranks) = length({ranks}), "
+            f"arrayFilter((r, a) -> a = {first}, m.Ranks, {at}), [])"
+        )
 
     lowest = "arraySort(x -> (toUInt64OrZero(x), x), {r})[1]"
     return f"""
@@ -506,8 +588,8 @@ FROM (
            multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
                    position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '') AS BeganGpu,
            MineResource['{host}'] AS BeganHost,
-           {differing.replace('mine', 'MineAttrs').replace('theirs', 'TheirAttrs')} AS Attributes,
-           {differing.replace('mine', 'MineResource').replace('theirs', 'TheirResource')} AS ResourceAttributes
+           {differing.replace("mine", "MineAttrs").replace("theirs", "TheirAttrs")} AS Attributes,
+           {differing.replace("mine", "MineResource").replace("theirs", "TheirResource")} AS ResourceAttributes
     FROM (
         SELECT Dev, Stage, (if(indexOf({stages}, Stage) = 0, {len(conventions.PIPELINE_STAGES) + 1},
                                 indexOf({stages}, Stage)), if(empty(t.Outputs), m.First, t.First)) AS Place,
@@ -547,8 +629,9 @@ class Difference:
     host: str = ""  # its host
 
 
-def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, int], epochs=(),
-                      inputs_from_ns: int = 0) -> dict[str, Difference]:  # fmt: skip
+def first_differences(
+    store: Store, t0_ns: int, t1_ns: int, window: tuple[int, int], epochs=(), inputs_from_ns: int = 0
+) -> dict[str, Difference]:
     """Trace ID → where each of :func:`deviations` (same arguments) first differs from its baseline; the stage spans
     read within ``window``. A request none of whose recorded stages differs has no entry."""
     parameters = {**_window(store, t0_ns, t1_ns, epochs), "s0": window[0], "s1": window[1]}
@@ -556,8 +639,10 @@ def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, i
         parameters["inputs_from"] = inputs_from_ns
     sql = FIRST_DIFFERENCES_OF_NEW_INPUTS_SQL if inputs_from_ns else FIRST_DIFFERENCES_SQL
     rows = store.client.query(sql, parameters=parameters).result_rows
-    return {trace_id: Difference(stage, list(attributes), list(resource), rank, gpu, host)
-            for trace_id, (stage, attributes, resource, rank, gpu, host) in rows}  # fmt: skip
+    return {
+        trace_id: Difference(stage, list(attributes), list(resource), rank, gpu, host)
+        for trace_id, (stage, attributes, resource, rank, gpu, host) in rows
+    }
 
 
 # Other requests of a deviation's service with its input and its group's majority output, the earliest few of each:
@@ -566,8 +651,11 @@ def first_differences(store: Store, t0_ns: int, t1_ns: int, window: tuple[int, i
 MAJORITY_MEMBERS_SQL = f"""
 SELECT ServiceName, InputDigest, OutputDigest, groupArray({{n:UInt32}})(TraceId)
 FROM (SELECT ServiceName, InputDigest, OutputDigest, TraceId, Start
-      FROM ({conventions.requests_sql(
-          _IN_WINDOW + " AND InputDigest IN {inputs:Array(String)}", "{db:Identifier}.stagetrace_requests")})
+      FROM ({
+    conventions.requests_sql(
+        _IN_WINDOW + " AND InputDigest IN {inputs:Array(String)}", "{db:Identifier}.stagetrace_requests"
+    )
+})
       WHERE InputDigest IN {{inputs:Array(String)}} AND OutputDigest IN {{outputs:Array(String)}}
       ORDER BY Start, TraceId)
 GROUP BY ServiceName, InputDigest, OutputDigest"""
@@ -579,9 +667,17 @@ def majority_members(store: Store, keys, t0_ns: int, t1_ns: int, n: int) -> dict
     keys = set(keys)
     if not keys:
         return {}
-    rows = store.client.query(MAJORITY_MEMBERS_SQL, parameters={
-        "db": store.database, "t0": t0_ns, "t1": t1_ns, "n": n, "inputs": sorted({i for _, i, _ in keys}),
-        "outputs": sorted({o for _, _, o in keys})}).result_rows  # fmt: skip
+    rows = store.client.query(
+        MAJORITY_MEMBERS_SQL,
+        parameters={
+            "db": store.database,
+            "t0": t0_ns,
+            "t1": t1_ns,
+            "n": n,
+            "inputs": sorted({i for _, i, _ in keys}),
+            "outputs": sorted({o for _, _, o in keys}),
+        },
+    ).result_rows
     return {(s, i, o): list(tids) for s, i, o, tids in rows if (s, i, o) in keys}
 
 
@@ -638,9 +734,17 @@ def rank_contrasts(store: Store, wanted: dict[tuple[str, str, str], list[str]], 
     wanted = {at: sorted(set(keys)) for at, keys in wanted.items() if keys}
     if not wanted:
         return {}
-    rows = store.client.query(RANK_CONTRAST_SQL, parameters={
-        "db": store.database, "t0": t0_ns, "t1": t1_ns, "wanted": sorted(wanted), "resource": RESOURCE,
-        "keys": sorted({k for keys in wanted.values() for k in keys})}).result_rows  # fmt: skip
+    rows = store.client.query(
+        RANK_CONTRAST_SQL,
+        parameters={
+            "db": store.database,
+            "t0": t0_ns,
+            "t1": t1_ns,
+            "wanted": sorted(wanted),
+            "resource": RESOURCE,
+            "keys": sorted({k for keys in wanted.values() for k in keys}),
+        },
+    ).result_rows
     counts: dict[tuple, dict[tuple[str, str], tuple[int, int]]] = {}
     for stage, rank, service, key, value, n, d in rows:
         if key in wanted.get((stage, rank, service), ()):

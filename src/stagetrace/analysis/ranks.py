@@ -50,8 +50,13 @@ class Origin:
     places: list[dict] = field(default_factory=list)  # per beginning rank: rank, gpu, host (``at``)
 
     def to_json(self) -> dict:
-        return {"ranks": self.ranks, "how": self.how, "received": self.received, "step": self.step,
-                "places": self.places}  # fmt: skip
+        return {
+            "ranks": self.ranks,
+            "how": self.how,
+            "received": self.received,
+            "step": self.step,
+            "places": self.places,
+        }
 
 
 def locate(compared: list[RankComparison]) -> Origin | None:
@@ -94,8 +99,11 @@ def at(origin: Origin, trace: lookup.Trace, stage: str) -> Origin:
         if span.stage == stage and span.rank in origin.ranks:
             if span.rank not in first or span.start_ns < first[span.rank].start_ns:
                 first[span.rank] = span
-    origin.places = [{"rank": rank, "gpu": gpu_of(first[rank]), "host": first[rank].resource.get(conventions.HOST, "")}
-                     for rank in origin.ranks if rank in first]  # fmt: skip
+    origin.places = [
+        {"rank": rank, "gpu": gpu_of(first[rank]), "host": first[rank].resource.get(conventions.HOST, "")}
+        for rank in origin.ranks
+        if rank in first
+    ]
     return origin
 
 
@@ -103,13 +111,17 @@ def gpu_of(span: lookup.Span) -> str:
     """The GPU a span ran on: its own ``gpu.uuid``, else its process's, else the one GPU its process could see (the
     resource detector's ``gpu.uuids``: a rank process pinned to its GPU)."""
     visible = span.resource.get(conventions.CONFIGURATION_GPU_UUIDS, "")
-    return (span.attributes.get(conventions.GPU_UUID) or span.resource.get(conventions.GPU_UUID)
-            or ("" if "," in visible else visible.strip()))
+    return (
+        span.attributes.get(conventions.GPU_UUID)
+        or span.resource.get(conventions.GPU_UUID)
+        or ("" if "," in visible else visible.strip())
+    )
 
 
 def _ranks(ranks: list[str]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} " + (", ".join(ranks[:-1]) + " and " + ranks[-1]
-                                                     if len(ranks) > 1 else ranks[0])  # fmt: skip
+    return f"rank{'s' if len(ranks) > 1 else ''} " + (
+        ", ".join(ranks[:-1]) + " and " + ranks[-1] if len(ranks) > 1 else ranks[0]
+    )
 
 
 def where(origin: Origin) -> str:
@@ -132,9 +144,12 @@ def describe(origin: Origin, stage: str) -> str:
     if origin.how == INPUT:
         what = "contribution to the all-reduce" if stage == "allreduce" else f"input to {stage}"
         step = f", first at step {origin.step + 1}" if origin.step else ""
-        head = (f"{_ranks(origin.ranks)}'s {what} differs (its input{step})" if one else
-                f"the {what.replace('contribution', 'contributions')} of {_ranks(origin.ranks)} differ "
-                f"(their inputs{step})")  # fmt: skip
+        head = (
+            f"{_ranks(origin.ranks)}'s {what} differs (its input{step})"
+            if one
+            else f"the {what.replace('contribution', 'contributions')} of {_ranks(origin.ranks)} differ "
+            f"(their inputs{step})"
+        )
     else:
         head = f"every rank's input to {stage} matches; it began inside {stage} on {_ranks(origin.ranks)}"
     received = origin.received

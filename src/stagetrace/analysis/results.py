@@ -27,10 +27,28 @@ if TYPE_CHECKING:
 
 # stagetrace_divergences' columns, in the order of :meth:`DeviatingRequest.row`
 COLUMNS = (
-    "DetectedAt", "RequestId", "TraceId", "RequestStart", "ServiceName", "HostName", "InputDigest",
-    "BaselineRequestId", "BaselineHow", "FirstDivergentStage", "TopCauseKind", "TopCauseName", "TopCauseValue",
-    "TopCauseBaselineValue", "TopCauseScore", "Causes", "Summary", "Devices", "BeganRank", "BeganGpu", "BeganHost",
-)  # fmt: skip
+    "DetectedAt",
+    "RequestId",
+    "TraceId",
+    "RequestStart",
+    "ServiceName",
+    "HostName",
+    "InputDigest",
+    "BaselineRequestId",
+    "BaselineHow",
+    "FirstDivergentStage",
+    "TopCauseKind",
+    "TopCauseName",
+    "TopCauseValue",
+    "TopCauseBaselineValue",
+    "TopCauseScore",
+    "Causes",
+    "Summary",
+    "Devices",
+    "BeganRank",
+    "BeganGpu",
+    "BeganHost",
+)
 KEPT_CAUSES = 5  # the causes a stored row keeps, strongest first
 
 
@@ -109,11 +127,20 @@ class DeviatingRequest:
         top = self.top
         began_rank, began_gpu, began_host = began_columns(self.origin)
         return {
-            "request_id": self.request_id, "trace_id": self.trace_id, "service": self.service,
-            "baseline_request_id": self.baseline.request_id, "start": lookup.iso_ns(self.start_ns), "host": self.host,
-            "device": self.device, "began": self.origin.places if self.origin else [],
-            "began_rank": began_rank, "began_gpu": began_gpu, "began_host": began_host,
-            "first_divergent_stage": self.stage, "top_cause": top.to_json() if top else None, "summary": self.summary,
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "service": self.service,
+            "baseline_request_id": self.baseline.request_id,
+            "start": lookup.iso_ns(self.start_ns),
+            "host": self.host,
+            "device": self.device,
+            "began": self.origin.places if self.origin else [],
+            "began_rank": began_rank,
+            "began_gpu": began_gpu,
+            "began_host": began_host,
+            "first_divergent_stage": self.stage,
+            "top_cause": top.to_json() if top else None,
+            "summary": self.summary,
             "seed_unknown": self.seed_unknown or None,
         }
 
@@ -121,11 +148,25 @@ class DeviatingRequest:
         """Its ``stagetrace_divergences`` row (``COLUMNS``), detected at ``detected_ms``."""
         top = self.top
         return (
-            detected_ms, self.request_id, self.trace_id, self.start_ns, self.service, self.host, self.input_digest,
-            self.baseline.request_id, self.baseline.how, self.stage or "", top.kind if top else "",
-            top.name if top else "", top.value if top else "", top.baseline_value if top else "",
-            top.score if top else 0.0, json.dumps([c.to_json() for c in self.causes[:KEPT_CAUSES]]), self.summary,
-            self.device, *began_columns(self.origin),
+            detected_ms,
+            self.request_id,
+            self.trace_id,
+            self.start_ns,
+            self.service,
+            self.host,
+            self.input_digest,
+            self.baseline.request_id,
+            self.baseline.how,
+            self.stage or "",
+            top.kind if top else "",
+            top.name if top else "",
+            top.value if top else "",
+            top.baseline_value if top else "",
+            top.score if top else 0.0,
+            json.dumps([c.to_json() for c in self.causes[:KEPT_CAUSES]]),
+            self.summary,
+            self.device,
+            *began_columns(self.origin),
         )
 
 
@@ -140,8 +181,13 @@ class InputGroup:
     deviating: list[DeviatingRequest] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"input_digest": self.input_digest, "requests": self.requests, "majority_output": self.majority_output,
-                "support": self.support, "deviating": [d.to_json() for d in self.deviating]}
+        return {
+            "input_digest": self.input_digest,
+            "requests": self.requests,
+            "majority_output": self.majority_output,
+            "support": self.support,
+            "deviating": [d.to_json() for d in self.deviating],
+        }
 
 
 @dataclass
@@ -218,16 +264,29 @@ class Explanation:
     stages: list[StageComparison] | None = None
 
     def to_json(self) -> dict:
-        head = {"request_id": self.request_id, "trace_id": self.trace_id, "input_digest": self.input_digest,
-                "output_digest": self.output_digest, "nondeterministic": self.nondeterministic,
-                "nondeterminism": self.nondeterminism, "seed_unknown": self.seed_unknown, "expected": self.expected,
-                "rollouts": [r.to_json() for r in self.rollouts], "divergent_ranks": self.divergent_ranks,
-                "baseline": self.baseline.to_json() if self.baseline else None, "diverged": self.diverged,
-                "first_divergent_stage": self.first_divergent_stage}  # fmt: skip
+        head = {
+            "request_id": self.request_id,
+            "trace_id": self.trace_id,
+            "input_digest": self.input_digest,
+            "output_digest": self.output_digest,
+            "nondeterministic": self.nondeterministic,
+            "nondeterminism": self.nondeterminism,
+            "seed_unknown": self.seed_unknown,
+            "expected": self.expected,
+            "rollouts": [r.to_json() for r in self.rollouts],
+            "divergent_ranks": self.divergent_ranks,
+            "baseline": self.baseline.to_json() if self.baseline else None,
+            "diverged": self.diverged,
+            "first_divergent_stage": self.first_divergent_stage,
+        }
         if self.stages is not None:
-            head.update({"origin": self.origin.to_json() if self.origin else None,
-                         "stage_input_differed": self.stage_input_differed,
-                         "stages": [c.to_json() for c in self.stages]})  # fmt: skip
+            head.update(
+                {
+                    "origin": self.origin.to_json() if self.origin else None,
+                    "stage_input_differed": self.stage_input_differed,
+                    "stages": [c.to_json() for c in self.stages],
+                }
+            )
         return {**head, "causes": [c.to_json() for c in self.causes], "summary": self.summary}
 
     @classmethod
@@ -236,14 +295,25 @@ class Explanation:
         hold the hosts' switch times, and nothing shown reads them."""
         stages = data.get("stages")
         return cls(
-            data["request_id"], data["trace_id"], data.get("input_digest", ""), data.get("output_digest", ""),
-            data.get("nondeterministic", False), data.get("nondeterminism"), data.get("seed_unknown"),
-            data.get("expected", False), [], list(data.get("divergent_ranks") or []),
-            Baseline.from_json(data["baseline"]) if data.get("baseline") else None, data.get("diverged", False),
-            data.get("first_divergent_stage"), [_cause_of(c) for c in data.get("causes") or ()],
-            data.get("summary", ""), ranks.Origin(**data["origin"]) if data.get("origin") else None,
-            data.get("stage_input_differed", False), None if stages is None else [_stage_of(c) for c in stages],
-        )  # fmt: skip
+            data["request_id"],
+            data["trace_id"],
+            data.get("input_digest", ""),
+            data.get("output_digest", ""),
+            data.get("nondeterministic", False),
+            data.get("nondeterminism"),
+            data.get("seed_unknown"),
+            data.get("expected", False),
+            [],
+            list(data.get("divergent_ranks") or []),
+            Baseline.from_json(data["baseline"]) if data.get("baseline") else None,
+            data.get("diverged", False),
+            data.get("first_divergent_stage"),
+            [_cause_of(c) for c in data.get("causes") or ()],
+            data.get("summary", ""),
+            ranks.Origin(**data["origin"]) if data.get("origin") else None,
+            data.get("stage_input_differed", False),
+            None if stages is None else [_stage_of(c) for c in stages],
+        )
 
 
 _CAUSE_FIELDS = ("kind", "stage", "name", "value", "baseline_value", "score", "weak")
@@ -251,17 +321,32 @@ _CAUSE_FIELDS = ("kind", "stage", "name", "value", "baseline_value", "score", "w
 
 def _cause_of(data: dict) -> Cause:
     """A cause from its JSON (``Cause.to_json``): its fields, and the rest its evidence."""
-    return Cause(data.get("kind", ""), data.get("stage", ""), data.get("name", ""), data.get("value", ""),
-                 data.get("baseline_value", ""), data.get("score", 0.0),
-                 {k: v for k, v in data.items() if k not in _CAUSE_FIELDS}, data.get("weak", False))  # fmt: skip
+    return Cause(
+        data.get("kind", ""),
+        data.get("stage", ""),
+        data.get("name", ""),
+        data.get("value", ""),
+        data.get("baseline_value", ""),
+        data.get("score", 0.0),
+        {k: v for k, v in data.items() if k not in _CAUSE_FIELDS},
+        data.get("weak", False),
+    )
 
 
 def _stage_of(data: dict) -> StageComparison:
-    return StageComparison(data["stage"], data.get("rank") or "", data["input_matches"], data["output_matches"],
-                           data["present"])  # fmt: skip
+    return StageComparison(
+        data["stage"], data.get("rank") or "", data["input_matches"], data["output_matches"], data["present"]
+    )
 
 
 __all__ = [
-    "COLUMNS", "KEPT_CAUSES", "Baseline", "DeviatingRequest", "DivergenceReport", "Explanation", "InputGroup",
-    "began_columns", "began_places",
+    "COLUMNS",
+    "KEPT_CAUSES",
+    "Baseline",
+    "DeviatingRequest",
+    "DivergenceReport",
+    "Explanation",
+    "InputGroup",
+    "began_columns",
+    "began_places",
 ]

@@ -78,17 +78,29 @@ class Rollout:
     def describe(self) -> str:
         # the service is named: a shared store holds other services' rollouts under the same attribute names
         hosts = f"{len(self.switched)}/{self.of_hosts} hosts" + (f" of {self.service}" if self.service else "")
-        text = (f"{self.name} {self.old or '(unset)'} → {self.new or '(unset)'} rolled out {_clock(self.from_ns)}–"
-                f"{_clock(self.to_ns)} to {hosts} (expected change)")  # fmt: skip
+        text = (
+            f"{self.name} {self.old or '(unset)'} → {self.new or '(unset)'} rolled out {_clock(self.from_ns)}–"
+            f"{_clock(self.to_ns)} to {hosts} (expected change)"
+        )
         for host, caught_up in sorted(self.lagging.items()):
             text += f"; {host} " + (f"lagged until {_clock(caught_up)}" if caught_up else "still has the old value")
         return text
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "service": self.service, "name": self.name,
-                "old": self.old, "new": self.new, "from_ns": self.from_ns,
-                "to_ns": self.to_ns, "fleet_ns": self.fleet_ns, "hosts": len(self.switched), "of_hosts": self.of_hosts,
-                "lagging": dict(sorted(self.lagging.items())), "summary": self.describe()}  # fmt: skip
+        return {
+            "stage": self.stage,
+            "service": self.service,
+            "name": self.name,
+            "old": self.old,
+            "new": self.new,
+            "from_ns": self.from_ns,
+            "to_ns": self.to_ns,
+            "fleet_ns": self.fleet_ns,
+            "hosts": len(self.switched),
+            "of_hosts": self.of_hosts,
+            "lagging": dict(sorted(self.lagging.items())),
+            "summary": self.describe(),
+        }
 
 
 def value_of(span, key: str) -> str:
@@ -102,8 +114,12 @@ def in_wave(stage: str | None, t_ns: int, found: list[Rollout], service: str | N
     """Whether a request that diverged first at ``stage`` (None: at any) and started at ``t_ns`` falls in the wave of
     a rollout of that stage in its ``service`` (None: any). A wave is dated by its stage spans, which start after their
     requests: a request that started up to ``AMONG_MARGIN_NS`` before it counts too."""
-    return any((stage is None or r.stage == stage) and (service is None or r.service == service)
-               and r.from_ns - AMONG_MARGIN_NS <= t_ns <= r.until_ns for r in found)  # fmt: skip
+    return any(
+        (stage is None or r.stage == stage)
+        and (service is None or r.service == service)
+        and r.from_ns - AMONG_MARGIN_NS <= t_ns <= r.until_ns
+        for r in found
+    )
 
 
 def _clock(t_ns: int) -> str:
@@ -113,19 +129,36 @@ def _clock(t_ns: int) -> str:
 AMONG_MARGIN_NS = 5_000_000_000  # a request's stage spans start this close to it (a hint needs no more)
 
 
-def _values(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
-            among: list[tuple[str, int]] = (), margin_ns: int = AMONG_MARGIN_NS) -> dict:  # fmt: skip
+def _values(
+    store: Store,
+    candidates: list[tuple[str, str]],
+    t0_ns: int,
+    t1_ns: int,
+    among: list[tuple[str, int]] = (),
+    margin_ns: int = AMONG_MARGIN_NS,
+) -> dict:
     """(stage, key, service) → host → [(first, last, requests, value)] of the candidates' values in the window, or
     only in the traces ``among`` (trace ID, start), read around their starts (the store is ordered by stage and time)."""
     ranges, params = [], {}
     for a, b in _merged(sorted((start - margin_ns, start + margin_ns) for _, start in among)):
         i = len(ranges)
-        ranges.append(f"Start >= fromUnixTimestamp64Nano({{r{i}a:Int64}}) AND Start <= fromUnixTimestamp64Nano({{r{i}b:Int64}})")
+        ranges.append(
+            f"Start >= fromUnixTimestamp64Nano({{r{i}a:Int64}}) AND Start <= fromUnixTimestamp64Nano({{r{i}b:Int64}})"
+        )
         params[f"r{i}a"], params[f"r{i}b"] = a, b
     sql = ROLLOUT_SQL.replace("__RANGES__", " OR ".join(f"({r})" for r in ranges) or "1")
-    rows = store.client.query(sql, parameters={
-        "db": store.database, "stages": [s for s, _ in candidates], "keys": [k for _, k in candidates],
-        "t0": t0_ns, "t1": t1_ns, "traces": [t for t, _ in among], **params}).result_rows  # fmt: skip
+    rows = store.client.query(
+        sql,
+        parameters={
+            "db": store.database,
+            "stages": [s for s, _ in candidates],
+            "keys": [k for _, k in candidates],
+            "t0": t0_ns,
+            "t1": t1_ns,
+            "traces": [t for t, _ in among],
+            **params,
+        },
+    ).result_rows
     values: dict[tuple[str, str], dict[str, list[tuple[int, int, int, str]]]] = defaultdict(lambda: defaultdict(list))
     for stage, key, service, host, value, first, last, count in rows:
         values[(stage, key, service)][host].append((int(first), int(last), int(count), value))
@@ -142,10 +175,15 @@ def values_of(stage_spans, candidates: list[tuple[str, str]]) -> dict:
         for key in wanted.get(stage, ()):
             value, host = value_of(span, key), span.resource.get("host.name", "")
             first, last, count = found[(stage, key, span.service)][host].get(value, (span.start_ns, span.start_ns, 0))
-            found[(stage, key, span.service)][host][value] = (min(first, span.start_ns), max(last, span.start_ns),
-                                                              count + 1)  # fmt: skip
-    return {key: {host: [(*v, value) for value, v in values.items()] for host, values in hosts.items()}
-            for key, hosts in found.items()}
+            found[(stage, key, span.service)][host][value] = (
+                min(first, span.start_ns),
+                max(last, span.start_ns),
+                count + 1,
+            )
+    return {
+        key: {host: [(*v, value) for value, v in values.items()] for host, values in hosts.items()}
+        for key, hosts in found.items()
+    }
 
 
 def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -158,8 +196,9 @@ def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def detect(store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int,
-           among: list[tuple[str, int]] | None = None) -> list[Rollout]:  # fmt: skip
+def detect(
+    store: Store, candidates: list[tuple[str, str]], t0_ns: int, t1_ns: int, among: list[tuple[str, int]] | None = None
+) -> list[Rollout]:
     """The rollouts among ``(stage, contrast key)`` candidates in the window, oldest first.
 
     ``among``: (trace ID, start) of a few requests (a request's nearest peers) to look at first; only the

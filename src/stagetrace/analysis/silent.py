@@ -44,13 +44,22 @@ def recorded(store: Store, gpu_uuids, t0_ns: int, t1_ns: int) -> dict[str, set[s
     gpu_uuids = sorted(set(gpu_uuids))
     if not gpu_uuids:
         return {}
-    rows = store.client.query(BEGAN_SQL, parameters={"db": store.database, "t0": t0_ns, "t1": t1_ns,
-                                                     "unexplained": list(UNEXPLAINED), "gpus": gpu_uuids}).result_rows
+    rows = store.client.query(
+        BEGAN_SQL,
+        parameters={
+            "db": store.database,
+            "t0": t0_ns,
+            "t1": t1_ns,
+            "unexplained": list(UNEXPLAINED),
+            "gpus": gpu_uuids,
+        },
+    ).result_rows
     return {gpu: set(ids) for gpu, ids in rows}
 
 
-def suspected(causes: list[Cause], stage: str, origin: ranks.Origin | None, began: dict[str, set[str]],
-              request_id: str) -> list[Cause]:  # fmt: skip
+def suspected(
+    causes: list[Cause], stage: str, origin: ranks.Origin | None, began: dict[str, set[str]], request_id: str
+) -> list[Cause]:
     """The causes, led by a suspected silent data corruption when nothing strong explains the request and a GPU that
     began it began ``MIN_REQUESTS`` or more (``began``: GPU → request IDs, this one counted too)."""
     if any(not c.weak for c in causes):
@@ -58,7 +67,13 @@ def suspected(causes: list[Cause], stage: str, origin: ranks.Origin | None, bega
     for place in origin.places if origin is not None and origin.how != ranks.UPSTREAM else ():
         requests = began.get(place["gpu"], set()) | {request_id}
         if place["gpu"] and len(requests) >= MIN_REQUESTS:
-            evidence = {"gpu": place["gpu"], "host": place["host"], "rank": place["rank"], "device": place["gpu"],
-                        "requests": len(requests), "began": origin.how}  # fmt: skip
+            evidence = {
+                "gpu": place["gpu"],
+                "host": place["host"],
+                "rank": place["rank"],
+                "device": place["gpu"],
+                "requests": len(requests),
+                "began": origin.how,
+            }
             return [Cause(KIND, stage, NAME, place["gpu"], "", SCORE, evidence), *causes]
     return causes

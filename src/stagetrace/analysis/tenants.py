@@ -33,8 +33,15 @@ from stagetrace import conventions
 from stagetrace.analysis.hardware import DEVICE_LABELS, GPU, LOOKAROUND_NS, MIN_TYPICAL
 from stagetrace.metrics import MetricSpec
 from stagetrace.tenant_metrics import (
-    MPS_SERVER, PROCESS, TENANT_MEMORY, TENANT_MEMORY_COPY, TENANT_MPS_CLIENTS, TENANT_PROCESSES, TENANT_SM, UID_POD,
-)  # fmt: skip
+    MPS_SERVER,
+    PROCESS,
+    TENANT_MEMORY,
+    TENANT_MEMORY_COPY,
+    TENANT_MPS_CLIENTS,
+    TENANT_PROCESSES,
+    TENANT_SM,
+    UID_POD,
+)
 
 POD, NAMESPACE, POD_UID = "k8s.pod.name", "k8s.namespace.name", "k8s.pod.uid"
 GIB = 2**30
@@ -79,8 +86,11 @@ ORDER BY T
 
 def gpus_of(spans) -> set[tuple[str, str]]:
     """The (host, GPU UUID) pairs the spans ran on, of those that name a GPU."""
-    return {(s.resource.get(conventions.HOST, ""), s.attributes[conventions.GPU_UUID]) for s in spans
-            if s.attributes.get(conventions.GPU_UUID)}  # fmt: skip
+    return {
+        (s.resource.get(conventions.HOST, ""), s.attributes[conventions.GPU_UUID])
+        for s in spans
+        if s.attributes.get(conventions.GPU_UUID)
+    }
 
 
 def tenant_name(namespace: str, pod: str) -> str:
@@ -130,8 +140,13 @@ class _Gpu:
         self.sampled = defaultdict(set)
         for (name, _, _), values in self.series.items():
             self.sampled[name].update(values)
-        self.mps_at = sorted(t for (name, _, _), values in self.series.items() if name == TENANT_MPS_CLIENTS.name
-                             for t, v in values.items() if v > 0)  # fmt: skip
+        self.mps_at = sorted(
+            t
+            for (name, _, _), values in self.series.items()
+            if name == TENANT_MPS_CLIENTS.name
+            for t, v in values.items()
+            if v > 0
+        )
 
 
 class Tenancy:
@@ -146,10 +161,19 @@ class Tenancy:
         if not gpus:
             return
         names = sorted({*_BY_NAME, *_PRESENCE, TENANT_MPS_CLIENTS.name, PROCESS.name})
-        rows = store.client.query(TENANTS_SQL, parameters={
-            "db": store.database, "names": names, "hosts": sorted({h for h, _ in gpus}),
-            "uuids": sorted({u for _, u in gpus}), "t0": t0_ns - LOOKAROUND_NS, "t1": t1_ns + LOOKAROUND_NS,
-            "process": PROCESS.name, "server": MPS_SERVER}).result_rows  # fmt: skip
+        rows = store.client.query(
+            TENANTS_SQL,
+            parameters={
+                "db": store.database,
+                "names": names,
+                "hosts": sorted({h for h, _ in gpus}),
+                "uuids": sorted({u for _, u in gpus}),
+                "t0": t0_ns - LOOKAROUND_NS,
+                "t1": t1_ns + LOOKAROUND_NS,
+                "process": PROCESS.name,
+                "server": MPS_SERVER,
+            },
+        ).result_rows
         for host, uuid, name, namespace, pod, t, value in rows:
             if (host, uuid) not in gpus:
                 continue
@@ -177,10 +201,13 @@ class Tenancy:
         if first < 0 or last >= len(scrapes):
             return []  # no scrape before the stage, or none since it ended: no window to judge
         w0, w1 = scrapes[first], scrapes[last]
-        during = scrapes[first + 1:last + 1]
-        before = scrapes[bisect.bisect_left(scrapes, w0 - LOOKAROUND_NS):first + 1]
-        present = {(ns, pod) for (name, ns, pod), values in gpu.series.items()
-                   if name in _PRESENCE and any(t in values for t in during)}  # fmt: skip
+        during = scrapes[first + 1 : last + 1]
+        before = scrapes[bisect.bisect_left(scrapes, w0 - LOOKAROUND_NS) : first + 1]
+        present = {
+            (ns, pod)
+            for (name, ns, pod), values in gpu.series.items()
+            if name in _PRESENCE and any(t in values for t in during)
+        }
         if len(present) < 2 or len(before) < MIN_TYPICAL:
             return []
         mps_from = bisect.bisect_left(gpu.mps_at, w0 - LOOKAROUND_NS)
@@ -198,8 +225,20 @@ class Tenancy:
                 continue
             level, peak = statistics.median(usual), max(now)
             if peak - level >= use.min_rise and peak >= use.min_ratio * level:
-                out.append(TenantRise(use, host, uuid, ns, pod, level, peak, "MPS" if mps else "time-slicing",
-                                      (w0, w1), is_own(span.resource, ns, pod)))  # fmt: skip
+                out.append(
+                    TenantRise(
+                        use,
+                        host,
+                        uuid,
+                        ns,
+                        pod,
+                        level,
+                        peak,
+                        "MPS" if mps else "time-slicing",
+                        (w0, w1),
+                        is_own(span.resource, ns, pod),
+                    )
+                )
         # strongest first: each use's largest rise relative to what it must rise by
         return sorted(out, key=lambda r: (-r.use.severity, -(r.during - r.before) / r.use.min_rise, r.tenant))
 
@@ -216,6 +255,8 @@ def describe(metric: str, evidence: dict) -> str:
     """``GPU-… (host) is shared by MPS with batch/worker-0, whose SM utilization rose from 5% to 80%``: a co-tenant
     cause's ``metric`` (its name) and evidence."""
     use = _BY_NAME[metric]
-    return (f"{evidence['device']} ({evidence['host']}) is shared by {evidence['sharing']} with {evidence['tenant']}, "
-            f"whose {use.words} rose from {amount(evidence['before'], use.spec)} to "
-            f"{amount(evidence['during'], use.spec)}")  # fmt: skip
+    return (
+        f"{evidence['device']} ({evidence['host']}) is shared by {evidence['sharing']} with {evidence['tenant']}, "
+        f"whose {use.words} rose from {amount(evidence['before'], use.spec)} to "
+        f"{amount(evidence['during'], use.spec)}"
+    )

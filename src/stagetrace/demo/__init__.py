@@ -77,9 +77,17 @@ class DemoResult:
         return {
             "requests": self.requests,
             "deviating": self.deviating,
-            "truth": [{"request_id": t.request_id, "stage": t.stage, "cause": t.cause, "expected": t.expected,
-                       "nondeterministic": t.nondeterministic} for t in self.truth],
-        }  # fmt: skip
+            "truth": [
+                {
+                    "request_id": t.request_id,
+                    "stage": t.stage,
+                    "cause": t.cause,
+                    "expected": t.expected,
+                    "nondeterministic": t.nondeterministic,
+                }
+                for t in self.truth
+            ],
+        }
 
 
 def request_specs(requests: int, nodes: int, seed: int, salt: int = 0) -> dict[int, list[RequestSpec]]:
@@ -97,7 +105,11 @@ def request_specs(requests: int, nodes: int, seed: int, salt: int = 0) -> dict[i
         position = i / requests
         request_rng = np.random.default_rng([seed, 5, i])
         batch = int(request_rng.integers(16, 49)) if node.in_burst(position) else int(request_rng.integers(1, 9))
-        timeout = node.nic_timeouts is not None and node.nic_timeouts[0] <= position < node.nic_timeouts[1] and draws[i] < node.nic_timeouts[2]
+        timeout = (
+            node.nic_timeouts is not None
+            and node.nic_timeouts[0] <= position < node.nic_timeouts[1]
+            and draws[i] < node.nic_timeouts[2]
+        )
         seq_error = node.in_seq_error_window(position) and draws[i] < node.remote_seq_errors[2]
         request_id = f"req-{digest([seed, i, salt] if salt else [seed, i])[:12]}"
         out[node.index].append(RequestSpec(position, i, request_id, inputs[int(chosen[i])], batch, timeout, seq_error))
@@ -119,8 +131,16 @@ _OWN_TABLES = (TRUTH_TABLE, fabric.TRUTH_TABLE, RUNS_TABLE)
 FRESH_REMOVES = "the demo's own spans, samples and ground truth; other services' data stays"
 
 
-def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progress=None,
-        earlier: str = "refuse", notice=None, began=None) -> DemoResult:  # fmt: skip
+def run(
+    store: Store,
+    requests: int = 1000,
+    nodes: int = 4,
+    seed: int = 7,
+    progress=None,
+    earlier: str = "refuse",
+    notice=None,
+    began=None,
+) -> DemoResult:
     """Run the demo into ``store``; ``progress(done, total)`` is called as requests finish, ``notice(line)`` with
     what was removed before the run, ``began()`` once the run is recorded as running (from then on an interrupted
     run leaves rows, marked as such).
@@ -150,14 +170,18 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
     else:
         if (completed or untagged) and earlier == "refuse":
             when = f" of {max(completed)} UTC" if completed else ""
-            raise DemoError(f"the store {store.location.redacted()} already holds a demo run{when}: add --fresh to "
-                            f"remove it first ({FRESH_REMOVES}), or --append to add this run beside it")  # fmt: skip
+            raise DemoError(
+                f"the store {store.location.redacted()} already holds a demo run{when}: add --fresh to "
+                f"remove it first ({FRESH_REMOVES}), or --append to add this run beside it"
+            )
         if completed or untagged:
             salt = time.time_ns()
         if unfinished:
             _remove(store, unfinished)
-            notice(f"removed the data of {len(unfinished)} earlier demo run{'s' if len(unfinished) > 1 else ''} "
-                   "that did not complete")  # fmt: skip
+            notice(
+                f"removed the data of {len(unfinished)} earlier demo run{'s' if len(unfinished) > 1 else ''} "
+                "that did not complete"
+            )
     run_id = digest([seed, time.time_ns()])[:16]
     specs = request_specs(requests, nodes, seed, salt)
     plan = faults.observed(faults.plan(nodes), {node: [s.position for s in served] for node, served in specs.items()})
@@ -165,8 +189,14 @@ def run(store: Store, requests: int = 1000, nodes: int = 4, seed: int = 7, progr
     hardware_dir = tempfile.mkdtemp(prefix="stagetrace-demo-hw-")
     ctx = mp.get_context("fork")  # nodes inherit the imported modules; the store is opened only here
     messages = ctx.Queue(maxsize=2000)
-    procs = [ctx.Process(target=_quiet, args=(node_main, cfg, seed, specs[cfg.index], messages, hardware_dir, start_ns),
-                         name=cfg.host) for cfg in plan]  # fmt: skip
+    procs = [
+        ctx.Process(
+            target=_quiet,
+            args=(node_main, cfg, seed, specs[cfg.index], messages, hardware_dir, start_ns),
+            name=cfg.host,
+        )
+        for cfg in plan
+    ]
     # the fabric half hour, which ends where the pipeline's requests begin, plays in a process of its own meanwhile
     fabric_end, fabric_rows = ctx.Pipe(duplex=False)
     procs.append(ctx.Process(target=_quiet, args=(_fabric_main, start_ns, seed + salt, fabric_rows), name="fabric"))
@@ -246,22 +276,30 @@ class _Tagger:
         return [self._tagged(row, self._sample_at) for row in rows]
 
     def _tagged(self, row: tuple, at: int) -> tuple:
-        return (*row[:at], {**row[at], RUN_KEY: self.run_id}, *row[at + 1:])
+        return (*row[:at], {**row[at], RUN_KEY: self.run_id}, *row[at + 1 :])
 
 
 def _exists(store: Store, table: str) -> bool:
-    return bool(store.client.command("SELECT count() FROM system.tables WHERE database = {db:String} AND name = {t:String}",
-                                     parameters={"db": store.database, "t": table}))  # fmt: skip
+    return bool(
+        store.client.command(
+            "SELECT count() FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+            parameters={"db": store.database, "t": table},
+        )
+    )
 
 
 def _runs(store: Store) -> list[tuple[str, str, str]]:
     """(run ID, state, when it started, UTC) of every run the store records: running, complete, interrupted, failed."""
     if not _exists(store, RUNS_TABLE):
         return []
-    return [tuple(row) for row in store.client.query(
-        "SELECT Run, argMax(State, Updated), formatDateTime(min(Started), '%Y-%m-%d %H:%i', 'UTC') "
-        "FROM {db:Identifier}.{t:Identifier} GROUP BY Run", parameters={"db": store.database, "t": RUNS_TABLE},
-    ).result_rows]  # fmt: skip
+    return [
+        tuple(row)
+        for row in store.client.query(
+            "SELECT Run, argMax(State, Updated), formatDateTime(min(Started), '%Y-%m-%d %H:%i', 'UTC') "
+            "FROM {db:Identifier}.{t:Identifier} GROUP BY Run",
+            parameters={"db": store.database, "t": RUNS_TABLE},
+        ).result_rows
+    ]
 
 
 def _mark(store: Store, run_id: str, state: str) -> None:
@@ -269,30 +307,44 @@ def _mark(store: Store, run_id: str, state: str) -> None:
     store.client.command(
         "CREATE TABLE IF NOT EXISTS {db:Identifier}.{t:Identifier} (Run String, Started DateTime64(3), "
         "State LowCardinality(String), Updated DateTime64(3)) ENGINE = MergeTree ORDER BY (Run, Updated)",
-        parameters={"db": store.database, "t": RUNS_TABLE})  # fmt: skip
+        parameters={"db": store.database, "t": RUNS_TABLE},
+    )
     store.client.command(
         "INSERT INTO {db:Identifier}.{t:Identifier} VALUES ({run:String}, now64(3), {state:String}, now64(3))",
-        parameters={"db": store.database, "t": RUNS_TABLE, "run": run_id, "state": state})  # fmt: skip
+        parameters={"db": store.database, "t": RUNS_TABLE, "run": run_id, "state": state},
+    )
 
 
 def _delete(store: Store, table: str, where: str, parameters: dict) -> None:
     # a mutation, waited for: the lightweight DELETE refuses tables with projections (stagetrace_requests)
-    engine = store.client.command("SELECT any(engine) FROM system.tables WHERE database = {db:String} AND name = {t:String}",
-                                  parameters={"db": store.database, "t": table})  # fmt: skip
+    engine = store.client.command(
+        "SELECT any(engine) FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+        parameters={"db": store.database, "t": table},
+    )
     if not engine:
         return
-    if engine == "Distributed":  # a cluster's: a mutation runs on each shard's table, ON CLUSTER, which is no demo's job
-        raise DemoError(f"the store {store.location.redacted()} is a cluster's: the demo does not remove rows from "
-                        "its shards; use a store of its own for the demo")  # fmt: skip
-    store.client.command(f"ALTER TABLE {{db:Identifier}}.{{table:Identifier}} DELETE WHERE {where}",
-                         parameters={"db": store.database, "table": table, **parameters},
-                         settings={"mutations_sync": 2})  # fmt: skip
+    if (
+        engine == "Distributed"
+    ):  # a cluster's: a mutation runs on each shard's table, ON CLUSTER, which is no demo's job
+        raise DemoError(
+            f"the store {store.location.redacted()} is a cluster's: the demo does not remove rows from "
+            "its shards; use a store of its own for the demo"
+        )
+    store.client.command(
+        f"ALTER TABLE {{db:Identifier}}.{{table:Identifier}} DELETE WHERE {where}",
+        parameters={"db": store.database, "table": table, **parameters},
+        settings={"mutations_sync": 2},
+    )
 
 
 def _remove(store: Store, runs: list[str] | None) -> None:
     """Delete the rows of these runs (None: of every run), by the run ID on their resource; the views' tables by the
     trace IDs of those spans, so first. Nothing of another service is touched."""
-    tagged = f"ResourceAttributes[{RUN_KEY!r}] != ''" if runs is None else f"ResourceAttributes[{RUN_KEY!r}] IN {{runs:Array(String)}}"
+    tagged = (
+        f"ResourceAttributes[{RUN_KEY!r}] != ''"
+        if runs is None
+        else f"ResourceAttributes[{RUN_KEY!r}] IN {{runs:Array(String)}}"
+    )
     parameters = {} if runs is None else {"runs": runs}
     traces = f"TraceId IN (SELECT TraceId FROM {{db:Identifier}}.otel_traces WHERE {tagged})"
     for table in _TRACE_TABLES:
@@ -306,22 +358,37 @@ def _remove(store: Store, runs: list[str] | None) -> None:
 
 
 def _has_column(store: Store, table: str, column: str) -> bool:
-    return bool(store.client.command(
-        "SELECT count() FROM system.columns WHERE database = {db:String} AND table = {t:String} AND name = {c:String}",
-        parameters={"db": store.database, "t": table, "c": column}))  # fmt: skip
+    return bool(
+        store.client.command(
+            "SELECT count() FROM system.columns WHERE database = {db:String} AND table = {t:String} AND name = {c:String}",
+            parameters={"db": store.database, "t": table, "c": column},
+        )
+    )
 
 
 def _others(store: Store, where_spans: str = "1", where_samples: str = "1") -> list[str]:
     """What else the store holds than the demo's rows: ``service (N traces)`` and ``host (N samples)``."""
-    found = [f"{service or '(no service)'} ({n} trace{'s' if n != 1 else ''})" for service, n in store.client.query(
-        f"SELECT ServiceName, uniqExact(TraceId) FROM {{db:Identifier}}.otel_traces WHERE {where_spans} "
-        "GROUP BY 1 ORDER BY 1", parameters={"db": store.database}).result_rows]  # fmt: skip
+    found = [
+        f"{service or '(no service)'} ({n} trace{'s' if n != 1 else ''})"
+        for service, n in store.client.query(
+            f"SELECT ServiceName, uniqExact(TraceId) FROM {{db:Identifier}}.otel_traces WHERE {where_spans} "
+            "GROUP BY 1 ORDER BY 1",
+            parameters={"db": store.database},
+        ).result_rows
+    ]
     for table in _SAMPLE_TABLES:
-        found += [f"host {host or '(none)'} ({n} {table} samples)" for host, n in store.client.query(
-            f"SELECT ResourceAttributes['host.name'], count() FROM {{db:Identifier}}.{table} WHERE {where_samples} "
-            "GROUP BY 1 ORDER BY 1", parameters={"db": store.database}).result_rows]  # fmt: skip
+        found += [
+            f"host {host or '(none)'} ({n} {table} samples)"
+            for host, n in store.client.query(
+                f"SELECT ResourceAttributes['host.name'], count() FROM {{db:Identifier}}.{table} WHERE {where_samples} "
+                "GROUP BY 1 ORDER BY 1",
+                parameters={"db": store.database},
+            ).result_rows
+        ]
     if _exists(store, "otel_logs"):
-        logs = int(store.client.command("SELECT count() FROM {db:Identifier}.otel_logs", parameters={"db": store.database}))
+        logs = int(
+            store.client.command("SELECT count() FROM {db:Identifier}.otel_logs", parameters={"db": store.database})
+        )
         found += [f"{logs} log lines"] if logs else []
     return found
 
@@ -331,16 +398,21 @@ def _remove_untagged(store: Store) -> None:
     names would tell its rows from others', and another service may use those names too. Safe only when the store
     holds nothing else: then it is emptied, as the older demo did; otherwise refused, naming what else it holds."""
     services = ", ".join(repr(s) for s in SERVICES)
-    foreign = _others(store, f"ServiceName NOT IN ({services})",
-                     f"NOT match(ResourceAttributes['host.name'], {_DEMO_HOST!r})")  # fmt: skip
+    foreign = _others(
+        store, f"ServiceName NOT IN ({services})", f"NOT match(ResourceAttributes['host.name'], {_DEMO_HOST!r})"
+    )
     if foreign:
         shown = ", ".join(foreign[:6]) + (f" and {len(foreign) - 6} more" if len(foreign) > 6 else "")
-        raise DemoError(f"the store {store.location.redacted()} holds an older demo run, whose rows do not say which "
-                        f"run wrote them, beside other data: {shown}. --fresh would not know which to remove; use "
-                        "another --store for the demo")  # fmt: skip
+        raise DemoError(
+            f"the store {store.location.redacted()} holds an older demo run, whose rows do not say which "
+            f"run wrote them, beside other data: {shown}. --fresh would not know which to remove; use "
+            "another --store for the demo"
+        )
     for table in ("otel_traces", *_TRACE_TABLES, *_SAMPLE_TABLES, *_OWN_TABLES):
-        store.client.command("TRUNCATE TABLE IF EXISTS {db:Identifier}.{table:Identifier}",
-                             parameters={"db": store.database, "table": table})  # fmt: skip
+        store.client.command(
+            "TRUNCATE TABLE IF EXISTS {db:Identifier}.{table:Identifier}",
+            parameters={"db": store.database, "table": table},
+        )
 
 
 def _timeline_end(store: Store, appended: bool) -> int:
@@ -353,7 +425,8 @@ def _timeline_end(store: Store, appended: bool) -> int:
         return now
     earliest = store.client.command(
         "SELECT toUnixTimestamp64Nano(min(Timestamp)) FROM {db:Identifier}.otel_traces WHERE ServiceName = {s:String}",
-        parameters={"db": store.database, "s": SERVICE_NAME})  # fmt: skip
+        parameters={"db": store.database, "s": SERVICE_NAME},
+    )
     return min(now, int(earliest) - STEP_NS) if int(earliest or 0) > 0 else now
 
 
@@ -384,7 +457,9 @@ def _store_fabric(store: Store, conn, tag: _Tagger) -> tuple[int, int]:
 def _receive(store: Store, messages, node_count: int, total: int, procs, progress, tag: _Tagger):
     results: list[Result] = []
     span_rows: list[tuple] = []
-    metric_rows: dict[str, list[tuple]] = defaultdict(list)  # inserted in batches too: an insert costs more than its rows
+    metric_rows: dict[str, list[tuple]] = defaultdict(
+        list
+    )  # inserted in batches too: an insert costs more than its rows
     spans = samples = 0
     finished = 0
     while finished < node_count:
@@ -432,8 +507,10 @@ def _insert_spans(store: Store, rows: list[tuple]) -> int:
 
 
 # stage → (the rolled-out setting recorded as the cause, its new value)
-_ROLLOUTS = {"retrieval": ("retrieval.index.version", world.NEW_INDEX),
-             "context_assembly": ("context.template.version", faults.NEW_TEMPLATE)}  # fmt: skip
+_ROLLOUTS = {
+    "retrieval": ("retrieval.index.version", world.NEW_INDEX),
+    "context_assembly": ("context.template.version", faults.NEW_TEMPLATE),
+}
 
 
 def _wave_ends(results: list[Result]) -> dict[str, float]:
@@ -486,10 +563,16 @@ def _conclude(store: Store, results: list[Result], spans: int, samples: int, pla
             groups[(r.input_digest, r.epoch)][r.output_digest] += 1
     majority = {k: _majority(c) for k, c in groups.items()}
     results.sort(key=lambda r: r.request_id)
-    deviating = [r.request_id for r in results if not (r.expected or r.nondeterministic)
-                 and majority[(r.input_digest, r.epoch)] not in (None, r.output_digest)]  # fmt: skip
-    truth = [Truth(r.request_id, r.stage, r.cause, hosts[r.node], r.expected, r.nondeterministic)
-             for r in results if r.stage is not None]  # fmt: skip
+    deviating = [
+        r.request_id
+        for r in results
+        if not (r.expected or r.nondeterministic) and majority[(r.input_digest, r.epoch)] not in (None, r.output_digest)
+    ]
+    truth = [
+        Truth(r.request_id, r.stage, r.cause, hosts[r.node], r.expected, r.nondeterministic)
+        for r in results
+        if r.stage is not None
+    ]
     truth.sort(key=lambda t: (t.nondeterministic, t.expected))  # stable: by request ID within each kind
     truncated = {hosts[r.node] for r in results if r.truncated}
     store.client.command(
@@ -504,8 +587,10 @@ def _conclude(store: Store, results: list[Result], spans: int, samples: int, pla
         parameters={"db": store.database},
     )
     if truth:
-        store.client.insert(TRUTH_TABLE, [(t.request_id, t.stage, t.cause, t.node, int(t.expected), int(t.nondeterministic),
-                                           run_id) for t in truth],
-                            column_names=("RequestId", "Stage", "Cause", "Node", "Expected", "Nondeterministic", "Run"),
-                            database=store.database)  # fmt: skip
+        store.client.insert(
+            TRUTH_TABLE,
+            [(t.request_id, t.stage, t.cause, t.node, int(t.expected), int(t.nondeterministic), run_id) for t in truth],
+            column_names=("RequestId", "Stage", "Cause", "Node", "Expected", "Nondeterministic", "Run"),
+            database=store.database,
+        )
     return DemoResult(len(results), spans, samples, hosts, deviating, truth, truncated)

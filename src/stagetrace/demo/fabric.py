@@ -95,8 +95,15 @@ class Port:
 
 _FULL, _HALF, _SLOW = "400 Gb/sec (4X NDR)", "200 Gb/sec (4X HDR)", "100 Gb/sec (4X EDR)"
 _PORT_COUNTERS = ("port_xmit_data", "port_rcv_data", "port_xmit_packets", "port_rcv_packets", "symbol_error")
-_HW_COUNTERS = ("out_of_sequence", "packet_seq_err", "local_ack_timeout_err", "roce_adp_retrans", "np_cnp_sent",
-                "rp_cnp_handled", "np_ecn_marked_roce_packets")  # fmt: skip
+_HW_COUNTERS = (
+    "out_of_sequence",
+    "packet_seq_err",
+    "local_ack_timeout_err",
+    "roce_adp_retrans",
+    "np_cnp_sent",
+    "rp_cnp_handled",
+    "np_ecn_marked_roce_packets",
+)
 _PAUSE = ("rx_prio3_pause", "rx_prio3_pause_duration", "tx_prio3_pause", "tx_prio3_pause_duration")
 
 
@@ -106,16 +113,31 @@ class Host:
     def __init__(self, name: str, root: Path, devices: tuple[str, ...], rate: str, nccl: bool = False):
         self.name = name
         self.root = root / name
-        self.ports = {d: Port(d, rate, f"eth{i}", dict.fromkeys(_PORT_COUNTERS, 0), dict.fromkeys(_HW_COUNTERS, 0),
-                              dict.fromkeys(_PAUSE, 0)) for i, d in enumerate(devices)}  # fmt: skip
+        self.ports = {
+            d: Port(
+                d,
+                rate,
+                f"eth{i}",
+                dict.fromkeys(_PORT_COUNTERS, 0),
+                dict.fromkeys(_HW_COUNTERS, 0),
+                dict.fromkeys(_PAUSE, 0),
+            )
+            for i, d in enumerate(devices)
+        }
         self.collective_us: float | None = None  # NCCL Inspector's mean all-reduce time over the last interval
         self._written: dict[Path, str] = {}
         self._dump = self.root / "nccl" / f"nccl_inspector_metrics_{_uuid(digest([name, 0]))[4:]}.prom"
         collectors = ["rdma", "ethtool"] + (["nccl"] if nccl else [])
         (self.root / "nccl").mkdir(parents=True)
-        self._node = build_node(collectors, Options(host=name, sysfs=self.root / "sys",
-                                                    ethtool_fixture=self.root / "ethtool.json",
-                                                    nccl_dir=self.root / "nccl"))  # fmt: skip
+        self._node = build_node(
+            collectors,
+            Options(
+                host=name,
+                sysfs=self.root / "sys",
+                ethtool_fixture=self.root / "ethtool.json",
+                nccl_dir=self.root / "nccl",
+            ),
+        )
 
     def move(self, device: str, transmit: float, receive: float) -> None:
         counters = self.ports[device].counters
@@ -135,8 +157,10 @@ class Host:
             files |= port_files(self.root / "sys", port.device, port.rate, port.netdev, port.counters, port.hw)
         files[self.root / "ethtool.json"] = json.dumps({p.netdev: p.pause for p in self.ports.values()})
         if self.collective_us is not None:
-            labels = (f'node="{self.name}",gpu="GPU0",comm_name="tp_group",n_nodes="2",nranks="{TP_SIZE}",'
-                      'collective="AllReduce",message_size="64-65KB",algo_proto="Ring_LL"')  # fmt: skip
+            labels = (
+                f'node="{self.name}",gpu="GPU0",comm_name="tp_group",n_nodes="2",nranks="{TP_SIZE}",'
+                'collective="AllReduce",message_size="64-65KB",algo_proto="Ring_LL"'
+            )
             files[self._dump] = f"nccl_collective_exec_time_microseconds{{{labels}}} {self.collective_us}"
         elif self._dump.exists():  # the job's dumps go when it stops
             self._dump.unlink()
@@ -249,20 +273,34 @@ class Scenario:
         start = self.ns(second)
         allreduce_ms = ALLREDUCE_MS * (4.0 if degraded else 1.0)
         root = self.tracer(TP_SERVICE, TP_HOSTS[0]).start_span(
-            "inference.request", kind=trace.SpanKind.SERVER, start_time=start,
-            attributes={cv.REQUEST_ID: f"tp-{digest([self.seed, 'tp', second])[:12]}",
-                        "gen_ai.request.model": "demo-405b", "gen_ai.request.temperature": 0.0,
-                        "gen_ai.request.seed": 7})  # fmt: skip
+            "inference.request",
+            kind=trace.SpanKind.SERVER,
+            start_time=start,
+            attributes={
+                cv.REQUEST_ID: f"tp-{digest([self.seed, 'tp', second])[:12]}",
+                "gen_ai.request.model": "demo-405b",
+                "gen_ai.request.temperature": 0.0,
+                "gen_ai.request.seed": 7,
+            },
+        )
         context = trace.set_span_in_context(root)
         for rank in range(TP_SIZE):
             host = TP_HOSTS[rank // GPUS_PER_TP_HOST]
             if down and host == TP_HOSTS[1]:
                 continue
             span = self.tracer(TP_SERVICE, host).start_span(
-                "stage.allreduce", context=context, start_time=start + 1_000_000,
-                attributes={cv.STAGE: "allreduce", cv.TP_RANK: str(rank), cv.TP_SIZE: TP_SIZE,
-                            "allreduce.algorithm": "ring", "allreduce.time_ms": allreduce_ms,
-                            "net.rdma.devices": list(RAIL_DEVICES)})  # fmt: skip
+                "stage.allreduce",
+                context=context,
+                start_time=start + 1_000_000,
+                attributes={
+                    cv.STAGE: "allreduce",
+                    cv.TP_RANK: str(rank),
+                    cv.TP_SIZE: TP_SIZE,
+                    "allreduce.algorithm": "ring",
+                    "allreduce.time_ms": allreduce_ms,
+                    "net.rdma.devices": list(RAIL_DEVICES),
+                },
+            )
             if down:
                 span.set_status(Status(StatusCode.ERROR, "NCCL watchdog: collective timed out"))
             span.end(end_time=start + 1_000_000 + int(allreduce_ms * 1e6))
@@ -280,25 +318,42 @@ class Scenario:
             else:
                 links += [(rank, host, WEIGHT_BYTES // TRAIN_RANKS) for rank in range(TRAIN_RANKS)]
         # the busiest NIC sets the pace: rank 0's for the fan-in, each GPU's own otherwise
-        seconds = max(len(ROLLOUT_HOSTS) * WEIGHT_BYTES / TRAIN_NIC_BYTES_PER_S if rank0 else 0.0,
-                      WEIGHT_BYTES / ROLLOUT_NIC_BYTES_PER_S)  # fmt: skip
+        seconds = max(
+            len(ROLLOUT_HOSTS) * WEIGHT_BYTES / TRAIN_NIC_BYTES_PER_S if rank0 else 0.0,
+            WEIGHT_BYTES / ROLLOUT_NIC_BYTES_PER_S,
+        )
         start, end = self.ns(second), self.ns(second + seconds)
         missed = step == MISSED_STEP
         sync = self.tracer(TRAIN_SERVICE, TRAIN_HOSTS[0]).start_span(
-            "weights.sync", start_time=start,
-            attributes={cv.WEIGHTS_STEP: step, cv.SYNC_BYTES: sum(b for *_, b in links),
-                        cv.SYNC_SOURCE_RANKS: TRAIN_RANKS, cv.SYNC_DESTINATION_RANKS: len(ROLLOUT_HOSTS)})  # fmt: skip
+            "weights.sync",
+            start_time=start,
+            attributes={
+                cv.WEIGHTS_STEP: step,
+                cv.SYNC_BYTES: sum(b for *_, b in links),
+                cv.SYNC_SOURCE_RANKS: TRAIN_RANKS,
+                cv.SYNC_DESTINATION_RANKS: len(ROLLOUT_HOSTS),
+            },
+        )
         context = trace.set_span_in_context(sync)
         failed = 0
         for rank, host, size in links:
             source_host, source_nic = TRAIN_HOSTS[rank // 4], f"mlx5_{rank % 4}"
             lost = missed and host == MISSING_HOST
             span = self.tracer(TRAIN_SERVICE, source_host).start_span(
-                "weights.write", context=context, start_time=start,
-                attributes={cv.LINK_BYTES: 0 if lost else size, cv.LINK_SOURCE_HOST: source_host,
-                            cv.LINK_SOURCE_RANK: rank, cv.LINK_SOURCE_DEVICE: source_nic,
-                            cv.LINK_DESTINATION_HOST: host, cv.LINK_DESTINATION_RANK: ROLLOUT_HOSTS.index(host),
-                            cv.LINK_DESTINATION_DEVICE: "mlx5_0", cv.LINK_DESTINATION_GPU: self.gpu_uuid[host]})  # fmt: skip
+                "weights.write",
+                context=context,
+                start_time=start,
+                attributes={
+                    cv.LINK_BYTES: 0 if lost else size,
+                    cv.LINK_SOURCE_HOST: source_host,
+                    cv.LINK_SOURCE_RANK: rank,
+                    cv.LINK_SOURCE_DEVICE: source_nic,
+                    cv.LINK_DESTINATION_HOST: host,
+                    cv.LINK_DESTINATION_RANK: ROLLOUT_HOSTS.index(host),
+                    cv.LINK_DESTINATION_DEVICE: "mlx5_0",
+                    cv.LINK_DESTINATION_GPU: self.gpu_uuid[host],
+                },
+            )
             if lost:
                 failed += size
                 span.set_status(Status(StatusCode.ERROR, "transport retries exceeded (IBV_WC_RETRY_EXC_ERR)"))
@@ -313,23 +368,40 @@ class Scenario:
         for host in ROLLOUT_HOSTS:
             if not (missed and host == MISSING_HOST):
                 self.step[host] = step
-        self.truth.append(Event("weights_sync", TRAIN_HOSTS[0], "", second, second + seconds, step,
-                                "rank0" if rank0 else "all_to_all"))  # fmt: skip
+        self.truth.append(
+            Event(
+                "weights_sync", TRAIN_HOSTS[0], "", second, second + seconds, step, "rank0" if rank0 else "all_to_all"
+            )
+        )
         if missed:
-            self.truth.append(Event("weights_missed", MISSING_HOST, self.gpu_uuid[MISSING_HOST], second,
-                                    second + SYNC_EVERY_S, step))  # fmt: skip
+            self.truth.append(
+                Event("weights_missed", MISSING_HOST, self.gpu_uuid[MISSING_HOST], second, second + SYNC_EVERY_S, step)
+            )
 
     def _rollout(self, host: str, second: int) -> None:
         start = self.ns(second)
         tracer = self.tracer(ROLLOUT_SERVICE, host)
         root = tracer.start_span(
-            "rollout.request", kind=trace.SpanKind.SERVER, start_time=start,
-            attributes={cv.REQUEST_ID: f"rl-{digest([self.seed, host, second])[:12]}",
-                        "gen_ai.request.model": "policy", "gen_ai.request.temperature": 1.0})  # fmt: skip
+            "rollout.request",
+            kind=trace.SpanKind.SERVER,
+            start_time=start,
+            attributes={
+                cv.REQUEST_ID: f"rl-{digest([self.seed, host, second])[:12]}",
+                "gen_ai.request.model": "policy",
+                "gen_ai.request.temperature": 1.0,
+            },
+        )
         decode = tracer.start_span(
-            "stage.decode", context=trace.set_span_in_context(root), start_time=start + 2_000_000,
-            attributes={cv.STAGE: "decode", cv.GPU_UUID: self.gpu_uuid[host], cv.WEIGHTS_STEP: self.step[host],
-                        "decode.tokens": 512})  # fmt: skip
+            "stage.decode",
+            context=trace.set_span_in_context(root),
+            start_time=start + 2_000_000,
+            attributes={
+                cv.STAGE: "decode",
+                cv.GPU_UUID: self.gpu_uuid[host],
+                cv.WEIGHTS_STEP: self.step[host],
+                "decode.tokens": 512,
+            },
+        )
         decode.end(end_time=start + 800_000_000)
         root.end(end_time=start + 805_000_000)
 
@@ -365,9 +437,17 @@ def write_truth(store, events: list[Event], t0_ns: int, run: str = "") -> None:
         "ENGINE = MergeTree ORDER BY (Kind, Start)",
         parameters={"db": store.database},
     )
-    store.client.command(f"ALTER TABLE {{db:Identifier}}.{TRUTH_TABLE} ADD COLUMN IF NOT EXISTS Run String",
-                         parameters={"db": store.database})  # an older demo's table lacks it
-    rows = [(e.kind, e.host, e.device, t0_ns + int(e.start_s * S), t0_ns + int(e.end_s * S), e.step, e.detail, run)
-            for e in events]  # fmt: skip
-    store.client.insert(TRUTH_TABLE, rows, column_names=("Kind", "Host", "Device", "Start", "End", "Step", "Detail", "Run"),
-                        database=store.database)  # fmt: skip
+    store.client.command(
+        f"ALTER TABLE {{db:Identifier}}.{TRUTH_TABLE} ADD COLUMN IF NOT EXISTS Run String",
+        parameters={"db": store.database},
+    )  # an older demo's table lacks it
+    rows = [
+        (e.kind, e.host, e.device, t0_ns + int(e.start_s * S), t0_ns + int(e.end_s * S), e.step, e.detail, run)
+        for e in events
+    ]
+    store.client.insert(
+        TRUTH_TABLE,
+        rows,
+        column_names=("Kind", "Host", "Device", "Start", "End", "Step", "Detail", "Run"),
+        database=store.database,
+    )

@@ -88,12 +88,19 @@ CAUSES = {
     "retrieval": {"stale_index": "retrieval.index.version", "index_rollout": "retrieval.index.version"},
     "cache": {"unversioned_cache_key": "cache.entry.index_version"},
     "context_assembly": {"small_context": "context.max_tokens", "template_rollout": "context.template.version"},
-    "allreduce": {"tree_algorithm": "allreduce.algorithm", "nic_timeout": "rdma_local_ack_timeout_err_total",
-                  "remote_seq_errors": "rdma_out_of_sequence_total"},
-    "decode": {"gpu_xid": "gpu_xid_errors_total", "batch_variance": "decode.batch_size",
-               "weights_step": "model.weights.step", "attention_backend": "engine.attention_backend",
-               "unseeded_sampling": "nondeterministic"},
-}  # fmt: skip
+    "allreduce": {
+        "tree_algorithm": "allreduce.algorithm",
+        "nic_timeout": "rdma_local_ack_timeout_err_total",
+        "remote_seq_errors": "rdma_out_of_sequence_total",
+    },
+    "decode": {
+        "gpu_xid": "gpu_xid_errors_total",
+        "batch_variance": "decode.batch_size",
+        "weights_step": "model.weights.step",
+        "attention_backend": "engine.attention_backend",
+        "unseeded_sampling": "nondeterministic",
+    },
+}
 EXPECTED = {"index_rollout", "template_rollout"}  # changes that are no deviation: the fleet moved
 NONDETERMINISTIC = {"unseeded_sampling"}  # outputs that differ by design
 

@@ -35,10 +35,27 @@ from stagetrace.exporters.rows import node_metric_rows
 GPUS = 4
 MTU = 4096
 NIC, NETDEV = "mlx5_0", "eth0"
-_PORT_COUNTERS = ("port_xmit_data", "port_rcv_data", "port_xmit_packets", "port_rcv_packets", "port_xmit_wait",
-                  "port_rcv_errors", "port_xmit_discards", "symbol_error", "link_downed", "link_error_recovery")  # fmt: skip
-_HW_COUNTERS = ("local_ack_timeout_err", "roce_adp_retrans", "out_of_sequence", "packet_seq_err",
-                "np_cnp_sent", "rp_cnp_handled", "np_ecn_marked_roce_packets")  # fmt: skip
+_PORT_COUNTERS = (
+    "port_xmit_data",
+    "port_rcv_data",
+    "port_xmit_packets",
+    "port_rcv_packets",
+    "port_xmit_wait",
+    "port_rcv_errors",
+    "port_xmit_discards",
+    "symbol_error",
+    "link_downed",
+    "link_error_recovery",
+)
+_HW_COUNTERS = (
+    "local_ack_timeout_err",
+    "roce_adp_retrans",
+    "out_of_sequence",
+    "packet_seq_err",
+    "np_cnp_sent",
+    "rp_cnp_handled",
+    "np_ecn_marked_roce_packets",
+)
 
 
 DRIVER_VERSION, CUDA_VERSION = "570.133.20", 12080  # as NVML answers them: the CUDA version 1000 * major + 10 * minor
@@ -49,33 +66,48 @@ MPS_SERVER, MPS_CLIENTS = 4100, (4201, 4202)  # PIDs of the MPS server and of th
 SHARING_PODS = (("voice", "tts-0", "tts"), ("rag-demo", "worker-0", "worker"))  # namespace, pod, container
 
 
-def port_files(sysfs: Path, device: str, rate: str, netdev: str, counters: dict | None = None,
-               hw_counters: dict | None = None) -> dict[Path, str]:
+def port_files(
+    sysfs: Path, device: str, rate: str, netdev: str, counters: dict | None = None, hw_counters: dict | None = None
+) -> dict[Path, str]:
     """The files of an mlx5 RoCE device with one active port, under ``<sysfs>/class/infiniband`` (text without
     its newline): the device's firmware and type, the port's link, its netdev, and ``counters/`` and
     ``hw_counters/`` as given (data counters in the kernel's 4-byte words)."""
     root = sysfs / "class" / "infiniband" / device
     port = root / "ports" / "1"
     files = {
-        root / "fw_ver": "28.39.1002", root / "hca_type": "MT4129", root / "node_type": "1: CA",
-        port / "rate": rate, port / "state": "4: ACTIVE", port / "phys_state": "5: LinkUp",
-        port / "link_layer": "Ethernet", port / "gid_attrs" / "ndevs" / "0": netdev,
-    }  # fmt: skip
+        root / "fw_ver": "28.39.1002",
+        root / "hca_type": "MT4129",
+        root / "node_type": "1: CA",
+        port / "rate": rate,
+        port / "state": "4: ACTIVE",
+        port / "phys_state": "5: LinkUp",
+        port / "link_layer": "Ethernet",
+        port / "gid_attrs" / "ndevs" / "0": netdev,
+    }
     files |= {port / "counters" / name: str(value) for name, value in (counters or {}).items()}
     files |= {port / "hw_counters" / name: str(value) for name, value in (hw_counters or {}).items()}
     return files
 
 
 class NodeHardware:
-    def __init__(self, host: str, directory: str, seed: int, shared_gpu: bool = False,
-                 gpu_model: str = REFERENCE_GPU_MODEL, start_ns: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        host: str,
+        directory: str,
+        seed: int,
+        shared_gpu: bool = False,
+        gpu_model: str = REFERENCE_GPU_MODEL,
+        start_ns: int | None = None,
+    ):
         self.host = host
         self.nvml = Path(directory) / host / "nvml"  # the NVML snapshots the collectors and the detector read
         self.shared_gpu = shared_gpu
         self.root = Path(directory) / host
         self.nic = NIC
-        self.gpu_uuids = [f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}" for u in
-                          (digest([seed, host, g]) for g in range(GPUS))]  # fmt: skip
+        self.gpu_uuids = [
+            f"GPU-{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:32]}"
+            for u in (digest([seed, host, g]) for g in range(GPUS))
+        ]
         self.port = dict.fromkeys(_PORT_COUNTERS, 0)
         self.hw = dict.fromkeys(_HW_COUNTERS, 0)
         self.gpus = [gpu_snapshot(u, gpu_model, MEMORY_BYTES[gpu_model]) for u in self.gpu_uuids]
@@ -90,11 +122,21 @@ class NodeHardware:
         self._write_static()
         # The kubelet starts with the first scrape: gRPC starts threads, and the node forks its TP ranks first. Only
         # the node that shares a GPU runs one: a gRPC server in every node process doubled the demo's time.
-        self.kubelet = RecordedKubelet(self.root / "kubelet" / "kubelet.sock", self.root / "kubelet") if shared_gpu else None
-        shared = {"kubelet_socket": self.kubelet.socket_path, "procfs": self.root / "proc",
-                  "kubelet_log_dir": self.root / "log"} if self.kubelet else {}  # fmt: skip
-        options = Options(host=host, sysfs=self.root / "sys", nvml_fixture=self.nvml, mps_fixture=self.root / "mps",
-                          **shared)  # fmt: skip
+        self.kubelet = (
+            RecordedKubelet(self.root / "kubelet" / "kubelet.sock", self.root / "kubelet") if shared_gpu else None
+        )
+        shared = (
+            {
+                "kubelet_socket": self.kubelet.socket_path,
+                "procfs": self.root / "proc",
+                "kubelet_log_dir": self.root / "log",
+            }
+            if self.kubelet
+            else {}
+        )
+        options = Options(
+            host=host, sysfs=self.root / "sys", nvml_fixture=self.nvml, mps_fixture=self.root / "mps", **shared
+        )
         self._collectors = build_node(["gpu", "rdma", *(["mps", "kubernetes"] if shared_gpu else [])], options)
         self._nic_collectors = build_node(["rdma"], options)
         # the counters' start: the node's simulated clock's (``pipeline.SimClock``), so its samples lie on that clock
@@ -165,29 +207,52 @@ class NodeHardware:
             return {"resourceName": "nvidia.com/gpu", "deviceIds": ids, "topology": {"nodes": [{"ID": "0"}]}}
 
         engine = [device(u, 0) for i, u in enumerate(self.gpu_uuids) if not (self.shared_gpu and i == SHARED_GPU)]
-        pods = [{"name": f"{self.host}-engine", "namespace": "rag-demo", "containers": [
-            {"name": "engine", "devices": engine, "cpuIds": [str(c) for c in range(2, 18)]}]}]  # fmt: skip
+        pods = [
+            {
+                "name": f"{self.host}-engine",
+                "namespace": "rag-demo",
+                "containers": [{"name": "engine", "devices": engine, "cpuIds": [str(c) for c in range(2, 18)]}],
+            }
+        ]
         if self.shared_gpu:
-            pods += [{"name": pod, "namespace": namespace,
-                      "containers": [{"name": container, "devices": [device(self.gpu_uuids[SHARED_GPU], replica)]}]}
-                     for replica, (namespace, pod, container) in enumerate(SHARING_PODS)]  # fmt: skip
-        pods.append({"name": f"nvidia-device-plugin-{self.host}", "namespace": "kube-system",
-                     "containers": [{"name": "nvidia-device-plugin"}]})  # fmt: skip
-        allocatable = {"devices": [device(u, r) for u in self.gpu_uuids for r in range(replicas)],
-                       "cpuIds": [str(c) for c in range(2, 64)]}  # fmt: skip
+            pods += [
+                {
+                    "name": pod,
+                    "namespace": namespace,
+                    "containers": [{"name": container, "devices": [device(self.gpu_uuids[SHARED_GPU], replica)]}],
+                }
+                for replica, (namespace, pod, container) in enumerate(SHARING_PODS)
+            ]
+        pods.append(
+            {
+                "name": f"nvidia-device-plugin-{self.host}",
+                "namespace": "kube-system",
+                "containers": [{"name": "nvidia-device-plugin"}],
+            }
+        )
+        allocatable = {
+            "devices": [device(u, r) for u in self.gpu_uuids for r in range(replicas)],
+            "cpuIds": [str(c) for c in range(2, 64)],
+        }
         return {"List": {"podResources": pods}, "GetAllocatableResources": allocatable}
 
     def _write_nvml(self) -> None:
-        write_nvml_fixture(self.nvml, self.gpus, nvmlSystemGetDriverVersion=DRIVER_VERSION,
-                           nvmlSystemGetCudaDriverVersion=CUDA_VERSION)  # fmt: skip
+        write_nvml_fixture(
+            self.nvml, self.gpus, nvmlSystemGetDriverVersion=DRIVER_VERSION, nvmlSystemGetCudaDriverVersion=CUDA_VERSION
+        )
 
     def _write_static(self) -> None:
         self._write_nvml()  # the configuration detector reads it when the node's process starts
         if self.shared_gpu:
             write_answers(self.root / "kubelet", self.pods())
-            write_mps_fixture(self.root / "mps", {
-                "get_server_list": f"{MPS_SERVER}\n", f"get_client_list {MPS_SERVER}": "".join(f"{p}\n" for p in MPS_CLIENTS),
-                "get_default_active_thread_percentage": "50.0\n"})  # fmt: skip
+            write_mps_fixture(
+                self.root / "mps",
+                {
+                    "get_server_list": f"{MPS_SERVER}\n",
+                    f"get_client_list {MPS_SERVER}": "".join(f"{p}\n" for p in MPS_CLIENTS),
+                    "get_default_active_thread_percentage": "50.0\n",
+                },
+            )
             self._write_tenants()
         for path, text in port_files(self.root / "sys", NIC, "400 Gb/sec (4X NDR)", NETDEV).items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,16 +263,19 @@ class NodeHardware:
         driver's layout, cgroup v2) and ``comm``, and the kubelet's log directory, which names pod UIDs and
         container IDs (``collectors.gpu_tenants``)."""
         daemon = ("kube-system", f"nvidia-device-plugin-{self.host}", "nvidia-device-plugin")  # runs the MPS server
-        owners = [(MPS_SERVER, "nvidia-cuda-mps-server", daemon),
-                  *((pid, pod[2], pod) for pid, pod in zip(MPS_CLIENTS, SHARING_PODS))]  # fmt: skip
+        owners = [
+            (MPS_SERVER, "nvidia-cuda-mps-server", daemon),
+            *((pid, pod[2], pod) for pid, pod in zip(MPS_CLIENTS, SHARING_PODS)),
+        ]
         for pid, comm, (namespace, pod, container) in owners:
             uid = str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{self.host}/{namespace}/{pod}"))
             container_id = hashlib.sha256(f"{uid}/{container}".encode()).hexdigest()
             proc = self.root / "proc" / str(pid)
             proc.mkdir(parents=True, exist_ok=True)
             (proc / "comm").write_text(comm + "\n")
-            (proc / "cgroup").write_text(f"0::/kubepods.slice/kubepods-pod{uid.replace('-', '_')}.slice/"
-                                         f"cri-containerd-{container_id}.scope\n")  # fmt: skip
+            (proc / "cgroup").write_text(
+                f"0::/kubepods.slice/kubepods-pod{uid.replace('-', '_')}.slice/cri-containerd-{container_id}.scope\n"
+            )
             (self.root / "log" / "pods" / f"{namespace}_{pod}_{uid}" / container).mkdir(parents=True, exist_ok=True)
             (self.root / "log" / "containers").mkdir(parents=True, exist_ok=True)
             (self.root / "log" / "containers" / f"{pod}_{namespace}_{container}-{container_id}.log").touch()

@@ -204,24 +204,39 @@ class Node:
         self.model = world.Model(seed)
         self.indexes = world.corpora(seed)
         self.cache = DocCache(CACHE_CAPACITY, CACHE_TTL_S, config.cache_key_has_version)
-        self.hardware = NodeHardware(config.host, hardware_dir, seed, shared_gpu=config.shared_gpu,
-                                     gpu_model=config.gpu_model, start_ns=start_ns)  # fmt: skip
+        self.hardware = NodeHardware(
+            config.host, hardware_dir, seed, shared_gpu=config.shared_gpu, gpu_model=config.gpu_model, start_ns=start_ns
+        )
         # the remote host of a two-host TP group: its own NIC and GPUs, sampled by this node
-        self.remote = (NodeHardware(config.tp_remote_host, hardware_dir, seed, start_ns=start_ns)
-                       if config.tp_remote_host else None)  # fmt: skip
+        self.remote = (
+            NodeHardware(config.tp_remote_host, hardware_dir, seed, start_ns=start_ns)
+            if config.tp_remote_host
+            else None
+        )
         self._remote_tracer = None
         self._corrupt_left = 0
         self._xid_done = False
         self._corrupted_a = self.model.a.copy()
         self._corrupted_a[XID_BAD_WEIGHT] *= np.float32(-8.0)
-        self._weights = {step: self.model.a_at_step(step) for step in {config.weights_step(0.0), config.weights_step(1.0)}}
+        self._weights = {
+            step: self.model.a_at_step(step) for step in {config.weights_step(0.0), config.weights_step(1.0)}
+        }
 
     def _provider(self, hardware: NodeHardware, backend: str) -> TracerProvider:
         """A serving process's provider: its resource holds what the configuration detector records for an engine
         started with this attention backend on this host's GPUs."""
         detected = configuration.configuration(
-            argv=["vllm", "serve", world.MODEL_NAME, "--tensor-parallel-size", str(world.TP_SIZE),
-                  "--attention-backend", backend], environ={STAGETRACE_NVML_FIXTURE: str(hardware.nvml)})  # fmt: skip
+            argv=[
+                "vllm",
+                "serve",
+                world.MODEL_NAME,
+                "--tensor-parallel-size",
+                str(world.TP_SIZE),
+                "--attention-backend",
+                backend,
+            ],
+            environ={STAGETRACE_NVML_FIXTURE: str(hardware.nvml)},
+        )
         resource = Resource.create({**detected, "service.name": SERVICE_NAME, "host.name": hardware.host})
         provider = TracerProvider(resource=resource)
         provider.add_span_processor(BatchSpanProcessor(_QueueSpanExporter(self.queue), schedule_delay_millis=200))
@@ -291,12 +306,20 @@ class Node:
         cfg, inp, pos = self.config, spec.input, spec.position
         truth = _Divergence()
         now = spec.index * SIM_SECONDS_PER_REQUEST
-        attributes = {"gen_ai.request.model": inp["model"], "gen_ai.request.seed": inp.get("seed"),
-                      "gen_ai.request.temperature": inp["temperature"], "gen_ai.request.max_tokens": inp["max_new_tokens"]}  # fmt: skip
+        attributes = {
+            "gen_ai.request.model": inp["model"],
+            "gen_ai.request.seed": inp.get("seed"),
+            "gen_ai.request.temperature": inp["temperature"],
+            "gen_ai.request.max_tokens": inp["max_new_tokens"],
+        }
         with stagetrace.request(spec.request_id, input=inp, attributes=attributes) as req:
             index = self.indexes[cfg.index_version(pos)]
             query = [inp["prompt"], inp["top_k"]]
-            with stagetrace.stage("retrieval", input=query, attributes={"retrieval.index.version": index.version, "retrieval.top_k": inp["top_k"]}) as st:  # fmt: skip
+            with stagetrace.stage(
+                "retrieval",
+                input=query,
+                attributes={"retrieval.index.version": index.version, "retrieval.top_k": inp["top_k"]},
+            ) as st:
                 hits = index.search(inp["prompt"], inp["top_k"])
                 self.clock.advance(RETRIEVAL_NS + RETRIEVAL_PER_HIT_NS * len(hits))
                 st.set_attribute("retrieval.doc_ids", [h[0] for h in hits])
@@ -304,39 +327,74 @@ class Node:
                 retrieval_started = st.span.start_time
             reference_index = self.indexes[cfg.fleet_index_version(pos)]
             change = cfg.index_change(pos)
-            truth.check("retrieval", None if change is None else "index_rollout" if change == "expected" else "stale_index",
-                        hits, lambda: reference_index.search(inp["prompt"], inp["top_k"]))  # fmt: skip
+            truth.check(
+                "retrieval",
+                None if change is None else "index_rollout" if change == "expected" else "stale_index",
+                hits,
+                lambda: reference_index.search(inp["prompt"], inp["top_k"]),
+            )
 
             with stagetrace.stage("cache", input=hits) as st:
                 fetched = [self.cache.fetch(doc_id, index, now) for doc_id, _ in hits]
                 texts = [f[0] for f in fetched]
                 ages = [f[2] for f in fetched if f[2] is not None]
                 self.clock.advance(CACHE_HIT_NS * len(ages) + CACHE_MISS_NS * (len(hits) - len(ages)))
-                st.set_attributes({"cache.hit": len(ages) == len(hits), "cache.hits": len(ages),
-                                   "cache.misses": len(hits) - len(ages),
-                                   "cache.entry.age_s": round(max(ages), 3) if ages else 0.0,
-                                   "cache.entry.index_version": min(f[1] for f in fetched)})  # fmt: skip
+                st.set_attributes(
+                    {
+                        "cache.hit": len(ages) == len(hits),
+                        "cache.hits": len(ages),
+                        "cache.misses": len(hits) - len(ages),
+                        "cache.entry.age_s": round(max(ages), 3) if ages else 0.0,
+                        "cache.entry.index_version": min(f[1] for f in fetched),
+                    }
+                )
                 st.set_output(texts)
             stale = any(f[1] != index.version for f in fetched)
-            truth.check("cache", "unversioned_cache_key" if stale else None, texts,
-                        lambda: [index.docs[doc_id].text for doc_id, _ in hits])  # fmt: skip
+            truth.check(
+                "cache",
+                "unversioned_cache_key" if stale else None,
+                texts,
+                lambda: [index.docs[doc_id].text for doc_id, _ in hits],
+            )
 
-            max_tokens, template, fleet_template = cfg.max_context_tokens(pos), cfg.template(pos), cfg.fleet_template(pos)
-            with stagetrace.stage("context_assembly", input=[inp["prompt"], texts],
-                                  attributes={"context.template.version": template, "context.max_tokens": max_tokens}) as st:  # fmt: skip
+            max_tokens, template, fleet_template = (
+                cfg.max_context_tokens(pos),
+                cfg.template(pos),
+                cfg.fleet_template(pos),
+            )
+            with stagetrace.stage(
+                "context_assembly",
+                input=[inp["prompt"], texts],
+                attributes={"context.template.version": template, "context.max_tokens": max_tokens},
+            ) as st:
                 context, context_tokens, truncated = assemble_context(inp["prompt"], texts, max_tokens, template)
                 self.clock.advance(CONTEXT_NS + CONTEXT_PER_TOKEN_NS * context_tokens)
                 st.set_attributes({"context.tokens": context_tokens, "context.truncated": truncated})
                 st.set_output(context)
                 context_started = st.span.start_time
-            fault = "template_rollout" if template != fleet_template else "small_context" if max_tokens != REFERENCE_CONTEXT_TOKENS else None
-            truth.check("context_assembly", fault, context,
-                        lambda: assemble_context(inp["prompt"], texts, REFERENCE_CONTEXT_TOKENS, fleet_template)[0])  # fmt: skip
+            fault = (
+                "template_rollout"
+                if template != fleet_template
+                else "small_context"
+                if max_tokens != REFERENCE_CONTEXT_TOKENS
+                else None
+            )
+            truth.check(
+                "context_assembly",
+                fault,
+                context,
+                lambda: assemble_context(inp["prompt"], texts, REFERENCE_CONTEXT_TOKENS, fleet_template)[0],
+            )
 
             x = self.model.context_vector(context)
             algorithm = cfg.algorithm(pos)
-            attributes = {"parallel.tp_size": world.TP_SIZE, "allreduce.algorithm": algorithm, "allreduce.count": 1,
-                          "allreduce.bytes": world.HIDDEN * 4, "net.rdma.devices": [self.hardware.nic]}  # fmt: skip
+            attributes = {
+                "parallel.tp_size": world.TP_SIZE,
+                "allreduce.algorithm": algorithm,
+                "allreduce.count": 1,
+                "allreduce.bytes": world.HIDDEN * 4,
+                "net.rdma.devices": [self.hardware.nic],
+            }
             with ExitStack() as spans:
                 if self.remote is None:  # one span for the group, as a single-host engine records it
                     rank_spans = [spans.enter_context(stagetrace.stage("allreduce", input=x, attributes=attributes))]
@@ -364,10 +422,19 @@ class Node:
                     self.remote.allreduce(world.HIDDEN * 4, world.TP_SIZE)
                 elapsed_ms = elapsed_ns / 1e6
                 for st in rank_spans:
-                    st.set_attributes({"allreduce.time_ms": round(elapsed_ms, 3), "allreduce.max_ms": round(elapsed_ms, 3)})
+                    st.set_attributes(
+                        {"allreduce.time_ms": round(elapsed_ms, 3), "allreduce.max_ms": round(elapsed_ms, 3)}
+                    )
                     st.set_output(h0)
-            fault = "nic_timeout" if spec.nic_timeout else "remote_seq_errors" if spec.seq_error else \
-                "tree_algorithm" if algorithm != "ring" else None  # fmt: skip
+            fault = (
+                "nic_timeout"
+                if spec.nic_timeout
+                else "remote_seq_errors"
+                if spec.seq_error
+                else "tree_algorithm"
+                if algorithm != "ring"
+                else None
+            )
             truth.check("allreduce", fault, h0, lambda: world.ring_order(partials))
 
             batch = spec.batch_size
@@ -380,11 +447,24 @@ class Node:
             unseeded = world.unseeded(inp)
             # the unseeded tenant's sampler draws from OS entropy: its outputs differ from request to request
             sampler = np.random.default_rng() if unseeded else None
-            with stagetrace.stage("decode", input=[h0, inp["max_new_tokens"]],
-                                  attributes={"gpu.uuid": self.hardware.gpu_uuids[0], "decode.batch_size": batch,
-                                              "model.weights.step": step, "decode.deterministic": False}) as st:  # fmt: skip
-                tokens = self.model.decode(h0, chunks, self._corrupted_a if corrupted else self._weights[step],
-                                           inp["temperature"], sampler, backend)  # fmt: skip
+            with stagetrace.stage(
+                "decode",
+                input=[h0, inp["max_new_tokens"]],
+                attributes={
+                    "gpu.uuid": self.hardware.gpu_uuids[0],
+                    "decode.batch_size": batch,
+                    "model.weights.step": step,
+                    "decode.deterministic": False,
+                },
+            ) as st:
+                tokens = self.model.decode(
+                    h0,
+                    chunks,
+                    self._corrupted_a if corrupted else self._weights[step],
+                    inp["temperature"],
+                    sampler,
+                    backend,
+                )
                 per_token_ns = DECODE_TOKEN_NS + DECODE_TOKEN_PER_BATCH_NS * batch
                 self.clock.advance(per_token_ns * len(tokens))
                 st.set_attributes({"decode.tokens": len(tokens), "decode.ttft_ms": round(per_token_ns / 1e6, 3)})
@@ -392,18 +472,43 @@ class Node:
             self.hardware.decode(gpu=0, tokens=len(tokens), batch=batch)
             if unseeded:  # never a deviation, whatever else happened upstream
                 truth.record("decode", "unseeded_sampling")
-            fault = "gpu_xid" if corrupted else "weights_step" if step != world.FLEET_WEIGHTS_STEP else \
-                "attention_backend" if backend != world.REFERENCE_ATTENTION_BACKEND else \
-                "batch_variance" if chunks != 1 else None  # fmt: skip
+            fault = (
+                "gpu_xid"
+                if corrupted
+                else "weights_step"
+                if step != world.FLEET_WEIGHTS_STEP
+                else "attention_backend"
+                if backend != world.REFERENCE_ATTENTION_BACKEND
+                else "batch_variance"
+                if chunks != 1
+                else None
+            )
             truth.check("decode", fault, tokens, lambda: self.model.decode(h0, 1))
 
             text = self.model.detokenize(tokens)
             req.set_attributes({"gen_ai.usage.input_tokens": context_tokens, "gen_ai.usage.output_tokens": len(tokens)})
             output_digest = req.set_output(text)
-        rollouts = {"retrieval": (index.version, retrieval_started, index.version == world.OLD_INDEX != reference_index.version),
-                    "context_assembly": (template, context_started, template == OLD_TEMPLATE != fleet_template)}  # fmt: skip
-        return Result(spec.request_id, digest(inp), output_digest, truth.stage, truth.cause, cfg.index, truncated,
-                      (reference_index.version, fleet_template), truth.expected, truth.nondeterministic, rollouts)  # fmt: skip
+        rollouts = {
+            "retrieval": (
+                index.version,
+                retrieval_started,
+                index.version == world.OLD_INDEX != reference_index.version,
+            ),
+            "context_assembly": (template, context_started, template == OLD_TEMPLATE != fleet_template),
+        }
+        return Result(
+            spec.request_id,
+            digest(inp),
+            output_digest,
+            truth.stage,
+            truth.cause,
+            cfg.index,
+            truncated,
+            (reference_index.version, fleet_template),
+            truth.expected,
+            truth.nondeterministic,
+            rollouts,
+        )
 
     def _rank_spans(self, spans: ExitStack, req, x, attributes: dict) -> list:
         """One all-reduce span per TP rank: ranks 0-1 on this host, 2-3 under the remote host's resource."""
@@ -411,12 +516,23 @@ class Node:
         for rank in range(world.TP_SIZE):
             if rank not in REMOTE_RANKS:
                 rank_attributes = {**attributes, TP_RANK: str(rank)}
-                out.append(spans.enter_context(stagetrace.stage("allreduce", input=x, attributes=rank_attributes, parent=req)))
+                out.append(
+                    spans.enter_context(stagetrace.stage("allreduce", input=x, attributes=rank_attributes, parent=req))
+                )
                 continue
-            rank_attributes = {**attributes, TP_RANK: str(rank), "net.rdma.devices": [self.remote.nic], STAGE: "allreduce",
-                               STAGE_INPUT_DIGEST: digest(x)}  # fmt: skip
-            span = self._remote_tracer.start_span("stage.allreduce", context=trace.set_span_in_context(req.span),
-                                                  attributes=rank_attributes, start_time=self.clock())  # fmt: skip
+            rank_attributes = {
+                **attributes,
+                TP_RANK: str(rank),
+                "net.rdma.devices": [self.remote.nic],
+                STAGE: "allreduce",
+                STAGE_INPUT_DIGEST: digest(x),
+            }
+            span = self._remote_tracer.start_span(
+                "stage.allreduce",
+                context=trace.set_span_in_context(req.span),
+                attributes=rank_attributes,
+                start_time=self.clock(),
+            )
             spans.callback(lambda span=span: span.end(end_time=self.clock()))
             out.append(_RemoteRankSpan(span))
         return out

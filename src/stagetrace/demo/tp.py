@@ -42,8 +42,12 @@ class TPGroup:
         self._procs = []
         for rank in range(1, TP_SIZE):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, model, child, [parent, *self._conns]), daemon=True,
-                               name=f"tp-rank-{rank}")  # fmt: skip
+            proc = ctx.Process(
+                target=_rank_main,
+                args=(rank, model, child, [parent, *self._conns]),
+                daemon=True,
+                name=f"tp-rank-{rank}",
+            )
             proc.start()
             child.close()
             self._conns.append(parent)

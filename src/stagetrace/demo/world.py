@@ -77,8 +77,10 @@ class Doc:
 def _doc_text(rng: np.random.Generator, topic: int) -> str:
     length = int(rng.integers(20, 111))
     own = VOCABULARY[topic * WORDS_PER_TOPIC : (topic + 1) * WORDS_PER_TOPIC]
-    words = [own[int(rng.integers(len(own)))] if rng.random() < 0.75 else VOCABULARY[int(rng.integers(len(VOCABULARY)))]
-             for _ in range(length)]  # fmt: skip
+    words = [
+        own[int(rng.integers(len(own)))] if rng.random() < 0.75 else VOCABULARY[int(rng.integers(len(VOCABULARY)))]
+        for _ in range(length)
+    ]
     return " ".join(words)
 
 
@@ -121,8 +123,14 @@ def prompts(seed: int, count: int) -> list[dict]:
         topic = int(rng.integers(TOPICS))
         own = VOCABULARY[topic * WORDS_PER_TOPIC : (topic + 1) * WORDS_PER_TOPIC]
         words = [own[int(rng.integers(len(own)))] for _ in range(int(rng.integers(5, 11)))]
-        spec = {"prompt": " ".join(words), "top_k": 8 if rng.random() < 0.5 else 4, "seed": 1000 + i,
-                "temperature": 0.0, "max_new_tokens": NEW_TOKENS, "model": MODEL_NAME}  # fmt: skip
+        spec = {
+            "prompt": " ".join(words),
+            "top_k": 8 if rng.random() < 0.5 else 4,
+            "seed": 1000 + i,
+            "temperature": 0.0,
+            "max_new_tokens": NEW_TOKENS,
+            "model": MODEL_NAME,
+        }
         if i % UNSEEDED_EVERY == UNSEEDED_EVERY - 1:
             del spec["seed"]
             spec["temperature"] = UNSEEDED_TEMPERATURE
@@ -175,8 +183,15 @@ class Model:
         cols, w = self.shard(rank)
         return w @ x[cols]
 
-    def decode(self, h0: np.ndarray, chunks: int, a: np.ndarray | None = None, temperature: float = 0.0,
-               rng: np.random.Generator | None = None, backend: str = REFERENCE_ATTENTION_BACKEND) -> list[int]:  # fmt: skip
+    def decode(
+        self,
+        h0: np.ndarray,
+        chunks: int,
+        a: np.ndarray | None = None,
+        temperature: float = 0.0,
+        rng: np.random.Generator | None = None,
+        backend: str = REFERENCE_ATTENTION_BACKEND,
+    ) -> list[int]:
         """Greedy tokens, or with ``temperature`` above zero tokens sampled with ``rng``."""
         a = self.a if a is None else a
         other = backend != REFERENCE_ATTENTION_BACKEND

@@ -228,24 +228,37 @@ class serving:
         for member in self._members:
             if self._allreduce.count:
                 tracing.measured_stage(
-                    "allreduce", parent=member.parent, rank=rank,
-                    start_time_ns=self._allreduce.start_ns, end_time_ns=self._allreduce.end_ns,
-                    attributes={TP_SIZE: tp_size, ALLREDUCE_COUNT: self._allreduce.count,
-                                ALLREDUCE_BYTES: self._allreduce.bytes},
-                    values={STAGE_INPUT_DIGEST: Folded(member.allreduce_in),
-                            STAGE_STEP_INPUT_DIGESTS: Steps(member.allreduce_in),
-                            STAGE_OUTPUT_DIGEST: Folded(member.allreduce_out),
-                            ALLREDUCE_TIME_MS: times.total_ms(), ALLREDUCE_MAX_MS: times.max_ms()},
-                )  # fmt: skip
+                    "allreduce",
+                    parent=member.parent,
+                    rank=rank,
+                    start_time_ns=self._allreduce.start_ns,
+                    end_time_ns=self._allreduce.end_ns,
+                    attributes={
+                        TP_SIZE: tp_size,
+                        ALLREDUCE_COUNT: self._allreduce.count,
+                        ALLREDUCE_BYTES: self._allreduce.bytes,
+                    },
+                    values={
+                        STAGE_INPUT_DIGEST: Folded(member.allreduce_in),
+                        STAGE_STEP_INPUT_DIGESTS: Steps(member.allreduce_in),
+                        STAGE_OUTPUT_DIGEST: Folded(member.allreduce_out),
+                        ALLREDUCE_TIME_MS: times.total_ms(),
+                        ALLREDUCE_MAX_MS: times.max_ms(),
+                    },
+                )
             if self._decode.count:
                 values = {STAGE_OUTPUT_DIGEST: Folded(member.decode_out)}
                 if member.decode_in:
                     values[STAGE_INPUT_DIGEST] = Folded(member.decode_in)
                 tracing.measured_stage(
-                    "decode", parent=member.parent, rank=rank,
-                    start_time_ns=self._decode.start_ns, end_time_ns=self._decode.end_ns,
-                    attributes={DECODE_BATCH_SIZE: self._decode_rows}, values=values,
-                )  # fmt: skip
+                    "decode",
+                    parent=member.parent,
+                    rank=rank,
+                    start_time_ns=self._decode.start_ns,
+                    end_time_ns=self._decode.end_ns,
+                    attributes={DECODE_BATCH_SIZE: self._decode_rows},
+                    values=values,
+                )
 
 
 # -- timing: CUDA events on a GPU (read when they are done), the host's clock on the CPU

@@ -9,6 +9,7 @@ import numpy as np
 
 from stagetrace.errors import first_line
 
+
 def _torch():
     return sys.modules.get("torch")
 
@@ -22,8 +23,11 @@ def is_array(value) -> bool:
         return True
     if isinstance(value, type):
         return False
-    return (hasattr(value, "__dlpack__") or hasattr(value, "__cuda_array_interface__")
-            or (hasattr(value, "dtype") and hasattr(value, "tobytes") and hasattr(value, "shape")))  # fmt: skip
+    return (
+        hasattr(value, "__dlpack__")
+        or hasattr(value, "__cuda_array_interface__")
+        or (hasattr(value, "dtype") and hasattr(value, "tobytes") and hasattr(value, "shape"))
+    )
 
 
 def numpy_dtype_name(dtype: np.dtype) -> str:

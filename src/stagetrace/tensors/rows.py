@@ -92,7 +92,11 @@ class RowBatches:
         elif array.device.type == "cuda":
             import torch
 
-            name, shape, nbytes = torch_dtype_name(array.dtype), tuple(array.shape), array.numel() * array.element_size()
+            name, shape, nbytes = (
+                torch_dtype_name(array.dtype),
+                tuple(array.shape),
+                array.numel() * array.element_size(),
+            )
             device, stream = array.device, torch.cuda.current_stream(array.device)
         else:
             return start_rows(array, groups)

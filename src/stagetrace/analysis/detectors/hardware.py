@@ -62,5 +62,13 @@ class HardwareSignals:
             evidence["typical"] = rise.typical
         sign = "" if rise.signal.is_gauge else "+"
         score = rise.signal.severity * (BOTH_ROSE_WEIGHT if both else 1.0)
-        return Cause("hardware", case.stage, rise.metric, f"{sign}{rise.delta:g}",
-                     f"{sign}{before.get(_kind(rise), 0.0):g}", score, evidence, weak=both)  # fmt: skip
+        return Cause(
+            "hardware",
+            case.stage,
+            rise.metric,
+            f"{sign}{rise.delta:g}",
+            f"{sign}{before.get(_kind(rise), 0.0):g}",
+            score,
+            evidence,
+            weak=both,
+        )

@@ -20,5 +20,6 @@ class Nondeterminism:
         if not case.nondeterminism:
             return []
         name = case.nondeterminism.split(" ", 1)[0]
-        return [Cause("nondeterminism", case.stage, name, case.nondeterminism, "", SCORE,
-                      {"reason": case.nondeterminism})]  # fmt: skip
+        return [
+            Cause("nondeterminism", case.stage, name, case.nondeterminism, "", SCORE, {"reason": case.nondeterminism})
+        ]

@@ -38,8 +38,11 @@ WHERE TraceId IN (SELECT arrayJoin({traces:Array(String)}))
 def hit(spans) -> tuple[str, int, str, dict] | None:
     """``(key, cached tokens, span name, resource)`` of the largest prefix-cache hit these spans record, or None.
     ``spans``: ``(name, attributes, resource)``."""
-    found = [(*c, name.strip(), resource) for name, attributes, resource in spans
-             if (c := conventions.cached_tokens(attributes))]  # fmt: skip
+    found = [
+        (*c, name.strip(), resource)
+        for name, attributes, resource in spans
+        if (c := conventions.cached_tokens(attributes))
+    ]
     return max(found, key=lambda f: f[1], default=None)
 
 
@@ -50,9 +53,17 @@ def stored(store, traces: list[lookup.Trace]) -> dict[str, list[tuple]]:
         return {}
     t0 = min(t.start_ns for t in traces) - MARGIN_NS
     t1 = max(t.start_ns + t.duration_ns for t in traces) + MARGIN_NS
-    rows = store.client.query(CACHED_TOKENS_SQL, parameters={
-        "db": store.database, "spans": store.readable("otel_traces"), "traces": sorted({t.trace_id for t in traces}),
-        "t0": t0, "t1": t1, "keys": list(conventions.CACHED_TOKENS_KEYS)}).result_rows  # fmt: skip
+    rows = store.client.query(
+        CACHED_TOKENS_SQL,
+        parameters={
+            "db": store.database,
+            "spans": store.readable("otel_traces"),
+            "traces": sorted({t.trace_id for t in traces}),
+            "t0": t0,
+            "t1": t1,
+            "keys": list(conventions.CACHED_TOKENS_KEYS),
+        },
+    ).result_rows
     out: dict[str, list[tuple]] = {}
     for trace_id, *span in rows:
         out.setdefault(trace_id, []).append(tuple(span))
@@ -60,8 +71,9 @@ def stored(store, traces: list[lookup.Trace]) -> dict[str, list[tuple]]:
 
 
 def _invariant(trace: lookup.Trace) -> bool:
-    return any(conventions.batch_invariant(s.attributes) or conventions.batch_invariant(s.resource)
-               for s in trace.spans)  # fmt: skip
+    return any(
+        conventions.batch_invariant(s.attributes) or conventions.batch_invariant(s.resource) for s in trace.spans
+    )
 
 
 @register
@@ -82,12 +94,26 @@ class PrefixCache:
             return []
         key, count, span, resource = mine
         invariant = _invariant(case.request) and _invariant(case.baseline)
-        evidence = {"hit": count > 0, "baseline_hit": theirs[1] > 0, "span": span,
-                    "host": resource.get(conventions.HOST, "")}  # fmt: skip
+        evidence = {
+            "hit": count > 0,
+            "baseline_hit": theirs[1] > 0,
+            "span": span,
+            "host": resource.get(conventions.HOST, ""),
+        }
         cache_stage = sorted({s.name for s in case.request.spans if s.stage == "cache"})
         if cache_stage:
             evidence["cache_stage"] = cache_stage
         if invariant:
             evidence["neutral"] = "batch invariance on for both: a hit is bit-exact with a miss"
-        return [Cause("prefix_cache", case.stage, key, str(count), str(theirs[1]),
-                      SCORE * (INVARIANT_WEIGHT if invariant else 1.0), evidence, weak=invariant)]  # fmt: skip
+        return [
+            Cause(
+                "prefix_cache",
+                case.stage,
+                key,
+                str(count),
+                str(theirs[1]),
+                SCORE * (INVARIANT_WEIGHT if invariant else 1.0),
+                evidence,
+                weak=invariant,
+            )
+        ]

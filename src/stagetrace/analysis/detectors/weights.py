@@ -52,30 +52,48 @@ class StaleWeights:
     def detect(self, case: Case) -> list[Cause]:
         if case.stage != "decode":
             return []
-        ranks = [(step, rank, s) for rank, s in case.spans.items()
-                 if (step := weights_step(s.attributes)) is not None and s.attributes.get(GPU_UUID)]  # fmt: skip
+        ranks = [
+            (step, rank, s)
+            for rank, s in case.spans.items()
+            if (step := weights_step(s.attributes)) is not None and s.attributes.get(GPU_UUID)
+        ]
         if not ranks:
             return []
         step, _, span = min(ranks, key=lambda r: r[0])
         own = sorted({s.attributes[GPU_UUID] for s in case.spans.values() if s.attributes.get(GPU_UUID)})
         t1 = case.request.start_ns
-        row = case.store.client.query(STEPS_SQL, parameters={
-            "db": case.store.database, "service": span.service, "own": own,
-            "t0": t1 - WINDOW_S * 1_000_000_000, "t1": t1}).result_rows[0]  # fmt: skip
+        row = case.store.client.query(
+            STEPS_SQL,
+            parameters={
+                "db": case.store.database,
+                "service": span.service,
+                "own": own,
+                "t0": t1 - WINDOW_S * 1_000_000_000,
+                "t1": t1,
+            },
+        ).result_rows[0]
         gpus, fleet_step, latest, firsts = int(row[0]), int(row[1]), [int(x) for x in row[2]], row[3]
         if gpus < MIN_GPUS or step >= fleet_step:
             return []
         since = min(int(first) for per_gpu in firsts for s, first in per_gpu if int(s) == fleet_step)
-        evidence = {"gpu": span.attributes[GPU_UUID], "host": span.resource.get(HOST, ""), "fleet_step": fleet_step,
-                    "steps_behind": fleet_step - step, "gpus": gpus,
-                    "gpus_on_fleet_step": sum(1 for x in latest if x == fleet_step),
-                    "fleet_step_since": iso_ns(since)}  # fmt: skip
+        evidence = {
+            "gpu": span.attributes[GPU_UUID],
+            "host": span.resource.get(HOST, ""),
+            "fleet_step": fleet_step,
+            "steps_behind": fleet_step - step,
+            "gpus": gpus,
+            "gpus_on_fleet_step": sum(1 for x in latest if x == fleet_step),
+            "fleet_step_since": iso_ns(since),
+        }
         return [Cause("weights", "decode", WEIGHTS_STEP, str(step), str(fleet_step), _score(case), evidence)]
 
 
 def _score(case: Case) -> float:
     """``SCORE``, or halfway from the attribute contrast's score for the same step difference to ``CEILING``
     when that is higher (a GPU that served many requests behind: nearly all of them diverged)."""
-    same = [c.score for c in attribute_causes(case.stage, case.span, case.baseline_span, case.contrast)
-            if c.name == WEIGHTS_STEP and not c.weak]  # fmt: skip
+    same = [
+        c.score
+        for c in attribute_causes(case.stage, case.span, case.baseline_span, case.contrast)
+        if c.name == WEIGHTS_STEP and not c.weak
+    ]
     return max([SCORE, *((s + CEILING) / 2 for s in same if s < CEILING)])
