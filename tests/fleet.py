@@ -31,6 +31,7 @@ from opentelemetry.trace import SpanKind
 from stagetrace.exporters.clickhouse import SUM_COLUMNS, ClickHouseSpanExporter
 
 from stagetrace import conventions as cv
+from stagetrace.analysis.explain import Explainer
 from stagetrace.digest import digest
 
 MS = 1_000_000
@@ -310,3 +311,34 @@ def timeline(start_ns: int, end_ns: int, every_ns: int, hosts: list[str]):
         yield i, t, hosts[i % len(hosts)]
         i += 1
         t += every_ns
+
+
+def top_cause(causes: list[dict]) -> tuple | None:
+    """The first cause that is not weak, as what two answers are compared by: (kind, stage, name, value, baseline's)."""
+    top = next((c for c in causes if not c["weak"]), None)
+    return (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) if top else None
+
+
+def explained(store, requests: list[str]) -> dict:
+    """explain's answer for each request: (diverged, first divergent stage, baseline's request ID, top cause)."""
+    explainer, answers = Explainer(store), {}
+    for rid in requests:
+        report = explainer.explain(rid).to_json()
+        baseline = (report["baseline"] or {}).get("request_id")
+        answers[rid] = (report["diverged"], report["first_divergent_stage"], baseline, top_cause(report["causes"]))
+    return answers
+
+
+def entries(found: dict, keep) -> dict:
+    """divergences' answer (``found``: its JSON) for each deviating request ``keep`` takes: (first divergent stage,
+    baseline's request ID, top cause)."""
+    return {
+        d["request_id"]: (
+            d["first_divergent_stage"],
+            d["baseline_request_id"],
+            top_cause([d["top_cause"]]) if d["top_cause"] else None,
+        )
+        for g in found["groups"]
+        for d in g["deviating"]
+        if keep(d)
+    }

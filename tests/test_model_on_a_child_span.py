@@ -17,7 +17,6 @@ from tests import fleet
 
 from stagetrace import conventions
 from stagetrace.analysis import divergences, live, population
-from stagetrace.analysis.explain import Explainer
 from stagetrace.store import open_store
 
 SECOND = fleet.SECOND
@@ -26,34 +25,11 @@ SERVICE, LARGE, SMALL = "gen", "acme-70b", "acme-8b"
 HOSTS, STALE, INDEX = ["h1", "h2", "h3", "h4"], "h3", "retrieval.index.version"
 
 
-def _top(causes: list[dict]) -> tuple | None:
-    top = next((c for c in causes if not c["weak"]), None)
-    return (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) if top else None
-
-
 def answers(store, requests: list[str], of: set[str]) -> dict:
     """explain's answer for ``requests`` and divergences' entries for the requests in ``of``."""
-    explainer = Explainer(store)
-    explained = {}
-    for rid in requests:
-        report = explainer.explain(rid).to_json()
-        explained[rid] = (
-            report["diverged"],
-            report["first_divergent_stage"],
-            (report["baseline"] or {}).get("request_id"),
-            _top(report["causes"]),
-        )
+    explained = fleet.explained(store, requests)
     found = divergences.find(store, SINCE_NS, limit=None)
-    entries = {
-        d["request_id"]: (
-            d["first_divergent_stage"],
-            d["baseline_request_id"],
-            _top([d["top_cause"]]) if d["top_cause"] else None,
-        )
-        for g in found["groups"]
-        for d in g["deviating"]
-        if d["request_id"] in of
-    }
+    entries = fleet.entries(found, lambda d: d["request_id"] in of)
     baselines = {d["request_id"]: d["baseline_request_id"] for g in found["groups"] for d in g["deviating"]}
     return {"explain": explained, "divergences": entries, "baselines": baselines}
 

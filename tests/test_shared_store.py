@@ -20,7 +20,6 @@ import pytest
 from tests import fleet
 
 from stagetrace.analysis import divergences, live
-from stagetrace.analysis.explain import Explainer
 from stagetrace.store import open_store
 
 MINUTE, SECOND = fleet.MINUTE, fleet.SECOND
@@ -74,35 +73,12 @@ def neighbours(store, t0: int) -> None:
         fl.flush()
 
 
-def _top(causes: list[dict]) -> tuple | None:
-    top = next((c for c in causes if not c["weak"]), None)
-    return (top["kind"], top["stage"], top["name"], top["value"], top["baseline_value"]) if top else None
-
-
 def answers(store, requests: list[str]) -> dict:
     """Every answer the analysis gives for ``rag``'s requests: explain's, divergences' entries, its rollouts and its
     lines of the tally."""
-    explainer = Explainer(store)
-    explained = {}
-    for rid in requests:
-        report = explainer.explain(rid).to_json()
-        explained[rid] = (
-            report["diverged"],
-            report["first_divergent_stage"],
-            (report["baseline"] or {}).get("request_id"),
-            _top(report["causes"]),
-        )
+    explained = fleet.explained(store, requests)
     found = divergences.find(store, SINCE_NS, limit=None)
-    entries = {
-        d["request_id"]: (
-            d["first_divergent_stage"],
-            d["baseline_request_id"],
-            _top([d["top_cause"]]) if d["top_cause"] else None,
-        )
-        for g in found["groups"]
-        for d in g["deviating"]
-        if d["service"] == fleet.SERVICE
-    }
+    entries = fleet.entries(found, lambda d: d["service"] == fleet.SERVICE)
     rolled = sorted(
         (r["stage"], r["name"], r["old"], r["new"], r["hosts"], r["of_hosts"], tuple(r["lagging"]), r["requests"])
         for r in found["rollouts"]
