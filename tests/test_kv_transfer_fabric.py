@@ -26,6 +26,7 @@ from stagetrace import conventions, lookup
 from stagetrace.analysis import divergences
 from stagetrace.analysis.explain import Explainer
 from stagetrace.analysis.hardware import context as hardware_context
+from tests.engine_exports import application_above
 from tests.fleet import Fleet
 from tests.test_engines import post
 
@@ -87,40 +88,9 @@ def disaggregated_request(
 
 
 def _application(message, root, host: str, driver: str, output: str) -> None:
-    app = message.resource_spans.add()
-    for key, value in (("service.name", "pd-app"), ("host.name", host), (conventions.CONFIGURATION_DRIVER, driver)):
-        app.resource.attributes.add(key=key, value={"string_value": value})
-    scope = app.scope_spans.add()
-    start, end = root.start_time_unix_nano - 10**6, root.end_time_unix_nano + 10**6
-    request = scope.spans.add(
-        name="chat",
-        trace_id=root.trace_id,
-        span_id=root.span_id[:2] + b"\xa0" * 6,
-        start_time_unix_nano=start,
-        end_time_unix_nano=end,
-    )
-    decode = scope.spans.add(
-        name="generate",
-        trace_id=root.trace_id,
-        span_id=root.span_id[:2] + b"\xa1" * 6,
-        parent_span_id=request.span_id,
-        start_time_unix_nano=start + 1,
-        end_time_unix_nano=end - 1,
-    )
-    root.parent_span_id = decode.span_id
-    for span, attributes in (
-        (request, {conventions.INPUT_DIGEST: PROMPT, conventions.OUTPUT_DIGEST: output}),
-        (
-            decode,
-            {
-                conventions.STAGE: "decode",
-                conventions.STAGE_INPUT_DIGEST: PROMPT,
-                conventions.STAGE_OUTPUT_DIGEST: output,
-            },
-        ),
-    ):
-        for key, value in attributes.items():
-            span.attributes.add(key=key, value={"string_value": value})
+    resource = {"service.name": "pd-app", "host.name": host, conventions.CONFIGURATION_DRIVER: driver}
+    ids = (root.span_id[:2] + b"\xa0" * 6, root.span_id[:2] + b"\xa1" * 6)
+    application_above(message, root, resource, PROMPT, output, ids)
 
 
 # each end of the transfer: its span, and the host and NIC that count errors there in the test

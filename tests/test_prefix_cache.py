@@ -16,6 +16,7 @@ from stagetrace import conventions
 from stagetrace.analysis import divergences
 from stagetrace.analysis.detectors import prefix_cache
 from stagetrace.analysis.explain import Explainer
+from tests.engine_exports import application_above
 from tests.test_engines import post
 
 pytestmark = pytest.mark.views_row_for_row
@@ -64,36 +65,8 @@ def sglang_request(
         kept = [a for a in root.attributes if a.key != "gen_ai.usage.cached_tokens"]
         del root.attributes[:]
         root.attributes.extend(kept)
-    app = message.resource_spans.add()
-    for key, value in (("service.name", "rag-app"), ("host.name", host), (conventions.CONFIGURATION_DRIVER, driver)):
-        app.resource.attributes.add(key=key, value={"string_value": value})
-    scope = app.scope_spans.add()
-    start, end = root.start_time_unix_nano - 10**6, root.end_time_unix_nano + 10**6
-    request = scope.spans.add(
-        name="chat", trace_id=trace_id, span_id=bytes([n, 0xA0]) * 4, start_time_unix_nano=start, end_time_unix_nano=end
-    )
-    decode = scope.spans.add(
-        name="generate",
-        trace_id=trace_id,
-        span_id=bytes([n, 0xA1]) * 4,
-        parent_span_id=request.span_id,
-        start_time_unix_nano=start + 1,
-        end_time_unix_nano=end - 1,
-    )
-    root.parent_span_id = decode.span_id
-    for span, attributes in (
-        (request, {conventions.INPUT_DIGEST: PROMPT, conventions.OUTPUT_DIGEST: output}),
-        (
-            decode,
-            {
-                conventions.STAGE: "decode",
-                conventions.STAGE_INPUT_DIGEST: PROMPT,
-                conventions.STAGE_OUTPUT_DIGEST: output,
-            },
-        ),
-    ):
-        for key, value in attributes.items():
-            span.attributes.add(key=key, value={"string_value": value})
+    resource = {"service.name": "rag-app", "host.name": host, conventions.CONFIGURATION_DRIVER: driver}
+    application_above(message, root, resource, PROMPT, output, (bytes([n, 0xA0]) * 4, bytes([n, 0xA1]) * 4))
     # the root ends last, and SGLang's batch exporter sends it after its stage spans: an export of its own
     alone = ExportTraceServiceRequest()
     holder = next(r for r in message.resource_spans for ss in r.scope_spans if root in ss.spans)
