@@ -59,15 +59,23 @@ def _two_faults(store):
     return _older_and_newer(store, ("a", {INDEX: "v40"}, {"retrieval": "stale"}))
 
 
-def _find(store, fl, limit):
+def _report(store, fl, limit):
+    """The window's divergences as ``stagetrace divergences`` finds them: computed and stored."""
     until = max(r["end_ns"] for r in fl.requests.values()) + fleet.MINUTE
-    return divergences.find(store, until - fl.t0 + fleet.MINUTE, until_ns=until, limit=limit)
+    report = divergences.compute(store, until - fl.t0 + fleet.MINUTE, until_ns=until, limit=limit)
+    divergences.record(store, report)
+    return report
+
+
+def _find(store, fl, limit):
+    return _report(store, fl, limit).to_json()
 
 
 def test_the_tally_covers_every_deviating_request_and_the_count_ignores_the_limit(store):
     fl, old, new = _two_faults(store)
     assert len(old) > len(new) > 5  # the largest fault is the older one
-    found = {limit: _find(store, fl, limit) for limit in (5, len(new) + 2, None)}
+    reports = {limit: _report(store, fl, limit) for limit in (5, len(new) + 2, None)}
+    found = {limit: report.to_json() for limit, report in reports.items()}
     for limit, result in found.items():
         rows = [i["request_id"] for g in result["groups"] for i in g["deviating"]]
         assert result["deviating"] == len(old) + len(new), (limit, result["deviating"])  # the same for every limit
@@ -93,7 +101,7 @@ def test_the_tally_covers_every_deviating_request_and_the_count_ignores_the_limi
 
     for limit, result in found.items():
         piped = io.StringIO()
-        divergence_groups(Output(Console(file=piped)), result, "3h")
+        divergence_groups(Output(Console(file=piped)), reports[limit], "3h")
         text = piped.getvalue()
         header = text.splitlines()[0]
         assert header.startswith(f"{len(old) + len(new)} deviating requests in the last 3h"), header
@@ -115,11 +123,12 @@ def test_past_the_tally_bound_the_tally_covers_the_analysed_and_says_so(store, m
 
     fl, old, new = _two_faults(store)
     monkeypatch.setattr(divergences, "TALLY_ALL_MAX", len(old) + len(new) - 1)
-    result = _find(store, fl, 5)
+    report = _report(store, fl, 5)
+    result = report.to_json()
     assert result["tally_covers"] == "analysed" and result["deviating"] == len(old) + len(new)
     assert sum(t["requests"] for t in result["tally"]) == result["analysed"] == 5
     piped = io.StringIO()
-    divergence_groups(Output(Console(file=piped)), result, "3h")
+    divergence_groups(Output(Console(file=piped)), report, "3h")
     assert (
         f"the tally below covers the 5 analysed in full, not all {len(old) + len(new)}: so many take long to "
         "tally one by one (--limit 0 tallies all)"

@@ -351,13 +351,15 @@ def test_a_vllm_request_sampled_with_an_unknown_seed_is_compared_and_said_to_hav
     # a greedy vLLM request has nothing a seed would change
     assert Explainer(store).explain("chatcmpl-53b1").to_json()["seed_unknown"] is None
 
-    result = divergences.find(store, 3600 * 10**9, until_ns=start + 60 * 10**9)
+    found = divergences.compute(store, 3600 * 10**9, until_ns=start + 60 * 10**9)
+    divergences.record(store, found)
+    result = found.to_json()
     deviating = {i["request_id"]: i for g in result["groups"] for i in g["deviating"]}
     assert set(deviating) == {"chatcmpl-53a3"}, deviating
     assert deviating["chatcmpl-53a3"]["seed_unknown"] == report["seed_unknown"]
     assert result["nondeterministic_by_service"] == {"chat-app": 3} and result["seed_unknown"] == 1
     piped = io.StringIO()
-    render.divergence_groups(render.Output(Console(file=piped)), result, "1h")
+    render.divergence_groups(render.Output(Console(file=piped)), found, "1h")
     text = piped.getvalue()
     assert "1 with the seed unknown" in text and "3 sampled without a seed, not compared" in text, text
     assert "seed unknown: chatcmpl-53a3: gen_ai.request.temperature 0.7" in text

@@ -327,17 +327,40 @@ def test_the_divergences_header_counts_unseeded_requests_by_service():
 
     from rich.console import Console
 
+    from stagetrace.analysis.results import Baseline, DeviatingRequest, DivergenceReport
     from stagetrace.render import Output, divergence_groups
 
     piped = io.StringIO()
-    found = {
-        "deviating": 145,
-        "analysed": 76,
-        "nondeterministic": 841,
-        "nondeterministic_by_service": {"fabric": 720, "rag-demo": 121},
-        "groups": [],
-        "tally": [],
-    }
+    # the header counts the requests analysed in full; no group holds them here, so no row shows them
+    analysed = [
+        DeviatingRequest(
+            request_id=f"req-{n}",
+            trace_id=f"{n:032x}",
+            service="rag-demo",
+            host="a",
+            start_ns=0,
+            input_digest="in",
+            baseline=Baseline("base", "majority", 2, 3),
+            stage="decode",
+            origin=None,
+            causes=[],
+            summary="",
+            device="",
+        )
+        for n in range(76)
+    ]
+    found = DivergenceReport(
+        since_ns=3600 * 10**9,
+        deviating=145,
+        analysed_expected=0,
+        nondeterministic_by_service={"fabric": 720, "rag-demo": 121},
+        rollouts=[],
+        tally=[],
+        tally_covers="all",
+        groups=[],
+        requests=analysed,
+        detected_ms=0,
+    )
     divergence_groups(Output(Console(file=piped)), found, "1h")
     assert piped.getvalue().splitlines()[0] == (
         "145 deviating requests in the last 1h; the latest 76 analysed in full (--limit 0 analyses all); "

@@ -445,17 +445,18 @@ def _divergences(args) -> int:
     if args.limit < 0:
         raise _UsageError("--limit: give 0 (all) or a positive number")
     with open_store(args.store, must_exist=True) as store:
-        found = divergences.find(store, since, limit=args.limit or None)
-        hint = _older_requests_hint(store, since, args.since) if not found["deviating"] else ""
+        report = divergences.compute(store, since, limit=args.limit or None)
+        divergences.record(store, report)
+        hint = _older_requests_hint(store, since, args.since) if not report.deviating else ""
     if hint:  # on stderr: the JSON on stdout stays what it was
         print(f"stagetrace divergences: {hint}", file=sys.stderr)
     if args.json:
-        json.dump(found, sys.stdout, indent=2, ensure_ascii=False)
+        json.dump(report.to_json(), sys.stdout, indent=2, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         from stagetrace.render import Output, divergence_groups
 
-        divergence_groups(Output(), found, args.since)
+        divergence_groups(Output(), report, args.since)
     return 0
 
 

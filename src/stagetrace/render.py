@@ -30,7 +30,7 @@ from rich.table import Table
 from rich.text import Text
 
 from stagetrace import conventions
-from stagetrace.analysis.results import Baseline, Explanation
+from stagetrace.analysis.results import Baseline, DivergenceReport, Explanation
 from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace, iso_ns, resources
 
 WIDE = 110  # columns from which a trace's attributes fit beside its waterfall
@@ -547,51 +547,53 @@ def _by_service(counts: dict[str, int]) -> str:
     return " (" + ", ".join(f"{service or '(no service)'} {n}" for service, n in counts.items()) + ")"
 
 
-def divergence_groups(out: Output, found: dict, since: str) -> None:
-    """``stagetrace divergences``: a tally by cause and stage first, then each deviating request."""
+def divergence_groups(out: Output, report: DivergenceReport, since: str) -> None:
+    """``stagetrace divergences``: a tally by cause and stage first, then each deviating request
+    (``report``: ``divergences.compute``'s)."""
+    analysed, deviating = report.analysed, report.deviating
     out.line(
-        f"{found['deviating']} deviating requests in the last {since}"
+        f"{deviating} deviating requests in the last {since}"
         + (
-            f"; the latest {found['analysed'] + found.get('analysed_expected', 0)} analysed in full: "
-            f"{found['analysed']} deviating, {found['analysed_expected']} a rollout's expected changes "
+            f"; the latest {analysed + report.analysed_expected} analysed in full: "
+            f"{analysed} deviating, {report.analysed_expected} a rollout's expected changes "
             "(--limit 0 analyses all)"
-            if found["analysed"] < found["deviating"] and found.get("analysed_expected")
-            else f"; the latest {found['analysed']} analysed in full (--limit 0 analyses all)"
-            if found["analysed"] < found["deviating"]
+            if analysed < deviating and report.analysed_expected
+            else f"; the latest {analysed} analysed in full (--limit 0 analyses all)"
+            if analysed < deviating
             else ""
         )
         + (
-            f"; {found['nondeterministic']} sampled without a seed, not compared"
-            + _by_service(found.get("nondeterministic_by_service", {}))
-            if found.get("nondeterministic")
+            f"; {report.nondeterministic} sampled without a seed, not compared"
+            + _by_service(report.nondeterministic_by_service)
+            if report.nondeterministic
             else ""
         )
         + (
-            f"; {found['seed_unknown']} with the seed unknown (their engine does not record it), compared as if seeded"
-            if found.get("seed_unknown")
+            f"; {report.seed_unknown} with the seed unknown (their engine does not record it), compared as if seeded"
+            if report.seed_unknown
             else ""
         )
     )
-    for rollout in found.get("rollouts", ()):
-        out.line(f"rollout: {rollout['summary']}")
+    for rollout, _ in report.rollouts:
+        out.line(f"rollout: {rollout.describe()}")
     # every deviating request, analysed in full or not: a cause of those not analysed is the setting the contrast
     # ranks first, and none when no setting stands out (a hardware fault shows only in the analysed ones)
-    if found.get("tally_covers") == "analysed" and found["analysed"] < found["deviating"]:
+    if report.tally_covers == "analysed" and analysed < deviating:
         out.line(
-            f"the tally below covers the {found['analysed']} analysed in full, not all {found['deviating']}: "
+            f"the tally below covers the {analysed} analysed in full, not all {deviating}: "
             "so many take long to tally one by one (--limit 0 tallies all)"
         )
     tally = [
         [
-            t["cause"] or ("(none found)" if t.get("analysed", t["requests"]) else "(no setting stands out)"),
-            t["stage"] or "after the last stage",
-            str(t["requests"]),
-            str(t.get("analysed", t["requests"])),
-            " ".join(t["hosts"]),
-            _seen(t["first_seen"]),
-            _seen(t["last_seen"]),
+            t.cause or ("(none found)" if t.analysed else "(no setting stands out)"),
+            t.stage or "after the last stage",
+            str(t.requests),
+            str(t.analysed),
+            " ".join(t.hosts),
+            _seen(t.first_seen),
+            _seen(t.last_seen),
         ]
-        for t in found.get("tally", ())
+        for t in report.tally
     ]
     out.table(
         "by cause",
@@ -607,19 +609,19 @@ def divergence_groups(out: Output, found: dict, since: str) -> None:
         tally,
     )
     rows = []
-    for group in found["groups"]:
-        for item in group["deviating"]:
-            top = item["top_cause"] or {}
+    for group in report.groups:
+        for item in group.deviating:
+            top = item.top
             rows.append(
                 [
-                    item["request_id"],
-                    item["first_divergent_stage"] or "after the last stage",
-                    item.get("host", ""),
-                    item.get("device", ""),
-                    top.get("name", "-"),
-                    f"{top.get('value', '')} vs {top.get('baseline_value', '')}" if top else "",
-                    group["input_digest"][:8],
-                    f"{group['support']}/{group['requests']}",
+                    item.request_id,
+                    item.stage or "after the last stage",
+                    item.host,
+                    item.device,
+                    top.name if top else "-",
+                    f"{top.value} vs {top.baseline_value}" if top else "",
+                    group.input_digest[:8],
+                    f"{group.support}/{group.requests}",
                 ]
             )
     columns = [
@@ -633,8 +635,8 @@ def divergence_groups(out: Output, found: dict, since: str) -> None:
         Column("majority"),
     ]
     out.table("deviating requests", columns, rows)
-    for item in (i for group in found["groups"] for i in group["deviating"] if i.get("seed_unknown")):
-        out.line(f"seed unknown: {item['request_id']}: {item['seed_unknown']}")
+    for item in (i for group in report.groups for i in group.deviating if i.seed_unknown):
+        out.line(f"seed unknown: {item.request_id}: {item.seed_unknown}")
 
 
 # --- demo ---------------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from stagetrace.analysis.results import (
     DeviatingRequest,
     DivergenceReport,
     InputGroup,
+    TallyLine,
     began_columns,
 )
 from stagetrace.analysis.tenants import Tenancy, gpus_of
@@ -549,12 +550,12 @@ def tally(
     by_request: dict[str, tuple[str, str]],
     analysed: set[str],
     began_on: dict[str, str] | None = None,
-) -> list[dict]:
+) -> list[TallyLine]:
     """Every deviating request (not only those analysed in full) by cause and first divergent stage, most first: how
     many, how many of them were analysed in full, on which hosts, first and last seen (so 80 requests of one index
     rebuild read as one line, whatever ``--limit`` is). A line per service: one service's fault is not another's.
     ``began_on``: per trace, the GPU and host of the TP rank that began it; a line counts its requests by them
-    (``"began_on"``, where any), so that one GPU's many requests read as such."""
+    (``began_on``, where any), so that one GPU's many requests read as such."""
     by: dict[tuple[str, str, str], list[population.Deviation]] = {}
     for d in deviations:
         stage, cause = by_request.get(d.trace_id, ("", ""))
@@ -562,18 +563,18 @@ def tally(
     began_on = began_on or {}
     lines = []
     for (cause, stage, service), items in sorted(by.items(), key=lambda kv: (-len(kv[1]), kv[0])):
-        line = {
-            "cause": cause,
-            "stage": stage,
-            "service": service,
-            "requests": len(items),
-            "analysed": sum(d.trace_id in analysed for d in items),
-            "hosts": sorted({d.host for d in items}),
-            "first_seen": lookup.iso_ns(min(d.start_ns for d in items)),
-            "last_seen": lookup.iso_ns(max(d.start_ns for d in items)),
-        }
         on = Counter(began_on[d.trace_id] for d in items if d.trace_id in began_on)
-        if on:
-            line["began_on"] = dict(on.most_common())
-        lines.append(line)
+        lines.append(
+            TallyLine(
+                cause,
+                stage,
+                service,
+                len(items),
+                sum(d.trace_id in analysed for d in items),
+                sorted({d.host for d in items}),
+                lookup.iso_ns(min(d.start_ns for d in items)),
+                lookup.iso_ns(max(d.start_ns for d in items)),
+                dict(on.most_common()),
+            )
+        )
     return lines

@@ -4,6 +4,7 @@
 :class:`DeviatingRequest`, grouped by input in :class:`InputGroup`), the rollouts found and the tally. Its readers
 take fields, never keys: the live analyser counts the requests by their stage, top cause and the ranks that began
 them; ``divergences.record`` stores one ``stagetrace_divergences`` row per request (:meth:`DeviatingRequest.row`);
+``stagetrace divergences`` shows its fields (``render.divergence_groups``) and
 ``stagetrace divergences --json`` prints :meth:`DivergenceReport.to_json`.
 
 ``Explainer.explain`` returns an :class:`Explanation`: one request against its :class:`Baseline`, its stages and ranked
@@ -191,6 +192,36 @@ class InputGroup:
 
 
 @dataclass
+class TallyLine:
+    """The deviating requests of one cause, first divergent stage and service (``divergences.tally``)."""
+
+    cause: str  # the top cause's name (the setting the contrast ranks first, for those not analysed); "": none
+    stage: str  # the first divergent stage; "": after the last stage
+    service: str
+    requests: int
+    analysed: int  # of them, those analysed in full
+    hosts: list[str]
+    first_seen: str  # RFC 3339, as ``lookup.iso_ns``
+    last_seen: str
+    began_on: dict[str, int] = field(default_factory=dict)  # ``GPU (host)`` of the rank that began them → requests
+
+    def to_json(self) -> dict:
+        line = {
+            "cause": self.cause,
+            "stage": self.stage,
+            "service": self.service,
+            "requests": self.requests,
+            "analysed": self.analysed,
+            "hosts": self.hosts,
+            "first_seen": self.first_seen,
+            "last_seen": self.last_seen,
+        }
+        if self.began_on:
+            line["began_on"] = self.began_on
+        return line
+
+
+@dataclass
 class DivergenceReport:
     """What one divergence analysis over a window found (``divergences.compute``)."""
 
@@ -199,7 +230,7 @@ class DivergenceReport:
     analysed_expected: int  # of the latest analysed in full, those a rollout's wave explains
     nondeterministic_by_service: dict[str, int]  # requests that sample without a seed: not compared, counted
     rollouts: list[tuple[Rollout, int]]  # each rollout found, with the requests its wave explains
-    tally: list[dict]  # every deviating request by cause and stage (``divergences.tally``)
+    tally: list[TallyLine]  # every deviating request by cause and stage, most first (``divergences.tally``)
     tally_covers: str  # "all" or "analysed"
     groups: list[InputGroup]
     requests: list[DeviatingRequest]  # the analysed requests, in the order analysed (each also in its group)
@@ -232,7 +263,7 @@ class DivergenceReport:
             "nondeterministic_by_service": self.nondeterministic_by_service,
             "seed_unknown": self.seed_unknown,
             "rollouts": [{**r.to_json(), "requests": n} for r, n in self.rollouts],
-            "tally": self.tally,
+            "tally": [t.to_json() for t in self.tally],
             "tally_covers": self.tally_covers,
             "groups": [g.to_json() for g in self.groups],
         }
@@ -347,6 +378,7 @@ __all__ = [
     "DivergenceReport",
     "Explanation",
     "InputGroup",
+    "TallyLine",
     "began_columns",
     "began_places",
 ]
