@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from stagetrace import schema
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -52,7 +54,8 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         ("tensors", 5, [".float().cpu().numpy()"] * 3 + ["", "NumPy lanes"]),
         ("decode", 2, ["the same loop unrecorded"] * 2),
         ("generations", 4, ["the Collector's previous layout"] * 4),
-        ("views", 16, ["bare otel_traces"] * 16),  # two corpora: every view now and before, each table's alone
+        # two corpora: every view now and before, each table's alone now and, where schema 10 had it, before
+        ("views", 18, ["bare otel_traces"] * 18),
         ("views_by_insert", 12, ["bare otel_traces"] * 12),  # three insert sizes, two corpora, now and before
         # three insert sizes and three rates, each on the Map and the JSON layout and refreshed (issue 55)
         ("views_by_writer", 18, ["bare otel_traces"] * 18),
@@ -60,8 +63,12 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         # which the aim holds; between them each view's planning against a one-column query
         (
             "views_profile",
-            14,
-            ["bare otel_traces"] * 3 + [""] + ["a one-column query"] * 6 + ["bare otel_traces"] * 3 + [""],
+            8 + len(schema.VIEWS),
+            ["bare otel_traces"] * 3
+            + [""]
+            + ["a one-column query"] * len(schema.VIEWS)
+            + ["bare otel_traces"] * 3
+            + [""],
         ),
         # three group sizes: against the bare table, against 8,192-row groups (but the first), the memory
         (
