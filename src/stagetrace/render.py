@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from rich import box
 from rich.cells import cell_len
@@ -30,12 +31,14 @@ from rich.table import Table
 from rich.text import Text
 
 from stagetrace import conventions
+from stagetrace.analysis.causes import Cause
 from stagetrace.analysis.results import Baseline, DivergenceReport, Explanation
 from stagetrace.lookup import ENGINE_LATENCY_PREFIX, Span, Trace, iso_ns, resources
 
 WIDE = 110  # columns from which a trace's attributes fit beside its waterfall
 _STATUS_TEXT = {"Unset": "", "Ok": "ok", "Error": "error"}
 _STATUS_STYLE = {"ok": "green", "error": "bold red"}
+CauseOrJson = TypeVar("CauseOrJson", Cause, dict)  # cause_groups returns each cause as it was given
 
 
 @dataclass(frozen=True)
@@ -416,36 +419,41 @@ def log_lines(out: Output, lines: list, first: int | None) -> None:
 # --- explain ------------------------------------------------------------------------------------------------
 
 
-def evidence(cause: dict, text=str, device=str) -> str:
-    """What a cause rests on, in a line; ``text`` and ``device`` render its words and its device's name (the
-    incident report escapes the one and puts the other in ``<code>``)."""
-    if "requests_with_value" in cause:
+def evidence(cause: Cause | dict, text=str, device=str) -> str:
+    """What a cause (or its JSON) rests on, in a line; ``text`` and ``device`` render its words and its device's name
+    (the incident report escapes the one and puts the other in ``<code>``)."""
+    cause = _typed(cause)
+    ev = cause.evidence  # the detector's own data
+    if "requests_with_value" in ev:
         return text(
-            f"{cause['diverged_with_value']}/{cause['requests_with_value']} with this value diverged here, "
-            f"{cause['diverged_with_baseline_value']}/{cause['requests_with_baseline_value']} with the "
+            f"{ev['diverged_with_value']}/{ev['requests_with_value']} with this value diverged here, "
+            f"{ev['diverged_with_baseline_value']}/{ev['requests_with_baseline_value']} with the "
             "baseline's"
         )
-    if cause["kind"] == "hardware" and cause.get("tenant"):
+    rank = text(f"rank {ev['rank']}: ") if ev.get("rank") else ""
+    if cause.kind == "hardware" and ev.get("tenant"):
         from stagetrace.analysis.tenants import describe
 
-        rank = text(f"rank {cause['rank']}: ") if cause.get("rank") else ""
-        return f"{rank}{text(describe(cause['name'], cause))}"
-    if cause["kind"] == "hardware":
-        rank = text(f"rank {cause['rank']}: ") if cause.get("rank") else ""
-        shared = text(", shared with " + " ".join(cause["co_tenants"])) if cause.get("co_tenants") else ""
-        return f"{rank}{text('on ')}{device(cause['device'])} {text('(' + cause['host'] + ')')}{shared}"
-    if cause["kind"] == "rollout":
-        return text(cause["rollout"]["summary"])
-    if cause["kind"] == "nondeterminism":
-        return text(cause["reason"])
-    if cause["kind"] == "weights":
-        behind = f"({cause['host']}) {cause['steps_behind']} step{'s' if cause['steps_behind'] != 1 else ''} behind"
+        return f"{rank}{text(describe(cause.name, ev))}"
+    if cause.kind == "hardware":
+        shared = text(", shared with " + " ".join(ev["co_tenants"])) if ev.get("co_tenants") else ""
+        return f"{rank}{text('on ')}{device(ev['device'])} {text('(' + ev['host'] + ')')}{shared}"
+    if cause.kind == "rollout":
+        return text(ev["rollout"]["summary"])
+    if cause.kind == "nondeterminism":
+        return text(ev["reason"])
+    if cause.kind == "weights":
+        behind = f"({ev['host']}) {ev['steps_behind']} step{'s' if ev['steps_behind'] != 1 else ''} behind"
         fleet = (
-            f"{cause['gpus_on_fleet_step']}/{cause['gpus']} other GPUs on step {cause['fleet_step']} since "
-            f"{_seen(cause['fleet_step_since'])}"
+            f"{ev['gpus_on_fleet_step']}/{ev['gpus']} other GPUs on step {ev['fleet_step']} since "
+            f"{_seen(ev['fleet_step_since'])}"
         )
-        return f"{device(cause['gpu'])} {text(behind + '; ' + fleet)}"
-    return text(cause.get("device") or "")
+        return f"{device(ev['gpu'])} {text(behind + '; ' + fleet)}"
+    return text(ev.get("device") or "")
+
+
+def _typed(cause: Cause | dict) -> Cause:
+    return Cause.from_json(cause) if isinstance(cause, dict) else cause
 
 
 def baseline_words(baseline: Baseline | dict) -> str:
@@ -460,14 +468,15 @@ def baseline_words(baseline: Baseline | dict) -> str:
     return "given with --against" if baseline.how == "explicit" else "the nearest earlier request with this input"
 
 
-def cause_groups(causes: list[dict]) -> list[tuple[str, list[dict]]]:
-    """The causes as they are labelled: the strong ones best first, then the weak ones (less evidence) best first,
-    each group by score; a group without causes left out."""
+def cause_groups(causes: Sequence[CauseOrJson]) -> list[tuple[str, list[CauseOrJson]]]:
+    """The causes (``Cause``s, or their JSON: each returned as given) as they are labelled: the strong ones best
+    first, then the weak ones (less evidence) best first, each group by its recorded score; a group without causes
+    left out."""
     groups = [
-        ("causes, best first", [c for c in causes if not c.get("weak")]),
-        ("weak causes (less evidence), best first", [c for c in causes if c.get("weak")]),
+        ("causes, best first", [c for c in causes if not _typed(c).weak]),
+        ("weak causes (less evidence), best first", [c for c in causes if _typed(c).weak]),
     ]
-    return [(title, sorted(group, key=lambda c: -c["score"])) for title, group in groups if group]
+    return [(title, sorted(group, key=lambda c: -_typed(c).recorded_score)) for title, group in groups if group]
 
 
 def explanation(out: Output, report: Explanation | dict, causes_shown: int = 8) -> None:
@@ -516,15 +525,14 @@ def explanation(out: Output, report: Explanation | dict, causes_shown: int = 8) 
         Column("score", right=True),
         Column("evidence"),
     ]
-    # a cause's evidence is the detector's own, as its JSON has it: the groups and the evidence read that
-    for title, group in cause_groups([c.to_json() for c in report.causes[:causes_shown]]):
+    for title, group in cause_groups(report.causes[:causes_shown]):
         rows = [
             [
-                cause["name"],
-                cause["kind"],
-                cause["value"] or "(unset)",
-                cause["baseline_value"] or "(unset)",
-                f"{cause['score']:.2f}",
+                cause.name,
+                cause.kind,
+                cause.value or "(unset)",
+                cause.baseline_value or "(unset)",
+                f"{cause.recorded_score:.2f}",
                 evidence(cause),
             ]
             for cause in group

@@ -20,6 +20,7 @@ from html import escape
 from stagetrace import lookup
 from stagetrace.analysis.activity import NAMES as ACTIVITY_NAMES
 from stagetrace.analysis.activity import Activity
+from stagetrace.analysis.causes import Cause
 from stagetrace.analysis.hardware import Samples, Timing, devices
 from stagetrace.analysis.results import Explanation
 from stagetrace.analysis.tenants import Tenancy
@@ -244,16 +245,16 @@ def _stage_window(trace: lookup.Trace, stage: str | None, rank: str = "") -> tup
     return min(s.start_ns for s in spans), max(s.start_ns + s.duration_ns for s in spans)
 
 
-def _frame(trace: lookup.Trace, stage: str | None, causes: list[dict]) -> tuple[int, int]:
+def _frame(trace: lookup.Trace, stage: str | None, causes: list[Cause]) -> tuple[int, int]:
     """One span of time for every chart of the report: the stages they shade, ``FRAME_MARGIN_NS`` either side."""
-    hardware = [c for c in causes if c["kind"] == "hardware"]
+    hardware = [c for c in causes if c.kind == "hardware"]
     windows = [
         w
         for w in [_stage_window(trace, stage)]
-        + [_stage_window(trace, c["stage"], c.get("rank") or "") for c in hardware]
+        + [_stage_window(trace, c.stage, c.evidence.get("rank") or "") for c in hardware]
         if w
     ]
-    windows += [timing.window_ns for timing in map(Timing.of, hardware) if timing]  # a lookback reaches further
+    windows += [timing.window_ns for c in hardware if (timing := Timing.of(c.evidence))]  # a lookback reaches further
     start = min((w[0] for w in windows), default=trace.start_ns)
     end = max((w[1] for w in windows), default=trace.start_ns + trace.duration_ns)
     return start - FRAME_MARGIN_NS, end + FRAME_MARGIN_NS
@@ -286,11 +287,12 @@ def _activity_charts(store: Store, trace: lookup.Trace, stage: str | None, frame
     return charts
 
 
-def _tenant_chart(store: Store, cause: dict, window: tuple[int, int], frame: tuple[int, int]) -> str:
+def _tenant_chart(store: Store, cause: Cause, window: tuple[int, int], frame: tuple[int, int]) -> str:
     """A co-tenant cause: that tenant's series on the GPU over the report's frame."""
-    labels = cause["labels"]
-    tenancy = Tenancy(store, [(cause["host"], cause["device"])], *frame)
-    times, values = tenancy.series(cause["host"], cause["device"], cause["name"], labels["namespace"], labels["pod"])
+    ev = cause.evidence
+    labels = ev["labels"]
+    tenancy = Tenancy(store, [(ev["host"], ev["device"])], *frame)
+    times, values = tenancy.series(ev["host"], ev["device"], cause.name, labels["namespace"], labels["pod"])
     if not times:
         return ""
     return _figure(
@@ -298,34 +300,35 @@ def _tenant_chart(store: Store, cause: dict, window: tuple[int, int], frame: tup
         values,
         window,
         frame,
-        cause["name"],
-        f"{escape(cause['name'])} of {escape(cause['tenant'])} on {_code(cause['device'])} "
-        f"({escape(cause['host'])}) while {escape(cause['stage'])} ran (shaded)",
+        cause.name,
+        f"{escape(cause.name)} of {escape(ev['tenant'])} on {_code(ev['device'])} "
+        f"({escape(ev['host'])}) while {escape(cause.stage)} ran (shaded)",
     )
 
 
-def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame: tuple[int, int]) -> list[str]:
+def _counter_charts(store: Store, trace: lookup.Trace, causes: list[Cause], frame: tuple[int, int]) -> list[str]:
     """For each hardware cause: its series on its device over the report's frame (a counter as its increase)."""
     charts = []
     for cause in causes:
-        if cause["kind"] != "hardware":
+        if cause.kind != "hardware":
             continue
-        window = _stage_window(trace, cause["stage"], cause.get("rank") or "")
+        ev = cause.evidence
+        window = _stage_window(trace, cause.stage, ev.get("rank") or "")
         if window is None:
             continue
-        if cause.get("tenant"):
+        if ev.get("tenant"):
             charts += [chart for chart in [_tenant_chart(store, cause, window, frame)] if chart]
             continue
-        samples = Samples(store, [cause["host"]], *frame)
-        for name, series in samples.series(cause["host"], cause["device"]):
-            if name != cause["name"] or series.labels != cause.get("labels", series.labels):
+        samples = Samples(store, [ev["host"]], *frame)
+        for name, series in samples.series(ev["host"], ev["device"]):
+            if name != cause.name or series.labels != ev.get("labels", series.labels):
                 continue
-            timing = Timing.of(cause)
-            rank = escape(f"rank {cause['rank']}, ") if cause.get("rank") else ""  # two ranks may share a NIC
+            timing = Timing.of(ev)
+            rank = escape(f"rank {ev['rank']}, ") if ev.get("rank") else ""  # two ranks may share a NIC
             when = (
-                f"{timing.words(cause['stage'])} (marked); the window weighed shaded, {cause['stage']} outlined"
+                f"{timing.words(cause.stage)} (marked); the window weighed shaded, {cause.stage} outlined"
                 if timing
-                else f"while {cause['stage']} ran (shaded)"
+                else f"while {cause.stage} ran (shaded)"
             )
             charts.append(
                 _figure(
@@ -334,8 +337,8 @@ def _counter_charts(store: Store, trace: lookup.Trace, causes: list[dict], frame
                     window,
                     frame,
                     name,
-                    f"{escape(name)} on {rank}{_code(cause['device'])} ({escape(cause['host'])}): "
-                    f"{escape(cause['value'])} {escape(when)}",
+                    f"{escape(name)} on {rank}{_code(ev['device'])} ({escape(ev['host'])}): "
+                    f"{escape(cause.value)} {escape(when)}",
                     counter=not series.signal.is_gauge,
                     timing=timing,
                 )
@@ -352,8 +355,7 @@ def incident_html(store: Store, report: Explanation | dict, made_ns: int | None 
     baseline = report.baseline
     baseline_trace = lookup.by_request_id(store, baseline.request_id) if baseline else None
     stage = report.first_divergent_stage
-    # a cause's evidence is the detector's own, as its JSON has it: the tables and the charts read that
-    causes = [c.to_json() for c in report.causes[:CAUSES_SHOWN]]
+    causes = report.causes[:CAUSES_SHOWN]
     verdict = "diverged" if report.diverged else "agrees"
     out = [
         "<!DOCTYPE html>",
@@ -403,9 +405,9 @@ def incident_html(store: Store, report: Explanation | dict, made_ns: int | None 
         )
         for i, cause in enumerate(group, 1):
             out.append(
-                f"<tr><td class=num>{i}</td><td>{_code(cause['name'])}</td><td>{escape(cause['kind'])}</td>"
-                f"<td>{_value(cause['value'])}<div class=vs>baseline: {_value(cause['baseline_value'])}</div>"
-                f"</td><td class=num>{cause['score']:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>"
+                f"<tr><td class=num>{i}</td><td>{_code(cause.name)}</td><td>{escape(cause.kind)}</td>"
+                f"<td>{_value(cause.value)}<div class=vs>baseline: {_value(cause.baseline_value)}</div>"
+                f"</td><td class=num>{cause.recorded_score:.2f}</td><td>{evidence(cause, escape, _code)}</td></tr>"
             )
         out.append("</table></section>")
     frame = _frame(trace, stage, causes)

@@ -34,6 +34,7 @@ LIFT = 2.0  # how many times more often others with a value must diverge than wi
 # A setting whose score is within this of an identity's separates the requests as well: it ranks first (why), and the
 # identity is named as where. Two settings within it that split the same requests changed together.
 TIE = 0.05
+SCORE_DIGITS = 4  # a score as recorded: its JSON, and the order the tables show
 _NUMBER = re.compile(r"-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?")
 
 
@@ -48,6 +49,11 @@ class Cause:
     evidence: dict = field(default_factory=dict)
     weak: bool = False  # supporting evidence only: a measurement, a signal that rose for both, contradicted
 
+    @property
+    def recorded_score(self) -> float:
+        """The score as its JSON records it: the tables rank and show this one, from a cause or its JSON alike."""
+        return round(self.score, SCORE_DIGITS)
+
     def to_json(self) -> dict:
         return {
             "kind": self.kind,
@@ -55,10 +61,27 @@ class Cause:
             "name": self.name,
             "value": self.value,
             "baseline_value": self.baseline_value,
-            "score": round(self.score, 4),
+            "score": self.recorded_score,
             "weak": self.weak,
             **self.evidence,
         }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Cause:
+        """A cause from its JSON (:meth:`to_json`): its fields, and the rest its evidence."""
+        return cls(
+            data.get("kind", ""),
+            data.get("stage", ""),
+            data.get("name", ""),
+            data.get("value", ""),
+            data.get("baseline_value", ""),
+            data.get("score", 0.0),
+            {k: v for k, v in data.items() if k not in _FIELDS},
+            data.get("weak", False),
+        )
+
+
+_FIELDS = ("kind", "stage", "name", "value", "baseline_value", "score", "weak")  # the rest of a cause's JSON: evidence
 
 
 def bucket(value: str) -> str:

@@ -339,29 +339,12 @@ class Explanation:
             Baseline.from_json(data["baseline"]) if data.get("baseline") else None,
             data.get("diverged", False),
             data.get("first_divergent_stage"),
-            [_cause_of(c) for c in data.get("causes") or ()],
+            [Cause.from_json(c) for c in data.get("causes") or ()],
             data.get("summary", ""),
             ranks.Origin(**data["origin"]) if data.get("origin") else None,
             data.get("stage_input_differed", False),
             None if stages is None else [_stage_of(c) for c in stages],
         )
-
-
-_CAUSE_FIELDS = ("kind", "stage", "name", "value", "baseline_value", "score", "weak")
-
-
-def _cause_of(data: dict) -> Cause:
-    """A cause from its JSON (``Cause.to_json``): its fields, and the rest its evidence."""
-    return Cause(
-        data.get("kind", ""),
-        data.get("stage", ""),
-        data.get("name", ""),
-        data.get("value", ""),
-        data.get("baseline_value", ""),
-        data.get("score", 0.0),
-        {k: v for k, v in data.items() if k not in _CAUSE_FIELDS},
-        data.get("weak", False),
-    )
 
 
 def _stage_of(data: dict) -> StageComparison:
