@@ -17,7 +17,7 @@ def test_quick_run_prints_and_writes_every_figure(tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=900,  # a guard against a hang, not a time limit: every quick benchmark, on a shared 2-core machine
     )
     assert result.returncode == 0, result.stderr
     written = output.read_text()
