@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 from clickhouse_connect.driver.exceptions import DataError
 
+from stagetrace.errors import first_line
 from stagetrace.exporters import restore, spool
 from stagetrace.exporters.diskspace import Headroom
 from stagetrace.exporters.inserts import insert_rows
@@ -92,7 +93,7 @@ def row_error(exc: BaseException) -> str | None:
         digits = text[at + 6 :].split(".", 1)[0] if at >= 0 else ""
         code = int(digits) if digits.isdigit() else None
     if code in ROW_ERROR_CODES and code not in UNAVAILABLE_CODES:
-        return str(exc).strip().splitlines()[0]
+        return first_line(exc)
     return None
 
 
@@ -145,7 +146,7 @@ class _Inserts:
                 raise _Refused(reason) from None
             if self.failing_since is None:
                 self.failing_since = time.monotonic()
-                text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                text = first_line(exc)
                 if self.store.location.password:  # a driver's message may quote the URL it used
                     text = text.replace(self.store.location.password, "***")
                 logger.error(
@@ -402,7 +403,7 @@ class DurableWriter:
                             len(rows),
                             spool.dropped_kind(table).replace("_", " "),
                             self.store.location.redacted(),
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                            first_line(exc),
                         )
                     self._check_failing = True
                     return False

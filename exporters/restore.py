@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from stagetrace.errors import first_line
 from stagetrace.exporters import spool
 from stagetrace.exporters.inserts import insert_rows
 from stagetrace.exporters.records import decoder
@@ -247,7 +248,7 @@ class Restorer:
                         "store: table %s: cannot restore the rows of part %s now, will retry: %s",
                         table,
                         ", ".join(p.name for p in broken),
-                        str(exc).strip().splitlines()[0],
+                        first_line(exc),
                     )
                 self.waiting[table] = broken
                 continue

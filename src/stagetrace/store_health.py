@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from stagetrace.errors import first_line
 from stagetrace.metrics import GAUGE, MetricSpec, Samples
 
 logger = logging.getLogger("stagetrace.agent")
@@ -157,7 +158,7 @@ class StoreHealth:
             rows = client.query(_PARTS_SQL, parameters=db).result_rows
         except Exception as exc:  # the store is down or busy: the next check asks again
             if not self.failed:
-                logger.warning("cannot check the store for broken parts: %s", str(exc).strip().splitlines()[0])
+                logger.warning("cannot check the store for broken parts: %s", first_line(exc))
             self.failed = True
             return []
         self.failed = False

@@ -15,7 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from stagetrace import config
-from stagetrace.errors import StoreError, StoreLockedError
+from stagetrace.errors import StoreError, StoreLockedError, first_line
 
 AGENT_FILE = "agent.json"
 
@@ -94,7 +94,7 @@ def client(location, locked: StoreLockedError) -> ReadOnlyClient:
     try:
         connection.command("SELECT 1")
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise StoreError(f"{holder}, but its query endpoint {url.geturl()} does not answer: {reason}") from None
     sinks = ([f"{record['otlp']}/v1/traces"] if record.get("otlp") else []) + (
         [f"{record['otlp_grpc']} (gRPC)"] if record.get("otlp_grpc") else []

@@ -36,6 +36,7 @@ from stagetrace.environment_variables import (
     STAGETRACE_CLIENT_KEY_FILE,
     STAGETRACE_WEB_CONFIG_FILE,
 )
+from stagetrace.errors import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ class WebConfig:
         except OSError as exc:
             raise WebConfigError(f"cannot read the web configuration {path}: {exc.strerror or exc}") from None
         except yaml.YAMLError as exc:
-            raise WebConfigError(f"the web configuration {path} is not YAML: {str(exc).splitlines()[0]}") from None
+            raise WebConfigError(f"the web configuration {path} is not YAML: {first_line(exc)}") from None
         if not isinstance(document, dict):
             raise WebConfigError(
                 f"the web configuration {path} must be a mapping (tls_server_config, basic_auth_users)"

@@ -27,6 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from stagetrace.errors import first_line
 from stagetrace.metrics import COUNTER, GAUGE, MetricSpec, Samples
 from stagetrace.store import Store
 
@@ -311,7 +312,7 @@ class Analyser:
                 logger.warning(
                     "live analysis failed, retrying every %gs: %s",
                     self.schedule.every_s,
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+                    first_line(exc),
                 )
                 self._failing = True
             return None
