@@ -110,12 +110,16 @@ def test_a_routed_disaggregated_request_is_one_request_found_by_its_id_with_pref
     probes = {s["traceId"] for sc in ("router-pd", "router") for s in recorded(sc) if s["attributes"].get("path")}
     probes -= {routed(sc)[0]["traceId"] for sc in ("router-pd", "router")}
     assert probes and not probes & {t for t, _, _ in listed.values()}
+    # the Python twins say of every stored span what their SQL says
     stored = store.client.query(
-        "SELECT SpanName, SpanAttributes FROM stagetrace.otel_traces WHERE ServiceName = 'smg'"
+        f"SELECT SpanName, SpanAttributes, {conventions.IS_NOT_REQUEST_SQL}, {conventions.IS_SMG_REQUEST_SQL} "
+        "FROM stagetrace.otel_traces"
     ).result_rows
-    assert len(stored) == 4 and all(
-        conventions.is_not_request(n, a) != conventions.is_smg_request(n, a) for n, a in stored
-    )
+    assert [(bool(no), bool(smg)) for _, _, no, smg in stored] == [
+        (conventions.is_not_request(n, a), conventions.is_smg_request(n, a)) for n, a, _, _ in stored
+    ]
+    smg = [(n, a) for n, a, _, _ in stored if conventions.is_smg_span(n, a)]
+    assert len(smg) == 4 and all(conventions.is_not_request(n, a) != conventions.is_smg_request(n, a) for n, a in smg)
 
     for request_id in (client_id, *(r["attributes"]["rid"] for r in roots)):
         trace = lookup.by_request_id(store, request_id)
@@ -142,6 +146,14 @@ def test_a_routed_disaggregated_request_is_one_request_found_by_its_id_with_pref
     assert root["parentSpanId"] == single["spanId"]
     assert {s.stage for s in one.spans} == {None, "context_assembly", "decode"}
     assert listed[single["attributes"]["request_id"]] == (single["traceId"], "smg", "http_request")
+    # the model the servers name on their roots is the routed requests' (the router's span names none)
+    table = "stagetrace.stagetrace_requests"
+    models = dict(
+        store.client.query(
+            f"SELECT RequestId, Model FROM ({conventions.requests_sql(table=table, model=True)})"
+        ).result_rows
+    )
+    assert models[client_id] == models[single["attributes"]["request_id"]] == "Qwen/Qwen3-0.6B"
     assert listed[UNROUTED_RID][1:] in {
         ("sglang-prefill", "prefill Req 3f9a1c2e"),
         ("sglang-decode", "decode Req 3f9a1c2e"),

@@ -655,7 +655,6 @@ MEASUREMENT_KEYS = frozenset(
         "request.attempt",
         "migration.is_retry",
         "migration.tokens_completed",
-        "latency",  # SGLang's model gateway: the request's time through it
     }
 )
 MEASUREMENT_PREFIXES = ("gen_ai.usage.", "gen_ai.latency.", "gen_ai.response.", "llm.token_count.", "llm.cost.")
