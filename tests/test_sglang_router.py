@@ -33,11 +33,18 @@ def receiver(store):
     r.close()
 
 
-def send(receiver, scenario: str) -> None:
+def send(receiver, scenario: str, hosts: dict[str, str] | None = None) -> None:
+    """Post each export request as its exporter sent it; ``hosts``: service -> the ``host.name`` its resource gets
+    (the recording ran on one machine, and SGLang's tracer names no host unless its resource is given one)."""
     import urllib.request
 
     for message in json.loads((SGLANG / f"{scenario}.json").read_text()):
-        data = json_format.ParseDict(message, ExportTraceServiceRequest()).SerializeToString()
+        parsed = json_format.ParseDict(message, ExportTraceServiceRequest())
+        for resource in parsed.resource_spans:
+            service = next(a.value.string_value for a in resource.resource.attributes if a.key == "service.name")
+            if service in (hosts or {}):
+                resource.resource.attributes.add(key="host.name", value={"string_value": hosts[service]})
+        data = parsed.SerializeToString()
         request = urllib.request.Request(
             f"{receiver.url}/v1/traces", data=data, method="POST", headers={"Content-Type": "application/x-protobuf"}
         )
@@ -199,3 +206,27 @@ def test_trace_json_and_the_report_hold_both_halves_of_a_routed_request(store, s
         assert (names[forward]["stage"], names[transfer]["stage"]) == ("decode", "cache")
     assert {s["service"] for s in doc["spans"]} == {"smg", "sglang-prefill", "sglang-decode"}
     assert UNROUTED_RID not in json.dumps(doc)
+
+
+def test_the_kv_transfer_of_a_routed_request_is_weighed_at_each_end_on_its_own_host(store, receiver):
+    """The routed request's cache stage (its KV transfer) has two ends in its one trace: where the fabric's counters
+    are read for it, each half's transfer spans are weighed on that half's host over its own window, as for the same
+    request without a router (tests/test_kv_transfer_fabric.py). Beside it the unrouted request, on other hosts."""
+    from stagetrace.analysis.fabric import watched
+    from stagetrace.analysis.hardware import Samples
+
+    send(receiver, "router-pd", {"sglang-prefill": "pf-a", "sglang-decode": "dc-a"})
+    send(receiver, "prefill", {"sglang-prefill": "pf-b"})
+    send(receiver, "decode", {"sglang-decode": "dc-b"})
+    router, _ = routed("router-pd")
+    trace = lookup.by_request_id(store, router["attributes"]["request_id"])
+    first = min(trace.stages[("cache", "0")], key=lambda s: s.start_ns)
+    samples = Samples(store, ["pf-a", "dc-a"], trace.start_ns, trace.start_ns + trace.duration_ns)
+    ends = watched(trace, "cache", first, samples)
+    assert [(w.half, w.host) for w in ends] == [("decode", "dc-a"), ("prefill", "pf-a")]
+    for w in ends:
+        spans = [s for s in trace.spans if s.stage == "cache" and s.service == f"sglang-{w.half}"]
+        assert (w.start_ns, w.end_ns) == (
+            min(s.start_ns for s in spans),
+            max(s.start_ns + s.duration_ns for s in spans),
+        )
