@@ -288,6 +288,29 @@ DYNAMO_REQUEST_SPAN = "request_span"
 DYNAMO_SYSTEM_SPAN = "system_span"
 DYNAMO_REQUEST_IDS = ("x_request_id", "request_id")
 DYNAMO_RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+# SGLang's model gateway (``smg``, its router, tests/fixtures/sglang/README.md): with ``--enable-trace`` it exports one
+# span per HTTP request it serves, ``http_request`` (tracing target ``smg::otel-trace``), and sends the workers its
+# ``traceparent``, so SGLang's request roots (``prefill Req``, ``decode Req``, or `` Req`` on one server) are its
+# children in one trace. Its ``request_id`` is the client's x-request-id (else smg's own ``req-...``), returned in the
+# response's x-request-id header: the request's ID on a route that serves a model. Its spans of the other routes
+# (readiness and health probes, models, workers) are no request.
+SMG_ROOT = "http_request"
+SMG_TARGET = "smg::otel-trace"
+SMG_REQUEST_ID = "request_id"
+SMG_PATH = "path"
+SMG_REQUEST_PATHS = (
+    "/generate",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/interactions",
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/rerank",
+    "/v1/classify",
+    "/v1/audio/transcriptions",
+)
 # Roots that are no request (engine_traces.md): an engine's start-up and model loading, and SGLang's other modules'
 # roots, e.g. the KV sender's ``Sender Req 0x...`` (module sglang::mooncake), a transfer worker's view of a request
 # whose own root is ``... Req <rid8>``. They stay in otel_traces as spans, but a request listed, analysed or counted
@@ -326,7 +349,23 @@ def is_not_request(name: str, attributes: dict[str, str]) -> bool:
         or str(attributes.get(VLLM_CODE_NAMESPACE[0], "")).startswith(VLLM_CODE_NAMESPACE[1])
         or (module.startswith(SGLANG_MODULE_PREFIX) and module != SGLANG_MODULE[1])
         or attributes.get(DYNAMO_TARGET) == DYNAMO_SYSTEM_SPAN
+        or (is_smg_span(name, attributes) and attributes.get(SMG_PATH) not in SMG_REQUEST_PATHS)
     )
+
+
+def is_smg_span(name: str, attributes: dict[str, str]) -> bool:
+    """A span of SGLang's model gateway (same rule as ``IS_SMG_SPAN_SQL``)."""
+    return name == SMG_ROOT and attributes.get(DYNAMO_TARGET) == SMG_TARGET
+
+
+def is_smg_request(name: str, attributes: dict[str, str]) -> bool:
+    """The gateway's span of a request a client sent to a model (same rule as ``IS_SMG_REQUEST_SQL``)."""
+    return is_smg_span(name, attributes) and attributes.get(SMG_PATH) in SMG_REQUEST_PATHS
+
+
+IS_SMG_SPAN_SQL = f"SpanName = {_quote(SMG_ROOT)} AND SpanAttributes[{_quote(DYNAMO_TARGET)}] = {_quote(SMG_TARGET)}"
+_SMG_PATHS_SQL = ", ".join(_quote(p) for p in SMG_REQUEST_PATHS)
+IS_SMG_REQUEST_SQL = f"{IS_SMG_SPAN_SQL} AND SpanAttributes[{_quote(SMG_PATH)}] IN ({_SMG_PATHS_SQL})"
 
 
 def is_dynamo_request(name: str, attributes: dict[str, str]) -> bool:
@@ -990,6 +1029,7 @@ ATTRIBUTE_REQUEST_ID_SQL = (
         f", {IS_DYNAMO_REQUEST_SQL} AND SpanAttributes[{_quote(k)}] != '', SpanAttributes[{_quote(k)}]"
         for k in DYNAMO_REQUEST_IDS
     )
+    + f", {IS_SMG_REQUEST_SQL} AND SpanAttributes[{_quote(SMG_REQUEST_ID)}] != '', SpanAttributes[{_quote(SMG_REQUEST_ID)}]"
     + ", '')"
 )
 # A request root: a span with a request ID that is not one of stagetrace's own stage spans (nor a weight sync, nor a
@@ -1002,7 +1042,8 @@ IS_NOT_REQUEST_SQL = (
     f"startsWith(SpanAttributes[{_quote(VLLM_CODE_NAMESPACE[0])}], {_quote(VLLM_CODE_NAMESPACE[1])}) OR "
     f"(startsWith(SpanAttributes[{_quote(SGLANG_MODULE[0])}], {_quote(SGLANG_MODULE_PREFIX)}) "
     f"AND SpanAttributes[{_quote(SGLANG_MODULE[0])}] != {_quote(SGLANG_MODULE[1])}) OR "
-    f"SpanAttributes[{_quote(DYNAMO_TARGET)}] = {_quote(DYNAMO_SYSTEM_SPAN)})"
+    f"SpanAttributes[{_quote(DYNAMO_TARGET)}] = {_quote(DYNAMO_SYSTEM_SPAN)} OR "
+    f"({IS_SMG_SPAN_SQL} AND SpanAttributes[{_quote(SMG_PATH)}] NOT IN ({_SMG_PATHS_SQL})))"
 )
 IS_REQUEST_ROOT_SQL = (
     f"NOT {IS_EXPLICIT_STAGE_SQL} AND NOT {IS_WEIGHT_SYNC_SQL} AND NOT {IS_NOT_REQUEST_SQL} "

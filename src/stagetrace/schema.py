@@ -37,7 +37,9 @@ from stagetrace.part_guard import SOURCES_KEPT_S
 # request, its worker's handle_payload the decode stage (issue 53)
 # 18: stagetrace_models, the models spans below a request's roots name (conventions.OWN_MODEL_SQL), its model where
 # its root rows name none (conventions.requests_sql), as an application's root above an engine's span (issue 51)
-SCHEMA_VERSION = 18
+# 19: SGLang's model gateway (smg): its http_request span of a model route a request by its request_id (the
+# client's x-request-id), its spans of other routes (readiness, health) no request (issue 53)
+SCHEMA_VERSION = 19
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -521,6 +523,7 @@ REBUILDS = {
         "stagetrace_stages_mv",
         "stagetrace_stages_content_mv",
     ),
+    19: ("stagetrace_requests_mv", "stagetrace_requests_content_mv", "stagetrace_models_mv"),
 }
 # Views whose query a version changed without changing the rows they write: dropped and created anew, not refilled.
 REPLACED = {11: ("stagetrace_requests_mv", "stagetrace_stages_mv")}
