@@ -11,7 +11,6 @@ recording (one worker, serve.json) in the same store, whose requests keep their 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
