@@ -553,10 +553,12 @@ rank_passes AS (
     SELECT TraceId, Stage, Rank, min(Start) AS First, groupUniqArray(OutputDigest) AS Outputs,
            argMin(InputDigest, Start) AS Input, argMin(Attributes['{steps}'], Start) AS Steps,
            argMin(Attributes, Start) AS Attrs, argMin(ResourceAttributes, Start) AS Resource,
-           -- each span's output and place, in start order: where the rank's difference showed first (``ranks.at``)
-           arraySort(p -> p.1, groupArray((Start, OutputDigest, Attributes['{gpu}'], ResourceAttributes['{gpu}'],
-                                           ResourceAttributes['{gpus}'], ResourceAttributes['{host}']))) AS Spans,
-           groupUniqArray(OutputDigest) AS SpanOutputs  -- Outputs, under a name passes' Outputs does not hide
+           -- a ranked stage's spans, each with its output and place, in start order: where the rank's difference
+           -- showed first (``ranks.at``); an unranked stage has no rank to place (and costs no array)
+           arraySort(p -> p.1, groupArrayIf((Start, OutputDigest, Attributes['{gpu}'], ResourceAttributes['{gpu}'],
+                                             ResourceAttributes['{gpus}'], ResourceAttributes['{host}']),
+                                            Rank != '')) AS Spans,
+           groupUniqArrayIf(OutputDigest, Rank != '') AS SpanOutputs  -- Outputs, by a name passes' does not hide
     FROM {{db:Identifier}}.stagetrace_stages
     WHERE Start >= fromUnixTimestamp64Nano({{s0:Int64}}) AND Start < fromUnixTimestamp64Nano({{s1:Int64}})
       AND TraceId IN (SELECT Dev FROM pairs UNION ALL SELECT Base FROM pairs)
@@ -591,9 +593,12 @@ refs AS (
 SELECT Dev, argMin((Stage, Attributes, ResourceAttributes, Began, BeganGpu, BeganHost), Place)
 FROM (
     SELECT Dev, Stage, Place, Began,
-           multiIf(BeganSpan.3 != '', BeganSpan.3, BeganSpan.4 != '', BeganSpan.4,
-                   position(BeganSpan.5, ',') = 0, BeganSpan.5, '') AS BeganGpu,
-           BeganSpan.6 AS BeganHost,
+           if(notEmpty(BeganSpans),
+              multiIf(BeganSpan.3 != '', BeganSpan.3, BeganSpan.4 != '', BeganSpan.4,
+                      position(BeganSpan.5, ',') = 0, BeganSpan.5, ''),
+              multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
+                      position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '')) AS BeganGpu,
+           if(notEmpty(BeganSpans), BeganSpan.6, MineResource['{host}']) AS BeganHost,
            {differing.replace("mine", "MineAttrs").replace("theirs", "TheirAttrs")} AS Attributes,
            {differing.replace("mine", "MineResource").replace("theirs", "TheirResource")} AS ResourceAttributes
     FROM (
