@@ -52,11 +52,19 @@ RECORDED_START = min(s.start_time_unix_nano for s in _spans(_messages("prefill")
 
 
 def disaggregated_request(
-    receiver, n: int, start_ns: int, hosts: tuple[str, str], kv_received: str, output: str, driver: str = "575.57"
+    receiver,
+    n: int,
+    start_ns: int,
+    hosts: tuple[str, str],
+    kv_received: str,
+    output: str,
+    driver: str = "575.57",
+    kv_sent: str = KV_SENT,
 ) -> str:
     """The recorded disaggregated request again as ``pd-<n>``, beginning at ``start_ns``, its prefill half on
-    ``hosts[0]`` and its decode half on ``hosts[1]`` (GPU driver ``driver`` on both), the decode receiving the KV
-    cache with digest ``kv_received`` and answering ``output``. Returns the request ID."""
+    ``hosts[0]`` and its decode half on ``hosts[1]`` (GPU driver ``driver`` on both), the prefill sending the KV
+    cache with digest ``kv_sent``, the decode receiving it with digest ``kv_received`` and answering ``output``.
+    Returns the request ID."""
     request_id, shift = f"pd-{n}", start_ns - RECORDED_START
     for number, (half, host) in enumerate(zip(("prefill", "decode"), hosts)):
         messages = _messages(half)
@@ -77,7 +85,7 @@ def disaggregated_request(
                 for attribute in span.attributes:
                     if attribute.key in ("rid", "gen_ai.request.id"):
                         attribute.value.string_value = request_id
-            digest = {"prefill_transfer_kv_cache": KV_SENT, "decode_transferred": kv_received}.get(span.name)
+            digest = {"prefill_transfer_kv_cache": kv_sent, "decode_transferred": kv_received}.get(span.name)
             if digest:
                 span.attributes.add(key=conventions.STAGE_OUTPUT_DIGEST, value={"string_value": digest})
         if half == "decode":  # the application above the decode half: the prompt and the answer
@@ -170,6 +178,9 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
     assert re.search(rf"rose by 7 .*cache.* {nic} \({host}, the {end} end of the KV transfer\)", report["summary"]), (
         report["summary"]
     )
+    # the verdict names where the difference showed first: what the prefill end sent agreed with the baseline's,
+    # what the decode end received did not, so the decode's host, whichever end's NIC erred
+    assert report["summary"].startswith("cache diverged on rank 0 (dc-a): "), report["summary"]
     # stagetrace trace's hardware table beside the waterfall: the same NIC, at the KV transfer
     shown = hardware_context(store, lookup.by_request_id(store, broken))
     assert {(c["stage"], c["host"], c["device"]) for c in shown} == {("cache", host, nic)}, shown
@@ -192,3 +203,34 @@ def test_a_kv_transfer_whose_nic_counted_sequence_errors_at_one_end_is_explained
         end,
     ), found
     assert deviating[neighbour]["top_cause"]["name"] == conventions.CONFIGURATION_DRIVER
+    # the tally names the same host for it, analysed in full or not (the SQL twin: limit 1 analyses the neighbour)
+    for limit in (100, 1):
+        lines = divergences.find(store, 3600 * 10**9, until_ns=t0 + 10 * 60 * 10**9, limit=limit)["tally"]
+        assert {h for line in lines for h in line.get("began_on", {})} == {"dc-a", "dc-b"}, lines
+
+
+def test_the_verdict_names_the_end_of_the_kv_transfer_where_the_difference_showed_first(store, receiver):
+    """Five disaggregated requests with one prompt (prefill on pf-a, decode on dc-a) agree. A sixth's prefill server
+    sent another KV cache, and its decode received that: the difference showed first at the sending end, so the
+    verdict and divergences name the prefill's host, pf-a. The neighbour, in the same minutes on pf-b and dc-b: its
+    prefill sent what the others did and its decode received another cache, so its verdict names the decode's host,
+    dc-b. No hardware counter rose anywhere: the place comes from the digests alone."""
+    t0 = time.time_ns() - 30 * 60 * 10**9
+    for n in range(1, 6):
+        disaggregated_request(receiver, n, t0 + n * EVERY_NS, ("pf-a", "dc-a"), KV_SENT, AGREED)
+    sent_otherwise = disaggregated_request(
+        receiver, 6, t0 + 6 * EVERY_NS, ("pf-a", "dc-a"), KV_RECEIVED_BAD, OTHER, kv_sent=KV_RECEIVED_BAD
+    )
+    received_otherwise = disaggregated_request(
+        receiver, 7, t0 + 6 * EVERY_NS + 10**9, ("pf-b", "dc-b"), KV_RECEIVED_OTHER, OTHER
+    )
+    receiver.writer.flush()
+    for request, host in ((sent_otherwise, "pf-a"), (received_otherwise, "dc-b")):
+        report = Explainer(store).explain(request).to_json()
+        assert report["diverged"] and report["first_divergent_stage"] == "cache", report["summary"]
+        assert report["summary"].startswith(f"cache diverged on rank 0 ({host}): "), report["summary"]
+    # divergences says the same of the requests it analyses in full (the tally's SQL twin reads a request's own
+    # trace, the decode half of an SGLang request split without a traced router: docs/instrumented.md)
+    lines = divergences.find(store, 3600 * 10**9, until_ns=t0 + 10 * 60 * 10**9)["tally"]
+    began = {h: n for line in lines for h, n in line.get("began_on", {}).items()}
+    assert began == {"pf-a": 1, "dc-b": 1}, lines

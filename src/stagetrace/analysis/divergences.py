@@ -365,7 +365,7 @@ def compute(
     for d in analysed:
         stage = where[d.trace_id].stage
         if where[d.trace_id].origin is not None:
-            ranks.at(where[d.trace_id].origin, traces[d.trace_id], stage)
+            ranks.at(where[d.trace_id].origin, traces[d.trace_id], stage, traces.get(d.baseline_trace_id))
         diagnosed[d.trace_id] = (
             diagnose(
                 store,

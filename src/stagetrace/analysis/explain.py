@@ -307,7 +307,7 @@ class Explainer:
             first = confirmed(first, trace, self._references(peers, baseline, trace))
         stage = first.stage
         if first.origin is not None:
-            _ranks.at(first.origin, trace, stage)
+            _ranks.at(first.origin, trace, stage, baseline.trace)
         found: list[Cause] = []
         if stage is not None:
             contrast = self._contrast(

@@ -552,7 +552,13 @@ WITH pairs AS (SELECT c2 AS Dev, c11 AS Base, c14 AS Refs
 rank_passes AS (
     SELECT TraceId, Stage, Rank, min(Start) AS First, groupUniqArray(OutputDigest) AS Outputs,
            argMin(InputDigest, Start) AS Input, argMin(Attributes['{steps}'], Start) AS Steps,
-           argMin(Attributes, Start) AS Attrs, argMin(ResourceAttributes, Start) AS Resource
+           argMin(Attributes, Start) AS Attrs, argMin(ResourceAttributes, Start) AS Resource,
+           -- a ranked stage's spans, each with its output and place, in start order: where the rank's difference
+           -- showed first (``ranks.at``); an unranked stage has no rank to place (and costs no array)
+           arraySort(p -> p.1, groupArrayIf((Start, OutputDigest, Attributes['{gpu}'], ResourceAttributes['{gpu}'],
+                                             ResourceAttributes['{gpus}'], ResourceAttributes['{host}']),
+                                            Rank != '')) AS Spans,
+           groupUniqArrayIf(OutputDigest, Rank != '') AS SpanOutputs  -- Outputs, by a name passes' does not hide
     FROM {{db:Identifier}}.stagetrace_stages
     WHERE Start >= fromUnixTimestamp64Nano({{s0:Int64}}) AND Start < fromUnixTimestamp64Nano({{s1:Int64}})
       AND TraceId IN (SELECT Dev FROM pairs UNION ALL SELECT Base FROM pairs)
@@ -571,11 +577,13 @@ ref_passes AS (
 passes AS (
     SELECT TraceId, Stage, min(First) AS First, arraySort(arrayDistinct(arrayFlatten(groupArray(Outputs)))) AS Outputs,
            groupArray(Rank) AS Ranks, groupArray(Input) AS Inputs, groupArray(Steps) AS Steps,
-           groupArray(Attrs) AS Attrs, groupArray(Resource) AS Resources
+           groupArray(Attrs) AS Attrs, groupArray(Resource) AS Resources, groupArray(Spans) AS RankSpans,
+           groupArray(SpanOutputs) AS RankOutputs
     FROM rank_passes GROUP BY TraceId, Stage),
-mine AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources, length(Refs) AS References
+mine AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources, RankSpans,
+                length(Refs) AS References
          FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Dev),
-theirs AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources
+theirs AS (SELECT Dev, Stage, First, Outputs, Ranks, Inputs, Steps, Attrs, Resources, RankOutputs
            FROM pairs INNER JOIN passes ON passes.TraceId = pairs.Base),
 -- per request and stage, the references' ranks, inputs and steps (a reference without the stage: none)
 refs AS (
@@ -585,9 +593,12 @@ refs AS (
 SELECT Dev, argMin((Stage, Attributes, ResourceAttributes, Began, BeganGpu, BeganHost), Place)
 FROM (
     SELECT Dev, Stage, Place, Began,
-           multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
-                   position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '') AS BeganGpu,
-           MineResource['{host}'] AS BeganHost,
+           if(notEmpty(BeganSpans),
+              multiIf(BeganSpan.3 != '', BeganSpan.3, BeganSpan.4 != '', BeganSpan.4,
+                      position(BeganSpan.5, ',') = 0, BeganSpan.5, ''),
+              multiIf(MineAttrs['{gpu}'] != '', MineAttrs['{gpu}'], MineResource['{gpu}'] != '', MineResource['{gpu}'],
+                      position(MineResource['{gpus}'], ',') = 0, MineResource['{gpus}'], '')) AS BeganGpu,
+           if(notEmpty(BeganSpans), BeganSpan.6, MineResource['{host}']) AS BeganHost,
            {differing.replace("mine", "MineAttrs").replace("theirs", "TheirAttrs")} AS Attributes,
            {differing.replace("mine", "MineResource").replace("theirs", "TheirResource")} AS ResourceAttributes
     FROM (
@@ -607,7 +618,13 @@ FROM (
                m.Attrs[indexOf(m.Ranks, Began)] AS MineAttrs, m.Resources[indexOf(m.Ranks, Began)] AS MineResource,
                if(has(t.Ranks, Began), indexOf(t.Ranks, Began),
                   indexOf(t.Ranks, {lowest.format(r="t.Ranks")})) AS TheirIndex,
-               t.Attrs[TheirIndex] AS TheirAttrs, t.Resources[TheirIndex] AS TheirResource
+               t.Attrs[TheirIndex] AS TheirAttrs, t.Resources[TheirIndex] AS TheirResource,
+               -- the began rank's first span whose output is none of the baseline's same rank's, else its first
+               m.RankSpans[indexOf(m.Ranks, Began)] AS BeganSpans,
+               if(has(t.Ranks, Began), t.RankOutputs[indexOf(t.Ranks, Began)], []) AS TheirOutputs,
+               arrayFirstIndex(p -> p.2 != '' AND notEmpty(TheirOutputs) AND NOT has(TheirOutputs, p.2),
+                               BeganSpans) AS ShownAt,
+               BeganSpans[if(ShownAt = 0, 1, ShownAt)] AS BeganSpan
         FROM mine AS m FULL OUTER JOIN theirs AS t USING (Dev, Stage) LEFT JOIN refs AS v USING (Dev, Stage)
         WHERE m.Outputs != t.Outputs))
 GROUP BY Dev"""

@@ -92,19 +92,32 @@ def vote(origins: list[Origin | None]) -> list[str]:
     return sorted((r for r, n in counts.items() if 2 * n > len(origins)), key=conventions.rank_order)
 
 
-def at(origin: Origin, trace: lookup.Trace, stage: str) -> Origin:
-    """The origin with the GPU and host of each beginning rank's first pass of the stage in ``trace``."""
+def at(origin: Origin, trace: lookup.Trace, stage: str, baseline: lookup.Trace | None = None) -> Origin:
+    """The origin with the GPU and host of each beginning rank's place in ``trace``: its first span of the stage whose
+    output is none of the baseline's same rank's outputs there, where the difference showed first among the stage's
+    spans (a KV transfer's receiving end, when what its sending end sent agreed); else its first span of the stage.
+    A span without an output digest shows nothing. The SQL twin is ``population``'s ``BeganSpan``."""
+    theirs: dict[str, set[str]] = {}
+    for span in baseline.spans if baseline is not None else ():
+        if span.stage == stage:
+            theirs.setdefault(span.rank, set()).add(span.output_digest)
     first: dict[str, lookup.Span] = {}
-    for span in trace.spans:
-        if span.stage == stage and span.rank in origin.ranks:
-            if span.rank not in first or span.start_ns < first[span.rank].start_ns:
-                first[span.rank] = span
+    shown: dict[str, lookup.Span] = {}
+    for span in sorted((s for s in trace.spans if s.stage == stage and s.rank in origin.ranks), key=_started):
+        first.setdefault(span.rank, span)
+        if span.output_digest and span.rank in theirs and span.output_digest not in theirs[span.rank]:
+            shown.setdefault(span.rank, span)
+    places = {rank: shown.get(rank, span) for rank, span in first.items()}
     origin.places = [
-        {"rank": rank, "gpu": gpu_of(first[rank]), "host": first[rank].resource.get(conventions.HOST, "")}
+        {"rank": rank, "gpu": gpu_of(places[rank]), "host": places[rank].resource.get(conventions.HOST, "")}
         for rank in origin.ranks
-        if rank in first
+        if rank in places
     ]
     return origin
+
+
+def _started(span: lookup.Span) -> int:
+    return span.start_ns
 
 
 def gpu_of(span: lookup.Span) -> str:
