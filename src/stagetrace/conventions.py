@@ -14,6 +14,7 @@ producer is a line here, not a change in four modules.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -211,9 +212,12 @@ def cached_tokens(attributes: dict[str, str]) -> tuple[str, int] | None:
     """``(key, count)`` of the span's prefix-cache hit by ``CACHED_TOKENS_KEYS``, None where it records none (an
     unknown hit, not a miss); SGLang exports the count as a double (``0.0``)."""
     for key in CACHED_TOKENS_KEYS:
+        value = attributes.get(key)
+        if value is None:
+            continue
         try:
-            return key, int(float(attributes[key]))
-        except (KeyError, ValueError, OverflowError):
+            return key, int(float(value))
+        except (ValueError, OverflowError):
             continue
     return None
 
@@ -482,6 +486,7 @@ STAGE_RULES = (
 )
 
 
+@functools.lru_cache(maxsize=4096)  # asked of every span of every analysed request; spans have few names
 def moves_over_fabric(name: str) -> bool:
     """A span that moves data between hosts over the RDMA fabric without naming its NIC (``net.rdma.devices``): the
     KV transfer of a disaggregated request (``KV_TRANSFER``). Its host's RDMA NICs, every one the agent collected
@@ -831,8 +836,11 @@ def records_seed(attributes: dict[str, str]) -> bool:
     """The span records the request's seed: a seed attribute, or OpenInference's invocation parameters naming one."""
     if any(attributes.get(k, "") != "" for k in SEED_KEYS):
         return True
+    recorded = attributes.get(INVOCATION_PARAMETERS, "")
+    if not recorded:
+        return False
     try:
-        parameters = json.loads(attributes.get(INVOCATION_PARAMETERS, "") or "{}")
+        parameters = json.loads(recorded)
     except ValueError:
         return False
     return isinstance(parameters, dict) and parameters.get("seed") is not None
@@ -1095,6 +1103,10 @@ STAGE_ATTRIBUTES_SQL = "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), S
 _ROOT_ORDER = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano({start})))"
 
 
+# Whether any span below a request's roots ever named a model: a count the engine answers from its parts' metadata
+_ANY_MODELS = "(SELECT count() FROM {models}) > 0"
+
+
 def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bool = False) -> str:
     """One row per trace among the root rows matching ``where``: the request's ID from its first span carrying one
     (else the trace ID), digests from the first root row that has them, the trace's start and end.
@@ -1133,13 +1145,14 @@ GROUP BY TraceId"""
     if not model:
         return roots
     # only the traces whose root rows name no model, found by the models table's key (its trace ID): none read where
-    # every root names one, and a few granules for one request's
+    # every root names one, and a few granules for one request's. While the models table is empty (no span below a
+    # root has named a model), the count folds the filter to false before the set of trace IDs is built.
     models = table.replace("stagetrace_requests", "stagetrace_models")
     return f"""SELECT {", ".join(f"r.{c} AS {c}" for c in columns)},
        if(r.RootModel != '', r.RootModel, s.BelowModel) AS Model
 FROM ({roots}) AS r
 LEFT JOIN (SELECT TraceId, argMin(Model, (Stage != '{MODEL_STAGE}', Start, Model)) AS BelowModel FROM {models}
-           WHERE TraceId IN (SELECT TraceId FROM {table} WHERE ({where}) AND Model = '')
+           WHERE {_ANY_MODELS.format(models=models)} AND TraceId IN (SELECT TraceId FROM {table} WHERE ({where}) AND Model = '')
            GROUP BY TraceId) AS s ON r.TraceId = s.TraceId"""
 
 
@@ -1155,5 +1168,5 @@ def trace_models_sql(traces: str, where: str = "1", table: str = "stagetrace_req
     UNION ALL
     SELECT TraceId, toUInt8(1 + (Stage != '{MODEL_STAGE}')) AS Tier, toUInt64(toUnixTimestamp64Nano(Start)) AS Key,
            Model
-    FROM {models} WHERE TraceId IN ({traces}))
+    FROM {models} WHERE {_ANY_MODELS.format(models=models)} AND TraceId IN ({traces}))
 GROUP BY TraceId"""
