@@ -15,15 +15,15 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
-
-from stagetrace import lookup
-from stagetrace.dashboards import build_all, compare
-from stagetrace.exporters.otlp import OtlpReceiver
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import set_span_in_context
+
+from stagetrace import lookup
+from stagetrace.dashboards import build_all, compare
+from stagetrace.exporters.otlp import OtlpReceiver
 from tests.grafana_macros import QueryContext, Variable, expand
 from tests.test_dashboards import queries, run
 from tests.test_engines import DYNAMO, VLLM, VLLM_REQUESTS, dynamo_roots, send
