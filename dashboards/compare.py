@@ -7,18 +7,21 @@ differ; the counters table shows, for each request, what rose on the hardware it
 
 from __future__ import annotations
 
+from stagetrace import conventions
 from stagetrace.dashboards import _panels as p
 from stagetrace.dashboards import trace_lookup
 from stagetrace.dashboards._sql import PIPELINE_ORDER, REQUEST_ID, STAGE, STAGES
 
 UID = "stagetrace-compare"
 OTHER_REQUEST_ID = REQUEST_ID.replace("request_id", "other_request_id")
+_stored = conventions.stored_request_id_sql  # the ID as stored, by the CLI's rule (trace_lookup.STORED_ID)
 
 
 def _request(request_id: str) -> str:
-    """(trace ID, start, end) of the newest root span with that request ID."""
+    """(trace ID, start, end) of the newest root span with that request ID (or Dynamo's response ID for it, as in the
+    trace lookup)."""
     return (
-        f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {request_id} "
+        f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {_stored(request_id)} "
         "ORDER BY Start DESC LIMIT 1)"
     )
 
@@ -62,8 +65,8 @@ SELECT RequestId AS request_id, ServiceName AS service, HostName AS host, Start 
     dateDiff('microsecond', Start, End) / 1000 AS duration_ms, InputDigest AS input_digest,
     OutputDigest AS output_digest
 FROM stagetrace_requests
-WHERE RequestId IN ({REQUEST_ID}, {OTHER_REQUEST_ID})
-ORDER BY RequestId = {OTHER_REQUEST_ID}, Start DESC
+WHERE RequestId IN ({_stored(REQUEST_ID)}, {_stored(OTHER_REQUEST_ID)})
+ORDER BY RequestId = {_stored(OTHER_REQUEST_ID)}, Start DESC
 LIMIT 1 BY RequestId"""
 
 

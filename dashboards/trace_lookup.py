@@ -12,9 +12,12 @@ from stagetrace.dashboards._sql import HOST, LOGS, PIPELINE_ORDER, REQUEST_ID, S
 
 UID = p.TRACE_LOOKUP_UID
 
+# The ID the request is stored under, by the CLI's rule (conventions.request_id_candidates): the ID as typed, else
+# Dynamo's response ID (``chatcmpl-<id>``, ``cmpl-<id>``) as the bare ID its spans record.
+STORED_ID = conventions.stored_request_id_sql(REQUEST_ID)
 # The newest root span with that request ID (a retried request keeps its ID): (trace ID, start, end).
 REQUEST = (
-    f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {REQUEST_ID} "
+    f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {STORED_ID} "
     "ORDER BY Start DESC LIMIT 1)"
 )
 REQUEST_SPANS = "TraceId = trace_id AND Timestamp >= request_start AND Timestamp <= request_end"
@@ -92,7 +95,7 @@ GROUP BY host, device, metric, labels"""
 
 SUMMARY_SQL = f"""
 WITH
-    (SELECT (InputDigest, OutputDigest, Start, TraceId) FROM stagetrace_requests WHERE RequestId = {REQUEST_ID}
+    (SELECT (InputDigest, OutputDigest, Start, TraceId) FROM stagetrace_requests WHERE RequestId = {STORED_ID}
        ORDER BY Start DESC LIMIT 1) AS request,
     request.3 - INTERVAL 1 DAY AS since,
     request.3 + INTERVAL 1 DAY AS until,
@@ -121,7 +124,7 @@ SELECT RequestId AS request_id, TraceId AS trace_id, ServiceName AS service, Hos
     same_input AS requests_with_same_input, same_output AS requests_with_same_output,
     multiIf(majority_output = '', 'unknown: input seen once', OutputDigest = majority_output, 'no', 'yes') AS deviates
 FROM stagetrace_requests
-WHERE RequestId = {REQUEST_ID}
+WHERE RequestId = {STORED_ID}
 ORDER BY Start DESC
 LIMIT 1"""
 
@@ -182,7 +185,7 @@ SELECT DetectedAt AS detected, FirstDivergentStage AS first_divergent_stage, Bas
     BaselineHow AS baseline, TopCauseKind AS cause_kind, TopCauseName AS cause, TopCauseValue AS value,
     TopCauseBaselineValue AS baseline_value, TopCauseScore AS score, Summary AS summary
 FROM stagetrace_divergences FINAL
-WHERE RequestId = {REQUEST_ID}"""
+WHERE RequestId = {STORED_ID}"""
 
 HOSTS_SQL = f"""{REQUEST_CONTEXT}
 SELECT {HOST} AS host,
@@ -291,7 +294,7 @@ def variables() -> list[dict]:
             "request_id",
             "Request ID",
             "The request's stagetrace.request.id (or gen_ai.request.id), e.g. from a log line or "
-            "`stagetrace divergences`.",
+            "`stagetrace divergences`; for NVIDIA Dynamo also the id of its response (chatcmpl-..., cmpl-...).",
         ),
     ]
 

@@ -389,6 +389,19 @@ def request_id_candidates(request_id: str) -> tuple[str, ...]:
     return (request_id, bare) if bare else (request_id,)
 
 
+def stored_request_id_sql(request_id: str, table: str = "stagetrace_requests") -> str:
+    """The SQL twin of ``request_id_candidates`` over an SQL string expression: a scalar subquery giving the ID the
+    request is stored under in ``table`` (by its key), the ID as given where a request has it, else the bare ID behind
+    a Dynamo response prefix; NULL where neither is stored."""
+    # (?s): an ID is any string, newlines included, as in Python; no ``$``, which Grafana would read as a variable
+    prefixed = _quote(f"(?s)^({'|'.join(re.escape(p) for p in DYNAMO_RESPONSE_ID_PREFIXES)})(.+)")
+    return (
+        f"(SELECT RequestId FROM {table} "
+        f"WHERE RequestId IN ({request_id}, replaceRegexpOne({request_id}, {prefixed}, '\\\\2')) "
+        f"ORDER BY RequestId != {request_id} LIMIT 1)"
+    )
+
+
 # OpenInference marks what it hides with this value: it is not content, and equal placeholders are no evidence.
 REDACTED = "__REDACTED__"
 
