@@ -122,9 +122,7 @@ def _quickstart_is_there(env) -> None:
 def test_ctrl_c_is_one_line_130_and_the_next_demo_runs_without_fresh(home, when):
     env, dsn = home
     proc, stderr, took = _interrupt(env, when)
-    # 130, as a shell reports it: the exit status 130, or, interrupted while it still imports, at times the death by
-    # SIGINT itself (an open defect, 2 to 5 runs in 16 on a loaded 2-core machine: the cause is not found yet)
-    assert proc.returncode == 130 or (when == "starting" and proc.returncode == -signal.SIGINT), stderr
+    assert proc.returncode == 130, stderr  # the exit status, not the death by SIGINT (which a shell shows as 130 too)
     assert took < 2, f"{took:.2f} s from Ctrl-C to exit"
     assert len(stderr.splitlines()) == 1 and stderr.startswith("stagetrace demo: interrupted"), stderr
     assert "Traceback" not in stderr
@@ -151,6 +149,30 @@ def test_ctrl_c_is_one_line_130_and_the_next_demo_runs_without_fresh(home, when)
         )
     assert tagged == 1
     _quickstart_is_there(env)
+
+
+def test_python_m_exits_with_the_status_after_an_interrupt_handled_inside_code_built_from_a_string(tmp_path):
+    """A Ctrl-C that lands while a dataclass or namedtuple builds its methods (``exec`` of a string, during the
+    imports) leaves a KeyboardInterrupt that CPython marks unhandled even once caught; ``python -m stagetrace`` still
+    exits with the command's status, not by SIGINT. The interrupt is raised where such a Ctrl-C raises it, as its
+    timing cannot be chosen."""
+    (tmp_path / "interrupted_entry.py").write_text(
+        "import contextlib, io, sys\n"
+        "from stagetrace.__main__ import run\n"
+        "sys.argv = ['stagetrace', 'schema', '--print']\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    run()  # imports what the command uses: their own code built from strings clears the mark\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "sys.exit(run())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "interrupted_entry"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert "CREATE TABLE" in done.stdout
 
 
 def test_an_interrupted_appended_run_leaves_the_complete_earlier_run(home):

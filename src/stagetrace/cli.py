@@ -492,17 +492,21 @@ def _demo(args) -> int:
     try:
         return _run_demo(args, began.append, finished.append)
     except KeyboardInterrupt:
-        if finished:
-            what = " after the run completed: the store holds it whole"
-        elif began:
-            what = (
-                "; the store marks this run as interrupted (stagetrace_demo_runs), and the next `stagetrace demo` "
-                "removes what it wrote"
-            )
-        else:
-            what = " before the run began: nothing was written"
-        print(f"stagetrace demo: interrupted{what}", file=sys.stderr)
-        return 130
+        pass
+    except Exception:
+        if not _ctrl_c_pressed:
+            raise
+    if finished:
+        what = " after the run completed: the store holds it whole"
+    elif began:
+        what = (
+            "; the store marks this run as interrupted (stagetrace_demo_runs), and the next `stagetrace demo` "
+            "removes what it wrote"
+        )
+    else:
+        what = _BEFORE_THE_RUN
+    print(f"stagetrace demo: interrupted{what}", file=sys.stderr)
+    return 130
 
 
 def _run_demo(args, began, finished) -> int:
@@ -746,12 +750,21 @@ def _command_word(argv: list[str]) -> str | None:
     return None
 
 
+# Set by the demo's first Ctrl-C. The KeyboardInterrupt it raises inside the import of a compiled module can come out
+# as another error (numpy's ImportError, the chdb driver's "engine not found", then a StoreError): once it is set,
+# an error is the interrupt's, and the demo ends as interrupted rather than with that error.
+_ctrl_c_pressed = False
+_BEFORE_THE_RUN = " before the run began: nothing was written"
+
+
 def _interrupt_once(signum, frame):
     """SIGINT's handler while the demo runs: a KeyboardInterrupt once; later ones are ignored, so that stopping the
     child processes and marking the run interrupted is not itself interrupted (a held-down Ctrl-C sends several)."""
     import signal
 
+    global _ctrl_c_pressed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ctrl_c_pressed = True
     raise KeyboardInterrupt
 
 
@@ -761,12 +774,19 @@ def main(argv: list[str] | None = None) -> int:
     if command == "demo" and threading_is_main():
         import signal
 
+        global _ctrl_c_pressed
+        _ctrl_c_pressed = False
         signal.signal(signal.SIGINT, _interrupt_once)
     try:
         args = _parse(build_parser(collector_flags=command in ("collect", "agent")), argv, command)
     except KeyboardInterrupt:
         if command == "demo":
-            print("stagetrace demo: interrupted before the run began: nothing was written", file=sys.stderr)
+            print(f"stagetrace demo: interrupted{_BEFORE_THE_RUN}", file=sys.stderr)
+        return 130
+    except Exception:
+        if not _ctrl_c_pressed:
+            raise
+        print(f"stagetrace demo: interrupted{_BEFORE_THE_RUN}", file=sys.stderr)
         return 130
     try:
         return args.run(args)
