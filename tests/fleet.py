@@ -80,6 +80,7 @@ class Fleet:
         resources: dict[str, dict] | None = None,
         model: str = MODEL,
         model_on: str | None = None,
+        model_service: str | None = None,
     ):
         self.store = store
         # the model the root span names; the input digest covers MODEL whatever it is, as a producer's that leaves
@@ -88,11 +89,13 @@ class Fleet:
         # the span that names it: the root span (None), or only the span of this stage (an application's root above
         # an engine's or framework's span, such as OpenInference's LLM span under a chain)
         self.model_on = model_on
+        # the service of that span: an engine's of its own below the application's root (default the fleet's)
+        self.model_service = model_service or service
         self.resources = resources or {}  # host -> resource attributes besides service.name and host.name
         # two hours ago, on a minute: inside every default analysis window, and never in the future
         self.t0 = start_ns if start_ns is not None else (time.time_ns() // MINUTE) * MINUTE - 120 * MINUTE
         self.service = service
-        self._providers: dict[str, tuple[TracerProvider, InMemorySpanExporter]] = {}
+        self._providers: dict[tuple[str, str], tuple[TracerProvider, InMemorySpanExporter]] = {}  # (host, service)
         self._count = 0
         self.requests: dict[str, dict] = {}  # request ID -> what was recorded (for the tests' own bookkeeping)
 
@@ -100,17 +103,16 @@ class Fleet:
         """The simulated time ``minutes`` + ``seconds`` after the fleet's start, in ns."""
         return self.t0 + int(minutes * MINUTE) + int(seconds * SECOND)
 
-    def _tracer(self, host: str):
-        if host not in self._providers:
+    def _tracer(self, host: str, service: str | None = None):
+        service = service or self.service
+        if (host, service) not in self._providers:
             provider = TracerProvider(
-                resource=Resource.create(
-                    {"service.name": self.service, "host.name": host, **self.resources.get(host, {})}
-                )
+                resource=Resource.create({"service.name": service, "host.name": host, **self.resources.get(host, {})})
             )
             memory = InMemorySpanExporter()
             provider.add_span_processor(SimpleSpanProcessor(memory))
-            self._providers[host] = (provider, memory)
-        return self._providers[host][0].get_tracer("fleet")
+            self._providers[(host, service)] = (provider, memory)
+        return self._providers[(host, service)][0].get_tracer("fleet")
 
     def request(
         self,
@@ -212,7 +214,8 @@ class Fleet:
             else:
                 if name == "allreduce":
                     attrs["net.rdma.devices"] = list(nics)
-                self._stage(tracer, parent, name, data, out, attrs, t, end)
+                named = self._tracer(host, self.model_service) if name == self.model_on else tracer
+                self._stage(named, parent, name, data, out, attrs, t, end)
                 stages.append({"stage": name, "rank": "", "host": host, "attributes": attrs})
                 data = out
             t = end + 1 * MS

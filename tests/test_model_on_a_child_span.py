@@ -151,3 +151,102 @@ def test_the_sql_rule_is_the_python_twin(store):
         twin = conventions.request_model([({"gen_ai.request.model": root} if root else {}, {})], stages)
         assert found[rid] == twin, (rid, found[rid], twin)
     assert [found[r] for r in cases] == ["on-root", "on-decode", "first", ""]
+
+
+# An application's root of one service above an engine's span of another service that names the model: the model is
+# counted under the request's service (the root's), not the engine's. The application serves two models on the same
+# prompts (a shadow deployment), each named only on its engine's decode span, the second busier and answering
+# otherwise from retrieval on by design; a neighbour service names its own model on its root and records the same
+# setting names with values of its own.
+APP, NEIGHBOUR = "chat", "search"
+
+
+def _contrast(store, fl):
+    """The retrieval contrast of the first model's requests (their peer key), as explain reads it, and the models
+    counted under each service."""
+    found = population.models_by_service(store, fl.at(-60), fl.at(60))
+    contrast = population.contrast(store, "retrieval", [INDEX], fl.at(-60), fl.at(60), peer=(APP, LARGE))
+    return contrast, {service: set(models) for service, models in found.items()}
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """(the large model's answers and contrast alone, the same with the shadow and the neighbour, the large fleet)."""
+    with open_store(f"chdb://{tmp_path_factory.mktemp('engine-model') / 'store'}") as store:
+        large = fleet.Fleet(store, service=APP, model=LARGE, model_on="decode", model_service="vllm-large")
+        for i, t, host in fleet.timeline(large.at(0), large.at(40), 15 * SECOND, HOSTS):
+            stale = {INDEX: "v40"} if host == STALE else {}
+            large.request(
+                f"large-{i:04d}",
+                t,
+                host,
+                prompt=(i // len(HOSTS)) % 4,
+                settings=stale,
+                differs={"retrieval": "v40"} if stale else {},
+            )
+        large.flush()
+        mine = set(large.requests)
+        sample = sorted(mine)[::3]
+        alone = answers(store, sample, mine), *_contrast(store, large)
+        small = fleet.Fleet(store, large.t0, service=APP, model=SMALL, model_on="decode", model_service="sglang-small")
+        for i, t, host in fleet.timeline(small.at(0), small.at(40), 5 * SECOND, ["s1", "s2", "s3"]):
+            small.request(f"small-{i:04d}", t, host, prompt=i % 4, differs={"retrieval": "8b", "decode": "8b"})
+        small.flush()
+        neighbour = fleet.Fleet(store, large.t0, service=NEIGHBOUR, model="other-13b")
+        for i, t, host in fleet.timeline(neighbour.at(0), neighbour.at(40), 10 * SECOND, ["n1", "n2"]):
+            neighbour.request(f"search-{i:04d}", t, host, prompt=i % 4, settings={INDEX: "s7"})
+        neighbour.flush()
+        together = answers(store, sample, mine), *_contrast(store, large)
+    return alone, together, large
+
+
+def test_the_engines_model_alone_is_answered_right(engines):
+    """The premise: alone, the stale host's requests deviate at retrieval, named by their index, and the contrast of
+    the request's peer key (its application's service and the engine's model) is found."""
+    (alone, contrast, _), _, large = engines
+    stale = [rid for rid in alone["explain"] if large.requests[rid]["host"] == STALE]
+    assert stale and contrast is not None
+    assert contrast.counts[(INDEX, "v40")][1] > 0, contrast.counts
+    for rid in stale:
+        diverged, stage, _, top = alone["explain"][rid]
+        assert diverged and (stage, top[2], top[3]) == ("retrieval", INDEX, "v40"), (rid, stage, top)
+
+
+def test_the_engines_other_model_is_no_peer(engines):
+    """The contrast counts the first model's spans only: the same spans, diverged or not, as alone."""
+    (_, alone, _), (_, together, _), _ = engines
+    assert together is not None
+    assert (together.counts, together.prior, together.explained) == (alone.counts, alone.prior, alone.explained)
+
+
+@pytest.mark.parametrize("view", ["explain", "divergences"])
+def test_the_engines_other_model_never_moves_an_answer(engines, view):
+    (alone, _, _), (together, _, _), _ = engines
+    moved = {
+        rid: (alone[view].get(rid), together[view].get(rid))
+        for rid in set(alone[view]) | set(together[view])
+        if alone[view].get(rid) != together[view].get(rid)
+    }
+    assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
+
+
+def test_a_model_is_counted_under_the_requests_service(engines):
+    """The application's service counts the models its requests resolve to, though only the engines' spans name
+    them; an engine's service counts the model its spans name."""
+    (_, _, alone), (_, _, together), _ = engines
+    assert alone == {APP: {LARGE}, "vllm-large": {LARGE}}
+    assert together == {APP: {LARGE, SMALL}, "vllm-large": {LARGE}, "sglang-small": {SMALL}, NEIGHBOUR: {"other-13b"}}
+
+
+def test_a_service_whose_requests_name_one_model_below_the_root_has_one(store):
+    """Every request names its model on its decode span only: the service has one model, not the roots' '' beside
+    it (the contrast then reads no span's model); a service whose requests name none has ''."""
+    below = fleet.Fleet(store, service=SERVICE, model=LARGE, model_on="decode")
+    rooted = fleet.Fleet(store, below.t0, service=NEIGHBOUR, model=SMALL)
+    unnamed = fleet.Fleet(store, below.t0, service="plain", model_on="none-of-its-stages")
+    for i, fl in enumerate((below, rooted, unnamed) * 3):
+        fl.request(f"{fl.service}-{i}", below.at(i), "h1")
+    for fl in (below, rooted, unnamed):
+        fl.flush()
+    found = population.models_by_service(store, below.at(-60), below.at(60))
+    assert {s: set(m) for s, m in found.items()} == {SERVICE: {LARGE}, NEIGHBOUR: {SMALL}, "plain": {""}}

@@ -288,16 +288,13 @@ def contrasts(
         "sample": max(1, sample),
         **conventions.peer_parameters(peer_key),
     }
-    # Each service's requests name one model in almost every window: then the service alone tells peers apart as the
-    # (service, model) key does, and the spans' models need not be read (a join that costs as much as the contrast)
+    # Each service's requests resolve to one model in almost every window (``models_by_service``: by the request's
+    # service and model, which an engine's span of another service may name): then the service alone tells peers apart
+    # as the (service, model) key does, and the spans' models need not be read (a join that costs as much as the
+    # contrast)
     models = conventions.PEER_MODEL in peer_key
     if models and conventions.PEER_SERVICE in peer_key:
-        by_service = dict(
-            store.client.query(
-                MODELS_BY_SERVICE_SQL,
-                parameters={"db": store.database, "t0": min(t0_ns, w0) - margin_ns, "t1": max(t1_ns, w1) + margin_ns},
-            ).result_rows
-        )
+        by_service = models_by_service(store, min(t0_ns, w0) - margin_ns, max(t1_ns, w1) + margin_ns)
         if all(len(m) <= 1 for m in by_service.values()):
             models, params["peer_model"] = False, 0
     result = []
@@ -357,16 +354,51 @@ def _weighed(rows) -> dict:
     return out
 
 
-# the models each service's requests named in a window (``contrasts``), on their root rows or on a span below them (a
-# request's model where its roots name none: ``conventions.requests_sql``)
-MODELS_BY_SERVICE_SQL = """
-SELECT ServiceName, groupUniqArray(2)(Model) FROM (
-    SELECT ServiceName, Model FROM {db:Identifier}.stagetrace_requests
-    WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})
-    UNION ALL
-    SELECT ServiceName, Model FROM {db:Identifier}.stagetrace_models
-    WHERE Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64}))
+# the models each service's requests named in a window (``contrasts``), by their root rows alone: where no span below
+# a root names one (``stagetrace_models`` holds no row in the window), a request's model is its roots'
+_MODEL_WINDOW = "Start >= fromUnixTimestamp64Nano({t0:Int64}) AND Start <= fromUnixTimestamp64Nano({t1:Int64})"
+MODELS_BY_SERVICE_SQL = f"""
+SELECT ServiceName, groupUniqArray(2)(Model) FROM {{db:Identifier}}.stagetrace_requests WHERE {_MODEL_WINDOW}
 GROUP BY ServiceName"""
+
+# whether any span below a root names a model in the window
+MODEL_ROWS_SQL = (
+    f"SELECT count() FROM (SELECT 1 FROM {{db:Identifier}}.stagetrace_models WHERE {_MODEL_WINDOW} LIMIT 1)"
+)
+
+# The same where spans below the roots name models: each request's model by ``conventions.requests_sql``'s rule (its
+# root rows' first, else the decode span's, else the earliest span's), counted under the request's service, that of
+# its root rows (an engine's span that names the model may be of another service: an application's root of service
+# `app` above vLLM's). In one pass over the root rows and the rows that name a model, grouped by trace (by the trace
+# ID's hash: a number groups faster than a string; a collision merges two traces' models into one trace's, rarely
+# enough for a check whose error is a join more or less). A service's own spans that name a model below another's
+# roots count that model under the service too: the contrast keys a span by its own service.
+_ROOT_KEY = conventions._ROOT_ORDER.format(start="Start")  # the roots' order, as requests_sql reads them
+REQUEST_MODELS_BY_SERVICE_SQL = f"""
+SELECT ServiceName, groupUniqArray(2)(Model) FROM (
+    SELECT argMinIf(ServiceName, Key, Tier = 0) AS ServiceName,
+           argMinIf(Model, (Tier, Key, Model), Model != '') AS Model
+    FROM (SELECT cityHash64(TraceId) AS Trace, toUInt8(0) AS Tier, {_ROOT_KEY} AS Key, ServiceName, Model
+          FROM {{db:Identifier}}.stagetrace_requests WHERE {_MODEL_WINDOW}
+          UNION ALL
+          SELECT cityHash64(TraceId) AS Trace, toUInt8(1 + (Stage != '{conventions.MODEL_STAGE}')) AS Tier,
+                 toUInt64(toUnixTimestamp64Nano(Start)) AS Key, ServiceName, Model
+          FROM {{db:Identifier}}.stagetrace_models WHERE {_MODEL_WINDOW})
+    GROUP BY Trace
+    HAVING countIf(Tier = 0) > 0  -- a request of the window
+    UNION ALL
+    SELECT ServiceName, Model FROM {{db:Identifier}}.stagetrace_models WHERE {_MODEL_WINDOW})
+GROUP BY ServiceName"""
+
+
+def models_by_service(store: Store, t0_ns: int, t1_ns: int) -> dict[str, list[str]]:
+    """Service → up to two of the models its requests that started in [t0, t1] resolve to ('' for none), by the
+    request's service and ``conventions.requests_sql``'s rule: one model means the service alone tells its requests'
+    peers apart."""
+    parameters = {"db": store.database, "t0": t0_ns, "t1": t1_ns}
+    below = int(store.client.command(MODEL_ROWS_SQL, parameters=parameters))
+    sql = REQUEST_MODELS_BY_SERVICE_SQL if below else MODELS_BY_SERVICE_SQL
+    return {service: list(models) for service, models in store.client.query(sql, parameters=parameters).result_rows}
 
 
 def _contrast_sql(waves: bool, inventory: bool = False, models: bool = True) -> str:
