@@ -1113,7 +1113,7 @@ STAGE_ATTRIBUTES_SQL = "mapFilter((k, v) -> NOT (k IN ({keys}) OR {prefixes}), S
 # -- SQL over stagetrace_requests: one row per request
 # A trace's root rows that carry a request ID first (Source 'trace': the trace ID stands in for one), then the
 # earliest: (Source = 'trace', start) packed into one UInt64, which argMin compares three times faster than a tuple
-_ROOT_ORDER = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano({start})))"
+ROOT_ORDER_SQL = "bitOr(bitShiftLeft(toUInt64(Source = 'trace'), 63), toUInt64(toUnixTimestamp64Nano({start})))"
 
 
 # Whether any span below a request's roots ever named a model: a count the engine answers from its parts' metadata
@@ -1129,7 +1129,7 @@ def requests_sql(where: str = "1", table: str = "stagetrace_requests", model: bo
     request's model, from the first root row that names one (the engine's span, below an app's root, often does),
     else from a span below them (``request_model``'s rule), in ``stagetrace_models`` beside ``table``.
     """
-    order = _ROOT_ORDER.format(start="RowStart")
+    order = ROOT_ORDER_SQL.format(start="RowStart")
     columns = (
         "RequestId",
         "TraceId",
@@ -1176,7 +1176,7 @@ def trace_models_sql(traces: str, where: str = "1", table: str = "stagetrace_req
     only the model reads, without grouping every root row of the traces."""
     models = table.replace("stagetrace_requests", "stagetrace_models")
     return f"""SELECT TraceId, argMin(Model, (Tier, Key, Model)) AS Model FROM (
-    SELECT TraceId, toUInt8(0) AS Tier, {_ROOT_ORDER.format(start="Start")} AS Key, Model FROM {table}
+    SELECT TraceId, toUInt8(0) AS Tier, {ROOT_ORDER_SQL.format(start="Start")} AS Key, Model FROM {table}
     WHERE ({where}) AND Model != '' AND TraceId IN ({traces})
     UNION ALL
     SELECT TraceId, toUInt8(1 + (Stage != '{MODEL_STAGE}')) AS Tier, toUInt64(toUnixTimestamp64Nano(Start)) AS Key,

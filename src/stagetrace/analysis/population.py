@@ -373,7 +373,7 @@ MODEL_ROWS_SQL = (
 # ID's hash: a number groups faster than a string; a collision merges two traces' models into one trace's, rarely
 # enough for a check whose error is a join more or less). A service's own spans that name a model below another's
 # roots count that model under the service too: the contrast keys a span by its own service.
-_ROOT_KEY = conventions._ROOT_ORDER.format(start="Start")  # the roots' order, as requests_sql reads them
+_ROOT_KEY = conventions.ROOT_ORDER_SQL.format(start="Start")  # the roots' order, as requests_sql reads them
 REQUEST_MODELS_BY_SERVICE_SQL = f"""
 SELECT ServiceName, groupUniqArray(2)(Model) FROM (
     SELECT argMinIf(ServiceName, Key, Tier = 0) AS ServiceName,
