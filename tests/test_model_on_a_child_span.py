@@ -34,22 +34,28 @@ def answers(store, requests: list[str], of: set[str]) -> dict:
     return {"explain": explained, "divergences": entries, "baselines": baselines}
 
 
+def _large(large: fleet.Fleet) -> fleet.Fleet:
+    """The large model's traffic on ``large``: one request every 15 s over 40 minutes across the hosts, the stale
+    host's answering otherwise from retrieval on (its index setting differs)."""
+    for i, t, host in fleet.timeline(large.at(0), large.at(40), 15 * SECOND, HOSTS):
+        stale = {INDEX: "v40"} if host == STALE else {}
+        large.request(
+            f"large-{i:04d}",
+            t,
+            host,
+            prompt=(i // len(HOSTS)) % 4,
+            settings=stale,
+            differs={"retrieval": "v40"} if stale else {},
+        )
+    large.flush()
+    return large
+
+
 @pytest.fixture(scope="module")
 def shadowed(tmp_path_factory):
     """(the large model's answers alone, with the shadow, the live analyser's rows, both fleets)."""
     with open_store(f"chdb://{tmp_path_factory.mktemp('child-model') / 'store'}") as store:
-        large = fleet.Fleet(store, service=SERVICE, model=LARGE, model_on="decode")
-        for i, t, host in fleet.timeline(large.at(0), large.at(40), 15 * SECOND, HOSTS):
-            stale = {INDEX: "v40"} if host == STALE else {}
-            large.request(
-                f"large-{i:04d}",
-                t,
-                host,
-                prompt=(i // len(HOSTS)) % 4,
-                settings=stale,
-                differs={"retrieval": "v40"} if stale else {},
-            )
-        large.flush()
+        large = _large(fleet.Fleet(store, service=SERVICE, model=LARGE, model_on="decode"))
         mine = set(large.requests)
         sample = sorted(mine)[::3]
         alone = answers(store, sample, mine)
@@ -173,18 +179,7 @@ def _contrast(store, fl):
 def engines(tmp_path_factory):
     """(the large model's answers and contrast alone, the same with the shadow and the neighbour, the large fleet)."""
     with open_store(f"chdb://{tmp_path_factory.mktemp('engine-model') / 'store'}") as store:
-        large = fleet.Fleet(store, service=APP, model=LARGE, model_on="decode", model_service="vllm-large")
-        for i, t, host in fleet.timeline(large.at(0), large.at(40), 15 * SECOND, HOSTS):
-            stale = {INDEX: "v40"} if host == STALE else {}
-            large.request(
-                f"large-{i:04d}",
-                t,
-                host,
-                prompt=(i // len(HOSTS)) % 4,
-                settings=stale,
-                differs={"retrieval": "v40"} if stale else {},
-            )
-        large.flush()
+        large = _large(fleet.Fleet(store, service=APP, model=LARGE, model_on="decode", model_service="vllm-large"))
         mine = set(large.requests)
         sample = sorted(mine)[::3]
         alone = answers(store, sample, mine), *_contrast(store, large)
