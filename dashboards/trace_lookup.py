@@ -17,8 +17,7 @@ UID = p.TRACE_LOOKUP_UID
 STORED_ID = conventions.stored_request_id_sql(REQUEST_ID)
 # The newest root span with that request ID (a retried request keeps its ID): (trace ID, start, end).
 REQUEST = (
-    f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {STORED_ID} "
-    "ORDER BY Start DESC LIMIT 1)"
+    f"(SELECT (TraceId, Start, End) FROM stagetrace_requests WHERE RequestId = {STORED_ID} ORDER BY Start DESC LIMIT 1)"
 )
 REQUEST_SPANS = "TraceId = trace_id AND Timestamp >= request_start AND Timestamp <= request_end"
 # net.rdma.devices is a JSON array when the SDK set a list, else a comma-separated string
