@@ -94,15 +94,20 @@ def test_the_model_is_read_from_the_child_span(shadowed):
         assert model == (LARGE if rid in large.requests else SMALL), (rid, model)
 
 
+def _assert_unmoved(alone: dict, together: dict) -> None:
+    """Every request's answer with the neighbours in the store is its answer alone."""
+    moved = {
+        rid: (alone.get(rid), together.get(rid))
+        for rid in set(alone) | set(together)
+        if alone.get(rid) != together.get(rid)
+    }
+    assert not moved, f"{len(moved)} of {len(alone)} moved, e.g. {sorted(moved.items())[:3]}"
+
+
 @pytest.mark.parametrize("view", ["explain", "divergences"])
 def test_the_shadow_model_never_moves_an_answer(shadowed, view):
     alone, together, _, _, _, _ = shadowed
-    moved = {
-        rid: (alone[view].get(rid), together[view].get(rid))
-        for rid in set(alone[view]) | set(together[view])
-        if alone[view].get(rid) != together[view].get(rid)
-    }
-    assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
+    _assert_unmoved(alone[view], together[view])
 
 
 def test_no_baseline_is_the_other_models(shadowed):
@@ -217,12 +222,7 @@ def test_the_engines_other_model_is_no_peer(engines):
 @pytest.mark.parametrize("view", ["explain", "divergences"])
 def test_the_engines_other_model_never_moves_an_answer(engines, view):
     (alone, _, _), (together, _, _), _ = engines
-    moved = {
-        rid: (alone[view].get(rid), together[view].get(rid))
-        for rid in set(alone[view]) | set(together[view])
-        if alone[view].get(rid) != together[view].get(rid)
-    }
-    assert not moved, f"{len(moved)} of {len(alone[view])} moved, e.g. {sorted(moved.items())[:3]}"
+    _assert_unmoved(alone[view], together[view])
 
 
 def test_a_model_is_counted_under_the_requests_service(engines):
